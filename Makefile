@@ -1,0 +1,41 @@
+# Two commands for a new user: `make demo` and `make test` (see README.md).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The CPU build of a known-good torch; on a GPU box: `make setup TORCH=torch` (CUDA build).
+TORCH  ?= torch==2.13.0
+DEMO   ?= 900
+PYTEST_ARGS ?=
+
+.PHONY: setup demo demo-data demo-train test lint screenshots
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo-data: setup
+	$(VENV)/bin/nnui-demo-data
+	$(VENV)/bin/nnui-preprocess $(DEMO) -c 2d 3d_fullres
+
+# Demo data, then the TUI (real GPUs if there are any, otherwise it offers CPU slots).
+demo: demo-data
+	$(VENV)/bin/nnui
+
+# A short headless CPU training of fold 0, for machines without a terminal UI.
+demo-train: demo-data
+	$(VENV)/bin/nnui-train $(DEMO) 3d_fullres 0 -device cpu --epochs 5 --iterations-per-epoch 10 --val-iterations 3
+
+test: setup
+	$(VENV)/bin/ruff check app trainer tests bench
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check app trainer tests bench
+	$(VENV)/bin/ruff format --check app trainer tests bench
+
+screenshots: setup
+	$(PY) screenshots/make_screenshots.py
