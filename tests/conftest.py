@@ -1,0 +1,51 @@
+"""Shared fixtures. Data fixtures: a tiny demo dataset, raw and preprocessed (session-wide)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+DEMO_TEST_CASES = 6
+DEMO_TEST_SHAPE_SCALE = 0.4  # cases of roughly 16-32 x 24-44 x 24-44 voxels
+DEMO_TEST_PATCH = {"3d_fullres": (16, 32, 32), "2d": (32, 32)}
+DEMO_TEST_BATCH = {"3d_fullres": 2, "2d": 4}
+
+
+class DemoPreprocessed(NamedTuple):
+    raw: Path  # raw root
+    preprocessed: Path  # preprocessed root
+    results: Path  # empty results root
+    dataset_name: str  # "Dataset900_NnuiDemo"
+
+
+@pytest.fixture(scope="session")
+def demo_raw(tmp_path_factory) -> Path:
+    """Raw root holding a 6-case demo dataset with small shapes."""
+    from trainer.demo import make_demo_dataset
+
+    root = tmp_path_factory.mktemp("raw")
+    make_demo_dataset(root, num_cases=DEMO_TEST_CASES, seed=0, shape_scale=DEMO_TEST_SHAPE_SCALE)
+    return root
+
+
+@pytest.fixture(scope="session")
+def demo_preprocessed(demo_raw, tmp_path_factory) -> DemoPreprocessed:
+    """The demo preprocessed with both configurations and small patches (3d 16x32x32 batch 2,
+    2d 32x32 batch 4), so trainer tests are fast."""
+    from trainer.data.planning import Overrides
+    from trainer.demo import DEMO_DATASET
+    from trainer.preprocess import preprocess_dataset
+
+    preprocessed = tmp_path_factory.mktemp("preprocessed")
+    results = tmp_path_factory.mktemp("results")
+    preprocess_dataset(
+        demo_raw,
+        preprocessed,
+        "900",
+        configurations=("2d", "3d_fullres"),
+        num_processes=1,
+        overrides=Overrides(patch_size=dict(DEMO_TEST_PATCH), batch_size=dict(DEMO_TEST_BATCH)),
+    )
+    return DemoPreprocessed(demo_raw, preprocessed, results, DEMO_DATASET)

@@ -1,0 +1,84 @@
+"""The one module that touches blosc2: chunk/block layout, atomic writes, patch reads.
+
+Layout rule: chunks are at most one patch per axis, so a patch read overlaps at most 2
+chunks per axis, and blocks (blosc2's unit of decompression inside a chunk) are kept
+around 32 KiB so a read decompresses little more than the patch itself.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import blosc2
+import numpy as np
+
+BLOCK_TARGET_BYTES = 32 * 1024
+
+
+def choose_layout(
+    shape: tuple[int, ...], patch_size: tuple[int, ...], itemsize: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(chunks, blocks) for a (C, Z, Y, X) array read in patches of patch_size.
+
+    A 2D patch (Y, X) is read one slice at a time, so its chunks are one slice deep.
+    """
+    spatial = tuple(shape[1:])
+    patch3 = (1, *patch_size) if len(patch_size) == 2 else tuple(patch_size)
+    chunk = [1] + [max(1, min(n, p)) for n, p in zip(spatial, patch3, strict=True)]
+    block = list(chunk)
+    while np.prod(block) * itemsize > BLOCK_TARGET_BYTES:
+        axis = int(np.argmax(block))
+        if block[axis] == 1:
+            break
+        block[axis] = (block[axis] + 1) // 2
+    return tuple(chunk), tuple(block)
+
+
+def write_array(path: Path, array: np.ndarray, patch_size: tuple[int, ...], **cparams) -> None:
+    """Write to a temporary name in the same folder, then rename (never half a file)."""
+    chunks, blocks = choose_layout(array.shape, patch_size, array.dtype.itemsize)
+    params = {"codec": blosc2.Codec.LZ4, "clevel": 5, "nthreads": 1}
+    params.update(cparams)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    blosc2.asarray(
+        np.ascontiguousarray(array),
+        urlpath=str(tmp),
+        mode="w",
+        chunks=chunks,
+        blocks=blocks,
+        cparams=params,
+    )
+    os.replace(tmp, path)
+
+
+def open_array(path: Path) -> blosc2.NDArray:
+    """Open read-only with one decompression thread (loader threads run in parallel)."""
+    return blosc2.open(str(path), mode="r", dparams={"nthreads": 1})
+
+
+def read_padded(
+    array, lower: tuple[int, ...], size: tuple[int, ...], fill: float = 0
+) -> np.ndarray:
+    """The box [lower, lower + size) of the trailing axes, zero-padded where it leaves the array.
+
+    Only the part inside the array is sliced from blosc2, so only the chunks and blocks
+    it overlaps are decompressed.
+    """
+    ndim = len(lower)
+    lead = tuple(array.shape[: array.ndim - ndim])
+    spatial = tuple(array.shape[array.ndim - ndim :])
+    src, dst = [], []
+    for lo, n, full in zip(lower, size, spatial, strict=True):
+        start, stop = max(lo, 0), min(lo + n, full)
+        if stop <= start:
+            return np.full(lead + tuple(size), fill, dtype=array.dtype)
+        src.append(slice(start, stop))
+        dst.append(slice(start - lo, stop - lo))
+    keep = (slice(None),) * len(lead)
+    inside = array[keep + tuple(src)]
+    if all(s.stop - s.start == n for s, n in zip(dst, size, strict=True)):
+        return np.ascontiguousarray(inside)
+    out = np.full(lead + tuple(size), fill, dtype=array.dtype)
+    out[keep + tuple(dst)] = inside
+    return out

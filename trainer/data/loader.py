@@ -1,0 +1,171 @@
+"""PatchLoader: an infinite, resumable stream of augmented batches on the training device.
+
+Patch reading runs ahead in background workers (threads by default: blosc2 and numpy
+release the GIL and, measured on 2 cores, threads beat processes; see bench/loader.py)
+with at most `prefetch` batches in flight. Augmentation runs here, batched on the device.
+Batch k depends only on (seed, rank, stream, k), so a loader started at start_iteration=k
+continues the exact stream of one that ran from 0.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+
+import numpy as np
+import torch
+
+from trainer.data.augment import AugmentConfig, augment_batch
+from trainer.data.dataset import PreprocessedCases
+from trainer.data.patches import BatchSpec, init_worker, load_patches, load_patches_in_worker
+from trainer.data.sampling import STREAM_IDS, forced_slots
+
+ANISO_THRESHOLD = 3.0
+
+
+@dataclass
+class Batch:
+    data: torch.Tensor  # (b, C, *patch) float32 on the training device
+    target: torch.Tensor  # (b, 1, *patch) uint8 on the training device
+    iteration: int
+
+
+def augment_seed(seed: int, rank: int, stream: str, iteration: int) -> int:
+    """Seed of the augmentation generators of batch k (independent of the sampling seed)."""
+    words = [int(seed), int(rank), STREAM_IDS[stream], int(iteration), 1]
+    return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0] >> 1)
+
+
+class PatchLoader:
+    def __init__(
+        self,
+        cases: PreprocessedCases,
+        case_ids: list[str],
+        patch_size: tuple[int, ...],
+        batch_size: int,
+        oversample_share: float,
+        seed: int,
+        rank: int,
+        device: torch.device,
+        augment: bool,
+        start_iteration: int = 0,
+        num_workers: int = 2,
+        prefetch: int = 2,
+        stream: str = "train",
+        worker_mode: str = "thread",
+        augment_config: AugmentConfig | None = None,
+    ):
+        if not case_ids:
+            raise ValueError("PatchLoader needs at least one case id")
+        missing = sorted(set(case_ids) - set(cases.case_ids))
+        if missing:
+            raise ValueError(f"cases not in {cases.folder}: {missing[:5]}")
+        if len(patch_size) not in (2, 3):
+            raise ValueError(f"patch_size must have 2 or 3 entries, got {patch_size}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if worker_mode not in ("thread", "process"):
+            raise ValueError(f"worker_mode must be 'thread' or 'process', got {worker_mode!r}")
+        forced_slots(batch_size, oversample_share)  # validates the share
+        if stream not in STREAM_IDS:
+            raise ValueError(f"stream must be one of {sorted(STREAM_IDS)}, got {stream!r}")
+        self.cases = cases
+        self.spec = BatchSpec(
+            tuple(sorted(case_ids)),
+            tuple(int(p) for p in patch_size),
+            int(batch_size),
+            float(oversample_share),
+            int(seed),
+            int(rank),
+            stream,
+        )
+        self.device = torch.device(device)
+        self.augment = augment
+        if augment_config is None:
+            spacing = cases.properties(self.spec.case_ids[0])["spacing_after_resampling"]
+            aniso = len(patch_size) == 3 and max(spacing) / min(spacing) > ANISO_THRESHOLD
+            # nnU-Net-like: 2D slices rotate freely, 3D patches by up to 30 degrees.
+            degrees = 180.0 if len(patch_size) == 2 else 30.0
+            augment_config = AugmentConfig(rotation_deg=degrees, in_plane_only=aniso)
+        self.augment_config = augment_config
+        self.prefetch = max(1, int(prefetch))
+        self._next_submit = int(start_iteration)
+        self._iteration = int(start_iteration)
+        self._pending: deque[tuple[int, Future | None]] = deque()
+        self._executor: Executor | None = None
+        if num_workers > 0 and worker_mode == "thread":
+            self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="nnui-loader")
+        elif num_workers > 0:
+            # fork (Linux): the child starts with the parent's harmless flag handler and
+            # init_worker ignores SIGUSR1 before anything else; spawn would leave a window
+            # with the default (fatal) action while the child imports.
+            method = "fork" if sys.platform.startswith("linux") else "spawn"
+            self._executor = ProcessPoolExecutor(
+                num_workers,
+                mp_context=get_context(method),
+                initializer=init_worker,
+                initargs=(str(cases.folder),),
+            )
+        self._closed = False
+
+    @property
+    def iteration(self) -> int:
+        """Index of the next batch __next__ returns."""
+        return self._iteration
+
+    def _submit(self, iteration: int) -> Future | None:
+        if self._executor is None:
+            return None
+        if isinstance(self._executor, ProcessPoolExecutor):
+            return self._executor.submit(load_patches_in_worker, self.spec, iteration)
+        return self._executor.submit(self._load, iteration)
+
+    def _load(self, iteration: int):
+        data, seg, _ = load_patches(self.cases, self.spec, iteration)
+        return data, seg
+
+    def __iter__(self) -> PatchLoader:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._closed:
+            raise RuntimeError("PatchLoader is closed")
+        while len(self._pending) < self.prefetch:
+            self._pending.append((self._next_submit, self._submit(self._next_submit)))
+            self._next_submit += 1
+        iteration, future = self._pending.popleft()
+        data_np, seg_np = future.result() if future is not None else self._load(iteration)
+        data, seg = torch.from_numpy(data_np), torch.from_numpy(seg_np)
+        if self.device.type == "cuda":
+            data, seg = data.pin_memory(), seg.pin_memory()
+        data = data.to(self.device, non_blocking=True)
+        seg = seg.to(self.device, non_blocking=True)
+        if self.augment:
+            generator = torch.Generator()
+            generator.manual_seed(
+                augment_seed(self.spec.seed, self.spec.rank, self.spec.stream, iteration)
+            )
+            data, seg = augment_batch(data, seg, generator, self.augment_config)
+        self._iteration = iteration + 1
+        return Batch(data, seg, iteration)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pending.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> PatchLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close()

@@ -1,0 +1,69 @@
+"""Reading one batch of patches (numpy), the CPU half of the loader.
+
+Runs in loader threads or worker processes; the function is pure in its arguments, so
+batch k is the same wherever and whenever it is built.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+import numpy as np
+
+from trainer.data.blosc_io import read_padded
+from trainer.data.dataset import PreprocessedCases
+from trainer.data.sampling import batch_seed, plan_batch
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """Everything that determines the patches of one batch (plain data: crosses processes)."""
+
+    case_ids: tuple[str, ...]
+    patch_size: tuple[int, ...]
+    batch_size: int
+    oversample_share: float
+    seed: int
+    rank: int
+    stream: str
+
+
+def load_patches(cases: PreprocessedCases, spec: BatchSpec, iteration: int):
+    """(data (b, C, *patch) float32, seg (b, 1, *patch) uint8, boxes) of batch `iteration`."""
+    rng = np.random.default_rng(batch_seed(spec.seed, spec.rank, spec.stream, iteration))
+    boxes = plan_batch(
+        rng,
+        spec.case_ids,
+        spec.batch_size,
+        spec.oversample_share,
+        spec.patch_size,
+        cases.properties,
+    )
+    images, segs = [], []
+    for box in boxes:
+        image = read_padded(cases.load_image(box.case_id), box.lower, box.size, 0.0)
+        seg = read_padded(cases.load_seg(box.case_id), box.lower, box.size, 0)
+        if len(spec.patch_size) == 2:  # one slice deep -> (C, Y, X)
+            image, seg = image[:, 0], seg[:, 0]
+        images.append(image)
+        segs.append(seg)
+    return np.stack(images), np.stack(segs), boxes
+
+
+# ---- worker-process side -------------------------------------------------------------
+
+_WORKER_CASES: PreprocessedCases | None = None
+
+
+def init_worker(folder: str) -> None:
+    """Process-pool initializer: ignore the trainer's graceful-stop signal first thing."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    global _WORKER_CASES
+    _WORKER_CASES = PreprocessedCases(folder)
+
+
+def load_patches_in_worker(spec: BatchSpec, iteration: int):
+    assert _WORKER_CASES is not None, "init_worker did not run"
+    data, seg, _ = load_patches(_WORKER_CASES, spec, iteration)
+    return data, seg

@@ -1,0 +1,146 @@
+"""A raw nnU-Net dataset on disk: listing its cases and the integrity checks.
+
+Every user mistake is a `DataError` whose message is one line naming the file; the CLIs
+turn it into `error: ...` and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from trainer.data.image_io import ImageReadError, read_image
+
+SPACING_RTOL = 1e-3
+
+
+class DataError(ValueError):
+    """A problem with the user's data; the message is one line."""
+
+
+@dataclass(frozen=True)
+class RawCase:
+    case_id: str
+    image_files: tuple[Path, ...]  # one per channel, in channel order
+    label_file: Path
+
+
+@dataclass(frozen=True)
+class RawDataset:
+    name: str
+    folder: Path
+    dataset_json: dict
+    cases: tuple[RawCase, ...]
+
+    @property
+    def num_channels(self) -> int:
+        return len(self.dataset_json["channel_names"])
+
+    @property
+    def labels(self) -> dict[str, int]:
+        return {str(k): int(v) for k, v in self.dataset_json["labels"].items()}
+
+    @property
+    def fallback_spacing(self) -> tuple[float, ...] | None:
+        spacing = self.dataset_json.get("spacing")
+        return tuple(float(s) for s in spacing) if spacing else None
+
+
+def _read_dataset_json(folder: Path) -> dict:
+    path = folder / "dataset.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{path} is missing") from None
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path} is not valid JSON: {exc}") from None
+    for key in ("channel_names", "labels", "file_ending"):
+        if key not in data:
+            raise DataError(f"{path} has no {key!r} entry")
+    values = list(data["labels"].values())
+    if not all(isinstance(v, int) for v in values) or 0 not in values:
+        raise DataError(f"{path}: labels must map names to ints and include background 0")
+    return data
+
+
+def open_raw_dataset(folder: Path) -> RawDataset:
+    """List the cases and check the structure (pairs, channel counts); reads no voxels."""
+    dataset_json = _read_dataset_json(folder)
+    ending = dataset_json["file_ending"]
+    num_channels = len(dataset_json["channel_names"])
+    images: dict[str, dict[int, Path]] = {}
+    images_dir, labels_dir = folder / "imagesTr", folder / "labelsTr"
+    for path in sorted(images_dir.glob(f"*{ending}")) if images_dir.is_dir() else []:
+        stem = path.name[: -len(ending)]
+        case_id, _, channel = stem.rpartition("_")
+        if not case_id or len(channel) != 4 or not channel.isdigit():
+            raise DataError(f"{path}: image names must be CASE_CCCC{ending} (e.g. case_0000)")
+        images.setdefault(case_id, {})[int(channel)] = path
+    labels = {
+        p.name[: -len(ending)]: p
+        for p in (sorted(labels_dir.glob(f"*{ending}")) if labels_dir.is_dir() else [])
+    }
+    if not images and not labels:
+        raise DataError(f"dataset {folder.name} is empty: no *{ending} files in {images_dir}")
+    for case_id in sorted(set(labels) - set(images)):
+        raise DataError(f"label {labels[case_id]} has no image {case_id}_0000{ending}")
+    cases = []
+    for case_id in sorted(images):
+        if case_id not in labels:
+            raise DataError(f"image of case {case_id} has no label {labels_dir / case_id}{ending}")
+        channels = images[case_id]
+        if sorted(channels) != list(range(num_channels)):
+            found = ", ".join(f"{c:04d}" for c in sorted(channels))
+            raise DataError(
+                f"case {case_id} has channels [{found}] but dataset.json declares "
+                f"{num_channels} channel(s)"
+            )
+        files = tuple(channels[c] for c in range(num_channels))
+        cases.append(RawCase(case_id, files, labels[case_id]))
+    num_training = dataset_json.get("numTraining")
+    if isinstance(num_training, int) and num_training != len(cases):
+        raise DataError(
+            f"{folder / 'dataset.json'} says numTraining {num_training} "
+            f"but found {len(cases)} cases"
+        )
+    return RawDataset(folder.name, folder, dataset_json, tuple(cases))
+
+
+def load_raw_case(
+    case: RawCase, labels: dict[str, int], fallback_spacing: tuple[float, ...] | None = None
+) -> tuple[np.ndarray, np.ndarray, tuple[float, float, float]]:
+    """(image (C, Z, Y, X) float32, seg (Z, Y, X) uint8, spacing zyx) after the content checks."""
+    try:
+        channels = [read_image(p, fallback_spacing) for p in case.image_files]
+        seg, seg_spacing = read_image(case.label_file, fallback_spacing)
+    except ImageReadError as exc:
+        raise DataError(str(exc)) from None
+    shape, spacing = channels[0][0].shape, channels[0][1]
+    for path, (data, sp) in zip(case.image_files, channels, strict=True):
+        if data.shape != shape:
+            raise DataError(f"{path}: shape {data.shape} differs from channel 0 {shape}")
+        if not np.allclose(sp, spacing, rtol=SPACING_RTOL):
+            raise DataError(f"{path}: spacing {sp} differs from channel 0 {spacing}")
+        if not np.issubdtype(data.dtype, np.number):
+            raise DataError(f"{path}: not a numeric image (dtype {data.dtype})")
+        if not np.isfinite(data).all():
+            raise DataError(f"{path}: image contains NaN or inf values")
+    if seg.shape != shape:
+        raise DataError(f"{case.label_file}: label shape {seg.shape} != image shape {shape}")
+    if not np.allclose(seg_spacing, spacing, rtol=SPACING_RTOL):
+        raise DataError(
+            f"{case.label_file}: label spacing {seg_spacing} != image spacing {spacing}"
+        )
+    values = np.unique(seg)
+    declared = set(labels.values())
+    if not np.all(np.mod(values, 1) == 0) or not set(values.astype(int).tolist()) <= declared:
+        unknown = sorted(set(values.tolist()) - declared)
+        raise DataError(
+            f"{case.label_file}: label values {unknown} are not declared in dataset.json "
+            f"(declared: {sorted(declared)})"
+        )
+    image = np.stack([c[0] for c in channels]).astype(np.float32, copy=False)
+    return image, seg.astype(np.uint8), spacing

@@ -1,0 +1,83 @@
+"""Where patches come from: per-batch seeds, the forced-foreground rule, patch boxes.
+
+Pure numpy, so the same batch k is planned identically in any process and after resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+STREAM_IDS = {"train": 0, "val": 1}
+
+
+def batch_seed(seed: int, rank: int, stream: str, iteration: int) -> np.random.SeedSequence:
+    """Batch k of (seed, rank, stream) depends only on these four numbers."""
+    if stream not in STREAM_IDS:
+        raise ValueError(f"stream must be one of {sorted(STREAM_IDS)}, got {stream!r}")
+    return np.random.SeedSequence([int(seed), int(rank), STREAM_IDS[stream], int(iteration)])
+
+
+def forced_slots(batch_size: int, share: float) -> list[bool]:
+    """Slot j is forced to foreground iff j >= round(b * (1 - p)) (DESIGN §5)."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"oversample share must be within [0, 1], got {share}")
+    first_forced = round(batch_size * (1.0 - share))
+    return [j >= first_forced for j in range(batch_size)]
+
+
+@dataclass(frozen=True)
+class PatchBox:
+    case_id: str
+    lower: tuple[int, int, int]  # (z, y, x) of the box corner; may be negative (padding)
+    size: tuple[int, int, int]  # 2D patches read a box one slice deep
+    forced: bool
+
+
+def _lower_bound(rng: np.random.Generator, n: int, p: int, centre: int | None) -> int:
+    """A corner in [min(0, n - p), max(0, n - p)]: inside the image when it fits, else padded
+    on a random side; a centre voxel stays inside the box after clipping."""
+    lo, hi = min(0, n - p), max(0, n - p)
+    if centre is None:
+        return int(rng.integers(lo, hi + 1))
+    return int(np.clip(centre - p // 2, lo, hi))
+
+
+def plan_batch(
+    rng: np.random.Generator,
+    case_ids: Sequence[str],
+    batch_size: int,
+    share: float,
+    patch_size: tuple[int, ...],
+    properties: Callable[[str], dict],
+) -> list[PatchBox]:
+    """Boxes for one batch. A forced slot centres on a random stored location of a random
+    foreground class present in the case; a case without foreground falls back to uniform."""
+    boxes = []
+    size3 = (1, *patch_size) if len(patch_size) == 2 else tuple(patch_size)
+    for forced in forced_slots(batch_size, share):
+        case_id = case_ids[int(rng.integers(len(case_ids)))]
+        props = properties(case_id)
+        shape = props["shape_after_resampling"]
+        centre = None
+        if forced:
+            present = sorted((k for k, v in props["class_locations"].items() if len(v)), key=int)
+            if present:
+                locations = props["class_locations"][present[int(rng.integers(len(present)))]]
+                centre = locations[int(rng.integers(len(locations)))]
+        if len(patch_size) == 2:
+            z = int(centre[0]) if centre is not None else int(rng.integers(shape[0]))
+            yx = [
+                _lower_bound(rng, n, p, None if centre is None else int(c))
+                for n, p, c in zip(shape[1:], patch_size, (centre or (0, 0, 0))[1:], strict=True)
+            ]
+            lower = (z, *yx)
+        else:
+            lower = tuple(
+                _lower_bound(rng, n, p, None if centre is None else int(c))
+                for n, p, c in zip(shape, patch_size, centre or (0, 0, 0), strict=True)
+            )
+        boxes.append(PatchBox(case_id, lower, size3, forced))
+    return boxes

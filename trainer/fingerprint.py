@@ -1,0 +1,86 @@
+"""Dataset fingerprint: spacings, shapes after cropping, foreground intensity statistics.
+
+Reading every case for the fingerprint also runs every integrity check (DataError), so
+`nnui-preprocess --verify` is this pass without writing.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from trainer.data.case_ops import crop, nonzero_bbox
+from trainer.data.raw import RawCase, load_raw_case
+
+FG_SAMPLES_PER_CASE = 10_000
+
+
+@dataclass(frozen=True)
+class CaseFingerprint:
+    case_id: str
+    spacing: tuple[float, float, float]
+    shape_before_crop: tuple[int, int, int]
+    shape_after_crop: tuple[int, int, int]
+    fg_samples: list[list[float]]  # per channel
+
+
+def fingerprint_case(
+    case: RawCase, labels: dict[str, int], fallback_spacing: tuple[float, ...] | None
+) -> CaseFingerprint:
+    """Top-level (picklable) so process pools can run it."""
+    image, seg, spacing = load_raw_case(case, labels, fallback_spacing)
+    bbox = nonzero_bbox(image)
+    image_c, seg_c = crop(image, bbox), crop(seg, bbox)
+    foreground = seg_c > 0
+    rng = np.random.default_rng(zlib.crc32(case.case_id.encode()))
+    samples = []
+    for channel in image_c:
+        values = channel[foreground]
+        if values.size > FG_SAMPLES_PER_CASE:
+            values = rng.choice(values, FG_SAMPLES_PER_CASE, replace=False)
+        samples.append(values.astype(np.float64).tolist())
+    return CaseFingerprint(
+        case.case_id,
+        spacing,
+        tuple(int(n) for n in image.shape[1:]),
+        tuple(int(n) for n in image_c.shape[1:]),
+        samples,
+    )
+
+
+def intensity_properties(values: np.ndarray) -> dict[str, float]:
+    if values.size == 0:
+        nan = float("nan")
+        return dict.fromkeys(
+            ("mean", "median", "std", "min", "max", "percentile_00_5", "percentile_99_5"), nan
+        )
+    return {
+        "mean": float(values.mean()),
+        "median": float(np.median(values)),
+        "std": float(values.std()),
+        "min": float(values.min()),
+        "max": float(values.max()),
+        "percentile_00_5": float(np.percentile(values, 0.5)),
+        "percentile_99_5": float(np.percentile(values, 99.5)),
+    }
+
+
+def summarize(cases: list[CaseFingerprint], num_channels: int) -> dict:
+    """The dataset_fingerprint.json content (nnU-Net v2 key names where they exist)."""
+    before = np.array([c.shape_before_crop for c in cases], dtype=np.float64)
+    after = np.array([c.shape_after_crop for c in cases], dtype=np.float64)
+    relative = np.prod(after, axis=1) / np.prod(before, axis=1)
+    per_channel = {}
+    for ch in range(num_channels):
+        values = np.concatenate([np.asarray(c.fg_samples[ch]) for c in cases])
+        per_channel[str(ch)] = intensity_properties(values)
+    return {
+        "case_ids": [c.case_id for c in cases],
+        "spacings": [list(c.spacing) for c in cases],
+        "shapes_before_crop": [list(c.shape_before_crop) for c in cases],
+        "shapes_after_crop": [list(c.shape_after_crop) for c in cases],
+        "median_relative_size_after_cropping": float(np.median(relative)),
+        "foreground_intensity_properties_per_channel": per_channel,
+    }

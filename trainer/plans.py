@@ -1,0 +1,202 @@
+"""Plans: what preprocessing produced and what the network looks like (plans.json).
+
+The typed view the trainer reads (`load_plans`) lives here; the rules that make a plan
+from a dataset fingerprint live in `trainer.data.planning`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.schema import DEFAULT_PLANS
+
+PLANS_FILE = "plans.json"
+PLANS_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class NetworkPlan:
+    features_per_stage: tuple[int, ...]
+    kernel_sizes: tuple[tuple[int, ...], ...]  # per stage
+    strides: tuple[tuple[int, ...], ...]  # per stage; first is all 1
+    n_conv_per_stage_encoder: tuple[int, ...]
+    n_conv_per_stage_decoder: tuple[int, ...]  # len = num_stages - 1
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.features_per_stage)
+
+    @property
+    def pooling_divisor(self) -> tuple[int, ...]:
+        """Per axis, the product of the strides: patch sizes must be multiples of it."""
+        out = [1] * len(self.strides[0])
+        for stride in self.strides:
+            out = [o * s for o, s in zip(out, stride, strict=True)]
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class ConfigurationPlan:
+    name: str  # "2d" | "3d_fullres"
+    data_identifier: str  # folder under the dataset, e.g. "nnUNetPlans_3d_fullres"
+    patch_size: tuple[int, ...]  # 2 or 3 ints
+    batch_size: int  # GLOBAL batch size G
+    spacing: tuple[float, ...]  # (z, y, x) target spacing of the stored data
+    normalization_schemes: tuple[str, ...]
+    use_mask_for_norm: tuple[bool, ...]
+    network: NetworkPlan
+    median_image_size: tuple[int, ...] = ()  # at `spacing`, (z, y, x)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.patch_size)
+
+
+@dataclass(frozen=True)
+class Plans:
+    dataset_name: str
+    plans_name: str  # "nnUNetPlans"
+    configurations: dict[str, ConfigurationPlan]
+    num_input_channels: int
+    labels: dict[str, int]  # from dataset.json, includes background
+    identity: str  # sha256 hex of the canonical JSON of the content
+    foreground_intensity_properties: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.labels)
+
+    def configuration(self, name: str) -> ConfigurationPlan:
+        if name not in self.configurations:
+            available = ", ".join(sorted(self.configurations))
+            raise ValueError(f"configuration {name!r} not in plans; available: {available}")
+        return self.configurations[name]
+
+
+# ---- JSON round trip ------------------------------------------------------------------
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _network_from_dict(d: dict) -> NetworkPlan:
+    return NetworkPlan(
+        features_per_stage=_tuples(d["features_per_stage"]),
+        kernel_sizes=_tuples(d["kernel_sizes"]),
+        strides=_tuples(d["strides"]),
+        n_conv_per_stage_encoder=_tuples(d["n_conv_per_stage_encoder"]),
+        n_conv_per_stage_decoder=_tuples(d["n_conv_per_stage_decoder"]),
+    )
+
+
+def _configuration_to_dict(c: ConfigurationPlan) -> dict:
+    n = c.network
+    return {
+        "data_identifier": c.data_identifier,
+        "patch_size": list(c.patch_size),
+        "batch_size": c.batch_size,
+        "spacing": list(c.spacing),
+        "normalization_schemes": list(c.normalization_schemes),
+        "use_mask_for_norm": list(c.use_mask_for_norm),
+        "median_image_size_in_voxels": list(c.median_image_size),
+        "network": {
+            "features_per_stage": list(n.features_per_stage),
+            "kernel_sizes": [list(k) for k in n.kernel_sizes],
+            "strides": [list(s) for s in n.strides],
+            "n_conv_per_stage_encoder": list(n.n_conv_per_stage_encoder),
+            "n_conv_per_stage_decoder": list(n.n_conv_per_stage_decoder),
+        },
+    }
+
+
+def _configuration_from_dict(name: str, d: dict) -> ConfigurationPlan:
+    return ConfigurationPlan(
+        name=name,
+        data_identifier=d["data_identifier"],
+        patch_size=tuple(int(v) for v in d["patch_size"]),
+        batch_size=int(d["batch_size"]),
+        spacing=tuple(float(v) for v in d["spacing"]),
+        normalization_schemes=tuple(d["normalization_schemes"]),
+        use_mask_for_norm=tuple(bool(v) for v in d["use_mask_for_norm"]),
+        network=_network_from_dict(d["network"]),
+        median_image_size=tuple(int(v) for v in d.get("median_image_size_in_voxels", ())),
+    )
+
+
+def plans_content(plans: Plans) -> dict:
+    """Everything that defines the plans, without the identity itself."""
+    return {
+        "format_version": PLANS_FORMAT_VERSION,
+        "dataset_name": plans.dataset_name,
+        "plans_name": plans.plans_name,
+        "num_input_channels": plans.num_input_channels,
+        "labels": dict(plans.labels),
+        "foreground_intensity_properties_per_channel": plans.foreground_intensity_properties,
+        "configurations": {
+            name: _configuration_to_dict(c) for name, c in sorted(plans.configurations.items())
+        },
+    }
+
+
+def compute_identity(content: dict) -> str:
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def with_identity(plans: Plans) -> Plans:
+    from dataclasses import replace
+
+    return replace(plans, identity=compute_identity(plans_content(plans)))
+
+
+def plans_to_json(plans: Plans) -> str:
+    content = plans_content(plans)
+    content["identity"] = compute_identity(content)
+    return json.dumps(content, indent=1, allow_nan=True) + "\n"
+
+
+def plans_from_dict(data: dict) -> Plans:
+    configurations = {
+        name: _configuration_from_dict(name, d) for name, d in data["configurations"].items()
+    }
+    plans = Plans(
+        dataset_name=data["dataset_name"],
+        plans_name=data["plans_name"],
+        configurations=configurations,
+        num_input_channels=int(data["num_input_channels"]),
+        labels={str(k): int(v) for k, v in data["labels"].items()},
+        identity="",
+        foreground_intensity_properties=data.get("foreground_intensity_properties_per_channel", {}),
+    )
+    return with_identity(plans)
+
+
+def plans_file(preprocessed_dataset_dir: Path, plans_name: str = DEFAULT_PLANS) -> Path:
+    """`plans.json` for the default plans (DESIGN §2), `<plans_name>.json` for others."""
+    name = PLANS_FILE if plans_name == DEFAULT_PLANS else f"{plans_name}.json"
+    return Path(preprocessed_dataset_dir) / name
+
+
+def load_plans(preprocessed_dataset_dir: Path, plans_name: str = DEFAULT_PLANS) -> Plans:
+    path = plans_file(preprocessed_dataset_dir, plans_name)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no plans at {path}; run `nnui-preprocess {Path(preprocessed_dataset_dir).name}` first"
+        )
+    try:
+        data = json.loads(path.read_text())
+        plans = plans_from_dict(data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"{path} is not a valid plans file ({exc}); re-run nnui-preprocess"
+        ) from None
+    if plans.plans_name != plans_name:
+        raise ValueError(f"{path} holds plans {plans.plans_name!r}, expected {plans_name!r}")
+    # The identity is recomputed from the content, so a hand-edited plans file (e.g. a
+    # new batch size) gets a new identity and old checkpoints notice.
+    return plans

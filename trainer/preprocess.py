@@ -1,0 +1,292 @@
+"""`nnui-preprocess DATASET`: fingerprint -> plans -> cropped, normalised, resampled .b2nd.
+
+Completion marker: plans.json. It is deleted when a run starts and written last, after
+every case of every configuration, so a half-finished run never looks complete. Each case
+writes CASE.b2nd and CASE_seg.b2nd (tmp name + rename) before CASE.json, so a listed case
+is always whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+
+from trainer.data.case_ops import (
+    crop,
+    nonzero_bbox,
+    normalize,
+    resample_image,
+    resample_seg,
+    resampled_shape,
+)
+from trainer.data.planning import CONFIGURATIONS, Overrides, PlanningError, plan_experiment
+from trainer.data.raw import DataError, RawCase, RawDataset, load_raw_case, open_raw_dataset
+from trainer.fingerprint import fingerprint_case, summarize
+from trainer.plans import Plans, plans_file, plans_to_json
+from trainer.schema import DatasetNotFound, atomic_write_text, find_dataset, resolve_roots
+from trainer.splits import NUM_FOLDS, load_or_create_splits
+
+MAX_CLASS_LOCATIONS = 2000
+FINGERPRINT_FILE = "dataset_fingerprint.json"
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CaseJob:
+    """Everything one worker needs for one case (plain data: it crosses processes)."""
+
+    case: RawCase
+    labels: dict[str, int]
+    fallback_spacing: tuple[float, ...] | None
+    fg_properties: list[dict[str, float]]
+    configs: tuple[dict, ...]  # name, folder, spacing, patch_size, schemes, use_mask
+
+
+def sample_class_locations(seg: np.ndarray, values: list[int], seed: int) -> dict[str, list]:
+    """Up to MAX_CLASS_LOCATIONS random (z, y, x) voxels per foreground class."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for value in values:
+        coords = np.argwhere(seg == value)
+        if len(coords) > MAX_CLASS_LOCATIONS:
+            coords = coords[np.sort(rng.choice(len(coords), MAX_CLASS_LOCATIONS, replace=False))]
+        out[str(value)] = coords.astype(int).tolist()
+    return out
+
+
+def preprocess_case(job: CaseJob) -> dict:
+    """Crop, normalise, resample and write one case for every configuration."""
+    started = time.perf_counter()
+    image, seg, spacing = load_raw_case(job.case, job.labels, job.fallback_spacing)
+    bbox = nonzero_bbox(image)
+    image_c, seg_c = crop(image, bbox), crop(seg, bbox)
+    first = job.configs[0]
+    normalized = normalize(image_c, first["schemes"], first["use_mask"], job.fg_properties)
+    fg_values = sorted(v for v in job.labels.values() if v != 0)
+    shapes = {}
+    for config in job.configs:
+        target = tuple(config["spacing"])
+        if config["name"] == "2d":  # 2d keeps each case's own slice spacing
+            target = (spacing[0], target[1], target[2])
+        new_shape = resampled_shape(seg_c.shape, spacing, target)
+        data = resample_image(normalized, new_shape)
+        seg_r = resample_seg(seg_c, new_shape, list(job.labels.values()))
+        folder = Path(config["folder"])
+        patch = tuple(config["patch_size"])
+        from trainer.data.blosc_io import write_array  # blosc2 only where it is needed
+
+        write_array(folder / f"{job.case.case_id}.b2nd", data, patch)
+        write_array(folder / f"{job.case.case_id}_seg.b2nd", seg_r[None].astype(np.uint8), patch)
+        properties = {
+            "case_id": job.case.case_id,
+            "spacing": list(spacing),
+            "shape_before_cropping": list(seg.shape),
+            "bbox_used_for_cropping": bbox,
+            "shape_after_cropping_and_before_resampling": list(seg_c.shape),
+            "spacing_after_resampling": list(target),
+            "shape_after_resampling": list(new_shape),
+            "class_locations": sample_class_locations(
+                seg_r, fg_values, zlib.crc32(job.case.case_id.encode())
+            ),
+        }
+        atomic_write_text(folder / f"{job.case.case_id}.json", json.dumps(properties) + "\n")
+        shapes[config["name"]] = tuple(new_shape)
+    return {"case_id": job.case.case_id, "shapes": shapes, "time_s": time.perf_counter() - started}
+
+
+def _run_all(fn: Callable, items: list, num_processes: int, on_done: Callable) -> list:
+    """fn over items, in worker processes when num_processes > 1; results in input order."""
+    results: list = [None] * len(items)
+    if num_processes <= 1 or len(items) <= 1:
+        for i, item in enumerate(items):
+            results[i] = fn(*item)
+            on_done(i, results[i])
+        return results
+    num_done = 0
+    # spawn: safe even when the caller already imported torch (fork + OpenMP threads is not).
+    with ProcessPoolExecutor(num_processes, mp_context=get_context("spawn")) as pool:
+        futures = {pool.submit(fn, *item): i for i, item in enumerate(items)}
+        try:
+            for future in as_completed(futures):
+                i = futures[future]
+                results[i] = future.result()
+                on_done(num_done, results[i])  # progress counts completions, not positions
+                num_done += 1
+        except BaseException:
+            # First error wins: do not wait for the remaining cases.
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    return results
+
+
+def fingerprint_dataset(
+    raw: RawDataset,
+    num_processes: int = 1,
+    progress: Callable[[str], None] = log.info,
+    per_case: bool = True,
+) -> dict:
+    """Read and check every case; DataError on the first problem."""
+    items = [(case, raw.labels, raw.fallback_spacing) for case in raw.cases]
+    total = len(items)
+    started = time.perf_counter()
+
+    def done(i: int, fp) -> None:
+        if per_case:
+            progress(f"[check {i + 1}/{total}] {fp.case_id} shape {list(fp.shape_before_crop)} ok")
+
+    cases = _run_all(fingerprint_case, items, num_processes, done)
+    if not per_case:
+        progress(f"[check] {total} cases read and checked in {time.perf_counter() - started:.1f} s")
+    return summarize(cases, raw.num_channels)
+
+
+def preprocess_dataset(
+    raw_root: Path,
+    preprocessed_root: Path,
+    dataset: str,
+    configurations: tuple[str, ...] = CONFIGURATIONS,
+    num_processes: int = 1,
+    overrides: Overrides | None = None,
+    verify_only: bool = False,
+    progress: Callable[[str], None] = log.info,
+) -> Plans | None:
+    """The whole pipeline; returns the plans (None with verify_only).
+
+    Raises DatasetNotFound, DataError or PlanningError for user mistakes.
+    """
+    name = find_dataset(Path(raw_root), dataset)
+    raw = open_raw_dataset(Path(raw_root) / name)
+    # One progress line per case: per case for --verify, per case of the writing pass else.
+    fingerprint = fingerprint_dataset(raw, num_processes, progress, per_case=verify_only)
+    if verify_only:
+        return None
+    plans = plan_experiment(fingerprint, raw.dataset_json, name, tuple(configurations), overrides)
+    out_dir = Path(preprocessed_root) / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plans_file(out_dir).unlink(missing_ok=True)  # not complete until written again
+    atomic_write_text(out_dir / "dataset.json", json.dumps(raw.dataset_json, indent=2) + "\n")
+    atomic_write_text(out_dir / FINGERPRINT_FILE, json.dumps(fingerprint, indent=1) + "\n")
+    configs = []
+    for config in plans.configurations.values():
+        folder = out_dir / config.data_identifier
+        folder.mkdir(exist_ok=True)
+        for stale in [*folder.glob("*.b2nd"), *folder.glob("*.json"), *folder.glob(".*.tmp")]:
+            stale.unlink()
+        configs.append(
+            {
+                "name": config.name,
+                "folder": str(folder),
+                "spacing": config.spacing,
+                "patch_size": config.patch_size,
+                "schemes": config.normalization_schemes,
+                "use_mask": config.use_mask_for_norm,
+            }
+        )
+    fg = [
+        fingerprint["foreground_intensity_properties_per_channel"][str(c)]
+        for c in range(raw.num_channels)
+    ]
+    jobs = [
+        (CaseJob(case, raw.labels, raw.fallback_spacing, fg, tuple(configs)),) for case in raw.cases
+    ]
+    total = len(jobs)
+
+    def done(i: int, result: dict) -> None:
+        shapes = " ".join(f"{k} {list(v)}" for k, v in result["shapes"].items())
+        progress(
+            f"[preprocess {i + 1}/{total}] {result['case_id']} {shapes} {result['time_s']:.1f} s"
+        )
+
+    _run_all(preprocess_case, jobs, num_processes, done)
+    case_ids = [case.case_id for case in raw.cases]
+    splits = load_or_create_splits(out_dir, case_ids)
+    if len(splits) < NUM_FOLDS:
+        progress(f"only {len(case_ids)} cases: {len(splits)} folds instead of {NUM_FOLDS}")
+    atomic_write_text(plans_file(out_dir), plans_to_json(plans))  # the completion marker
+    return plans
+
+
+def _parse_overrides(patch: list[int] | None, batch: list[str] | None, configs) -> Overrides:
+    patch_sizes, batch_sizes = {}, {}
+    if patch:
+        matching = [c for c in configs if (2 if c == "2d" else 3) == len(patch)]
+        if not matching:
+            raise PlanningError(
+                f"--patch-size with {len(patch)} values matches no configuration in {list(configs)}"
+            )
+        patch_sizes = {c: tuple(patch) for c in matching}
+    for entry in batch or []:
+        config, _, value = entry.rpartition("=")
+        if not value.isdigit() or int(value) < 1:
+            raise PlanningError(f"--batch-size {entry!r}: expected N or CONFIG=N with N >= 1")
+        for c in [config] if config else configs:
+            if c not in configs:
+                raise PlanningError(f"--batch-size {entry!r}: {c!r} is not among {list(configs)}")
+            batch_sizes[c] = int(value)
+    return Overrides(patch_sizes, batch_sizes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="nnui-preprocess", description="Fingerprint, plan and preprocess a raw dataset."
+    )
+    parser.add_argument("dataset", help="dataset id (e.g. 900) or DatasetNNN_Name")
+    parser.add_argument("-c", nargs="+", default=list(CONFIGURATIONS), choices=CONFIGURATIONS)
+    parser.add_argument("--verify", action="store_true", help="only run the integrity checks")
+    parser.add_argument("-np", type=int, default=min(4, os.cpu_count() or 1), help="processes")
+    parser.add_argument("--raw", default=None, help="raw root (default $nnUNet_raw)")
+    parser.add_argument("--preprocessed", default=None, help="default $nnUNet_preprocessed")
+    parser.add_argument(
+        "--patch-size", type=int, nargs="+", help="e.g. 48 64 64 (3d) or 64 64 (2d)"
+    )
+    parser.add_argument("--batch-size", nargs="+", help="N for all, or CONFIG=N (e.g. 2d=16)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    roots = resolve_roots(raw=args.raw, preprocessed=args.preprocessed)
+    started = time.perf_counter()
+    try:
+        overrides = _parse_overrides(args.patch_size, args.batch_size, args.c)
+        plans = preprocess_dataset(
+            roots.raw,
+            roots.preprocessed,
+            args.dataset,
+            tuple(args.c),
+            max(1, args.np),
+            overrides,
+            args.verify,
+            progress=lambda line: print(line, flush=True),
+        )
+    except (DatasetNotFound, DataError, PlanningError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # e.g. a read-only or full output disk
+        print(f"error: {exc.strerror or exc}: {exc.filename or ''}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - started
+    if plans is None:
+        print(f"verified {args.dataset}: all cases ok ({elapsed:.1f} s)")
+        return 0
+    for config in plans.configurations.values():
+        print(
+            f"{config.name}: patch {list(config.patch_size)} batch {config.batch_size} "
+            f"spacing {[round(s, 3) for s in config.spacing]} stages {config.network.num_stages}"
+        )
+    print(f"done in {elapsed:.1f} s -> {roots.preprocessed / plans.dataset_name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

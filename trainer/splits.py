@@ -1,0 +1,80 @@
+"""5-fold cross-validation splits (splits_final.json), nnU-Net layout: a list of
+{"train": [...], "val": [...]} per fold. An existing file is kept as it is."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from trainer.schema import atomic_write_text
+
+SPLITS_FILE = "splits_final.json"
+NUM_FOLDS = 5
+
+
+def create_splits(
+    case_ids: list[str], seed: int = 12345, num_folds: int = NUM_FOLDS
+) -> list[dict[str, list[str]]]:
+    """Sorted ids, a seeded shuffle, then fold f validates on every num_folds-th of it.
+
+    Fewer cases than folds gives one fold per case (a single case trains and validates on
+    itself), so tiny datasets still work with fold 'all' and the folds that exist.
+    """
+    ids = sorted(case_ids)
+    if not ids:
+        raise ValueError("no cases to split")
+    if len(ids) == 1:
+        return [{"train": list(ids), "val": list(ids)}]
+    num_folds = min(num_folds, len(ids))
+    order = np.random.default_rng(seed).permutation(len(ids))
+    shuffled = [ids[i] for i in order]
+    splits = []
+    for fold in range(num_folds):
+        val = sorted(shuffled[fold::num_folds])
+        train = sorted(set(ids) - set(val))
+        splits.append({"train": train, "val": val})
+    return splits
+
+
+def load_or_create_splits(
+    preprocessed_dataset_dir: Path, case_ids: list[str], seed: int = 12345, write: bool = True
+) -> list[dict[str, list[str]]]:
+    path = Path(preprocessed_dataset_dir) / SPLITS_FILE
+    if path.is_file():
+        try:
+            splits = json.loads(path.read_text())
+        except ValueError as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc}); delete it to recreate") from None
+        if not isinstance(splits, list) or not all(
+            isinstance(s, dict) and "train" in s and "val" in s for s in splits
+        ):
+            raise ValueError(f"{path} is not a list of {{'train', 'val'}} folds")
+        return splits
+    splits = create_splits(case_ids, seed)
+    if write:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(splits, indent=1) + "\n")
+    return splits
+
+
+def fold_cases(
+    splits: list[dict[str, list[str]]], fold: str, all_case_ids: list[str]
+) -> tuple[list[str], list[str]]:
+    """(train, val) case ids of a fold; 'all' trains and validates on every case."""
+    fold = str(fold)
+    if fold == "all":
+        ids = sorted(all_case_ids)
+        return ids, list(ids)
+    if not fold.isdigit() or int(fold) >= len(splits):
+        raise ValueError(f"fold {fold!r} does not exist; choose 0-{len(splits) - 1} or 'all'")
+    entry = splits[int(fold)]
+    known = set(all_case_ids)
+    missing = sorted((set(entry["train"]) | set(entry["val"])) - known)
+    if missing:
+        raise ValueError(
+            f"splits_final.json names cases that were not preprocessed: {missing[:5]}; "
+            "re-run nnui-preprocess or delete splits_final.json"
+        )
+    return sorted(entry["train"]), sorted(entry["val"])
