@@ -1,0 +1,327 @@
+"""The headless subcommands (status, stop, resume, kill, launch): the TUI's twin for scripts.
+
+Same services, same safety checks, same registry as the TUI. Output on stdout, one-line
+`error: ...` on stderr; exit codes as documented in app/main.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Any
+
+from app.services import catalog, launcher
+from app.services.gpus import GpuMonitor, MachineSnapshot
+from app.services.jobs import JobTracker, JobView
+from app.services.registry import Job, Registry
+from app.services.signals import job_alive, plan_kill, plan_stop, proc_info, send_stop
+from app.services.signals import kill as kill_job
+from trainer.schema import DatasetNotFound, Roots, find_dataset, resolve_roots
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3
+ENDED_STATES = ("stopped", "finished", "failed", "lost")
+RECENT_S = 7 * 24 * 3600  # `nnui status` hides jobs that ended longer ago (--all shows them)
+
+
+def error(message: str, code: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def roots_of(options: argparse.Namespace) -> Roots:
+    return resolve_roots(options.raw, options.preprocessed, options.results)
+
+
+def run(options: argparse.Namespace) -> int:
+    registry = Registry()
+    handlers = {
+        "status": cmd_status,
+        "stop": cmd_stop,
+        "resume": cmd_resume,
+        "kill": cmd_kill,
+        "launch": cmd_launch,
+    }
+    code = handlers[options.command](options, registry)
+    for problem in registry.problems:
+        print(f"warning: {problem}", file=sys.stderr)
+    return code
+
+
+# ---- formatting ------------------------------------------------------------------------
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _f(value: float | None, fmt: str = "{:.4f}") -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def view_dict(view: JobView) -> dict[str, Any]:
+    job = view.job
+    workers = [p.pid for p in job.processes if p.role == "worker"]
+    return {
+        "id": job.job_id,
+        "dataset": job.dataset,
+        "configuration": job.configuration,
+        "fold": job.fold,
+        "mode": job.mode,
+        "device": job.device,
+        "gpus": job.gpus,
+        "simulated": job.simulated,
+        "state": view.state,
+        "epoch": view.epoch,
+        "num_epochs": view.num_epochs,
+        "train_loss": view.train_loss,
+        "val_loss": view.val_loss,
+        "mean_dice": view.mean_dice,
+        "ema_dice": view.ema_dice,
+        "it_per_s": view.it_per_s,
+        "eta_s": view.eta_s,
+        "exit_code": view.exit_code,
+        "alerts": list(view.alerts),
+        "after": job.after,
+        "queued_stop": job.queued_stop,
+        "worker_pids": workers,
+        "run_dir": job.run_dir,
+        "created_at": job.created_at,
+        "ended_at": job.ended_at,
+    }
+
+
+def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
+    header = ("ID", "DATASET", "CONFIG", "FOLD", "MODE", "GPUS", "STATE", "EPOCH", "TRAIN",
+              "VAL", "DICE(EMA)", "IT/S", "ETA", "EXIT")  # fmt: skip
+    rows = [header]
+    for v in views:
+        job = v.job
+        gpus = ",".join(job.gpus) or "cpu"
+        if job.simulated:
+            gpus += " (sim)"
+        epoch = "n/a" if v.epoch is None else f"{v.epoch}/{v.num_epochs or '?'}"
+        rows.append(
+            (
+                job.job_id, job.dataset, job.configuration, job.fold, job.mode, gpus, v.state,
+                epoch, _f(v.train_loss), _f(v.val_loss), _f(v.ema_dice, "{:.3f}"),
+                _f(v.it_per_s, "{:.1f}"), fmt_duration(v.eta_s),
+                "" if v.exit_code is None else str(v.exit_code),
+            )
+        )  # fmt: skip
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    ]
+    for v in views:
+        for alert in v.alerts:
+            lines.append(f"! {v.job.job_id}: {alert}")
+        if v.state == "failed" and v.console_tail:
+            lines.append(f"  {v.job.job_id} console (last lines):")
+            lines.extend(f"    {line}" for line in v.console_tail[-5:])
+    if cv_eta_s is not None:
+        lines.append(f"cross-validation ETA: {fmt_duration(cv_eta_s)}")
+    return "\n".join(lines)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+# ---- commands --------------------------------------------------------------------------
+
+
+def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
+    tracker = JobTracker(registry)
+    views = tracker.refresh()
+    if not options.all:
+        cutoff = time.time() - RECENT_S
+        views = [v for v in views if v.job.ended_at is None or v.job.ended_at >= cutoff]
+    if options.json:
+        print(json.dumps([_json_safe(view_dict(v)) for v in views], indent=1))
+        return EXIT_OK
+    if not views:
+        print("no jobs")
+        return EXIT_OK
+    print(status_table(views, tracker.cross_validation_eta_s(views)))
+    return EXIT_OK
+
+
+def _view_of(registry: Registry, text: str) -> tuple[JobView | None, str | None]:
+    try:
+        job = registry.resolve(text)
+    except KeyError as problem:
+        return None, str(problem).strip("'\"")
+    views = JobTracker(registry).refresh()
+    return next(v for v in views if v.job.job_id == job.job_id), None
+
+
+def _confirm(question: str) -> bool:
+    if not sys.stdin.isatty():
+        return True  # scripts: the checks are the safety, not the prompt
+    answer = input(f"{question} [y/N] ").strip().lower()
+    return answer in ("y", "yes")
+
+
+def cmd_stop(options: argparse.Namespace, registry: Registry) -> int:
+    view, problem = _view_of(registry, options.job)
+    if view is None:
+        return error(problem or "unknown job", EXIT_USAGE)
+    job = view.job
+    if view.state in ENDED_STATES:
+        print(f"nothing to do: job {job.job_id} is {view.state}")
+        return EXIT_NOTHING
+    plan = plan_stop(job, view.topology, view.epoch)
+    if plan.queued:
+        if job.queued_stop:
+            print(f"nothing to do: a stop for job {job.job_id} is already queued")
+            return EXIT_NOTHING
+        registry.update(job.job_id, queued_stop=True)
+        print(f"stop queued for job {job.job_id}: {plan.reason}")
+        return EXIT_OK
+    if not plan.ok:
+        send_stop(plan, job, registry)  # records the refusal
+        return error(f"refused to stop {job.job_id}: {plan.reason}", EXIT_REFUSED)
+    print(f"job {job.job_id} (epoch {plan.epoch if plan.epoch is not None else 'n/a'}): SIGUSR1 to")
+    for target in plan.targets:
+        print(f"  pid {target.pid}  rank {target.rank}  local rank {target.local_rank}  "
+              f"device {target.device}  host {target.host}")  # fmt: skip
+    if plan.already_signalled:
+        print("nothing to do: these workers already received the stop; they end after this epoch")
+        return EXIT_NOTHING
+    if not options.yes and not _confirm("send the graceful stop?"):
+        print("not sent")
+        return EXIT_NOTHING
+    records = send_stop(plan, job, registry)
+    failed = [r for r in records if r.result != "sent"]
+    for record in failed:
+        print(f"  pid {record.pid}: {record.result}", file=sys.stderr)
+    if failed and len(failed) == len(records):
+        return error("no worker received the signal", EXIT_REFUSED)
+    print("sent; the job checkpoints and exits at the end of its current epoch")
+    return EXIT_OK
+
+
+def _snapshot(options: argparse.Namespace) -> MachineSnapshot:
+    monitor = GpuMonitor(simulate=options.simulate_gpus)
+    try:
+        return monitor.snapshot()
+    finally:
+        monitor.close()
+
+
+def _launch_plans(
+    request: launcher.LaunchRequest,
+    roots: Roots,
+    registry: Registry,
+    snapshot: MachineSnapshot | None,
+    dry_run: bool = False,
+) -> int:
+    try:
+        dataset_name = find_dataset(roots.preprocessed, request.dataset)
+        batch = catalog.plans_batch_size(roots, dataset_name, request.configuration)
+    except DatasetNotFound:
+        batch = None  # check_request reports the missing dataset
+    checks = launcher.check_request(request, roots, batch, snapshot, registry)
+    for warning in checks.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if checks.errors:
+        for problem in checks.errors[1:]:
+            print(f"error: {problem}", file=sys.stderr)
+        return error(checks.errors[0], EXIT_REFUSED)
+    plans, problems = launcher.plan_launch(request, roots, batch, snapshot, registry)
+    if problems:
+        return error(problems[0], EXIT_REFUSED)
+    for plan in plans:
+        if dry_run:
+            print(launcher.preview(plan))
+            continue
+        job = launcher.start(plan, registry)
+        gpus = ",".join(job.gpus) or "cpu"
+        after = f" after {job.after}" if job.after else ""
+        print(f"{job.job_id}  fold {job.fold}  {job.mode}  gpus {gpus}{after}  {job.run_dir}")
+    return EXIT_OK
+
+
+def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
+    folds = [f.strip() for f in options.folds.split(",") if f.strip()]
+    gpus = [g.strip() for g in options.gpus.split(",") if g.strip()]
+    simulated = options.simulate_gpus is not None
+    if simulated:
+        if options.cpu:
+            return error("--cpu and --simulate-gpus do not go together", EXIT_USAGE)
+        bad = [g for g in gpus if not g.isdigit() or int(g) >= options.simulate_gpus]
+        if bad:
+            return error(f"GPU {bad[0]} does not exist on the simulated machine", EXIT_USAGE)
+    if not gpus and not options.cpu:
+        return error("give --gpus (e.g. --gpus 0,1) or --cpu", EXIT_USAGE)
+    request = launcher.LaunchRequest(
+        dataset=options.dataset,
+        configuration=options.configuration,
+        folds=folds,
+        gpus=gpus,
+        mode=options.ddp or "per_gpu",
+        device="cpu" if options.cpu or simulated else "cuda",
+        trainer_args=list(options.trainer_args),
+        simulated=simulated,
+        continue_training=options.continue_training,
+        sequential=options.sequential,
+    )
+    snapshot = None if options.cpu else _snapshot(options)
+    return _launch_plans(request, roots_of(options), registry, snapshot, options.dry_run)
+
+
+def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:
+    view, problem = _view_of(registry, options.job)
+    if view is None:
+        return error(problem or "unknown job", EXIT_USAGE)
+    if view.state not in ENDED_STATES:
+        print(f"nothing to do: job {view.job.job_id} is {view.state}")
+        return EXIT_NOTHING
+    if view.state == "finished":
+        print(f"nothing to do: job {view.job.job_id} finished training")
+        return EXIT_NOTHING
+    request = launcher.resume_request(view.job)
+    # A simulated or CPU job needs no GPU readings; a CUDA one gets the real busy checks.
+    real_gpus = request.device == "cuda" and not request.simulated
+    snapshot = _snapshot(argparse.Namespace(simulate_gpus=None)) if real_gpus else None
+    return _launch_plans(request, roots_of(options), registry, snapshot)
+
+
+def cmd_kill(options: argparse.Namespace, registry: Registry) -> int:
+    if not options.yes:
+        return error(
+            "kill loses the current epoch; confirm with --yes (or use nnui stop)", EXIT_USAGE
+        )
+    try:
+        job: Job = registry.resolve(options.job)
+    except KeyError as problem:
+        return error(str(problem).strip("'\""), EXIT_USAGE)
+    if job.exit_code is not None or not job_alive(job, proc_info):
+        print(f"nothing to do: job {job.job_id} is not running")
+        return EXIT_NOTHING
+    targets = plan_kill(job)
+    if not targets:
+        return error(f"no process of job {job.job_id} passed the identity checks", EXIT_REFUSED)
+    for info in targets:
+        print(f"  pid {info.pid}  {' '.join(info.cmdline)[:80]}")
+    records = kill_job(job, registry, grace_s=options.grace)
+    for record in records:
+        print(f"  {record.signal} -> pid {record.pid}: {record.result}")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and job_alive(registry.get(job.job_id), proc_info):
+        time.sleep(0.1)
+    return EXIT_OK

@@ -1,0 +1,100 @@
+"""Datasets for the launch picker: configurations from plans JSON, fold states from results.
+
+JSON only (never the trainer's heavy modules), so the TUI starts fast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.schema import DEFAULT_PLANS, Roots, read_status
+from trainer.schema import list_datasets as dataset_names
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ConfigurationInfo:
+    name: str
+    patch_size: tuple[int, ...]
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    name: str
+    configurations: tuple[ConfigurationInfo, ...]
+    results: dict[tuple[str, str], str]  # (configuration, fold) -> state from status.json
+
+    def configuration(self, name: str) -> ConfigurationInfo | None:
+        return next((c for c in self.configurations if c.name == name), None)
+
+
+def _plans_file(folder: Path, plans: str) -> Path | None:
+    for name in (f"{plans}.json", "plans.json"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def read_configurations(folder: Path, plans: str = DEFAULT_PLANS) -> tuple[ConfigurationInfo, ...]:
+    path = _plans_file(folder, plans)
+    if path is None:
+        return ()
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        log.warning("cannot read %s: %s", path, error)
+        return ()
+    result = []
+    for name, config in (data.get("configurations") or {}).items():
+        if not isinstance(config, dict):
+            continue
+        try:
+            patch = tuple(int(v) for v in config.get("patch_size", ()))
+            batch = int(config.get("batch_size", 0))
+        except (TypeError, ValueError):
+            continue
+        if batch > 0:
+            result.append(ConfigurationInfo(name, patch, batch))
+    return tuple(result)
+
+
+def _fold_states(results_dataset: Path) -> dict[tuple[str, str], str]:
+    states: dict[tuple[str, str], str] = {}
+    if not results_dataset.is_dir():
+        return states
+    for trainer_dir in sorted(results_dataset.iterdir()):
+        parts = trainer_dir.name.split("__")
+        if len(parts) != 3 or not trainer_dir.is_dir():
+            continue
+        configuration = parts[2]
+        for fold_dir in sorted(trainer_dir.glob("fold_*")):
+            status = read_status(fold_dir)
+            if status is not None:
+                states[(configuration, fold_dir.name.removeprefix("fold_"))] = status.state
+    return states
+
+
+def list_datasets(roots: Roots, plans: str = DEFAULT_PLANS) -> list[DatasetInfo]:
+    infos = []
+    for name in dataset_names(roots.preprocessed):
+        infos.append(
+            DatasetInfo(
+                name=name,
+                configurations=read_configurations(roots.preprocessed / name, plans),
+                results=_fold_states(roots.results / name),
+            )
+        )
+    return infos
+
+
+def plans_batch_size(roots: Roots, dataset_name: str, configuration: str) -> int | None:
+    for config in read_configurations(roots.preprocessed / dataset_name):
+        if config.name == configuration:
+            return config.batch_size
+    return None

@@ -1,0 +1,315 @@
+"""GPU readings through NVML — the only pynvml user (DESIGN §6).
+
+`GpuMonitor.snapshot()` never raises: a missing driver becomes `driver_problem` (the UI
+then offers CPU slots) and a reading that fails becomes None ("n/a"). Indices are NVML's,
+which with CUDA_DEVICE_ORDER=PCI_BUS_ID (set for every job) are the CUDA indices too, so
+a job launched with CUDA_VISIBLE_DEVICES=<index> lands on the GPU shown under that index.
+An inherited CUDA_VISIBLE_DEVICES limits the panel to those GPUs (indices or UUIDs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+GIB = 1024**3
+SIMULATED_MEMORY_BYTES = 80 * GIB
+FROM_ENV = object()  # default of GpuMonitor(visible_devices=...): read CUDA_VISIBLE_DEVICES
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    user: str | None
+    used_memory_bytes: int | None
+    name: str | None
+    is_mine: bool
+
+
+@dataclass(frozen=True)
+class GpuSnapshot:
+    index: int
+    name: str
+    uuid: str
+    memory_used_bytes: int | None
+    memory_total_bytes: int | None
+    utilization_percent: int | None
+    temperature_c: int | None
+    power_w: float | None
+    processes: tuple[GpuProcess, ...]
+
+    @property
+    def short_uuid(self) -> str:
+        body = self.uuid.split("-", 1)[1] if "-" in self.uuid else self.uuid
+        return body[:8] if body else "n/a"
+
+    @property
+    def memory_used_fraction(self) -> float | None:
+        if self.memory_used_bytes is None or not self.memory_total_bytes:
+            return None
+        return self.memory_used_bytes / self.memory_total_bytes
+
+    @property
+    def busy(self) -> bool:
+        """Busy as the launch checks mean it: memory used > 10 % or utilisation > 20 %."""
+        fraction = self.memory_used_fraction
+        return (fraction is not None and fraction > 0.10) or (
+            self.utilization_percent is not None and self.utilization_percent > 20
+        )
+
+    @property
+    def other_users(self) -> tuple[str, ...]:
+        return tuple(sorted({p.user or "?" for p in self.processes if not p.is_mine}))
+
+
+@dataclass(frozen=True)
+class MachineSnapshot:
+    gpus: tuple[GpuSnapshot, ...]
+    simulated: bool
+    driver_problem: str | None
+    taken_at: float
+
+    def gpu(self, index: int | str) -> GpuSnapshot | None:
+        return next((g for g in self.gpus if g.index == int(index)), None)
+
+
+def fmt_na(value: Any, fmt: str = "{}") -> str:
+    """A reading for display: "n/a" when it is missing."""
+    return "n/a" if value is None else fmt.format(value)
+
+
+def parse_visible_devices(text: str | None) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as CUDA reads it: None = all; entries up to the first invalid one."""
+    if text is None:
+        return None
+    entries = []
+    for raw in text.split(","):
+        entry = raw.strip()
+        if not entry:
+            break
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break  # "-1" or anything else hides every device from there on
+        entries.append(entry)
+    return entries
+
+
+def _decode(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def describe_init_error(error: BaseException, nvml: Any) -> str:
+    not_found = getattr(nvml, "NVMLError_LibraryNotFound", None)
+    not_loaded = getattr(nvml, "NVMLError_DriverNotLoaded", None)
+    if isinstance(error, ImportError):
+        return "NVML Python bindings missing (install nvidia-ml-py) — jobs can run on CPU"
+    if not_found is not None and isinstance(error, not_found):
+        return "No NVIDIA driver found (NVML library not found) — jobs can run on CPU"
+    if not_loaded is not None and isinstance(error, not_loaded):
+        return "NVIDIA driver not loaded — jobs can run on CPU"
+    return f"NVML unavailable ({error}) — jobs can run on CPU"
+
+
+class GpuMonitor:
+    def __init__(
+        self,
+        simulate: int | None = None,
+        backend: Any = None,
+        visible_devices: str | object | None = FROM_ENV,
+        simulated_load: Callable[[], dict[int, Iterable[tuple[int, str]]]] | None = None,
+    ) -> None:
+        """`backend` is the pynvml module or a test double with the same functions.
+
+        `simulated_load` (simulate mode only) returns {gpu index: [(pid, name), ...]} for
+        nnui's own running jobs, so utilisation and processes follow what was launched.
+        """
+        self.simulate = simulate
+        if visible_devices is FROM_ENV:
+            visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+        self.visible = parse_visible_devices(visible_devices)  # type: ignore[arg-type]
+        self.simulated_load = simulated_load
+        self._nvml = backend
+        self._initialised = False
+        self._init_problem: str | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def _ensure_init(self) -> bool:
+        if self._initialised:
+            return True
+        if self._init_problem is not None:
+            return False
+        try:
+            if self._nvml is None:
+                import pynvml
+
+                self._nvml = pynvml
+            self._nvml.nvmlInit()
+        except Exception as error:  # any failure here means "no usable driver"
+            self._init_problem = describe_init_error(error, self._nvml)
+            log.info("NVML init failed: %s", error)
+            return False
+        self._initialised = True
+        return True
+
+    def close(self) -> None:
+        if self._initialised:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception as error:
+                log.debug("nvmlShutdown failed: %s", error)
+            self._initialised = False
+
+    # ---- snapshots -----------------------------------------------------------------------
+
+    def snapshot(self) -> MachineSnapshot:
+        now = time.time()
+        if self.simulate:
+            return MachineSnapshot(self._simulated(), True, None, now)
+        if not self._ensure_init():
+            return MachineSnapshot((), False, self._init_problem, now)
+        try:
+            count = int(self._nvml.nvmlDeviceGetCount())
+        except Exception as error:
+            return MachineSnapshot((), False, f"NVML failed to count GPUs ({error})", now)
+        gpus = tuple(self._read_gpu(i) for i in self._visible_indices(count))
+        return MachineSnapshot(gpus, False, None, now)
+
+    def _visible_indices(self, count: int) -> list[int]:
+        if self.visible is None:
+            return list(range(count))
+        uuids: dict[int, str] = {}
+        chosen: list[int] = []
+        for entry in self.visible:
+            if entry.isdigit():
+                index = int(entry)
+                if index >= count:
+                    break  # CUDA ignores this and every later entry
+            else:
+                if not uuids:
+                    uuids = {
+                        i: self._safe(lambda i=i: _decode(self._uuid(i)), "") for i in range(count)
+                    }
+                matches = [i for i, u in uuids.items() if u and u.startswith(entry)]
+                if len(matches) != 1:
+                    break
+                index = matches[0]
+            if index in chosen:
+                break  # a repeated device makes CUDA see none from here on
+            chosen.append(index)
+        return chosen
+
+    def _uuid(self, index: int) -> Any:
+        return self._nvml.nvmlDeviceGetUUID(self._nvml.nvmlDeviceGetHandleByIndex(index))
+
+    def _safe(self, read: Callable[[], Any], default: Any = None) -> Any:
+        try:
+            return read()
+        except Exception as error:  # NVMLError subclasses, or a lost GPU
+            log.debug("NVML reading failed: %s", error)
+            return default
+
+    def _read_gpu(self, index: int) -> GpuSnapshot:
+        nvml = self._nvml
+        handle = self._safe(lambda: nvml.nvmlDeviceGetHandleByIndex(index))
+        if handle is None:
+            return GpuSnapshot(index, "n/a", "n/a", None, None, None, None, None, ())
+        memory = self._safe(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
+        util = self._safe(lambda: nvml.nvmlDeviceGetUtilizationRates(handle))
+        power_mw = self._safe(lambda: nvml.nvmlDeviceGetPowerUsage(handle))
+        temperature_sensor = getattr(nvml, "NVML_TEMPERATURE_GPU", 0)
+        return GpuSnapshot(
+            index=index,
+            name=self._safe(lambda: _decode(nvml.nvmlDeviceGetName(handle)), "n/a"),
+            uuid=self._safe(lambda: _decode(nvml.nvmlDeviceGetUUID(handle)), "n/a"),
+            memory_used_bytes=None if memory is None else int(memory.used),
+            memory_total_bytes=None if memory is None else int(memory.total),
+            utilization_percent=None if util is None else int(util.gpu),
+            temperature_c=self._safe(
+                lambda: int(nvml.nvmlDeviceGetTemperature(handle, temperature_sensor))
+            ),
+            power_w=None if power_mw is None else power_mw / 1000.0,
+            processes=self._read_processes(handle),
+        )
+
+    def _read_processes(self, handle: Any) -> tuple[GpuProcess, ...]:
+        seen: dict[int, Any] = {}
+        for getter in (
+            "nvmlDeviceGetComputeRunningProcesses",
+            "nvmlDeviceGetGraphicsRunningProcesses",
+        ):
+            function = getattr(self._nvml, getter, None)
+            if function is None:
+                continue
+            for entry in self._safe(lambda f=function: f(handle), []) or []:
+                seen.setdefault(int(entry.pid), entry)
+        result = []
+        for pid, entry in sorted(seen.items()):
+            used = getattr(entry, "usedGpuMemory", None)
+            user, name, uid = self._owner(pid)
+            result.append(
+                GpuProcess(
+                    pid=pid,
+                    user=user,
+                    used_memory_bytes=None if used is None else int(used),
+                    name=name,
+                    is_mine=uid == os.getuid(),
+                )
+            )
+        return tuple(result)
+
+    def _owner(self, pid: int) -> tuple[str | None, str | None, int | None]:
+        """User, name and uid of a pid (None when it is in another pid namespace or gone)."""
+        try:
+            process = psutil.Process(pid)
+            with process.oneshot():
+                uid = process.uids().real
+                name = process.name()
+                try:
+                    user = process.username()
+                except (KeyError, psutil.Error):
+                    user = str(uid)
+            return user, name, uid
+        except (psutil.Error, OSError):
+            return None, None, None
+
+    def _simulated(self) -> tuple[GpuSnapshot, ...]:
+        if self.simulated_load is None:
+            # Default: nnui's own registry, so a demo machine shows its jobs as load.
+            from app.services.jobs import simulated_gpu_load
+            from app.services.registry import Registry
+
+            registry = Registry()
+            self.simulated_load = lambda: simulated_gpu_load(registry)
+        try:
+            load = self.simulated_load()
+        except Exception as error:  # a reading, never a crash
+            log.debug("simulated load failed: %s", error)
+            load = {}
+        gpus = []
+        me = self._owner(os.getpid())[0]
+        for index in range(int(self.simulate or 0)):
+            running = list(load.get(index, ()))
+            processes = tuple(GpuProcess(pid, me, 6 * GIB, name, True) for pid, name in running)
+            busy = bool(running)
+            gpus.append(
+                GpuSnapshot(
+                    index=index,
+                    name=f"Simulated GPU {index}",
+                    uuid=f"GPU-5157{index:04d}-0000-0000-0000-000000000000",
+                    memory_used_bytes=(6 * GIB * len(running)) if busy else 0,
+                    memory_total_bytes=SIMULATED_MEMORY_BYTES,
+                    utilization_percent=min(100, 85 * len(running)) if busy else 0,
+                    temperature_c=68 if busy else 34,
+                    power_w=310.0 if busy else 62.0,
+                    processes=processes,
+                )
+            )
+        return tuple(gpus)

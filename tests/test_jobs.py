@@ -1,0 +1,205 @@
+"""Job views: state table, epoch/N, ETA per fold and for the cross-validation, alerts, and
+incremental refresh over frozen run folders."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from app.services.gpus import GIB, GpuProcess, GpuSnapshot, MachineSnapshot
+from app.services.jobs import JobTracker, JobView, simulated_gpu_load
+from app.services.registry import Job, ProcessRecord, Registry, SignalRecord
+from app.services.signals import proc_info
+from trainer.schema import encode_event
+
+NOW = time.time()
+ME_ALIVE = ProcessRecord(os.getpid(), proc_info(os.getpid()).create_time, "supervisor")
+DEAD = ProcessRecord(999_999_1, 1.0, "supervisor")
+
+
+def add_job(registry: Registry, tmp: Path, job_id: str, **changes: object) -> Job:
+    folder = tmp / job_id
+    folder.mkdir(parents=True, exist_ok=True)
+    values = dict(
+        job_id=job_id, created_at=NOW - 100, dataset="Dataset004_Demo",
+        configuration="3d_fullres", fold="0", mode="single", device="cuda", gpus=["0"],
+        simulated=False, argv=[], env={}, run_dir=str(folder),
+        console_path=str(folder / "console.log"), processes=[DEAD],
+    )  # fmt: skip
+    values.update(changes)
+    job = Job(**values)
+    registry.add(job)
+    return job
+
+
+def write_events(job: Job, *lines: str) -> None:
+    with open(Path(job.run_dir) / "events.jsonl", "a") as handle:
+        handle.write("".join(lines))
+
+
+def run_started(t: float, num_epochs: int = 10) -> str:
+    return encode_event("run_started", t=t, num_epochs=num_epochs, world_size=1)
+
+
+def topology(t: float) -> str:
+    return encode_event("topology", t=t, ranks=[{"global_rank": 0, "pid": 1, "host": "h"}])
+
+
+def epoch(t: float, n: int, loss: float = 0.5, seconds: float = 2.0) -> str:
+    return encode_event(
+        "epoch_ended", t=t, epoch=n, train_loss=loss, val_loss=0.6, mean_fg_dice=0.7,
+        ema_fg_dice=0.65, lr=0.01, epoch_time_s=seconds, iterations_per_s=125.0,
+    )  # fmt: skip
+
+
+T = NOW - 50  # events of the job under test (after its created_at)
+# (name, job changes, event lines, expected state)
+STATE_CASES = [
+    ("starting", dict(processes=[ME_ALIVE]), [], "starting"),
+    ("running", dict(processes=[ME_ALIVE]), [run_started(T), topology(T)], "running"),
+    ("stopping (signal sent)",
+     dict(processes=[ME_ALIVE], signals=[SignalRecord(T, 1, "SIGUSR1", 0, "sent")]),
+     [run_started(T), topology(T)], "stopping"),
+    ("stopping (trainer says so)", dict(processes=[ME_ALIVE]),
+     [run_started(T), topology(T), encode_event("stop_requested", t=T, epoch=1)], "stopping"),
+    ("stop queued before topology", dict(processes=[ME_ALIVE], queued_stop=True), [], "stopping"),
+    ("queued behind another job", dict(processes=[ME_ALIVE], after="other"), [], "queued"),
+    ("stopped", dict(exit_code=0), [run_started(T), encode_event("stopped", t=T)], "stopped"),
+    ("finished", dict(exit_code=0), [run_started(T), encode_event("finished", t=T)], "finished"),
+    ("failed by exit code", dict(exit_code=1), [run_started(T)], "failed"),
+    ("killed", dict(exit_code=-15), [run_started(T), epoch(T, 0)], "failed"),
+    ("lost: no process, no exit code", dict(), [run_started(T), topology(T), epoch(T, 0)], "lost"),
+    ("ended without supervisor record", dict(), [run_started(T), encode_event("stopped", t=T)],
+     "stopped"),
+    ("an earlier run's stop is not this job's", dict(processes=[ME_ALIVE]),
+     [encode_event("stopped", t=NOW - 1000), run_started(T), topology(T)], "running"),
+    ("stopped before its turn", dict(exit_code=0, after="x", note="stopped before it started"),
+     [], "stopped"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("changes", "events", "state"), [c[1:] for c in STATE_CASES], ids=[c[0] for c in STATE_CASES]
+)
+def test_state_table(tmp_path: Path, changes: dict, events: list[str], state: str) -> None:
+    registry = Registry(tmp_path / "state")
+    job = add_job(registry, tmp_path, "j", **changes)
+    write_events(job, *events)
+    (view,) = JobTracker(registry).refresh()
+    assert view.state == state
+
+
+def test_progress_eta_and_failed_console(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state")
+    job = add_job(registry, tmp_path, "j", processes=[ME_ALIVE])
+    write_events(
+        job, run_started(T), topology(T), *(epoch(T + i, i, seconds=2 + i) for i in range(4))
+    )
+    tracker = JobTracker(registry)
+    (view,) = tracker.refresh()
+    assert (view.state, view.epoch, view.num_epochs) == ("running", 4, 10)
+    assert (view.train_loss, view.val_loss, view.mean_dice, view.ema_dice, view.it_per_s) == (
+        0.5, 0.6, 0.7, 0.65, 125.0,
+    )  # fmt: skip
+    assert view.eta_s == pytest.approx(6 * 3.5)  # 6 epochs left x mean of recent epoch times
+    assert [p.epoch for p in view.history] == [0, 1, 2, 3]
+    # incremental: only the appended epoch is read
+    write_events(job, epoch(T + 5, 4, seconds=3.5))
+    (view,) = tracker.refresh()
+    assert view.epoch == 5 and view.eta_s == pytest.approx(5 * 3.5)
+
+
+def test_failed_job_shows_exit_code_and_console(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state")
+    job = add_job(registry, tmp_path, "j", exit_code=2)
+    Path(job.console_path).write_text("".join(f"line {i}\n" for i in range(100)) + "Boom\n")
+    (view,) = JobTracker(registry).refresh()
+    assert (view.state, view.exit_code) == ("failed", 2)
+    assert view.console_tail[-1] == "Boom" and len(view.console_tail) <= 40
+
+
+def test_resumed_run_keeps_the_earlier_curve(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state")
+    job = add_job(registry, tmp_path, "j", processes=[ME_ALIVE])
+    old = NOW - 1000
+    write_events(
+        job, run_started(old), epoch(old, 0), epoch(old, 1), encode_event("stopped", t=old)
+    )
+    write_events(job, run_started(T), topology(T), epoch(T, 2))
+    (view,) = JobTracker(registry).refresh()
+    assert view.state == "running" and [p.epoch for p in view.history] == [0, 1, 2]
+
+
+def snapshot_with_alice() -> MachineSnapshot:
+    alice = GpuProcess(4242, "alice", GIB, "python", False)
+    gpu = GpuSnapshot(0, "H100", "GPU-0", GIB, 80 * GIB, 50, 40, 100.0, (alice,))
+    return MachineSnapshot((gpu,), False, None, NOW)
+
+
+def test_alerts_nan_stalled_foreign(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state")
+    stale = NOW - 400  # > max(3 x 2 s, 60 s) ago
+    job = add_job(registry, tmp_path, "j", processes=[ME_ALIVE], created_at=stale - 10)
+    write_events(job, run_started(stale), topology(stale), epoch(stale, 0, loss=math.nan))
+    (view,) = JobTracker(registry).refresh(snapshot_with_alice())
+    assert view.train_loss is None
+    kinds = sorted(alert.split(" ")[0] for alert in view.alerts)
+    assert kinds == ["GPU", "NaN", "stalled:"], view.alerts
+    assert any("alice" in a for a in view.alerts)
+
+
+def test_recent_events_are_not_stalled(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state")
+    job = add_job(registry, tmp_path, "j", processes=[ME_ALIVE])
+    write_events(job, run_started(NOW - 5), topology(NOW - 5), epoch(NOW - 1, 0, seconds=30))
+    (view,) = JobTracker(registry).refresh()
+    assert view.alerts == ()
+
+
+def view(job_id: str, state: str, eta: float | None, after: str | None = None) -> JobView:
+    job = Job(job_id, 0, "D", "C", "0", "single", "cuda", ["0"], False, [], {}, "/r", "/c",
+              after=after)  # fmt: skip
+    return JobView(job, state, 1, 10, None, None, None, None, None, eta, (), None, (), (), None,
+                   mean_epoch_time_s=None if eta is None else 2.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("views", "expected"),
+    [
+        ([view("a", "running", 20.0), view("b", "running", 50.0)], 50.0),  # parallel
+        ([view("a", "running", 20.0), view("b", "queued", None, after="a")], 20.0 + 9 * 2.0),
+        ([view("a", "finished", None), view("b", "running", 5.0)], 5.0),
+        ([view("a", "finished", None)], None),
+    ],
+)
+def test_cross_validation_eta(tmp_path: Path, views: list[JobView], expected: float | None) -> None:
+    assert JobTracker(Registry(tmp_path)).cross_validation_eta_s(views) == expected
+
+
+def test_simulated_gpu_load_follows_live_simulated_jobs(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state")
+    trainer = ProcessRecord(ME_ALIVE.pid, ME_ALIVE.create_time, "trainer")
+    add_job(registry, tmp_path, "live", simulated=True, gpus=["1"], processes=[trainer])
+    add_job(registry, tmp_path, "ended", simulated=True, gpus=["0"], processes=[trainer],
+            exit_code=0)  # fmt: skip
+    add_job(registry, tmp_path, "real", gpus=["0"], processes=[trainer])
+    assert simulated_gpu_load(registry) == {1: [(os.getpid(), "nnui live")]}
+
+
+def test_ended_job_ignores_the_resumed_run_in_its_folder(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state")
+    t0 = NOW - 100
+    old = add_job(registry, tmp_path, "old", created_at=t0, exit_code=0, ended_at=t0 + 10)
+    new = add_job(registry, tmp_path, "new", created_at=t0 + 20, run_dir=old.run_dir,
+                  console_path=old.console_path, processes=[ME_ALIVE])  # fmt: skip
+    write_events(old, run_started(t0 + 1), epoch(t0 + 2, 0), encode_event("stopped", t=t0 + 3))
+    write_events(new, run_started(t0 + 21), topology(t0 + 21), epoch(t0 + 22, 1))
+    write_events(new, encode_event("failed", t=t0 + 23))
+    views = {v.job.job_id: v for v in JobTracker(registry).refresh()}
+    assert (views["old"].state, views["old"].epoch) == ("stopped", 1)
+    assert (views["new"].state, views["new"].epoch) == ("failed", 2)
+    assert [p.epoch for p in views["new"].history] == [0, 1]
