@@ -1,0 +1,180 @@
+"""Confirm dialogs. Stop lists the exact pids, ranks, devices and the epoch at whose end
+the trainer stops (or why nothing is sent / that it is queued). Kill needs the word
+`kill` typed. Launch/resume shows the exact environment and argv of every process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Static
+
+KILL_WORD = "kill"
+
+
+def stop_text(choices: Sequence[Any]) -> Text:
+    text = Text()
+    for i, choice in enumerate(choices):
+        view, plan = choice.view, choice.plan
+        job = view.job
+        if i:
+            text.append("\n\n")
+        epoch = "n/a" if view.epoch is None else f"{view.epoch}/{view.num_epochs or '?'}"
+        text.append(f"{job.job_id}  ", style="bold")
+        text.append(f"{job.dataset} {job.configuration} fold {job.fold}  ")
+        text.append(f"{view.state}, epoch {epoch}")
+        if choice.note:
+            text.append(f"\n{choice.note}", style="yellow")
+        if plan is None:
+            continue
+        if plan.ok:
+            text.append("\n")
+            text.append("SIGUSR1 to:", style="bold")
+            for t in plan.targets:
+                text.append(
+                    f"\n  pid {t.pid:<8d} rank {t.rank} (local {t.local_rank})  "
+                    f"host {t.host}  device {t.device}"
+                )
+            at = "the current epoch" if plan.epoch is None else f"epoch {plan.epoch}"
+            text.append(
+                f"\nIt stops at the end of {at}, writes checkpoint_latest and exits 0.",
+                style="green",
+            )
+        elif plan.queued:
+            text.append(
+                f"\nQueued: {plan.reason or 'the ranks have not reported yet'}. "
+                "The stop is sent as soon as they do.",
+                style="yellow",
+            )
+        else:
+            text.append(f"\nNothing will be sent: {plan.reason}", style="bold red")
+    return text
+
+
+class StopConfirmScreen(ModalScreen[bool]):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("y", "confirm", "Stop", id="confirm-stop"),
+        Binding("n,escape", "cancel", "Cancel", id="cancel-stop"),
+    ]
+
+    def __init__(self, choices: Sequence[Any]) -> None:
+        super().__init__(id="stop-confirm")
+        self.choices = list(choices)
+        self.actionable = any(c.sends or c.queues for c in self.choices)
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Static("Graceful stop (SIGUSR1)", classes="dialog-title")
+            with VerticalScroll(classes="dialog-body"):
+                yield Static(stop_text(self.choices), id="stop-plan")
+            with Horizontal(classes="dialog-buttons"):
+                if self.actionable:
+                    yield Button("Stop (y)", variant="warning", id="yes")
+                    yield Button("Cancel (n)", id="no")
+                else:
+                    yield Button("Close (n)", id="no")
+
+    def on_mount(self) -> None:
+        self.query_one("#no" if not self.actionable else "#yes", Button).focus()
+
+    def action_confirm(self) -> None:
+        self.dismiss(self.actionable)
+
+    def action_cancel(self) -> None:
+        self.dismiss(False)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes" and self.actionable)
+
+
+def kill_text(choices: Sequence[Any]) -> Text:
+    text = Text()
+    for i, choice in enumerate(choices):
+        job = choice.view.job
+        if i:
+            text.append("\n\n")
+        text.append(f"{job.job_id}  ", style="bold")
+        text.append(f"{job.dataset} {job.configuration} fold {job.fold}  {choice.view.state}")
+        if not choice.processes:
+            text.append("\nno live process of this job found", style="yellow")
+        for proc in choice.processes:
+            cmd = " ".join(proc.cmdline)[:70]
+            text.append(f"\npid {proc.pid:<8d} {proc.name:<16s} {cmd}", style="red")
+    text.append(
+        "\n\nSIGTERM now, SIGKILL after 10 s. No checkpoint is written: the epoch is lost.",
+        style="bold",
+    )
+    return text
+
+
+class KillConfirmScreen(ModalScreen[bool]):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "cancel", "Cancel", id="cancel-kill")
+    ]
+
+    def __init__(self, choices: Sequence[Any]) -> None:
+        super().__init__(id="kill-confirm")
+        self.choices = list(choices)
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Static("Kill (SIGTERM, then SIGKILL)", classes="dialog-title danger")
+            with VerticalScroll(classes="dialog-body"):
+                yield Static(kill_text(self.choices), id="kill-plan")
+            yield Static(f'Type "{KILL_WORD}" and press enter to confirm, escape to cancel.')
+            yield Input(placeholder=KILL_WORD, id="kill-word")
+
+    def on_mount(self) -> None:
+        self.query_one(Input).focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.value.strip() == KILL_WORD:
+            self.dismiss(True)
+        else:
+            self.notify(f'Type exactly "{KILL_WORD}" to kill, or escape', severity="warning")
+
+    def action_cancel(self) -> None:
+        self.dismiss(False)
+
+
+class LaunchConfirmScreen(ModalScreen[bool]):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("y", "confirm", "Start", id="confirm-launch"),
+        Binding("n,escape", "cancel", "Cancel", id="cancel-launch"),
+    ]
+
+    def __init__(self, title: str, previews: Sequence[str], problems: Sequence[str]) -> None:
+        super().__init__(id="launch-confirm")
+        self.title_text = title
+        self.previews = list(previews)
+        self.problems = list(problems)
+
+    def compose(self) -> ComposeResult:
+        ok = bool(self.previews) and not self.problems
+        body = Text()
+        for problem in self.problems:
+            body.append(f"✗ {problem}\n", style="bold red")
+        body.append("\n\n".join(self.previews))
+        with Vertical(classes="dialog"):
+            yield Static(self.title_text, classes="dialog-title")
+            with VerticalScroll(classes="dialog-body"):
+                yield Static(body, id="launch-preview-text")
+            with Horizontal(classes="dialog-buttons"):
+                if ok:
+                    yield Button("Start (y)", variant="success", id="yes")
+                yield Button("Cancel (n)", id="no")
+
+    def action_confirm(self) -> None:
+        self.dismiss(bool(self.previews) and not self.problems)
+
+    def action_cancel(self) -> None:
+        self.dismiss(False)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")

@@ -1,0 +1,184 @@
+"""Dashboard: GPU panel, jobs table, the highlighted job's summary, cross-validation ETA.
+
+`readonly` screens bind only navigation keys (detail, help, quit): no launch/stop/resume/
+kill binding exists at all, so no key and no footer entry can trigger one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingsMap
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Header, Static
+
+from app.screens import actions
+from app.widgets.formatting import fmt_duration_s
+from app.widgets.gpu_panel import GpuPanel
+from app.widgets.job_table import JobTable
+
+NAV_BINDINGS = [
+    Binding("enter", "detail", "Detail", id="detail"),
+    Binding("question_mark", "help", "Help", key_display="?", id="help"),
+    Binding("q", "quit", "Quit (jobs keep running)", id="quit"),
+]
+ACTION_BINDINGS = [
+    Binding("l", "launch", "Launch", id="launch"),
+    Binding("s", "stop", "Stop", id="stop"),
+    Binding("r", "resume", "Resume", id="resume"),
+    Binding("k", "kill", "Kill", id="kill"),
+]
+ACTION_IDS = frozenset(b.id for b in ACTION_BINDINGS)
+FAILED_TAIL_LINES = 4
+
+
+def summary_text(view: Any | None) -> Text:
+    """One or a few lines about the highlighted job (exit code and console of a failure)."""
+    if view is None:
+        return Text("No jobs yet. Press l to launch folds (? for help).", style="dim")
+    job = view.job
+    text = Text()
+    # Separating spaces end the previous span (SVG renderers drop a span's leading spaces).
+    text.append(f"{job.job_id}  ", style="bold")
+    text.append(f"{job.dataset} {job.configuration} fold {job.fold}  {view.state}  ")
+    if view.exit_code:
+        text.append(f"exit code {view.exit_code}  ", style="bold red")
+    if job.queued_stop:
+        text.append("stop queued (sent when the ranks report their topology)  ", style="yellow")
+    if view.alerts:
+        text.append("⚠ " + "; ".join(view.alerts), style="bold red")
+    if view.state in ("failed", "lost") and view.console_tail:
+        for line in list(view.console_tail)[-FAILED_TAIL_LINES:]:
+            text.append("\n  │ " + line.rstrip("\n"), style="red")
+    return text
+
+
+def cv_text(views: list[Any], cv_eta_s: float | None) -> Text:
+    running = sum(1 for v in views if v.state == "running")
+    text = Text()
+    text.append(f" {len(views)} job{'s' if len(views) != 1 else ''}, {running} running", "bold")
+    text.append(f"   cross-validation ETA: {fmt_duration_s(cv_eta_s)}")
+    return text
+
+
+class DashboardScreen(Screen):
+    def __init__(self, readonly: bool = False) -> None:
+        super().__init__(id="dashboard")
+        self.readonly = readonly
+        # Bindings per instance: a read-only dashboard has no action bindings at all.
+        self._bindings = BindingsMap(NAV_BINDINGS + ([] if readonly else ACTION_BINDINGS))
+        self._alerts_seen: set[tuple[str, str]] = set()
+        self._states_seen: dict[str, str] = {}
+        self._summary: str | None = None
+        self._cv: str | None = None
+        self._ready = False  # data messages can arrive before the widgets are composed
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield GpuPanel(cpu_slots=self.app.config.cpu_slots, id="gpu-panel")
+        yield JobTable(id="jobs")
+        yield Static(id="job-summary")
+        yield Static(id="cv-line")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._ready = True
+        self.query_one(GpuPanel).border_title = "GPUs"
+        self.query_one(JobTable).border_title = "jobs (space selects, enter opens)"
+        self.query_one(JobTable).focus()
+        if self.app.snapshot is not None:
+            self.show_machine(self.app.snapshot)
+        self.show_jobs(self.app.views, self.app.cv_eta_s)
+
+    # ---- data from the app ------------------------------------------------------------
+
+    def show_machine(self, snapshot: Any) -> None:
+        if self._ready:
+            self.query_one(GpuPanel).update_snapshot(snapshot)
+
+    def show_jobs(self, views: list[Any], cv_eta_s: float | None) -> None:
+        if not self._ready:
+            return
+        self.query_one(JobTable).show(views)
+        self._show_summary()
+        cv = cv_text(views, cv_eta_s)
+        if cv.plain != self._cv:
+            self._cv = cv.plain
+            self.query_one("#cv-line", Static).update(cv)
+        self._notify_changes(views)
+
+    def _notify_changes(self, views: list[Any]) -> None:
+        for view in views:
+            job_id = view.job.job_id
+            for alert in view.alerts:
+                if (job_id, alert) not in self._alerts_seen:
+                    self._alerts_seen.add((job_id, alert))
+                    self.notify(f"{job_id}: {alert}", severity="warning", timeout=8)
+            before = self._states_seen.get(job_id)
+            if before is not None and before != view.state and view.state == "failed":
+                self.notify(
+                    f"{job_id} failed (exit {view.exit_code})", severity="error", timeout=10
+                )
+            self._states_seen[job_id] = view.state
+
+    def _show_summary(self) -> None:
+        if not self._ready:
+            return
+        table = self.query_one(JobTable)
+        job_id = table.current_job_id
+        text = summary_text(self.app.view_of(job_id) if job_id else None)
+        if text.plain != self._summary:
+            self._summary = text.plain
+            self.query_one("#job-summary", Static).update(text)
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self._show_summary()
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        self.action_detail()
+
+    # ---- actions ----------------------------------------------------------------------
+
+    def target_job_ids(self) -> list[str]:
+        return self.query_one(JobTable).target_job_ids()
+
+    def action_detail(self) -> None:
+        job_id = self.query_one(JobTable).current_job_id
+        if job_id is None:
+            self.notify("No job selected", severity="warning")
+            return
+        from app.screens.job_detail import JobDetailScreen
+
+        self.app.push_screen(JobDetailScreen(job_id))
+
+    def action_help(self) -> None:
+        from app.screens.help import HelpScreen
+
+        self.app.push_screen(HelpScreen(self.readonly))
+
+    def action_quit(self) -> None:
+        self.app.exit()
+
+    def _allowed(self) -> bool:
+        if self.readonly:
+            self.notify("read-only: actions are disabled", severity="warning")
+        return not self.readonly
+
+    def action_launch(self) -> None:
+        if self._allowed():
+            actions.open_launch(self.app)
+
+    def action_stop(self) -> None:
+        if self._allowed():
+            actions.stop_jobs(self.app, self.target_job_ids())
+
+    def action_resume(self) -> None:
+        if self._allowed():
+            actions.resume_jobs(self.app, self.target_job_ids())
+
+    def action_kill(self) -> None:
+        if self._allowed():
+            actions.kill_jobs(self.app, self.target_job_ids())

@@ -1,0 +1,146 @@
+"""Job detail: curves (one fold, or all folds of the cross-validation with `o`), the
+console tail and the process tree labelled by role.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingsMap
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Static
+
+from app.screens import actions
+from app.screens.dashboard import summary_text
+from app.widgets.curves import CurvesPanel
+from app.widgets.log_tail import LogTail
+from app.widgets.process_tree import ProcessTree, label_processes
+
+NAV_BINDINGS = [
+    Binding("escape", "back", "Back", id="detail-back"),
+    Binding("o", "overlay", "All folds", id="detail-overlay"),
+    Binding("question_mark", "help", "Help", key_display="?", id="detail-help"),
+]
+ACTION_BINDINGS = [
+    Binding("s", "stop", "Stop", id="detail-stop"),
+    Binding("r", "resume", "Resume", id="detail-resume"),
+    Binding("k", "kill", "Kill", id="detail-kill"),
+]
+
+
+def fold_histories(views: list[Any], job: Any, overlay: bool) -> dict[str, tuple[Any, ...]]:
+    """This job's history, or the newest job of every fold of the same dataset/config."""
+    if not overlay:
+        own = next((v.history for v in views if v.job.job_id == job.job_id), ())
+        return {f"fold {job.fold}": own}
+    newest: dict[str, Any] = {}
+    for view in views:
+        other = view.job
+        if (other.dataset, other.configuration) != (job.dataset, job.configuration):
+            continue
+        if other.fold not in newest or other.created_at > newest[other.fold].job.created_at:
+            newest[other.fold] = view
+    return {f"f{fold}": newest[fold].history for fold in sorted(newest)}
+
+
+class JobDetailScreen(Screen):
+    def __init__(self, job_id: str) -> None:
+        super().__init__(id="job-detail")
+        self.job_id = job_id
+        self.overlay = False
+        self._procs_busy = False
+        self._header: str | None = None
+        self._ready = False  # data messages can arrive before the widgets are composed
+
+    def compose(self) -> ComposeResult:
+        readonly = self.app.config.readonly
+        self._bindings = BindingsMap(NAV_BINDINGS + ([] if readonly else ACTION_BINDINGS))
+        yield Static(id="detail-header")
+        yield CurvesPanel(id="curves")
+        with Horizontal(id="detail-bottom"):
+            with VerticalScroll(id="console-box"):
+                yield LogTail(id="console")
+            with Vertical(id="tree-box"):
+                yield ProcessTree(id="tree")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._ready = True
+        self.query_one("#console-box").border_title = "console"
+        self.query_one("#tree-box").border_title = "processes"
+        self.show_jobs(self.app.views, self.app.cv_eta_s)
+        self.poll_processes()
+        self.set_interval(self.app.config.procs_interval_s, self.poll_processes)
+
+    def show_jobs(self, views: list[Any], cv_eta_s: float | None) -> None:
+        view = next((v for v in views if v.job.job_id == self.job_id), None)
+        if view is None or not self._ready:
+            return
+        header = summary_text(view)
+        header.append("· o: " + ("one fold" if self.overlay else "overlay all folds"), "dim")
+        if header.plain != self._header:
+            self._header = header.plain
+            self.query_one("#detail-header", Static).update(header)
+        self.query_one(CurvesPanel).show(fold_histories(views, view.job, self.overlay))
+        if self.query_one(LogTail).show(view.console_tail):
+            # Follow the newest lines, like tail -f.
+            self.query_one("#console-box", VerticalScroll).scroll_end(animate=False)
+
+    def poll_processes(self) -> None:
+        view = self.app.view_of(self.job_id)
+        if view is None or self._procs_busy:
+            return
+        self._procs_busy = True
+
+        def read() -> list[Any]:
+            from app.services import signals
+
+            finder = getattr(signals, "process_tree", None) or signals.plan_kill
+            procs = list(finder(view.job))
+            # plan_kill leaves the supervisor out while the trainer lives; show it anyway.
+            seen = {p.pid for p in procs}
+            for record in view.job.processes:
+                if record.pid not in seen and signals.is_same_process(
+                    record.pid, record.create_time
+                ):
+                    info = signals.proc_info(record.pid)
+                    if info is not None:
+                        procs.append(info)
+            return label_processes(view.job, procs, view.topology)
+
+        self.app.run_in_thread(read, self._got_processes)
+
+    def _got_processes(self, nodes: Any) -> None:
+        self._procs_busy = False
+        if isinstance(nodes, Exception):
+            self.query_one(ProcessTree).update(Text(f"cannot read processes: {nodes}", "red"))
+            return
+        if self._ready and self.is_mounted:
+            self.query_one(ProcessTree).show(nodes)
+
+    # ---- actions ----------------------------------------------------------------------
+
+    def action_back(self) -> None:
+        self.app.pop_screen()
+
+    def action_overlay(self) -> None:
+        self.overlay = not self.overlay
+        self._header = None
+        self.show_jobs(self.app.views, self.app.cv_eta_s)
+
+    def action_help(self) -> None:
+        from app.screens.help import HelpScreen
+
+        self.app.push_screen(HelpScreen(self.app.config.readonly))
+
+    def action_stop(self) -> None:
+        actions.stop_jobs(self.app, [self.job_id])
+
+    def action_resume(self) -> None:
+        actions.resume_jobs(self.app, [self.job_id])
+
+    def action_kill(self) -> None:
+        actions.kill_jobs(self.app, [self.job_id])

@@ -1,0 +1,243 @@
+"""Launch: dataset picker, fold board, DDP launcher choice, trainer flags, the checks with
+their reasons, and the exact environment + argv of every process before anything starts.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any, ClassVar
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Checkbox, Footer, Input, RadioButton, RadioSet, Static
+
+from app.screens import actions
+from app.services import catalog, launcher
+from app.widgets.dataset_picker import DatasetPicker
+from app.widgets.fold_board import CPU_COLUMN, FoldBoard
+
+
+def board_columns(snapshot: Any) -> list[str]:
+    gpus = getattr(snapshot, "gpus", ())
+    return [str(g.index) for g in gpus] if gpus else [CPU_COLUMN]
+
+
+class LaunchScreen(Screen):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "cancel", "Back", id="launch-back"),
+        Binding("g", "go", "Go: start", id="launch-go"),
+        Binding("m", "toggle_launcher", "spawn/torchrun", id="launch-ddp"),
+        Binding("c", "toggle_resume", "Resume --c", id="launch-resume"),
+        Binding("f", "focus_flags", "Trainer flags", id="launch-flags"),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__(id="launch")
+        self.plans: list[Any] = []
+        self.problems: list[str] = []
+        self.warnings: list[str] = []
+        self.preview_text = ""
+        self._shown: tuple[str, str] | None = None
+        self._generation = 0
+        self.planned_generation = -1  # tests wait until it catches up with _generation
+        self._ready = False  # data messages can arrive before the widgets are composed
+        self._machine_key: tuple | None = None
+        self._jobs_key: tuple | None = None
+
+    class Planned(Message):
+        """Checks and preview are up to date (tests wait for it)."""
+
+    def compose(self) -> ComposeResult:
+        yield Static("Launch folds", classes="screen-title")
+        yield DatasetPicker(id="picker")
+        with Horizontal(id="launch-middle"):
+            yield FoldBoard(board_columns(self.app.snapshot), id="board")
+            with Vertical(id="launch-options"):
+                with RadioSet(id="ddp-launcher"):
+                    yield RadioButton("DDP via -num_gpus (spawn)", value=True, id="spawn")
+                    yield RadioButton("DDP via torchrun", id="torchrun")
+                yield Checkbox("resume (--c)", id="resume")
+                yield Input(placeholder="trainer flags, e.g. --epochs 3", id="flags")
+        yield Static(id="launch-checks")
+        with VerticalScroll(id="launch-preview-box"):
+            yield Static(id="launch-preview")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._ready = True
+        self.query_one(FoldBoard).border_title = "folds × GPUs"
+        self.query_one(FoldBoard).border_subtitle = "■ alone or queued · D DDP group"
+        self.query_one("#picker").border_title = "dataset and configuration"
+        self.query_one("#launch-preview-box").border_title = "exact commands (env + argv)"
+        self.query_one(FoldBoard).focus()
+        self.app.run_in_thread(lambda: catalog.list_datasets(self.app.config.roots), self._got)
+        self.recompute()
+
+    def _got(self, datasets: Any) -> None:
+        if isinstance(datasets, Exception):
+            self.notify(f"error: cannot read datasets: {datasets}", severity="error")
+            return
+        self.query_one(DatasetPicker).show(datasets)
+        self.recompute()
+
+    # ---- data from the app: replan only when something the checks use changed -------
+
+    def show_machine(self, snapshot: Any) -> None:
+        if not self._ready:
+            return
+        board = self.query_one(FoldBoard)
+        columns = board_columns(snapshot)
+        if columns != board.model.columns and not board.model.assignments:
+            board.model.columns = columns  # opened before the first GPU reading arrived
+            board.refresh()
+        key = tuple((g.index, tuple(p.pid for p in g.processes)) for g in snapshot.gpus)
+        if key != self._machine_key:
+            self._machine_key = key
+            self.recompute()
+
+    def show_jobs(self, views: list[Any], cv_eta_s: float | None) -> None:
+        key = tuple((v.job.job_id, v.state) for v in views)
+        if key != self._jobs_key:
+            self._jobs_key = key
+            self.recompute()
+
+    # ---- events -----------------------------------------------------------------------
+
+    def on_fold_board_changed(self, event: FoldBoard.Changed) -> None:
+        self.recompute()
+
+    def on_dataset_picker_chosen(self, event: DatasetPicker.Chosen) -> None:
+        self.recompute()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        self.recompute()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.query_one(FoldBoard).focus()
+
+    def on_radio_set_changed(self, event: RadioSet.Changed) -> None:
+        self.query_one(FoldBoard).set_ddp_launcher(event.pressed.id or "spawn")
+
+    def on_checkbox_changed(self, event: Checkbox.Changed) -> None:
+        self.recompute()
+
+    # ---- the plan: inputs gathered here, checks and plans in a thread -----------------
+
+    def requests(self) -> tuple[list[Any], int | None, list[str]]:
+        """Launch requests from the widgets, the plans batch size, and input problems."""
+        board = self.query_one(FoldBoard)
+        choice = self.query_one(DatasetPicker).current
+        problems = board.model.checks()
+        try:
+            trainer_args = shlex.split(self.query_one("#flags", Input).value)
+        except ValueError as error:
+            trainer_args = []
+            problems.append(f"trainer flags: {error}")
+        if choice is None:
+            problems.append(
+                f"no preprocessed dataset in {self.app.config.roots.preprocessed} "
+                "(nnui-demo-data, then nnui-preprocess)"
+            )
+            return [], None, problems
+        simulated = bool(getattr(self.app.snapshot, "simulated", False))
+        requests = [
+            launcher.LaunchRequest(
+                dataset=choice.dataset,
+                configuration=choice.configuration,
+                folds=list(spec.folds),
+                gpus=[] if spec.gpus == (CPU_COLUMN,) else list(spec.gpus),
+                mode=spec.mode,
+                device=board.model.device,
+                trainer_args=trainer_args,
+                simulated=simulated,
+                continue_training=self.query_one("#resume", Checkbox).value,
+                sequential=spec.sequential,
+            )
+            for spec in board.model.specs()
+        ]
+        return requests, choice.batch_size, problems
+
+    def recompute(self) -> None:
+        if not self._ready:
+            return
+        requests, batch_size, problems = self.requests()
+        self._generation += 1
+        generation = self._generation
+        app = self.app
+        snapshot, registry, roots = app.snapshot, app.services.registry, app.config.roots
+
+        def plan() -> tuple[list[Any], list[str], list[str]]:
+            plans: list[Any] = []
+            errors, warnings = list(problems), []
+            for request in requests:
+                checks = launcher.check_request(request, roots, batch_size, snapshot, registry)
+                errors += [e for e in checks.errors if e not in errors]
+                warnings += [w for w in checks.warnings if w not in warnings]
+                if not checks.errors:
+                    got, why = launcher.plan_launch(request, roots, batch_size, snapshot, registry)
+                    plans += got
+                    errors += [e for e in why if e not in errors]
+            return plans, errors, warnings
+
+        app.run_in_thread(plan, lambda result: self._planned(generation, result))
+
+    def _planned(self, generation: int, result: Any) -> None:
+        if generation != self._generation or not self.is_mounted:
+            return  # a newer plan is on its way
+        self.planned_generation = generation
+        if isinstance(result, Exception):
+            plans, problems, warnings = [], [f"cannot plan: {result}"], []
+        else:
+            plans, problems, warnings = result
+        self.plans = [] if problems else plans
+        self.problems, self.warnings = problems, warnings
+        self.preview_text = "\n\n".join(launcher.preview(p) for p in plans)
+        self._show()
+        self.post_message(self.Planned())
+
+    def _show(self) -> None:
+        checks = Text()
+        for problem in self.problems:
+            checks.append(f"✗ {problem}\n", style="bold red")
+        for warning in self.warnings:
+            checks.append(f"! {warning}\n", style="yellow")
+        if not self.problems:
+            checks.append(f"✓ ready: {len(self.plans)} process(es); press g to start", "green")
+        shown = (checks.plain, self.preview_text)
+        if shown == self._shown:
+            return
+        self._shown = shown
+        self.query_one("#launch-checks", Static).update(checks)
+        preview = self.preview_text or "(nothing to start yet)"
+        if self.problems:
+            preview = "(the exact commands appear here once the problems above are solved)"
+        self.query_one("#launch-preview", Static).update(Text(preview))
+
+    # ---- actions ----------------------------------------------------------------------
+
+    def action_cancel(self) -> None:
+        self.app.pop_screen()
+
+    def action_go(self) -> None:
+        if self.problems or not self.plans:
+            self.notify(
+                "Cannot start: " + "; ".join(self.problems or ["nothing"]), severity="error"
+            )
+            return
+        actions.start_plans(self.app, self.plans)
+        self.app.pop_screen()
+
+    def action_toggle_launcher(self) -> None:
+        other = "torchrun" if self.query_one(FoldBoard).model.ddp_launcher == "spawn" else "spawn"
+        self.query_one(f"#{other}", RadioButton).value = True
+
+    def action_toggle_resume(self) -> None:
+        box = self.query_one("#resume", Checkbox)
+        box.value = not box.value
+
+    def action_focus_flags(self) -> None:
+        self.query_one("#flags", Input).focus()

@@ -1,0 +1,50 @@
+"""Command palette (ctrl+p): every dashboard action by name. Read-only apps list only
+navigation commands."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+# (name, help, dashboard action, is an action that changes jobs)
+COMMANDS: tuple[tuple[str, str, str, bool], ...] = (
+    ("Launch folds", "open the fold board (l)", "launch", True),
+    ("Stop selected jobs", "graceful stop with SIGUSR1 after confirming (s)", "stop", True),
+    ("Resume selected jobs", "restart with --c on the same GPUs (r)", "resume", True),
+    ("Kill selected jobs", "SIGTERM then SIGKILL after typing kill (k)", "kill", True),
+    ("Job detail", "curves, console and processes of the job (enter)", "detail", False),
+    ("Help", "all keys (?)", "help", False),
+    ("Quit", "leave nnui; jobs keep running (q)", "quit", False),
+)
+
+
+class NnuiCommands(Provider):
+    def _commands(self) -> list[tuple[str, str, Callable[[], Any]]]:
+        readonly = getattr(self.app, "config", None) is not None and self.app.config.readonly
+        return [
+            (name, help_, partial(self._run, action))
+            for name, help_, action, changes in COMMANDS
+            if not (readonly and changes)
+        ]
+
+    def _run(self, action: str) -> None:
+        from app.screens.dashboard import DashboardScreen
+
+        for screen in reversed(self.app.screen_stack):
+            if isinstance(screen, DashboardScreen):
+                getattr(screen, f"action_{action}")()
+                return
+
+    async def discover(self) -> Hits:
+        for name, help_, callback in self._commands():
+            yield DiscoveryHit(name, callback, help=help_)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for name, help_, callback in self._commands():
+            score = matcher.match(name)
+            if score > 0:
+                yield Hit(score, matcher.highlight(name), callback, help=help_)

@@ -1,0 +1,336 @@
+"""`nnui sbatch`: write (and optionally submit) a SLURM job script for one fold (DESIGN §6).
+
+Standard library only. The script asks SLURM for a USR1 some minutes before the time limit
+(`--signal=B:USR1@LEAD`) and turns it into a graceful stop of the trainer workers, so the
+next submission of the same script resumes with `--c` (always passed: without a checkpoint
+the trainer simply starts fresh).
+
+Signal path, and why (facts in shared/notes/slurm-local.md):
+- `B:` delivers USR1 to the batch shell only. The shell traps it (the trap only records it)
+  and relays it with `kill -USR1` to its `srun`, which relays it to the tasks of the step:
+  one small wrapper shell per node.
+- Each node's wrapper traps USR1 too and started torchrun with USR1 *ignored*
+  (`(trap '' USR1; exec python -m torch.distributed.run ...) &`): torchrun has no handler
+  and would die of it (exit 138), orphaning its workers. The wrapper signals torchrun's
+  direct children - the workers - and nothing else. Any process that receives USR1 from
+  SLURM's own step signalling is therefore either a worker (graceful stop), torchrun
+  (ignored) or a wrapper (recorded).
+- A USR1 that arrives before the workers exist is not lost: the wrappers send it to each
+  worker only once that worker catches SIGUSR1 (bit 10 of SigCgt in /proc/PID/status), and
+  the batch shell relays only once the step runs. Duplicates are harmless (the trainer's
+  handler only sets a flag).
+- Bash runs a trap only between commands, and `wait` returns early when one runs: both
+  shells poll their child with a short interruptible `sleep 1 & wait $!` loop and collect
+  its exit status at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer.schema import FOLDS, ROOT_ENVS
+
+_TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
+_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def time_limit_s(text: str) -> int:
+    """Seconds in a validated [D-]HH:MM:SS."""
+    days, _, clock = text.rpartition("-")
+    hours, minutes, seconds = (int(part) for part in clock.split(":"))
+    return int(days or 0) * 86400 + hours * 3600 + minutes * 60 + seconds
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything the job script depends on, validated once."""
+
+    dataset: str
+    configuration: str
+    fold: str
+    nodes: int
+    gpus_per_node: int
+    time_limit: str  # [D-]HH:MM:SS
+    procs_per_node: int  # CPU runs (gpus_per_node == 0) only
+    signal_lead_s: int = 600
+    partition: str | None = None
+    account: str | None = None
+    cpus_per_task: int | None = None
+    output_dir: Path = Path("nnui_slurm")
+    workdir: Path = Path(".")
+    python: str = sys.executable
+    rdzv_port: int = 29500
+    trainer_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)  # exported at the top of the script
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.gpus_per_node if self.gpus_per_node > 0 else self.procs_per_node
+
+    @property
+    def job_name(self) -> str:
+        return _NAME.sub("_", f"nnui_{self.dataset}_{self.configuration}_{self.fold}")
+
+    def validate(self) -> None:
+        if self.fold not in FOLDS:
+            raise ValueError(f"fold {self.fold!r} is not one of {', '.join(FOLDS)}")
+        if self.nodes < 1:
+            raise ValueError(f"--nodes must be >= 1, got {self.nodes}")
+        if self.gpus_per_node < 0:
+            raise ValueError(f"--gpus-per-node must be >= 0, got {self.gpus_per_node}")
+        if self.procs_per_node < 1:
+            raise ValueError(f"--procs-per-node must be >= 1, got {self.procs_per_node}")
+        if not _TIME.match(self.time_limit):
+            raise ValueError(
+                f"--time must look like HH:MM:SS or D-HH:MM:SS, got {self.time_limit!r}"
+            )
+        if self.signal_lead_s < 0:
+            raise ValueError(f"--signal-lead must be >= 0 seconds, got {self.signal_lead_s}")
+        if self.signal_lead_s >= time_limit_s(self.time_limit):
+            raise ValueError(
+                f"--signal-lead {self.signal_lead_s} s is not shorter than --time "
+                f"{self.time_limit}: the job would be told to stop as soon as it starts"
+            )
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise ValueError(f"--cpus-per-task must be >= 1, got {self.cpus_per_task}")
+        for flag in ("-num_gpus", "--c", "-device"):
+            if flag in self.trainer_args:
+                raise ValueError(
+                    f"do not pass {flag} after --: the job script sets it (torchrun decides the "
+                    "number of processes, --c is always on, -device follows --gpus-per-node)"
+                )
+
+
+def _sbatch_header(spec: JobSpec) -> list[str]:
+    out = spec.output_dir.absolute()
+    lines = [
+        f"#SBATCH --job-name={spec.job_name}",
+        f"#SBATCH --nodes={spec.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --time={spec.time_limit}",
+        f"#SBATCH --signal=B:USR1@{spec.signal_lead_s}",
+        f"#SBATCH --output={out}/{spec.job_name}_%j.out",
+        f"#SBATCH --chdir={spec.workdir.absolute()}",
+    ]
+    if spec.gpus_per_node > 0:
+        lines.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node}")
+    if spec.cpus_per_task is not None:
+        lines.append(f"#SBATCH --cpus-per-task={spec.cpus_per_task}")
+    if spec.partition:
+        lines.append(f"#SBATCH --partition={spec.partition}")
+    if spec.account:
+        lines.append(f"#SBATCH --account={spec.account}")
+    return lines
+
+
+def trainer_command(spec: JobSpec) -> list[str]:
+    """The per-node torchrun command line; $-variables are expanded on each node."""
+    device = "cuda" if spec.gpus_per_node > 0 else "cpu"
+    return [
+        spec.python, "-m", "torch.distributed.run",
+        "--nnodes=$SLURM_NNODES",
+        f"--nproc_per_node={spec.nproc_per_node}",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=$NNUI_HEAD:" + str(spec.rdzv_port),
+        "--rdzv_id=$SLURM_JOB_ID",
+        "-m", "trainer", spec.dataset, spec.configuration, spec.fold,
+        "--c", "-device", device, *spec.trainer_args,
+    ]  # fmt: skip
+
+
+def _quote_keep_vars(word: str) -> str:
+    """Shell-quote a word but let $NAME references expand (double quotes)."""
+    if "$" in word:
+        return '"' + word.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`") + '"'
+    return shlex.quote(word)
+
+
+# One wrapper per node (an srun task): starts torchrun with USR1 ignored and passes USR1 on
+# to torchrun's workers only, once each of them catches it.
+_NODE_STEP = r"""set -u
+stop=0
+trap 'stop=1' USR1
+(trap '' USR1; exec __TORCHRUN__) &
+torchrun_pid=$!
+sent=" "
+catches_usr1() {  # SigCgt bit 10 (SIGUSR1) of a pid
+  local mask
+  mask=$(awk '/^SigCgt:/ {print $2}' "/proc/$1/status" 2>/dev/null) || return 1
+  [ -n "$mask" ] && (( (16#$mask >> 9) & 1 ))
+}
+forward_usr1() {  # returns 0 once every worker got it
+  local kid count=0 pending=0
+  for kid in $(pgrep -P "$torchrun_pid"); do
+    count=$((count + 1))
+    case "$sent" in *" $kid "*) continue ;; esac
+    if catches_usr1 "$kid"; then
+      kill -USR1 "$kid" 2>/dev/null && sent="$sent$kid "
+    else
+      pending=1
+    fi
+  done
+  [ "$count" -ge __NPROC__ ] && [ "$pending" = 0 ]
+}
+while kill -0 "$torchrun_pid" 2>/dev/null; do
+  if [ "$stop" = 1 ]; then
+    if forward_usr1; then
+      echo "nnui: node $(hostname -s): USR1 -> workers of torchrun $torchrun_pid:$sent" >&2
+      stop=0
+      sent=" "
+    fi
+  fi
+  sleep 1 & wait $! 2>/dev/null
+done
+wait "$torchrun_pid"
+"""
+
+_BATCH_BODY = r"""set -u
+stop=0
+trap 'stop=1' USR1
+NNUI_HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export NNUI_HEAD
+echo "nnui: job $SLURM_JOB_ID on $SLURM_NNODES node(s), rendezvous $NNUI_HEAD:__PORT__" >&2
+read -r -d '' NNUI_NODE_STEP <<'NNUI_NODE_STEP_END'
+__NODE_STEP__NNUI_NODE_STEP_END
+srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
+  bash -c "$NNUI_NODE_STEP" &
+srun_pid=$!
+step_running() {
+  scontrol -o show step "$SLURM_JOB_ID.0" 2>/dev/null | grep -q 'State=RUNNING'
+}
+while kill -0 "$srun_pid" 2>/dev/null; do
+  if [ "$stop" = 1 ] && step_running; then
+    echo "nnui: USR1 -> srun $srun_pid (relayed to every node's wrapper)" >&2
+    kill -USR1 "$srun_pid" 2>/dev/null
+    stop=0
+  fi
+  sleep 1 & wait $! 2>/dev/null
+done
+wait "$srun_pid"
+rc=$?
+echo "nnui: training step ended with exit code $rc" >&2
+exit "$rc"
+"""
+
+
+def render_script(spec: JobSpec) -> str:
+    spec.validate()
+    torchrun = " ".join(_quote_keep_vars(word) for word in trainer_command(spec))
+    node_step = _NODE_STEP.replace("__TORCHRUN__", torchrun).replace(
+        "__NPROC__", str(spec.nproc_per_node)
+    )
+    exports = [f"export {name}={shlex.quote(value)}" for name, value in sorted(spec.env.items())]
+    body = _BATCH_BODY.replace("__NODE_STEP__", node_step).replace("__PORT__", str(spec.rdzv_port))
+    header = [
+        "#!/bin/bash",
+        *_sbatch_header(spec),
+        f"# Written by nnui sbatch. Submit again to resume (--c); USR1 {spec.signal_lead_s} s",
+        "# before the time limit stops the workers gracefully after their current epoch.",
+    ]
+    return "\n".join([*header, *exports, body])
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="nnui sbatch",
+        description="Write a SLURM job script that trains one fold with torchrun on N nodes; "
+        "SLURM's USR1 before the time limit stops it gracefully, resubmitting resumes it.",
+        epilog="Arguments after -- go to the trainer, e.g. -- --epochs 100.",
+    )
+    p.add_argument("dataset")
+    p.add_argument("configuration")
+    p.add_argument("fold", help="0-4 or all")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=1, help="0 = CPU run (-device cpu)")
+    p.add_argument("--procs-per-node", type=int, default=1, help="processes per node when CPU")
+    p.add_argument("--time", required=True, dest="time_limit", help="HH:MM:SS or D-HH:MM:SS")
+    p.add_argument(
+        "--signal-lead",
+        type=int,
+        default=600,
+        dest="signal_lead_s",
+        help="seconds before the time limit that SLURM sends USR1 (default 600)",
+    )
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--cpus-per-task", type=int)
+    p.add_argument("--rdzv-port", type=int, default=29500, help="torchrun rendezvous port")
+    p.add_argument("--output", default="nnui_slurm", help="folder for the script and job logs")
+    p.add_argument("--submit", action="store_true", help="also submit it with sbatch")
+    return p
+
+
+def spec_from_args(argv: list[str]) -> tuple[JobSpec, bool]:
+    if "--" in argv:
+        cut = argv.index("--")
+        ours, trainer_args = argv[:cut], tuple(argv[cut + 1 :])
+    else:
+        ours, trainer_args = argv, ()
+    args = _parser().parse_args(ours)
+    env = {name: os.environ[name] for name in ROOT_ENVS.values() if os.environ.get(name)}
+    spec = JobSpec(
+        dataset=args.dataset,
+        configuration=args.configuration,
+        fold=args.fold,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        time_limit=args.time_limit,
+        procs_per_node=args.procs_per_node,
+        signal_lead_s=args.signal_lead_s,
+        partition=args.partition,
+        account=args.account,
+        cpus_per_task=args.cpus_per_task,
+        output_dir=Path(args.output).absolute(),
+        workdir=Path.cwd(),
+        rdzv_port=args.rdzv_port,
+        trainer_args=trainer_args,
+        env=env,
+    )
+    spec.validate()
+    return spec, args.submit
+
+
+def write_script(spec: JobSpec) -> Path:
+    text = render_script(spec)
+    spec.output_dir.mkdir(parents=True, exist_ok=True)
+    path = spec.output_dir / f"{spec.job_name}.sbatch"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.chmod(0o755)
+    os.replace(tmp, path)
+    return path
+
+
+def sbatch_main(argv: list[str]) -> int:
+    try:
+        spec, submit = spec_from_args(argv)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    path = write_script(spec)
+    print(path)
+    if not submit:
+        return 0
+    try:
+        done = subprocess.run(["sbatch", str(path)], capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        print("error: sbatch not found: is this a SLURM login node?", file=sys.stderr)
+        return 2
+    sys.stdout.write(done.stdout)
+    sys.stderr.write(done.stderr)
+    return done.returncode
+
+
+def main() -> int:
+    return sbatch_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,242 @@
+"""The nnui Textual app: wiring of services, refresh timers and screens.
+
+All blocking reads (NVML, /proc, run folders) run in thread workers and come back as
+messages; screens get the latest data and update widgets only where a value changed.
+`make_app(config)` builds the app (tests and screenshots use it); `run_tui(options)` is
+what `nnui` with no subcommand calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from textual.app import App
+from textual.message import Message
+
+from app.screens.palette import NnuiCommands
+from trainer.schema import Roots, resolve_roots
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TuiConfig:
+    simulate_gpus: int | None = None
+    readonly: bool = False
+    no_mouse: bool = False
+    roots: Roots = field(default_factory=resolve_roots)
+    state_dir: Path | None = None  # None: the registry's default (NNUI_STATE_DIR, ~/.local/state)
+    gpu_interval_s: float = 1.0  # DESIGN §6 refresh budget
+    jobs_interval_s: float = 1.0  # logs 0.5-1 s
+    procs_interval_s: float = 2.0
+    cpu_slots: int = 1
+
+
+@dataclass
+class Services:
+    """What the app talks to; tests may pass their own."""
+
+    monitor: Any
+    registry: Any
+    tracker: Any
+
+
+def default_services(config: TuiConfig) -> Services:
+    from app.services.gpus import GpuMonitor
+    from app.services.jobs import JobTracker
+    from app.services.registry import Registry
+
+    registry = Registry(config.state_dir)
+    # No monitor in the tracker: the app hands it the latest snapshot (one NVML read per s).
+    tracker = JobTracker(registry)
+    monitor = GpuMonitor(
+        simulate=config.simulate_gpus,
+        simulated_load=(lambda: simulated_load(tracker.views)) if config.simulate_gpus else None,
+    )
+    return Services(monitor=monitor, registry=registry, tracker=tracker)
+
+
+def simulated_load(views: list[Any]) -> dict[int, list[tuple[int, str]]]:
+    """{simulated GPU: [(pid, name)]} of nnui's own live jobs, so the simulated GPUs show
+    processes and utilisation that follow what was launched."""
+    load: dict[int, list[tuple[int, str]]] = {}
+    for view in views:
+        job = view.job
+        if not job.simulated or view.state not in ("starting", "running", "stopping"):
+            continue
+        ranks = (view.topology or {}).get("ranks") or []
+        trainer = job.process("trainer") if hasattr(job, "process") else None
+        fallback = trainer.pid if trainer else 0
+        for i, gpu in enumerate(job.gpus):
+            if not gpu.isdigit():
+                continue
+            pid = ranks[i].get("pid", fallback) if i < len(ranks) else fallback
+            load.setdefault(int(gpu), []).append((pid, f"nnui {job.job_id}"))
+    return load
+
+
+class MachineRead(Message):
+    def __init__(self, snapshot: Any) -> None:
+        super().__init__()
+        self.snapshot = snapshot
+
+
+class JobsRead(Message):
+    def __init__(self, views: list[Any], cv_eta_s: float | None) -> None:
+        super().__init__()
+        self.views = views
+        self.cv_eta_s = cv_eta_s
+
+
+class NnuiApp(App):
+    CSS_PATH = "nnui.tcss"
+    TITLE = "nnui"
+    COMMANDS = App.COMMANDS | {NnuiCommands}
+
+    def __init__(self, config: TuiConfig, services: Services) -> None:
+        super().__init__()
+        self.config = config
+        self.services = services
+        self.snapshot: Any = None
+        self.views: list[Any] = []
+        self.cv_eta_s: float | None = None
+        self._busy: dict[str, threading.Lock] = {
+            "gpus": threading.Lock(),
+            "jobs": threading.Lock(),
+        }
+        self.num_machine_messages = 0
+        self.num_jobs_messages = 0
+        self.sub_title = "read-only" if config.readonly else ""
+        if config.simulate_gpus:
+            self.sub_title = f"SIMULATED {config.simulate_gpus} GPUs " + self.sub_title
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def on_mount(self) -> None:
+        from app.screens.dashboard import DashboardScreen
+
+        self.push_screen(DashboardScreen(readonly=self.config.readonly))
+        self.poll_machine()
+        self.poll_jobs()
+        self.set_interval(self.config.gpu_interval_s, self.poll_machine, name="nvml")
+        self.set_interval(self.config.jobs_interval_s, self.poll_jobs, name="jobs")
+
+    def on_unmount(self) -> None:
+        close = getattr(self.services.monitor, "close", None)
+        if close is not None:
+            close()
+
+    # ---- background reads (thread workers -> messages) --------------------------------
+
+    def _in_thread(self, name: str, work: Callable[[], Message | None]) -> None:
+        """Run `work` in a thread unless the previous run of the same name is still busy
+        (a slow NVML call must not pile up threads); post what it returns."""
+        lock = self._busy[name]
+        if not lock.acquire(blocking=False):
+            return
+
+        def run() -> None:
+            try:
+                message = work()
+                if message is not None:
+                    self.post_message(message)
+            finally:
+                lock.release()
+
+        self.run_worker(run, thread=True, group=name, exit_on_error=False)
+
+    def poll_machine(self) -> None:
+        self._in_thread("gpus", lambda: MachineRead(self.services.monitor.snapshot()))
+
+    def poll_jobs(self) -> None:
+        def read() -> JobsRead:
+            views = self.services.tracker.refresh(self.snapshot)
+            return JobsRead(views, self.services.tracker.cross_validation_eta_s(views))
+
+        self._in_thread("jobs", read)
+
+    def on_machine_read(self, message: MachineRead) -> None:
+        self.num_machine_messages += 1
+        self.snapshot = message.snapshot
+        for screen in self.screen_stack:
+            show = getattr(screen, "show_machine", None)
+            if show is not None:
+                show(message.snapshot)
+
+    def on_jobs_read(self, message: JobsRead) -> None:
+        self.num_jobs_messages += 1
+        self.views = message.views
+        self.cv_eta_s = message.cv_eta_s
+        for screen in self.screen_stack:
+            show = getattr(screen, "show_jobs", None)
+            if show is not None:
+                show(message.views, message.cv_eta_s)
+
+    def view_of(self, job_id: str) -> Any | None:
+        return next((v for v in self.views if v.job.job_id == job_id), None)
+
+    def run_in_thread(self, work: Callable[[], Any], done: Callable[[Any], None]) -> None:
+        """One-off blocking work (planning a stop, starting a job): result back on the UI."""
+
+        def run() -> None:
+            try:
+                result = work()
+            except Exception as error:  # shown to the user, never a crash of the UI
+                log.exception("background action failed")
+                result = error
+            self.call_from_thread(done, result)
+
+        self.run_worker(run, thread=True, group="actions", exit_on_error=False)
+
+
+def make_app(config: TuiConfig, services: Services | None = None) -> NnuiApp:
+    return NnuiApp(config, services or default_services(config))
+
+
+def config_from_options(options: Any) -> TuiConfig:
+    """argparse namespace (app/main.py) -> TuiConfig; absent attributes take defaults."""
+    roots = getattr(options, "roots", None)
+    if roots is None:
+        roots = resolve_roots(
+            getattr(options, "raw", None),
+            getattr(options, "preprocessed", None),
+            getattr(options, "results", None),
+        )
+    state_dir = getattr(options, "state_dir", None)
+    return TuiConfig(
+        simulate_gpus=getattr(options, "simulate_gpus", None),
+        readonly=bool(getattr(options, "readonly", False)),
+        no_mouse=bool(getattr(options, "no_mouse", False)),
+        roots=roots,
+        state_dir=Path(state_dir) if state_dir else None,
+        cpu_slots=max(1, (os.cpu_count() or 1) // 8),
+    )
+
+
+def _log_away_from_the_terminal() -> None:
+    """A StreamHandler on the real stderr would draw over the screen: send records to
+    Textual's log (visible with `textual console`) instead."""
+    from textual.logging import TextualHandler
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.StreamHandler) and not isinstance(
+            handler, logging.FileHandler
+        ):
+            root.removeHandler(handler)
+    root.addHandler(TextualHandler())
+
+
+def run_tui(options: Any) -> int:
+    config = config_from_options(options)
+    _log_away_from_the_terminal()
+    app = make_app(config)
+    # Quitting leaves jobs running: they live in their own sessions (launcher).
+    app.run(mouse=not config.no_mouse)
+    return app.return_code or 0

@@ -1,0 +1,56 @@
+"""Small text formatters shared by the widgets: "n/a" for missing values, units in names."""
+
+from __future__ import annotations
+
+import math
+
+NA = "n/a"
+_BAR_FULL = "█"
+_BAR_PARTS = " ▏▎▍▌▋▊▉"
+
+
+def fmt_or_na(value: object, fmt: str = "{}") -> str:
+    if value is None:
+        return NA
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
+    return fmt.format(value)
+
+
+def fmt_gib(num_bytes: int | None) -> str:
+    return NA if num_bytes is None else f"{num_bytes / 2**30:.1f}"
+
+
+def fmt_mib(num_bytes: int | None) -> str:
+    return NA if num_bytes is None else f"{num_bytes / 2**20:.0f} MiB"
+
+
+def fmt_duration_s(seconds: float | None) -> str:
+    """`1h02m`, `4m05s`, `12s`; n/a when unknown."""
+    if seconds is None or (isinstance(seconds, float) and not math.isfinite(seconds)):
+        return NA
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+def bar(fraction: float | None, width: int) -> str:
+    """A fixed-width text bar with eighth-block resolution (cheap to diff, safe over SSH)."""
+    if fraction is None or not math.isfinite(fraction):
+        return "·" * width
+    fraction = min(1.0, max(0.0, fraction))
+    eighths = round(fraction * width * 8)
+    full, part = divmod(eighths, 8)
+    text = _BAR_FULL * full + (_BAR_PARTS[part] if part and full < width else "")
+    return text.ljust(width, "·")
+
+
+def short_uuid(uuid: str) -> str:
+    """`GPU-8f3a1c2d-...` -> `8f3a1c2d` (enough to tell cards apart)."""
+    core = uuid.removeprefix("GPU-").removeprefix("MIG-")
+    return core[:8] if core else NA

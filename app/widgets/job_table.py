@@ -1,0 +1,168 @@
+"""Jobs table: one row per job, keyed columns, cells updated only when their text changes.
+
+Renders `JobView`s it is given. Space toggles a job in the multi-selection used by stop.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+from rich.text import Text
+from textual.binding import Binding, BindingType
+from textual.widgets import DataTable
+from textual.widgets.data_table import CellDoesNotExist
+
+from app.widgets.formatting import bar, fmt_duration_s, fmt_or_na
+
+# (key, label): keys stay stable so cells can be updated by name.
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("sel", " "),
+    ("job", "job"),
+    ("dataset", "dataset"),
+    ("fold", "fold"),
+    ("where", "GPUs"),
+    ("state", "state"),
+    ("epoch", "epoch"),
+    ("train", "train"),
+    ("val", "val"),
+    ("dice", "Dice"),
+    ("ema", "EMA"),
+    ("its", "it/s"),
+    ("eta", "ETA"),
+    ("alerts", "alerts"),
+)
+
+STATE_STYLES = {
+    "starting": "cyan",
+    "queued": "cyan",
+    "running": "bold green",
+    "stopping": "bold yellow",
+    "stopped": "yellow",
+    "finished": "bold blue",
+    "failed": "bold red",
+    "lost": "bold magenta",
+}
+
+
+def _loss(value: float | None) -> str:
+    if value is not None and math.isnan(value):
+        return "NaN"
+    return fmt_or_na(value, "{:.4f}")
+
+
+def where_text(job: Any) -> str:
+    if not job.gpus:
+        return "cpu"
+    label = ",".join(job.gpus)
+    if job.mode in ("spawn", "torchrun"):
+        label += f" ({job.mode})"
+    return label
+
+
+def short_dataset(name: str) -> str:
+    """`Dataset004_Hippocampus` -> `004_Hippocampus` (the prefix says nothing)."""
+    return name.removeprefix("Dataset")[:20]
+
+
+def row_cells(view: Any, selected: bool, after_fold: str | None = None) -> dict[str, Text | str]:
+    """The text of every cell of one job's row."""
+    job = view.job
+    state = view.state
+    if state == "failed" and view.exit_code is not None:
+        state = f"failed (exit {view.exit_code})"
+    if job.after and view.state in ("starting", "queued"):
+        state = f"{view.state} (after fold {after_fold or '?'})"
+    if view.epoch is not None and view.num_epochs:
+        done = min(view.epoch + 1, view.num_epochs) if view.state == "finished" else view.epoch
+        epoch = f"{view.epoch}/{view.num_epochs} {bar(done / view.num_epochs, 6)}"
+    else:
+        epoch = fmt_or_na(view.epoch)
+    alerts = Text(" ".join(view.alerts), style="bold red") if view.alerts else Text("")
+    return {
+        "sel": Text("●", style="bold magenta") if selected else " ",
+        "job": job.job_id,
+        "dataset": f"{short_dataset(job.dataset)} {job.configuration}",
+        "fold": job.fold,
+        "where": where_text(job),
+        "state": Text(state, style=STATE_STYLES.get(view.state, "")),
+        "epoch": epoch,
+        "train": _loss(view.train_loss),
+        "val": _loss(view.val_loss),
+        "dice": fmt_or_na(view.mean_dice, "{:.3f}"),
+        "ema": fmt_or_na(view.ema_dice, "{:.3f}"),
+        "its": fmt_or_na(view.it_per_s, "{:.2f}"),
+        "eta": fmt_duration_s(view.eta_s) if view.state == "running" else "",
+        "alerts": alerts,
+    }
+
+
+def _plain(value: Text | str) -> str:
+    return value.plain if isinstance(value, Text) else value
+
+
+class JobTable(DataTable):
+    """DataTable of jobs. `show(views)` adds, updates and removes rows in place."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("space", "toggle_select", "Select", id="select")
+    ]
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
+        self.selected: set[str] = set()
+        self._cells: dict[str, dict[str, str]] = {}
+        self._views: dict[str, Any] = {}
+        self.num_cell_updates = 0  # for the benchmark and tests: proves "only on change"
+
+    def on_mount(self) -> None:
+        for key, label in COLUMNS:
+            self.add_column(label, key=key)
+
+    def show(self, views: list[Any]) -> None:
+        wanted = {view.job.job_id: view for view in views}
+        folds = {job_id: view.job.fold for job_id, view in wanted.items()}
+        for job_id in [j for j in self._cells if j not in wanted]:
+            self.remove_row(job_id)
+            del self._cells[job_id]
+            self.selected.discard(job_id)
+        for job_id, view in wanted.items():
+            after = folds.get(view.job.after or "")
+            cells = row_cells(view, job_id in self.selected, after)
+            plain = {key: _plain(value) for key, value in cells.items()}
+            old = self._cells.get(job_id)
+            if old is None:
+                self.add_row(*(cells[key] for key, _ in COLUMNS), key=job_id)
+            else:
+                for key, text in plain.items():
+                    if old[key] != text:
+                        self.update_cell(job_id, key, cells[key], update_width=True)
+                        self.num_cell_updates += 1
+            self._cells[job_id] = plain
+        self._views = wanted
+
+    @property
+    def current_job_id(self) -> str | None:
+        if self.row_count == 0:
+            return None
+        try:
+            row_key, _ = self.coordinate_to_cell_key(self.cursor_coordinate)
+        except CellDoesNotExist:  # cursor outside the table while rows change
+            return None
+        return row_key.value
+
+    def target_job_ids(self) -> list[str]:
+        """The multi-selection if any, else the job under the cursor."""
+        if self.selected:
+            return [j for j in self._cells if j in self.selected]
+        current = self.current_job_id
+        return [current] if current else []
+
+    def action_toggle_select(self) -> None:
+        job_id = self.current_job_id
+        if job_id is None:
+            return
+        self.selected.symmetric_difference_update({job_id})
+        mark = Text("●", style="bold magenta") if job_id in self.selected else " "
+        self.update_cell(job_id, "sel", mark)
+        self._cells[job_id]["sel"] = _plain(mark)
