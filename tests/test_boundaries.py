@@ -64,7 +64,10 @@ def test_trainer_package_init_is_empty() -> None:
 
 @pytest.mark.parametrize(
     ("module", "absent"),
-    [("app.main", ["torch", "numpy", "blosc2", "safetensors"]), ("trainer.schema", ["torch", "numpy"])],
+    [
+        ("app.main", ["torch", "numpy", "blosc2", "safetensors"]),
+        ("trainer.schema", ["torch", "numpy"]),
+    ],
 )
 def test_importing_does_not_pull_heavy_modules(module: str, absent: list[str]) -> None:
     code = (

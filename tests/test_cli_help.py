@@ -18,7 +18,9 @@ COMMANDS = {
 @pytest.mark.parametrize(("script", "module"), sorted(COMMANDS.items()))
 def test_help_exits_zero_with_usage(script: str, module: str) -> None:
     code = f"import sys; from {module} import main; sys.argv = [{script!r}, '--help']; sys.exit(main())"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert "usage:" in result.stdout.lower()
     assert "Traceback" not in result.stderr

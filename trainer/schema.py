@@ -30,7 +30,11 @@ FOLDS = ("0", "1", "2", "3", "4", "all")
 
 # Environment variables shared by both parts.
 JOB_ID_ENV = "NNUI_JOB_ID"
-ROOT_ENVS = {"raw": "nnUNet_raw", "preprocessed": "nnUNet_preprocessed", "results": "nnUNet_results"}
+ROOT_ENVS = {
+    "raw": "nnUNet_raw",
+    "preprocessed": "nnUNet_preprocessed",
+    "results": "nnUNet_results",
+}
 
 
 def checkpoint_file(kind: str) -> str:
@@ -39,7 +43,14 @@ def checkpoint_file(kind: str) -> str:
 
 
 class Kind:
-    """Event kinds of schema v1. Readers ignore kinds they do not know."""
+    """Event kinds of schema v1. Readers ignore kinds they do not know.
+
+    Field notes (the trainer writes them so): `epoch` in events is the 0-based index of
+    the epoch concerned (-1 in stop events before any epoch was trained); status.json's
+    `epoch` counts completed epochs (0..num_epochs). `checkpoint_saved` names the
+    checkpoint in `checkpoint` ("latest" | "best" | "final"), since `kind` is the event's.
+    Dice values that are undefined (class absent from prediction and reference) are null.
+    """
 
     RUN_STARTED = "run_started"
     TOPOLOGY = "topology"

@@ -1,0 +1,104 @@
+"""The resolved training configuration: built and validated once in the CLI process.
+
+It travels to every rank as the worker payload (a plain JSON-able dict), is written to
+`config.json` and stored in every checkpoint's metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
+
+DEVICE_TYPES = ("cuda", "cpu", "mps")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a rank needs to train one fold; paths are absolute strings."""
+
+    dataset_name: str
+    configuration: str
+    fold: str
+    preprocessed_dataset_dir: str
+    run_dir: str
+    plans_identity: str
+    trainer: str = DEFAULT_TRAINER
+    plans_name: str = DEFAULT_PLANS
+    num_epochs: int = 1000
+    iterations_per_epoch: int = 250
+    val_iterations: int = 50
+    save_every: int = 50
+    seed: int = 12345
+    device_type: str = "cuda"
+    num_gpus: int | None = None
+    compile: bool = False
+    num_workers: int = 2
+    npz: bool = False
+    continue_training: bool = False
+    validation_only: bool = False
+    val_best: bool = False
+    val_mirror: bool = False
+    disable_checkpointing: bool = False
+    resume_checkpoint: str | None = None
+    initial_lr: float = 1e-2
+    weight_decay: float = 3e-5
+    momentum: float = 0.99
+    grad_clip_norm: float = 12.0
+    oversample_foreground: float = 0.33
+    argv: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag that fixes the problem."""
+        positive = {
+            "--epochs": self.num_epochs,
+            "--iterations-per-epoch": self.iterations_per_epoch,
+            "--val-iterations": self.val_iterations,
+            "--save-every": self.save_every,
+        }
+        for flag, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{flag} must be a positive integer, got {value}")
+        if self.num_workers < 0:
+            raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if self.num_gpus is not None and self.num_gpus <= 0:
+            raise ValueError(f"-num_gpus must be a positive integer, got {self.num_gpus}")
+        if self.seed < 0:
+            raise ValueError(f"--seed must be >= 0, got {self.seed}")
+        if self.fold not in FOLDS:
+            raise ValueError(f"fold must be one of {', '.join(FOLDS)}, got {self.fold!r}")
+        if self.device_type not in DEVICE_TYPES:
+            raise ValueError(
+                f"-device must be one of {', '.join(DEVICE_TYPES)}, got {self.device_type!r}"
+            )
+        if self.trainer != DEFAULT_TRAINER:
+            raise ValueError(
+                f"unknown trainer {self.trainer!r}; available: {DEFAULT_TRAINER} "
+                "(set epochs and iterations with --epochs / --iterations-per-epoch)"
+            )
+        if self.val_best and not self.validation_only:
+            raise ValueError("--val_best only makes sense with --val")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**known)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return TrainConfig.from_dict({**self.to_dict(), **changes})
+
+    def identity(self) -> dict[str, str]:
+        """What a checkpoint must match to be resumed by this run."""
+        return {
+            "dataset_name": self.dataset_name,
+            "configuration": self.configuration,
+            "plans_name": self.plans_name,
+            "plans_identity": self.plans_identity,
+        }

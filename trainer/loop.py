@@ -1,0 +1,284 @@
+"""The epoch loop: train iterations, validation iterations, metrics, checkpoints, stop.
+
+One code path for single-process, `-num_gpus` spawn and torchrun: every collective goes
+through trainer.distributed (no-ops at world size 1). Only global rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer import checkpoint, distributed, stop
+from trainer.config import TrainConfig
+from trainer.events import RunRecorder, finite_or_none
+from trainer.schema import Kind, State, checkpoint_file
+
+log = logging.getLogger("trainer")
+
+EMA_OLD_WEIGHT = 0.9
+
+
+def poly_lr(initial_lr: float, epoch: int, num_epochs: int, exponent: float = 0.9) -> float:
+    return initial_lr * (1 - epoch / num_epochs) ** exponent
+
+
+@dataclass
+class History:
+    """Per-epoch metrics; stored in checkpoints so curves continue after `--c`."""
+
+    train_loss: list[float] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+    dice_per_class: list[list[float | None]] = field(default_factory=list)
+    mean_fg_dice: list[float | None] = field(default_factory=list)
+    ema_fg_dice: list[float | None] = field(default_factory=list)
+    lr: list[float] = field(default_factory=list)
+    epoch_time_s: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> History:
+        return cls(**{k: list(data.get(k, [])) for k in cls.__dataclass_fields__})
+
+
+@dataclass
+class LoopState:
+    epoch_next: int = 0
+    ema: float | None = None
+    best_ema: float | None = None
+    history: History = field(default_factory=History)
+    last_checkpoint: str | None = None
+
+
+@dataclass
+class Trainee:
+    """The live objects the loop drives (built by trainer.worker)."""
+
+    model: torch.nn.Module  # what the loop calls (maybe DDP- and/or compile-wrapped)
+    raw_model: torch.nn.Module  # what checkpoints hold
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    loss_fn: torch.nn.Module
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    num_classes: int
+
+
+class Checkpointer:
+    """Writes checkpoints (rank 0, unless disabled) and records checkpoint_saved."""
+
+    def __init__(self, config: TrainConfig, trainee: Trainee, recorder: RunRecorder, is_main: bool):
+        self.config = config
+        self.trainee = trainee
+        self.recorder = recorder
+        self.enabled = is_main and not config.disable_checkpointing
+        self.run_dir = Path(config.run_dir)
+
+    def save(self, kind: str, state: LoopState) -> None:
+        if not self.enabled:
+            return
+        path = self.run_dir / checkpoint_file(kind)
+        metadata = {
+            "kind": kind,
+            "epoch_next": state.epoch_next,
+            "ema_fg_dice": state.ema,
+            "best_ema": state.best_ema,
+            "history": vars(state.history),
+            "config": self.config.to_dict(),
+            "identity": self.config.identity(),
+            "configuration": self.config.configuration,
+        }
+        t = self.trainee
+        write_time_s = checkpoint.save(path, t.raw_model, t.optimizer, t.scaler, metadata)
+        state.last_checkpoint = str(path)
+        self.recorder.event(
+            Kind.CHECKPOINT_SAVED,
+            checkpoint=kind,
+            path=str(path),
+            epoch=state.epoch_next - 1,
+            write_time_s=round(write_time_s, 4),
+        )
+        self.recorder.status(last_checkpoint=str(path))
+        log.info("saved %s (epoch next %d) in %.3f s", path.name, state.epoch_next, write_time_s)
+
+
+def _autocast(trainee: Trainee):
+    if trainee.autocast_dtype is None:
+        return torch.autocast(trainee.device.type, enabled=False)
+    return torch.autocast(trainee.device.type, dtype=trainee.autocast_dtype)
+
+
+def train_iterations(
+    trainee: Trainee, batches: Iterator[Any], num_iterations: int, grad_clip: float
+) -> torch.Tensor:
+    """Summed training loss over num_iterations steps (a tensor: one sync per epoch)."""
+    trainee.model.train()
+    total = torch.zeros((), device=trainee.device)
+    params = [p for p in trainee.model.parameters() if p.requires_grad]
+    for _ in range(num_iterations):
+        batch = next(batches)
+        # Preprocessed segmentations may mark "outside the mask" as -1: background here.
+        target = batch.target.clamp_min(0)
+        trainee.optimizer.zero_grad(set_to_none=True)
+        with _autocast(trainee):
+            outputs = trainee.model(batch.data)
+            loss = trainee.loss_fn(outputs, target)
+        trainee.scaler.scale(loss).backward()
+        trainee.scaler.unscale_(trainee.optimizer)
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        trainee.scaler.step(trainee.optimizer)
+        trainee.scaler.update()
+        total += loss.detach()
+    return total
+
+
+@torch.no_grad()
+def validation_iterations(
+    trainee: Trainee, batches: Iterator[Any], num_iterations: int
+) -> torch.Tensor:
+    """[summed val loss, tp(K-1), fp(K-1), fn(K-1)] on the argmax of the top output."""
+    trainee.model.eval()
+    k = trainee.num_classes - 1
+    stats = torch.zeros(1 + 3 * k, device=trainee.device, dtype=torch.float64)
+    for _ in range(num_iterations):
+        batch = next(batches)
+        target = batch.target.clamp_min(0)
+        with _autocast(trainee):
+            outputs = trainee.model(batch.data)
+            loss = trainee.loss_fn(outputs, target)
+        top = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
+        pred = top.argmax(1)
+        labels = target[:, 0].long()
+        stats[0] += loss.detach().double()
+        for c in range(1, k + 1):
+            p, g = pred == c, labels == c
+            stats[c] += (p & g).sum()
+            stats[k + c] += (p & ~g).sum()
+            stats[2 * k + c] += (~p & g).sum()
+    return stats
+
+
+def pseudo_dice(tp: list[float], fp: list[float], fn: list[float]) -> list[float]:
+    return [
+        2 * a / (2 * a + b + c) if (2 * a + b + c) > 0 else math.nan
+        for a, b, c in zip(tp, fp, fn, strict=True)
+    ]
+
+
+def nanmean(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def record_stop(
+    state: LoopState,
+    epoch: int,
+    recorder: RunRecorder,
+    checkpointer: Checkpointer,
+    write_latest: bool,
+) -> None:
+    """Agreed stop at an epoch boundary: latest checkpoint, events, status (all ranks call)."""
+    ranks = distributed.gather_objects(stop.requested())
+    signalled = [rank for rank, flag in enumerate(ranks or []) if flag]
+    recorder.status(State.STOPPING)
+    recorder.event(Kind.STOP_REQUESTED, epoch=epoch, ranks=signalled)
+    if ranks is not None:  # rank 0 knows who was signalled
+        log.info("SIGUSR1 received (ranks %s): stopping after epoch %d", signalled, epoch)
+    if write_latest:
+        checkpointer.save("latest", state)
+    recorder.event(Kind.STOPPED, epoch=epoch, reason="SIGUSR1")
+    recorder.status(State.STOPPED, epoch=state.epoch_next)
+    log.info("stopped; continue with --c")
+
+
+def run_epochs(
+    config: TrainConfig,
+    trainee: Trainee,
+    state: LoopState,
+    make_batches: Callable[[str, int], Iterator[Any]],
+    recorder: RunRecorder,
+    checkpointer: Checkpointer,
+    world_size: int,
+) -> bool:
+    """Train from state.epoch_next to num_epochs. Returns False if stopped by SIGUSR1."""
+    train_batches = make_batches("train", state.epoch_next * config.iterations_per_epoch)
+    val_batches = make_batches("val", state.epoch_next * config.val_iterations)
+    recorder.status(State.RUNNING, epoch=state.epoch_next)
+    for epoch in range(state.epoch_next, config.num_epochs):
+        stop.reinstall()
+        started = time.perf_counter()
+        lr = poly_lr(config.initial_lr, epoch, config.num_epochs)
+        for group in trainee.optimizer.param_groups:
+            group["lr"] = lr
+        train_sum = train_iterations(
+            trainee, train_batches, config.iterations_per_epoch, config.grad_clip_norm
+        )
+        train_time_s = time.perf_counter() - started
+        val_stats = validation_iterations(trainee, val_batches, config.val_iterations)
+        totals = (
+            distributed.all_reduce_sum(torch.cat((train_sum.double().reshape(1), val_stats)))
+            .cpu()
+            .tolist()
+        )
+        k = trainee.num_classes - 1
+        train_loss = totals[0] / (config.iterations_per_epoch * world_size)
+        val_loss = totals[1] / (config.val_iterations * world_size)
+        dice = pseudo_dice(totals[2 : 2 + k], totals[2 + k : 2 + 2 * k], totals[2 + 2 * k :])
+        mean_dice = nanmean(dice)
+        if not math.isnan(mean_dice):
+            state.ema = (
+                mean_dice
+                if state.ema is None
+                else EMA_OLD_WEIGHT * state.ema + (1 - EMA_OLD_WEIGHT) * mean_dice
+            )
+        epoch_time_s = time.perf_counter() - started
+        h = state.history
+        h.train_loss.append(train_loss)
+        h.val_loss.append(val_loss)
+        h.dice_per_class.append([finite_or_none(d) for d in dice])
+        h.mean_fg_dice.append(finite_or_none(mean_dice))
+        h.ema_fg_dice.append(state.ema)
+        h.lr.append(lr)
+        h.epoch_time_s.append(epoch_time_s)
+        state.epoch_next = epoch + 1
+        recorder.event(
+            Kind.EPOCH_ENDED,
+            epoch=epoch,
+            train_loss=train_loss,
+            val_loss=val_loss,
+            dice_per_class=h.dice_per_class[-1],
+            mean_fg_dice=h.mean_fg_dice[-1],
+            ema_fg_dice=state.ema,
+            lr=lr,
+            epoch_time_s=round(epoch_time_s, 4),
+            iterations_per_s=round(config.iterations_per_epoch / max(train_time_s, 1e-9), 4),
+        )
+        recorder.status(epoch=state.epoch_next)
+        log.info(
+            "epoch %d/%d lr %.6f train_loss %.4f val_loss %.4f pseudo_dice %s ema %.4f "
+            "epoch_time %.2f s",
+            epoch,
+            config.num_epochs,
+            lr,
+            train_loss,
+            val_loss,
+            [round(d, 4) for d in dice],
+            state.ema if state.ema is not None else math.nan,
+            epoch_time_s,
+        )
+        if state.ema is not None and (state.best_ema is None or state.ema > state.best_ema):
+            state.best_ema = state.ema
+            log.info("new best EMA pseudo Dice %.4f", state.ema)
+            checkpointer.save("best", state)
+        if distributed.stop_agreed(stop.requested(), trainee.device):
+            record_stop(state, epoch, recorder, checkpointer, write_latest=True)
+            return False
+        if state.epoch_next % config.save_every == 0 and state.epoch_next < config.num_epochs:
+            checkpointer.save("latest", state)
+    return True

@@ -1,0 +1,251 @@
+"""`nnui-train DATASET CONFIGURATION FOLD ...` (also `python -m trainer`, `torchrun -m trainer`).
+
+The CLI process checks every input once (a user mistake is one `error: ...` line and exit
+2), resolves a TrainConfig and hands it to trainer.distributed.run_distributed, which runs
+trainer.worker.worker in this process, in spawned ranks, or under a launcher.
+
+`import torch` stays out of this module's top level: main() installs the SIGUSR1 handler
+first, so a stop request during the (slow) torch import is kept, not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainer import stop
+
+log = logging.getLogger("trainer.run")
+
+
+class UsageError(ValueError):
+    """A mistake the user fixes with a flag or a command: one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + error
+        sys.stderr.write(f"error: {message} (see nnui-train --help)\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="nnui-train",
+        description="Train one fold of an nnU-Net-v2-style configuration. "
+        "SIGUSR1 stops gracefully after the current epoch; --c continues exactly.",
+    )
+    p.add_argument("dataset", help="dataset id (4, 004) or name (Dataset004_Hippocampus)")
+    p.add_argument("configuration", help="configuration from the plans, e.g. 2d or 3d_fullres")
+    p.add_argument("fold", help="0-4, or 'all' to train on every case")
+    p.add_argument(
+        "-tr", dest="trainer", default="nnUNetTrainer", help="trainer name (only nnUNetTrainer)"
+    )
+    p.add_argument(
+        "-p", dest="plans", default="nnUNetPlans", help="plans name (default nnUNetPlans)"
+    )
+    p.add_argument(
+        "--npz", action="store_true", help="also save softmax probabilities of the final validation"
+    )
+    p.add_argument(
+        "--c",
+        dest="continue_training",
+        action="store_true",
+        help="continue from the newest valid checkpoint",
+    )
+    p.add_argument(
+        "--val",
+        dest="validation_only",
+        action="store_true",
+        help="only run the final validation (final checkpoint)",
+    )
+    p.add_argument("--val_best", action="store_true", help="with --val: use checkpoint_best")
+    p.add_argument(
+        "--val-mirror",
+        dest="val_mirror",
+        action="store_true",
+        help="mirroring test-time augmentation in the final validation",
+    )
+    p.add_argument("--disable_checkpointing", action="store_true", help="write no checkpoints")
+    p.add_argument(
+        "-num_gpus",
+        type=int,
+        default=None,
+        help="single-node DDP with N ranks (not under torchrun)",
+    )
+    p.add_argument("-device", default="cuda", help="cuda (default), cpu or mps")
+    p.add_argument("--epochs", type=int, default=1000, help="number of epochs (default 1000)")
+    p.add_argument(
+        "--iterations-per-epoch",
+        type=int,
+        default=250,
+        help="training iterations per epoch (default 250)",
+    )
+    p.add_argument(
+        "--val-iterations",
+        type=int,
+        default=50,
+        help="validation iterations per epoch (default 50)",
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=50,
+        help="write checkpoint_latest every N epochs (default 50)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=12345, help="seed of weights and sampling (default 12345)"
+    )
+    p.add_argument("--compile", action="store_true", help="torch.compile the network")
+    p.add_argument(
+        "--num-workers",
+        type=int,
+        default=2,
+        help="background data-loading workers per rank (default 2)",
+    )
+    p.add_argument(
+        "--preprocessed",
+        default=None,
+        help="preprocessed root (else $nnUNet_preprocessed, else ./nnui_data/preprocessed)",
+    )
+    p.add_argument(
+        "--results",
+        default=None,
+        help="results root (else $nnUNet_results, else ./nnui_data/results)",
+    )
+    return p
+
+
+def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
+    """Validate the inputs against the file system and return a TrainConfig (raises UsageError)."""
+    from trainer import checkpoint, schema
+    from trainer.config import TrainConfig
+
+    roots = schema.resolve_roots(preprocessed=args.preprocessed, results=args.results)
+    dataset_name = schema.find_dataset(roots.preprocessed, args.dataset)
+    dataset_dir = roots.preprocessed / dataset_name
+    from trainer.plans import load_plans
+
+    try:
+        plans = load_plans(dataset_dir, args.plans)
+    except FileNotFoundError as error:
+        raise UsageError(
+            f"no plans {args.plans!r} for {dataset_name} ({error}); run nnui-preprocess first"
+        ) from error
+    try:
+        cplan = plans.configuration(args.configuration)
+    except (KeyError, ValueError) as error:
+        raise UsageError(f"{error}") from error
+    data_dir = dataset_dir / cplan.data_identifier
+    if not data_dir.is_dir() or not any(data_dir.iterdir()):
+        raise UsageError(
+            f"configuration {args.configuration} of {dataset_name} is not preprocessed "
+            f"({data_dir} is missing); run nnui-preprocess {args.dataset} -c {args.configuration}"
+        )
+    config = TrainConfig(
+        dataset_name=dataset_name,
+        configuration=args.configuration,
+        fold=args.fold,
+        preprocessed_dataset_dir=str(dataset_dir),
+        run_dir=str(
+            schema.run_dir(
+                roots.results, dataset_name, args.configuration, args.fold, args.trainer, args.plans
+            )
+        ),
+        plans_identity=plans.identity,
+        trainer=args.trainer,
+        plans_name=args.plans,
+        num_epochs=args.epochs,
+        iterations_per_epoch=args.iterations_per_epoch,
+        val_iterations=args.val_iterations,
+        save_every=args.save_every,
+        seed=args.seed,
+        device_type=args.device,
+        num_gpus=args.num_gpus,
+        compile=args.compile,
+        num_workers=args.num_workers,
+        npz=args.npz,
+        continue_training=args.continue_training,
+        validation_only=args.validation_only,
+        val_best=args.val_best,
+        val_mirror=args.val_mirror,
+        disable_checkpointing=args.disable_checkpointing,
+        argv=argv,
+    )
+    run_dir = Path(config.run_dir)
+    if config.validation_only:
+        kind = "best" if config.val_best else "final"
+        path = run_dir / schema.checkpoint_file(kind)
+        if not path.exists():
+            raise UsageError(f"--val needs {path}; train first (or drop --val_best)")
+        try:
+            metadata = checkpoint.read_metadata(path)
+        except checkpoint.CheckpointError as error:
+            raise UsageError(f"cannot validate: {error}") from error
+        checkpoint.check_identity(
+            checkpoint.CheckpointInfo(path, kind, metadata["epoch_next"], metadata),
+            config.identity(),
+        )
+    elif config.continue_training:
+        info = checkpoint.find_resume(run_dir, config.identity())
+        if info is None:
+            log.warning("--c: no valid checkpoint in %s, starting fresh", run_dir)
+        else:
+            config = config.replace(resume_checkpoint=str(info.path))
+    _check_device_and_batch(config, cplan.batch_size)
+    return config
+
+
+def _check_device_and_batch(config: Any, global_batch: int) -> None:
+    from trainer import distributed
+
+    launcher = distributed.detect_external_launcher()
+    if config.num_gpus is not None and launcher is not None:
+        raise UsageError(
+            f"-num_gpus is not allowed under {launcher}: the launcher decides the number of ranks"
+        )
+    import torch
+
+    if config.device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("CUDA is not available on this machine; pass -device cpu")
+        if (config.num_gpus or 1) > torch.cuda.device_count():
+            raise UsageError(
+                f"-num_gpus {config.num_gpus} but only {torch.cuda.device_count()} CUDA device(s) "
+                "are visible"
+            )
+    if config.device_type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError("MPS is not available on this machine; pass -device cpu")
+    if config.num_gpus and config.num_gpus > 1:
+        distributed.split_global_batch(global_batch, config.num_gpus)  # ValueError if G < W
+
+
+def main(argv: list[str] | None = None) -> int:
+    stop.install()  # first: a SIGUSR1 during start-up must not kill us
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    try:
+        config = resolve_config(args, argv)
+    except ValueError as error:  # UsageError, DatasetNotFound, IdentityMismatch, config checks
+        sys.stderr.write(f"error: {error}\n")
+        return 2
+    from trainer import distributed
+    from trainer.worker import worker
+
+    try:
+        return distributed.run_distributed(
+            worker, config.to_dict(), config.num_gpus, config.device_type
+        )
+    except ValueError as error:  # raised before any rank starts: a user mistake
+        sys.stderr.write(f"error: {error}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Graceful stop (DESIGN §4): SIGUSR1 only sets a flag; the loop acts on it between epochs.
+
+Standard library only, so `trainer.run` can install the handler before `import torch`
+(a worker without a handler dies of SIGUSR1). Re-install at the start of every epoch:
+torch.compile's Triton/LLVM start-up can replace process signal handlers.
+"""
+
+from __future__ import annotations
+
+import signal
+
+_requested = False
+
+
+def _on_sigusr1(signum: int, frame: object) -> None:
+    # No I/O here: the signal may interrupt a write or a lock holder. A second signal is a no-op.
+    global _requested
+    _requested = True
+
+
+def install() -> None:
+    """(Re-)install the SIGUSR1 handler. Idempotent; keeps an already raised flag."""
+    signal.signal(signal.SIGUSR1, _on_sigusr1)
+
+
+reinstall = install
+
+
+def requested() -> bool:
+    return _requested
+
+
+def clear() -> None:
+    """Forget a request (tests, or a process that handled it and starts over)."""
+    global _requested
+    _requested = False
+
+
+class Terminated(BaseException):
+    """SIGTERM turned into an exception, so the run records `failed` before it exits."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"terminated by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+def install_termination() -> None:
+    """SIGTERM raises Terminated (SIGINT already raises KeyboardInterrupt)."""
+    signal.signal(signal.SIGTERM, _on_sigterm)

@@ -1,0 +1,278 @@
+"""What every rank runs: build model, data and optimiser from the plans, then train/validate.
+
+`worker(topology, payload)` is the worker_fn given to trainer.distributed.run_distributed;
+the payload is TrainConfig.to_dict(). Returns the process exit code (0 on success and on a
+graceful stop). Heavy imports happen inside, after the SIGUSR1 handler is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from trainer import stop
+from trainer.config import TrainConfig
+from trainer.events import RunRecorder
+from trainer.schema import (
+    CONFIG_FILE,
+    SUMMARY_FILE,
+    VALIDATION_DIR,
+    Kind,
+    State,
+    atomic_write_text,
+    checkpoint_file,
+)
+
+log = logging.getLogger("trainer")
+
+
+def setup_logging(global_rank: int) -> None:
+    # StreamHandler writes each record with one write(): lines of several ranks do not mix.
+    handler = logging.StreamHandler(sys.stdout)
+    fmt = f"%(asctime)s [rank {global_rank}] %(message)s"
+    handler.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def worker(topology: Any, payload: dict[str, Any]) -> int:
+    stop.install()
+    stop.install_termination()
+    config = TrainConfig.from_dict(payload)
+    setup_logging(topology.global_rank)
+    recorder = RunRecorder(Path(config.run_dir), topology.is_main, config.num_epochs)
+    try:
+        return _train_and_validate(topology, config, recorder)
+    except BaseException as error:  # record why, then let the exit code say it
+        message = f"{type(error).__name__}: {error}"
+        log.error("failed: %s", message)
+        recorder.failed(message, traceback.format_exc())
+        if isinstance(error, KeyboardInterrupt):
+            return 130
+        if isinstance(error, stop.Terminated):
+            return 128 + error.signum
+        return 1
+    finally:
+        recorder.close()
+
+
+def _set_threads(torch: Any, local_world_size: int) -> None:
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Oversubscription is catastrophic on few cores: share them between local ranks.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, (cores or 1) // max(1, local_world_size)))
+
+
+def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorder) -> int:
+    import torch
+
+    from trainer import distributed
+    from trainer.data.dataset import PreprocessedCases
+    from trainer.loop import Checkpointer, record_stop
+    from trainer.plans import load_plans
+    from trainer.splits import fold_cases, load_or_create_splits
+
+    _set_threads(torch, topology.local_world_size)
+    device = distributed.device_for(topology, config.device_type)
+    dataset_dir = Path(config.preprocessed_dataset_dir)
+    plans = load_plans(dataset_dir, config.plans_name)
+    cplan = plans.configuration(config.configuration)
+    cases = PreprocessedCases(dataset_dir / cplan.data_identifier)
+    splits = load_or_create_splits(dataset_dir, cases.case_ids, write=topology.is_main)
+    distributed.barrier()
+    train_ids, val_ids = fold_cases(splits, config.fold, cases.case_ids)
+    rank_batch = distributed.split_global_batch(
+        cplan.batch_size, topology.world_size, config.oversample_foreground
+    )[topology.global_rank]
+    _record_start(config, topology, recorder, device, rank_batch)
+    log.info(
+        "%s %s fold %s: %d train / %d val cases, patch %s, batch %d on %s (world size %d)",
+        config.dataset_name, config.configuration, config.fold, len(train_ids), len(val_ids),
+        list(cplan.patch_size), rank_batch.batch_size, device, topology.world_size,
+    )  # fmt: skip
+
+    trainee = _build_trainee(config, topology, plans, cplan, device)
+    checkpointer = Checkpointer(config, trainee, recorder, topology.is_main)
+    state = _restore(config, trainee, recorder)
+
+    if not config.validation_only:
+        # A SIGUSR1 during start-up: stop before the first epoch, resumable as it is.
+        if distributed.stop_agreed(stop.requested(), device):
+            resumed = Path(config.resume_checkpoint or "").name
+            already_latest = resumed == checkpoint_file("latest")
+            write_latest = state.epoch_next > 0 and not already_latest
+            record_stop(state, state.epoch_next - 1, recorder, checkpointer, write_latest)
+            return 0
+        trains = state.epoch_next < config.num_epochs
+        if trains:
+            streams = {"train": train_ids, "val": val_ids}
+            if not _train(config, topology, trainee, state, cases, streams, cplan, rank_batch,
+                          recorder, checkpointer):  # fmt: skip
+                return 0  # graceful stop
+        resumed_final = Path(config.resume_checkpoint or "").name == checkpoint_file("final")
+        if trains or not resumed_final:
+            checkpointer.save("final", state)
+        recorder.status(epoch=state.epoch_next)
+
+    _final_validation(config, topology, trainee, cases, val_ids, cplan, recorder)
+    recorder.event(Kind.FINISHED, epoch=state.epoch_next - 1)
+    recorder.status(State.FINISHED, epoch=state.epoch_next)
+    log.info("finished")
+    return 0
+
+
+def _record_start(config: TrainConfig, topology: Any, recorder: RunRecorder, device: Any,
+                  rank_batch: Any) -> None:  # fmt: skip
+    from trainer import distributed
+
+    me = {
+        "global_rank": topology.global_rank, "local_rank": topology.local_rank,
+        "host": topology.host, "pid": os.getpid(), "device": str(device),
+        "batch_size": rank_batch.batch_size,
+        "oversample_foreground_percent": rank_batch.oversample_share, "sigusr1_handler": True,
+    }  # fmt: skip
+    ranks = distributed.gather_objects(me)
+    if not topology.is_main:
+        return
+    atomic_write_text(Path(config.run_dir) / CONFIG_FILE, json.dumps(config.to_dict(), indent=1))
+    recorder.event(
+        Kind.RUN_STARTED, dataset=config.dataset_name, configuration=config.configuration,
+        fold=config.fold, num_epochs=config.num_epochs,
+        iterations_per_epoch=config.iterations_per_epoch, world_size=topology.world_size,
+        launcher=topology.launcher, host=topology.host, argv=config.argv,
+    )  # fmt: skip
+    recorder.event(Kind.TOPOLOGY, ranks=ranks)
+    recorder.status(State.STARTING, pids=[r["pid"] for r in ranks])
+
+
+def _build_trainee(config: TrainConfig, topology: Any, plans: Any, cplan: Any, device: Any) -> Any:
+    import torch
+
+    from trainer import distributed
+    from trainer.loop import Trainee
+    from trainer.loss import DeepSupervisionLoss
+    from trainer.model import build_network
+
+    torch.manual_seed(config.seed)
+    raw_model = build_network(
+        cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim
+    ).to(device)
+    model: torch.nn.Module = raw_model
+    if topology.world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        model = DistributedDataParallel(raw_model, device_ids=ids)
+    if config.compile:
+        model = torch.compile(model)
+    optimizer = torch.optim.SGD(
+        raw_model.parameters(), lr=config.initial_lr, momentum=config.momentum,
+        weight_decay=config.weight_decay, nesterov=True,
+    )  # fmt: skip
+    autocast_dtype = None
+    if device.type == "cuda":
+        autocast_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    # Loss scaling is needed for fp16 only (bf16 has fp32's exponent range).
+    scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
+    reduce_fn = distributed.differentiable_all_reduce_sum
+    return Trainee(
+        model=model, raw_model=raw_model, optimizer=optimizer, scaler=scaler,
+        loss_fn=DeepSupervisionLoss(cplan.network.num_stages - 1, reduce_fn=reduce_fn),
+        device=device, autocast_dtype=autocast_dtype, num_classes=plans.num_classes,
+    )  # fmt: skip
+
+
+def _restore(config: TrainConfig, trainee: Any, recorder: RunRecorder) -> Any:
+    """LoopState to start from: fresh, a resumed checkpoint, or the one --val validates."""
+    from trainer import checkpoint
+    from trainer.loop import History, LoopState
+
+    if config.validation_only:
+        path = Path(config.run_dir) / checkpoint_file("best" if config.val_best else "final")
+        tensors, metadata = checkpoint.load(path)
+        checkpoint.apply(tensors, metadata, trainee.raw_model)
+        # Progress of a --val run is that of the training it validates.
+        trained_epochs = metadata.get("config", {}).get("num_epochs", config.num_epochs)
+        recorder.status(num_epochs=trained_epochs, epoch=metadata["epoch_next"])
+        return LoopState(epoch_next=metadata["epoch_next"])
+    if not config.resume_checkpoint:
+        return LoopState()
+    tensors, metadata = checkpoint.load(Path(config.resume_checkpoint))
+    checkpoint.apply(
+        tensors, metadata, trainee.raw_model, trainee.optimizer, trainee.scaler,
+        restore_rng_state=True,
+    )  # fmt: skip
+    log.info("continuing from %s at epoch %d", Path(config.resume_checkpoint).name,
+             metadata["epoch_next"])  # fmt: skip
+    return LoopState(
+        epoch_next=metadata["epoch_next"], ema=metadata.get("ema_fg_dice"),
+        best_ema=metadata.get("best_ema"), history=History.from_dict(metadata.get("history", {})),
+        last_checkpoint=config.resume_checkpoint,
+    )  # fmt: skip
+
+
+def _train(config: TrainConfig, topology: Any, trainee: Any, state: Any, cases: Any,
+           streams: dict[str, list[str]], cplan: Any, rank_batch: Any, recorder: RunRecorder,
+           checkpointer: Any) -> bool:  # fmt: skip
+    """The epochs, with both loaders closed whatever happens. False = stopped by SIGUSR1."""
+    from trainer.data.loader import PatchLoader
+    from trainer.loop import run_epochs
+
+    with contextlib.ExitStack() as exits:
+
+        def make_batches(stream: str, start_iteration: int) -> Any:
+            # The stream is a pure function of (seed, rank, stream, iteration): starting at
+            # epoch * iterations continues exactly where an uninterrupted run would be.
+            loader = PatchLoader(
+                cases, streams[stream], tuple(cplan.patch_size), rank_batch.batch_size,
+                rank_batch.oversample_share, config.seed, topology.global_rank, trainee.device,
+                augment=stream == "train", start_iteration=start_iteration,
+                num_workers=config.num_workers, stream=stream,
+            )  # fmt: skip
+            return iter(exits.enter_context(loader))
+
+        return run_epochs(
+            config, trainee, state, make_batches, recorder, checkpointer, topology.world_size
+        )
+
+
+def _final_validation(config: TrainConfig, topology: Any, trainee: Any, cases: Any,
+                      val_ids: list[str], cplan: Any, recorder: RunRecorder) -> None:  # fmt: skip
+    """Sliding-window Dice on whole cases, split val_ids[rank::W]; rank 0 writes the summary."""
+    from trainer import distributed
+    from trainer.evaluate import summarize, validate_cases
+
+    recorder.status(State.RUNNING, message="final validation")
+    output_dir = Path(config.run_dir) / VALIDATION_DIR
+    if topology.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    distributed.barrier()
+    raw_model = trainee.raw_model
+    raw_model.deep_supervision = False  # only the full-resolution head is needed
+    try:
+        mine = validate_cases(
+            raw_model, cases, list(val_ids)[topology.global_rank :: topology.world_size],
+            tuple(cplan.patch_size), trainee.num_classes, trainee.device, output_dir,
+            mirror=config.val_mirror, save_npz=config.npz,
+        )  # fmt: skip
+    finally:
+        raw_model.deep_supervision = True
+    gathered = distributed.gather_objects(mine)
+    if gathered is None:
+        return
+    summary = summarize([c for part in gathered for c in part], range(1, trainee.num_classes))
+    atomic_write_text(output_dir / SUMMARY_FILE, json.dumps(summary, indent=1))
+    recorder.event(
+        Kind.VALIDATION_FINISHED, mean_fg_dice=summary["mean_fg_dice"],
+        dice_per_class=summary["dice_per_class"], num_cases=summary["num_cases"],
+    )  # fmt: skip
+    recorder.status(message=None)
+    log.info("final validation: mean foreground Dice %s over %d cases",
+             summary["mean_fg_dice"], summary["num_cases"])  # fmt: skip
