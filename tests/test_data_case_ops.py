@@ -74,3 +74,30 @@ def test_nifti_round_trip_keeps_zyx_order_and_spacing(tmp_path):
     back, spacing = read_image(tmp_path / "a.nii.gz")
     np.testing.assert_array_equal(back, data)
     assert spacing == pytest.approx((3.0, 0.5, 0.25))
+
+
+def test_write_array_fsyncs_the_data_before_the_rename(tmp_path, monkeypatch):
+    import os
+
+    from trainer.data import blosc_io
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    array = np.arange(2 * 5 * 6 * 7, dtype=np.float32).reshape(2, 5, 6, 7)
+    path = tmp_path / "case.b2nd"
+    blosc_io.write_array(path, array, (4, 4, 4))
+    assert [kind for kind, _ in events] == ["fsync", "replace"]
+    assert events[0][1] == events[1][1]  # the temporary file, flushed before it is renamed
+    assert np.array_equal(blosc_io.open_array(path)[...], array)
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -232,3 +232,84 @@ def test_overrides_on_the_command_line(small_raw, tmp_path, capsys):
     assert config.patch_size == (8, 16, 16) and config.batch_size == 3
     assert preprocess.main([*argv, "--patch-size", "9", "16", "16"]) == 2
     assert "not divisible" in capsys.readouterr().err
+
+
+# ---- one configuration at a time -------------------------------------------------------
+
+
+def _pre_argv(small_raw, pre, *extra):
+    return ["900", "--raw", str(small_raw), "--preprocessed", str(pre), "-np", "1", *extra]
+
+
+def test_preprocessing_one_configuration_keeps_the_others(small_raw, tmp_path, capsys):
+    pre = tmp_path / "pre"
+    plans_path = pre / DEMO_DATASET / "plans.json"
+    assert preprocess.main(_pre_argv(small_raw, pre, "-c", "3d_fullres")) == 0
+    first = json.loads(plans_path.read_text())
+    identity_3d = load_plans(pre / DEMO_DATASET).identity_of("3d_fullres")
+    assert first["configurations"]["3d_fullres"]["case_ids"] == ["demo_000", "demo_001"]
+    assert preprocess.main(_pre_argv(small_raw, pre, "-c", "2d", "--batch-size", "3")) == 0
+    second = json.loads(plans_path.read_text())
+    assert sorted(second["configurations"]) == ["2d", "3d_fullres"]
+    assert second["configurations"]["3d_fullres"] == first["configurations"]["3d_fullres"]
+    plans = load_plans(pre / DEMO_DATASET)
+    assert plans.identity_of("3d_fullres") == identity_3d
+    assert plans.configuration("2d").batch_size == 3
+    for config in plans.configurations.values():  # both folders are complete
+        cases = PreprocessedCases(pre / DEMO_DATASET / config.data_identifier)
+        assert cases.case_ids == ["demo_000", "demo_001"] and cases.missing_case_ids() == []
+    # Re-planning 2d again changes only 2d.
+    assert preprocess.main(_pre_argv(small_raw, pre, "-c", "2d", "--batch-size", "2")) == 0
+    third = load_plans(pre / DEMO_DATASET)
+    assert third.identity_of("3d_fullres") == identity_3d
+    assert third.identity_of("2d") != plans.identity_of("2d")
+
+
+def test_changed_raw_data_drops_the_other_configurations(small_raw, tmp_path, capsys):
+    pre = tmp_path / "pre"
+    plans_path = pre / DEMO_DATASET / "plans.json"
+    assert preprocess.main(_pre_argv(small_raw, pre, "-c", "3d_fullres")) == 0
+    data = json.loads(plans_path.read_text())  # as if the raw intensities had changed
+    data["foreground_intensity_properties_per_channel"]["0"]["mean"] += 1.0
+    plans_path.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert preprocess.main(_pre_argv(small_raw, pre, "-c", "2d")) == 0
+    assert "3d_fullres dropped from plans.json" in capsys.readouterr().out
+    assert sorted(json.loads(plans_path.read_text())["configurations"]) == ["2d"]
+
+
+def test_interrupted_run_of_one_configuration_keeps_the_others_listed(
+    small_raw, tmp_path, monkeypatch
+):
+    pre = tmp_path / "pre"
+    plans_path = pre / DEMO_DATASET / "plans.json"
+    assert preprocess.main(_pre_argv(small_raw, pre, "-c", "3d_fullres")) == 0
+
+    def crash(job):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(preprocess, "preprocess_case", crash)
+    with pytest.raises(KeyboardInterrupt):
+        preprocess.main(_pre_argv(small_raw, pre, "-c", "2d"))
+    assert sorted(json.loads(plans_path.read_text())["configurations"]) == ["3d_fullres"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--patch-size", "0", "0", "0"], "every size must be >= 1"),
+        (["--patch-size", "-8", "16", "16"], "every size must be >= 1"),
+        (["--patch-size", "16", "0"], "every size must be >= 1"),
+        (["--patch-size", "9", "16", "16"], "not divisible"),
+        (["--batch-size", "0"], "N >= 1"),
+        (["--batch-size", "-2"], "N >= 1"),
+        (["--batch-size", "3d_fullres=0"], "N >= 1"),
+        (["--batch-size", "x"], "N >= 1"),
+    ],
+)
+def test_bad_sizes_are_one_error_line(small_raw, tmp_path, capsys, extra, message):
+    pre = tmp_path / "pre"
+    assert preprocess.main(_pre_argv(small_raw, pre, *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not (pre / DEMO_DATASET / "plans.json").exists()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import time
 import zlib
@@ -15,9 +17,10 @@ import torch
 
 from trainer.data.augment import AugmentConfig, augment_batch, spatial_transform
 from trainer.data.blosc_io import choose_layout, read_padded
-from trainer.data.dataset import PreprocessedCases
+from trainer.data.dataset import MissingCaseError, PreprocessedCases
 from trainer.data.loader import PatchLoader
 from trainer.data.patches import BatchSpec, load_patches
+from trainer.data.raw import DataError
 from trainer.data.sampling import batch_seed, forced_slots, plan_batch
 from trainer.plans import load_plans
 
@@ -138,6 +141,51 @@ def test_loader_rejects_bad_arguments(demo_preprocessed):
             PatchLoader(cases, cases.case_ids, **{**base, **bad})
     with pytest.raises(ValueError, match="not in"):
         PatchLoader(cases, ["nope"], **base)
+
+
+@pytest.fixture
+def copied_dataset(demo_preprocessed, tmp_path):
+    """A private copy of the preprocessed demo dataset, safe to break."""
+    source = demo_preprocessed.preprocessed / demo_preprocessed.dataset_name
+    target = tmp_path / demo_preprocessed.dataset_name
+    shutil.copytree(source, target)
+    return target
+
+
+@pytest.mark.parametrize(
+    "file", ["demo_002.b2nd", "demo_002_seg.b2nd", "demo_002.json", "demo_005.b2nd"]
+)
+def test_a_deleted_case_file_is_reported_not_skipped(copied_dataset, file):
+    folder = copied_dataset / load_plans(copied_dataset).configuration("3d_fullres").data_identifier
+    case_id = file.split(".")[0].removesuffix("_seg")
+    (folder / file).unlink()
+    cases = PreprocessedCases(folder)
+    assert cases.case_ids == [f"demo_{i:03d}" for i in range(6)]  # still expected
+    assert cases.missing_case_ids() == [case_id]
+    with pytest.raises(MissingCaseError, match=f"{case_id}.*rerun nnui-preprocess Dataset900"):
+        cases.check_complete()
+    load = cases.properties if file.endswith(".json") else cases.load_image
+    if file.endswith("_seg.b2nd"):
+        load = cases.load_seg
+    with pytest.raises(DataError, match="rerun nnui-preprocess"):
+        load(case_id)
+    with pytest.raises(ValueError, match="rerun nnui-preprocess"):
+        PatchLoader(cases, cases.case_ids, (16, 32, 32), 2, 0.3, 0, 0, CPU, False, num_workers=0)
+    others = [c for c in cases.case_ids if c != case_id]  # the rest still loads
+    PatchLoader(cases, others, (16, 32, 32), 2, 0.3, 0, 0, CPU, False, num_workers=0).close()
+
+
+def test_expected_cases_fall_back_to_the_fingerprint_then_to_the_folder(copied_dataset):
+    folder = copied_dataset / load_plans(copied_dataset).configuration("2d").data_identifier
+    data = json.loads((copied_dataset / "plans.json").read_text())
+    for block in data["configurations"].values():  # plans from before `case_ids`
+        del block["case_ids"]
+    (copied_dataset / "plans.json").write_text(json.dumps(data))
+    (folder / "demo_001.json").unlink()
+    assert PreprocessedCases(folder).missing_case_ids() == ["demo_001"]
+    (copied_dataset / "dataset_fingerprint.json").unlink()  # nothing records the cases
+    cases = PreprocessedCases(folder)
+    assert "demo_001" not in cases.case_ids and cases.missing_case_ids() == []
 
 
 def _sigusr1_ignored(pid: int) -> bool:

@@ -15,8 +15,15 @@ from trainer.data.planning import (
     plan_patch,
     target_spacing,
 )
-from trainer.plans import load_plans, plans_file, plans_to_json
-from trainer.splits import create_splits, fold_cases, load_or_create_splits
+from trainer.plans import (
+    content_to_json,
+    load_plans,
+    merge_plans,
+    plans_content,
+    plans_file,
+    plans_to_json,
+)
+from trainer.splits import SplitsError, create_splits, fold_cases, load_or_create_splits
 
 
 @pytest.mark.parametrize(
@@ -119,6 +126,57 @@ def test_identity_is_stable_and_tracks_content():
     assert a.identity == b.identity != c.identity
 
 
+def test_identity_of_a_configuration_ignores_the_other_configurations():
+    a = plan_experiment(FINGERPRINT, DATASET_JSON, "D")
+    other_2d = plan_experiment(
+        FINGERPRINT, DATASET_JSON, "D", overrides=Overrides(batch_size={"2d": 3})
+    )
+    other_3d = plan_experiment(
+        FINGERPRINT, DATASET_JSON, "D", overrides=Overrides(batch_size={"3d_fullres": 3})
+    )
+    only_3d = plan_experiment(FINGERPRINT, DATASET_JSON, "D", ("3d_fullres",))
+    labels = plan_experiment(FINGERPRINT, dict(DATASET_JSON, labels={"background": 0, "x": 1}), "D")
+    assert a.identity_of("3d_fullres") == other_2d.identity_of("3d_fullres")
+    assert a.identity_of("3d_fullres") == only_3d.identity_of("3d_fullres")
+    assert a.identity_of("2d") != other_2d.identity_of("2d")
+    assert a.identity_of("3d_fullres") != other_3d.identity_of("3d_fullres")
+    for name in ("2d", "3d_fullres"):  # dataset-level fields count for every configuration
+        assert a.identity_of(name) != labels.identity_of(name)
+    assert a.identity_of("2d") != a.identity_of("3d_fullres")
+    with pytest.raises(ValueError, match="available: 3d_fullres"):
+        only_3d.identity_of("2d")
+
+
+def test_merge_keeps_other_configurations_byte_identical(tmp_path):
+    from dataclasses import replace
+
+    full = plan_experiment(FINGERPRINT, DATASET_JSON, "D")
+    with_ids = replace(
+        full,
+        configurations={n: replace(c, case_ids=("a", "b")) for n, c in full.configurations.items()},
+    )
+    assert with_ids.identity_of("2d") == full.identity_of("2d")  # case list is bookkeeping
+    existing = json.loads(plans_to_json(with_ids))
+    new_2d = plan_experiment(
+        FINGERPRINT, DATASET_JSON, "D", ("2d",), Overrides(batch_size={"2d": 5})
+    )
+    content, dropped = merge_plans(new_2d, existing)
+    assert dropped == [] and list(content["configurations"]) == ["2d", "3d_fullres"]
+    old_block = json.dumps(existing["configurations"]["3d_fullres"], indent=1)
+    assert json.dumps(content["configurations"]["3d_fullres"], indent=1) == old_block
+    plans_file(tmp_path).write_text(content_to_json(content))
+    merged = load_plans(tmp_path)
+    assert merged.identity_of("3d_fullres") == full.identity_of("3d_fullres")
+    assert merged.configuration("2d").batch_size == 5
+    assert merged.configuration("3d_fullres").case_ids == ("a", "b")
+    # Different raw data (intensity properties) -> the other configuration is dropped.
+    changed = json.loads(json.dumps(existing))
+    changed["foreground_intensity_properties_per_channel"]["0"]["mean"] = 1234.0
+    content, dropped = merge_plans(new_2d, changed)
+    assert dropped == ["3d_fullres"] and list(content["configurations"]) == ["2d"]
+    assert merge_plans(new_2d, None) == (plans_content(new_2d), [])
+
+
 def test_ct_channel_uses_ct_normalisation_without_mask():
     dataset_json = dict(DATASET_JSON, channel_names={"0": "CT"})
     plans = plan_experiment(FINGERPRINT, dataset_json, "Dataset900_NnuiDemo")
@@ -179,3 +237,40 @@ def test_fold_cases():
     for bad in ("5", "x", "-1"):
         with pytest.raises(ValueError, match="does not exist"):
             fold_cases(splits, bad, IDS)
+
+
+@pytest.mark.parametrize(
+    ("num_cases", "fold", "message"),
+    [
+        (3, "3", r"fold 3 does not exist in splits_final.json \(3 cases give 3 folds\); "
+         r"choose 0-2 or 'all'"),
+        (1, "1", r"fold 1 does not exist .*\(1 cases give 1 folds\); choose 0 or 'all'"),
+        (12, "5", r"fold 5 does not exist in splits_final.json; choose 0-4 or 'all'"),
+    ],
+)  # fmt: skip
+def test_fold_beyond_the_splits_of_a_small_dataset(tmp_path, num_cases, fold, message):
+    ids = IDS[:num_cases]
+    splits = load_or_create_splits(tmp_path, ids)
+    with pytest.raises(SplitsError, match=message):
+        fold_cases(splits, fold, ids)
+    assert fold_cases(splits, "all", ids) == (ids, ids)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "is not valid JSON"),
+        ("", "is not valid JSON"),
+        ('{"train": []}', "is not a list of"),
+        ("[]", "is not a list of"),
+        ('[{"train": ["a"]}]', "is not a list of"),
+        ('[{"train": "a", "val": ["a"]}]', "is not a list of"),
+        ('[{"train": [1], "val": ["a"]}]', "is not a list of"),
+    ],
+)
+def test_corrupt_splits_file_is_one_clear_error(tmp_path, text, message):
+    (tmp_path / "splits_final.json").write_text(text)
+    with pytest.raises(SplitsError, match=message) as info:
+        load_or_create_splits(tmp_path, IDS)
+    assert isinstance(info.value, ValueError) and "\n" not in str(info.value)
+    assert "delete it to recreate it" in str(info.value)

@@ -9,6 +9,7 @@ must never see it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -108,6 +109,81 @@ def test_bad_arguments_are_one_error_line(args, message, capsys, tmp_path) -> No
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["D", "2d", "0"], "the following arguments are required: --time"),
+        (["D", "2d"], "the following arguments are required: fold"),
+        (["D", "2d", "0", "--time", "1:00:00", "--nodes", "two"], "--nodes: invalid int value"),
+        (["D", "2d", "0", "--time", "1:00:00", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_argparse_errors_are_one_line_with_a_hint(args, message, capsys, tmp_path) -> None:
+    assert slurm.sbatch_main([*args, "--output", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert err[0].endswith("(see nnui sbatch --help)") and "usage:" not in captured.err
+    assert not list(tmp_path.iterdir())
+
+
+def test_unwritable_output_is_one_error_line(capsys) -> None:
+    argv = ["D", "2d", "0", "--time", "1:00:00", "--output", "/proc/nope", "--no-check"]
+    assert slurm.sbatch_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: cannot write the job script"), err
+    assert "/proc/nope" in err[0] and "--output" in err[0]
+
+
+@pytest.fixture
+def preprocessed_root(tmp_path, monkeypatch) -> Path:
+    """A preprocessed root with Dataset900_NnuiDemo planned for 3d_fullres only."""
+    root = tmp_path / "pre"
+    (root / "Dataset900_NnuiDemo").mkdir(parents=True)
+    plans = {"plans_name": "nnUNetPlans", "configurations": {"3d_fullres": {}}}
+    (root / "Dataset900_NnuiDemo" / "plans.json").write_text(json.dumps(plans))
+    (root / "Dataset900_NnuiDemo" / "myPlans.json").write_text(
+        json.dumps({"configurations": {"2d": {}}})
+    )
+    (root / "Dataset901_Broken").mkdir()
+    (root / "Dataset901_Broken" / "plans.json").write_text("{not json")
+    monkeypatch.setenv("nnUNet_preprocessed", str(root))
+    return root
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["900", "3d_fullres"], None),
+        (["Dataset900_NnuiDemo", "3d_fullres"], None),
+        (["900", "2d", "--", "-p", "myPlans"], None),
+        (["902", "3d_fullres"], "no dataset with id 902"),
+        (["900", "2d"], "configuration '2d' is not preprocessed for Dataset900_NnuiDemo "
+         "(plans have: 3d_fullres); run nnui-preprocess Dataset900_NnuiDemo -c 2d"),
+        (["900", "3d_fullres", "--", "-p", "myPlans"], "configuration '3d_fullres'"),
+        (["900", "3d_fullres", "--", "-p", "nope"], "no readable plans at"),
+        (["901", "3d_fullres"], "no readable plans at"),
+        (["900", "3d_fullres", "--", "--preprocessed", "/nonexistent"], "no dataset with id 900"),
+    ],
+)  # fmt: skip
+def test_dataset_and_configuration_are_checked(
+    preprocessed_root, tmp_path, capsys, args, message
+) -> None:
+    dataset, configuration, *rest = args
+    out = tmp_path / "out"
+    argv = [dataset, configuration, "0", "--time", "1:00:00", "--output", str(out), *rest]
+    if message is None:
+        assert slurm.sbatch_main(argv) == 0, capsys.readouterr().err
+        return
+    assert slurm.sbatch_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert err[0].endswith("pass --no-check if the data lives only on the cluster")
+    assert not out.exists()
+    cut = argv.index("--") if "--" in argv else len(argv)
+    assert slurm.sbatch_main([*argv[:cut], "--no-check", *argv[cut:]]) == 0  # skipped
+
+
 def test_sbatch_main_writes_script_and_submits(tmp_path, capsys, monkeypatch) -> None:
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
@@ -116,7 +192,7 @@ def test_sbatch_main_writes_script_and_submits(tmp_path, capsys, monkeypatch) ->
     monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
     monkeypatch.setenv("nnUNet_preprocessed", "/data/pre")
     argv = ["Dataset900_NnuiDemo", "2d", "all", "--time", "01:30:00", "--gpus-per-node", "0",
-            "--procs-per-node", "2", "--output", str(tmp_path / "out")]  # fmt: skip
+            "--procs-per-node", "2", "--output", str(tmp_path / "out"), "--no-check"]  # fmt: skip
     assert slurm.sbatch_main(argv) == 0
     path = Path(capsys.readouterr().out.strip())
     assert path.parent == tmp_path / "out" and os.access(path, os.X_OK)

@@ -50,6 +50,9 @@ class ConfigurationPlan:
     use_mask_for_norm: tuple[bool, ...]
     network: NetworkPlan
     median_image_size: tuple[int, ...] = ()  # at `spacing`, (z, y, x)
+    # The cases preprocessing wrote for this configuration: a deleted file is then noticed
+    # (trainer.data.dataset). Not part of any identity: the splits decide what is trained on.
+    case_ids: tuple[str, ...] = ()
 
     @property
     def ndim(self) -> int:
@@ -63,7 +66,7 @@ class Plans:
     configurations: dict[str, ConfigurationPlan]
     num_input_channels: int
     labels: dict[str, int]  # from dataset.json, includes background
-    identity: str  # sha256 hex of the canonical JSON of the content
+    identity: str  # sha256 hex of the canonical JSON of the whole content (all configurations)
     foreground_intensity_properties: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
@@ -75,6 +78,13 @@ class Plans:
             available = ", ".join(sorted(self.configurations))
             raise ValueError(f"configuration {name!r} not in plans; available: {available}")
         return self.configurations[name]
+
+    def identity_of(self, configuration: str) -> str:
+        """sha256 hex of what a model trained on one configuration depends on: the
+        dataset-level fields (labels, channels, intensity properties) and that configuration's
+        block. Re-planning another configuration leaves it unchanged."""
+        self.configuration(configuration)  # ValueError naming the available ones
+        return configuration_identity(plans_content(self), configuration)
 
 
 # ---- JSON round trip ------------------------------------------------------------------
@@ -96,7 +106,7 @@ def _network_from_dict(d: dict) -> NetworkPlan:
 
 def _configuration_to_dict(c: ConfigurationPlan) -> dict:
     n = c.network
-    return {
+    out = {
         "data_identifier": c.data_identifier,
         "patch_size": list(c.patch_size),
         "batch_size": c.batch_size,
@@ -112,6 +122,9 @@ def _configuration_to_dict(c: ConfigurationPlan) -> dict:
             "n_conv_per_stage_decoder": list(n.n_conv_per_stage_decoder),
         },
     }
+    if c.case_ids:
+        out["case_ids"] = list(c.case_ids)
+    return out
 
 
 def _configuration_from_dict(name: str, d: dict) -> ConfigurationPlan:
@@ -125,6 +138,7 @@ def _configuration_from_dict(name: str, d: dict) -> ConfigurationPlan:
         use_mask_for_norm=tuple(bool(v) for v in d["use_mask_for_norm"]),
         network=_network_from_dict(d["network"]),
         median_image_size=tuple(int(v) for v in d.get("median_image_size_in_voxels", ())),
+        case_ids=tuple(str(v) for v in d.get("case_ids", ())),
     )
 
 
@@ -143,9 +157,43 @@ def plans_content(plans: Plans) -> dict:
     }
 
 
-def compute_identity(content: dict) -> str:
+# Plans-level fields a trained model depends on (with its configuration block).
+DATASET_LEVEL_KEYS = (
+    "format_version",
+    "plans_name",
+    "num_input_channels",
+    "labels",
+    "foreground_intensity_properties_per_channel",
+)
+_NOT_IDENTITY = ("case_ids",)  # bookkeeping, not a training input
+
+
+def _hash(content: dict) -> str:
     canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _block_for_identity(block: dict) -> dict:
+    return {k: v for k, v in block.items() if k not in _NOT_IDENTITY}
+
+
+def dataset_level(content: dict) -> dict:
+    """The plans-level fields every configuration depends on."""
+    return {key: content.get(key) for key in DATASET_LEVEL_KEYS}
+
+
+def compute_identity(content: dict) -> str:
+    """Identity of the whole plans (every configuration)."""
+    configurations = {
+        name: _block_for_identity(block) for name, block in content["configurations"].items()
+    }
+    return _hash({**content, "configurations": configurations})
+
+
+def configuration_identity(content: dict, configuration: str) -> str:
+    """Identity of one configuration: dataset-level fields + its own block only."""
+    block = _block_for_identity(content["configurations"][configuration])
+    return _hash({**dataset_level(content), "configuration": configuration, "block": block})
 
 
 def with_identity(plans: Plans) -> Plans:
@@ -155,9 +203,50 @@ def with_identity(plans: Plans) -> Plans:
 
 
 def plans_to_json(plans: Plans) -> str:
-    content = plans_content(plans)
-    content["identity"] = compute_identity(content)
-    return json.dumps(content, indent=1, allow_nan=True) + "\n"
+    return content_to_json(plans_content(plans))
+
+
+def _dataset_level_json(content: dict) -> str:
+    return json.dumps(dataset_level(content), sort_keys=True, allow_nan=True)
+
+
+def merge_plans(new: Plans, existing: dict | None) -> tuple[dict, list[str]]:
+    """plans.json content: `new`'s configurations plus the other ones of `existing`, kept
+    as they were (same bytes, same `identity_of`). Returns (content, dropped names).
+
+    Another configuration is kept only when the dataset-level fields are unchanged: its
+    data was normalised with them, so when they differ (the raw data changed) it is dropped
+    and must be preprocessed again.
+    """
+    content = plans_content(new)
+    dropped: list[str] = []
+    if existing and isinstance(existing.get("configurations"), dict):
+        others = {
+            k: v for k, v in existing["configurations"].items() if k not in new.configurations
+        }
+        if _dataset_level_json(existing) == _dataset_level_json(content):
+            content["configurations"] = dict(
+                sorted({**others, **content["configurations"]}.items())
+            )
+        else:
+            dropped = sorted(others)
+    return content, dropped
+
+
+def content_to_json(content: dict) -> str:
+    return (
+        json.dumps({**content, "identity": compute_identity(content)}, indent=1, allow_nan=True)
+        + "\n"
+    )
+
+
+def read_plans_json(path: Path) -> dict | None:
+    """The raw content of a plans file, or None when absent or unreadable."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def plans_from_dict(data: dict) -> Plans:

@@ -17,7 +17,7 @@ import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -34,7 +34,14 @@ from trainer.data.case_ops import (
 from trainer.data.planning import CONFIGURATIONS, Overrides, PlanningError, plan_experiment
 from trainer.data.raw import DataError, RawCase, RawDataset, load_raw_case, open_raw_dataset
 from trainer.fingerprint import fingerprint_case, summarize
-from trainer.plans import Plans, plans_file, plans_to_json
+from trainer.plans import (
+    Plans,
+    content_to_json,
+    merge_plans,
+    plans_file,
+    plans_from_dict,
+    read_plans_json,
+)
 from trainer.schema import DatasetNotFound, atomic_write_text, find_dataset, resolve_roots
 from trainer.splits import NUM_FOLDS, load_or_create_splits
 
@@ -176,7 +183,22 @@ def preprocess_dataset(
     plans = plan_experiment(fingerprint, raw.dataset_json, name, tuple(configurations), overrides)
     out_dir = Path(preprocessed_root) / name
     out_dir.mkdir(parents=True, exist_ok=True)
-    plans_file(out_dir).unlink(missing_ok=True)  # not complete until written again
+    # Other configurations already in plans.json stay (same bytes, same identity). While
+    # this run works, plans.json lists only them: the requested ones are not complete yet.
+    case_ids = [case.case_id for case in raw.cases]
+    existing = read_plans_json(plans_file(out_dir))
+    merged, dropped = merge_plans(plans, existing)
+    others = {k: v for k, v in merged["configurations"].items() if k not in plans.configurations}
+    kept = {**merged, "configurations": others}
+    for other in dropped:
+        progress(
+            f"{other} dropped from plans.json: the raw data changed since it was preprocessed; "
+            f"run nnui-preprocess {dataset} -c {other} again"
+        )
+    if kept["configurations"]:
+        atomic_write_text(plans_file(out_dir), content_to_json(kept))
+    else:
+        plans_file(out_dir).unlink(missing_ok=True)  # not complete until written again
     atomic_write_text(out_dir / "dataset.json", json.dumps(raw.dataset_json, indent=2) + "\n")
     atomic_write_text(out_dir / FINGERPRINT_FILE, json.dumps(fingerprint, indent=1) + "\n")
     configs = []
@@ -211,16 +233,21 @@ def preprocess_dataset(
         )
 
     _run_all(preprocess_case, jobs, num_processes, done)
-    case_ids = [case.case_id for case in raw.cases]
     splits = load_or_create_splits(out_dir, case_ids)
     if len(splits) < NUM_FOLDS:
         progress(f"only {len(case_ids)} cases: {len(splits)} folds instead of {NUM_FOLDS}")
-    atomic_write_text(plans_file(out_dir), plans_to_json(plans))  # the completion marker
-    return plans
+    written = {
+        n: replace(c, case_ids=tuple(sorted(case_ids))) for n, c in plans.configurations.items()
+    }
+    content, _ = merge_plans(replace(plans, configurations=written), existing)
+    atomic_write_text(plans_file(out_dir), content_to_json(content))  # the completion marker
+    return plans_from_dict(content)
 
 
 def _parse_overrides(patch: list[int] | None, batch: list[str] | None, configs) -> Overrides:
     patch_sizes, batch_sizes = {}, {}
+    if patch is not None and any(p < 1 for p in patch):
+        raise PlanningError(f"--patch-size {' '.join(map(str, patch))}: every size must be >= 1")
     if patch:
         matching = [c for c in configs if (2 if c == "2d" else 3) == len(patch)]
         if not matching:

@@ -14,6 +14,32 @@ SPLITS_FILE = "splits_final.json"
 NUM_FOLDS = 5
 
 
+class SplitsError(ValueError):
+    """A fold that does not exist or an unusable splits file (message is one line, with the
+    fix). A ValueError, so the trainer CLI prints it as `error: ...` and exits 2."""
+
+
+def _is_id_list(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def validate_splits(splits: object, path: Path) -> list[dict[str, list[str]]]:
+    """The splits if they are a non-empty list of {"train": [ids], "val": [ids]}."""
+    if (
+        not isinstance(splits, list)
+        or not splits
+        or not all(
+            isinstance(s, dict) and _is_id_list(s.get("train")) and _is_id_list(s.get("val"))
+            for s in splits
+        )
+    ):
+        raise SplitsError(
+            f"{path} is not a list of {{'train': [case ids], 'val': [case ids]}} folds; "
+            "delete it to recreate it"
+        )
+    return splits
+
+
 def create_splits(
     case_ids: list[str], seed: int = 12345, num_folds: int = NUM_FOLDS
 ) -> list[dict[str, list[str]]]:
@@ -24,7 +50,7 @@ def create_splits(
     """
     ids = sorted(case_ids)
     if not ids:
-        raise ValueError("no cases to split")
+        raise SplitsError("no cases to split")
     if len(ids) == 1:
         return [{"train": list(ids), "val": list(ids)}]
     num_folds = min(num_folds, len(ids))
@@ -45,13 +71,11 @@ def load_or_create_splits(
     if path.is_file():
         try:
             splits = json.loads(path.read_text())
-        except ValueError as exc:
-            raise ValueError(f"{path} is not valid JSON ({exc}); delete it to recreate") from None
-        if not isinstance(splits, list) or not all(
-            isinstance(s, dict) and "train" in s and "val" in s for s in splits
-        ):
-            raise ValueError(f"{path} is not a list of {{'train', 'val'}} folds")
-        return splits
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise SplitsError(
+                f"{path} is not valid JSON ({exc}); delete it to recreate it"
+            ) from None
+        return validate_splits(splits, path)
     splits = create_splits(case_ids, seed)
     if write:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,12 +92,20 @@ def fold_cases(
         ids = sorted(all_case_ids)
         return ids, list(ids)
     if not fold.isdigit() or int(fold) >= len(splits):
-        raise ValueError(f"fold {fold!r} does not exist; choose 0-{len(splits) - 1} or 'all'")
+        few = (
+            f" ({len(all_case_ids)} cases give {len(splits)} folds)"
+            if len(splits) < NUM_FOLDS
+            else ""
+        )
+        choices = "0" if len(splits) == 1 else f"0-{len(splits) - 1}"
+        raise SplitsError(
+            f"fold {fold} does not exist in {SPLITS_FILE}{few}; choose {choices} or 'all'"
+        )
     entry = splits[int(fold)]
     known = set(all_case_ids)
     missing = sorted((set(entry["train"]) | set(entry["val"])) - known)
     if missing:
-        raise ValueError(
+        raise SplitsError(
             f"splits_final.json names cases that were not preprocessed: {missing[:5]}; "
             "re-run nnui-preprocess or delete splits_final.json"
         )

@@ -27,6 +27,7 @@ Signal path, and why (facts in shared/notes/slurm-local.md):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -35,7 +36,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.schema import FOLDS, ROOT_ENVS
+from trainer.schema import DEFAULT_PLANS, FOLDS, ROOT_ENVS, find_dataset, resolve_roots
 
 _TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
 _NAME = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -237,8 +238,63 @@ def render_script(spec: JobSpec) -> str:
     return "\n".join([*header, *exports, body])
 
 
+class UsageError(ValueError):
+    """A command-line mistake: printed as one `error:` line with a hint, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing the whole usage block and exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{message} (see nnui sbatch --help)")
+
+
+def _trainer_flag(trainer_args: tuple[str, ...], flag: str) -> str | None:
+    """The value of `flag X` / `flag=X` among the trainer's arguments (last one wins)."""
+    value = None
+    for i, word in enumerate(trainer_args):
+        if word == flag and i + 1 < len(trainer_args):
+            value = trainer_args[i + 1]
+        elif word.startswith(flag + "="):
+            value = word[len(flag) + 1 :]
+    return value
+
+
+def check_preprocessed(spec: JobSpec) -> None:
+    """ValueError unless the dataset and configuration are preprocessed where the job will
+    look (the trainer's --preprocessed, else $nnUNet_preprocessed, else ./nnui_data).
+
+    Reads plans.json as plain JSON: the app does not import the trainer's numpy code.
+    """
+    preprocessed = _trainer_flag(spec.trainer_args, "--preprocessed")
+    root = resolve_roots(preprocessed=preprocessed).preprocessed
+    hint = "; pass --no-check if the data lives only on the cluster"
+    try:
+        name = find_dataset(root, spec.dataset)
+    except ValueError as error:
+        raise UsageError(f"{error}{hint}") from None
+    plans_name = _trainer_flag(spec.trainer_args, "-p") or DEFAULT_PLANS
+    # Same rule as trainer.plans.plans_file (not imported: it pulls in numpy).
+    plans_path = (
+        root / name / ("plans.json" if plans_name == DEFAULT_PLANS else f"{plans_name}.json")
+    )
+    try:
+        configurations = json.loads(plans_path.read_text()).get("configurations", {})
+    except (OSError, ValueError, AttributeError):
+        raise UsageError(
+            f"no readable plans at {plans_path}; run nnui-preprocess {name}{hint}"
+        ) from None
+    if spec.configuration not in configurations:
+        available = ", ".join(sorted(configurations)) or "none"
+        raise UsageError(
+            f"configuration {spec.configuration!r} is not preprocessed for {name} "
+            f"(plans have: {available}); run nnui-preprocess {name} -c {spec.configuration}"
+            f"{hint}"
+        )
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="nnui sbatch",
         description="Write a SLURM job script that trains one fold with torchrun on N nodes; "
         "SLURM's USR1 before the time limit stops it gracefully, resubmitting resumes it.",
@@ -264,6 +320,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-port", type=int, default=29500, help="torchrun rendezvous port")
     p.add_argument("--output", default="nnui_slurm", help="folder for the script and job logs")
     p.add_argument("--submit", action="store_true", help="also submit it with sbatch")
+    p.add_argument(
+        "--no-check",
+        action="store_true",
+        help="do not check that the dataset and configuration are preprocessed here "
+        "(for a cluster whose data lives elsewhere)",
+    )
     return p
 
 
@@ -294,6 +356,8 @@ def spec_from_args(argv: list[str]) -> tuple[JobSpec, bool]:
         env=env,
     )
     spec.validate()
+    if not args.no_check:
+        check_preprocessed(spec)
     return spec, args.submit
 
 
@@ -302,9 +366,12 @@ def write_script(spec: JobSpec) -> Path:
     spec.output_dir.mkdir(parents=True, exist_ok=True)
     path = spec.output_dir / f"{spec.job_name}.sbatch"
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.chmod(0o755)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        tmp.chmod(0o755)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -314,7 +381,16 @@ def sbatch_main(argv: list[str]) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    path = write_script(spec)
+    try:
+        path = write_script(spec)
+    except OSError as error:
+        where = error.filename or spec.output_dir
+        print(
+            f"error: cannot write the job script to {where}: {error.strerror or error}; "
+            "choose another --output",
+            file=sys.stderr,
+        )
+        return 2
     print(path)
     if not submit:
         return 0

@@ -35,13 +35,27 @@ def choose_layout(
     return tuple(chunk), tuple(block)
 
 
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_array(path: Path, array: np.ndarray, patch_size: tuple[int, ...], **cparams) -> None:
-    """Write to a temporary name in the same folder, then rename (never half a file)."""
+    """Write to a temporary name in the same folder, fsync, then rename (never half a file).
+
+    Without the fsync a power loss shortly after the rename can leave a complete-looking
+    name with empty or partial contents on ext4/xfs. Cost measured on the 2-core dev VM
+    (ext4, default demo, -np 1), all fsyncs on vs off: +10-30 % (11.6-12.6 s vs
+    9.5-10.5 s), far from doubling it, so every file is synced.
+    """
     chunks, blocks = choose_layout(array.shape, patch_size, array.dtype.itemsize)
     params = {"codec": blosc2.Codec.LZ4, "clevel": 5, "nthreads": 1}
     params.update(cparams)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    blosc2.asarray(
+    written = blosc2.asarray(
         np.ascontiguousarray(array),
         urlpath=str(tmp),
         mode="w",
@@ -49,6 +63,8 @@ def write_array(path: Path, array: np.ndarray, patch_size: tuple[int, ...], **cp
         blocks=blocks,
         cparams=params,
     )
+    del written  # closes blosc2's handle before the data is flushed to disk
+    _fsync_file(tmp)
     os.replace(tmp, path)
 
 

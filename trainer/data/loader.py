@@ -63,6 +63,9 @@ class PatchLoader:
         missing = sorted(set(case_ids) - set(cases.case_ids))
         if missing:
             raise ValueError(f"cases not in {cases.folder}: {missing[:5]}")
+        gone = sorted(set(case_ids) & set(cases.missing_case_ids()))
+        if gone:  # a deleted file: fail now with the fix, not later in a worker thread
+            raise cases.missing_error(gone)
         if len(patch_size) not in (2, 3):
             raise ValueError(f"patch_size must have 2 or 3 entries, got {patch_size}")
         if batch_size < 1:
