@@ -1,0 +1,257 @@
+"""Helpers shared by the bench scripts: process-tree sampling, timing, machine description.
+
+A training run is a tree of processes (the trainer plus its data-loading workers), so
+memory and CPU time are summed over the whole tree. Sampling every 0.2 s misses at most
+0.2 s of CPU time of a process that exits between two samples; the last value seen for
+every pid is kept after it exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+SAMPLE_PERIOD_S = 0.2
+
+
+@dataclass
+class TreeSample:
+    """One sample of the whole tree at time t (unix seconds)."""
+
+    t: float
+    rss_bytes: int
+    pss_bytes: int
+    num_processes: int
+
+
+@dataclass
+class ProcSeries:
+    """CPU seconds (user + system) of one process over time."""
+
+    pid: int
+    ppid: int
+    name: str
+    is_root: bool
+    times: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
+
+    def cpu_at(self, t: float) -> float:
+        """CPU seconds used up to time t (0 before the first sample, last value after)."""
+        value = 0.0
+        for when, cpu in zip(self.times, self.cpu_s, strict=True):
+            if when > t:
+                break
+            value = cpu
+        return value
+
+
+class TreeSampler:
+    """Samples a process and all its descendants in a background thread.
+
+    Cheap on purpose (it shares the 2 cores with what it measures): the list of
+    descendants is refreshed every `scan_every` samples (a full /proc scan), PSS (which
+    reads smaps) every `pss_every` samples; RSS and CPU times (statm, stat) every sample.
+    """
+
+    def __init__(
+        self,
+        root_pid: int,
+        period_s: float = SAMPLE_PERIOD_S,
+        scan_every: int = 5,
+        pss_every: int = 10,
+    ):
+        self.root_pid = root_pid
+        self.period_s = period_s
+        self.scan_every = scan_every
+        self.pss_every = pss_every
+        self.samples: list[TreeSample] = []
+        self.procs: dict[tuple[int, float], ProcSeries] = {}
+        self._members: list[tuple[psutil.Process, ProcSeries]] = []
+        self._last_pss: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tree-sampler", daemon=True)
+
+    def start(self) -> TreeSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            root = psutil.Process(self.root_pid)
+        except psutil.NoSuchProcess:
+            return
+        count = 0
+        while not self._stop.is_set():
+            if count % self.scan_every == 0:
+                self._scan(root)
+            self._sample(with_pss=count % self.pss_every == 0)
+            count += 1
+            self._stop.wait(self.period_s)
+
+    def _scan(self, root: psutil.Process) -> None:
+        try:
+            found = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            found = []
+        members = []
+        for proc in found:
+            try:
+                key = (proc.pid, proc.create_time())
+                series = self.procs.get(key)
+                if series is None:
+                    series = ProcSeries(proc.pid, proc.ppid(), proc.name(), proc.pid == root.pid)
+                    self.procs[key] = series
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            members.append((proc, series))
+        self._members = members
+
+    def _sample(self, with_pss: bool) -> None:
+        now = time.time()
+        rss = pss = count = 0
+        for proc, series in self._members:
+            try:
+                cpu = proc.cpu_times()
+                mem_rss = proc.memory_info().rss
+                if with_pss:
+                    self._last_pss[proc.pid] = getattr(proc.memory_full_info(), "pss", mem_rss)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            series.times.append(now)
+            series.cpu_s.append(cpu.user + cpu.system)
+            rss += mem_rss
+            pss += self._last_pss.get(proc.pid, mem_rss)
+            count += 1
+        if count:
+            self.samples.append(TreeSample(now, rss, pss, count))
+
+    def end_leftovers(self, timeout_s: float = 10.0) -> list[int]:
+        """End processes of the tree that outlived its root (checked by pid + create_time)."""
+        alive = []
+        for pid, created in self.procs:
+            try:
+                proc = psutil.Process(pid)
+                if abs(proc.create_time() - created) < 1e-3:
+                    alive.append(proc)
+            except psutil.NoSuchProcess:
+                continue
+        for proc in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.terminate()
+        _, still = psutil.wait_procs(alive, timeout=timeout_s)
+        for proc in still:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        return [p.pid for p in alive]
+
+    def dump(self, path: Path) -> None:
+        """The raw samples as JSON, to recompute figures later."""
+        data = {
+            "samples": [[x.t, x.rss_bytes, x.pss_bytes, x.num_processes] for x in self.samples],
+            "procs": [
+                {
+                    "pid": v.pid,
+                    "ppid": v.ppid,
+                    "name": v.name,
+                    "is_root": v.is_root,
+                    "times": v.times,
+                    "cpu_s": v.cpu_s,
+                }
+                for v in self.procs.values()
+            ],
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data))
+
+    # ---- summaries -------------------------------------------------------------------
+
+    def peak(self, until_t: float | None = None) -> TreeSample | None:
+        """The sample with the largest summed RSS (optionally only samples before until_t)."""
+        chosen = [s for s in self.samples if until_t is None or s.t <= until_t]
+        return max(chosen, key=lambda s: s.rss_bytes, default=None)
+
+    def peak_pss_bytes(self, until_t: float | None = None) -> int:
+        chosen = [s.pss_bytes for s in self.samples if until_t is None or s.t <= until_t]
+        return max(chosen, default=0)
+
+    def children_cpu_s(self, t0: float, t1: float, pids: set[int] | None = None) -> float:
+        """CPU seconds the non-root processes (or only `pids`) used between t0 and t1."""
+        total = 0.0
+        for series in self.procs.values():
+            if series.is_root or (pids is not None and series.pid not in pids):
+                continue
+            total += series.cpu_at(t1) - series.cpu_at(t0)
+        return total
+
+    def tree_cpu_s(self, t0: float, t1: float) -> float:
+        """CPU seconds of the whole tree (root and descendants) between t0 and t1."""
+        return sum(s.cpu_at(t1) - s.cpu_at(t0) for s in self.procs.values())
+
+    def root_cpu_s(self, t0: float, t1: float) -> float:
+        return sum(s.cpu_at(t1) - s.cpu_at(t0) for s in self.procs.values() if s.is_root)
+
+
+def median_or_nan(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine_line() -> str:
+    load = os.getloadavg()
+    mem_gib = psutil.virtual_memory().total / 2**30
+    return (
+        f"{cpu_model()}, {os.cpu_count()} logical cores, {mem_gib:.0f} GiB RAM, "
+        f"load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} at start"
+    )
+
+
+def run_logged(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> int:
+    """Run a command to completion with stdout+stderr appended to log_path; its exit code."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as log_file:
+        log_file.write("$ " + " ".join(argv) + "\n")
+        log_file.flush()
+        return subprocess.run(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def terminate_tree(pid: int, timeout_s: float = 10.0) -> None:
+    """End a process we started and every descendant it left behind (by pid)."""
+    try:
+        root = psutil.Process(pid)
+        members = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in members:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(members, timeout=timeout_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
