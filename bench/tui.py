@@ -87,20 +87,19 @@ def start_jobs(roots, state: Path, num_jobs: int) -> list[str]:
 
 def add_probe_job(roots, state: Path) -> Path:
     """A job whose events this benchmark writes itself (to time event -> screen)."""
-    import psutil
-
+    from app.services.procs import process_identity
     from app.services.registry import Job, ProcessRecord, Registry
 
     folder = roots.results / "probe"
     folder.mkdir(parents=True)
-    me = psutil.Process()
+    ticks, created = process_identity(os.getpid())
     Registry(state).add(
         Job(
-            job_id="probe", created_at=me.create_time(), dataset="Dataset900_Bench",
+            job_id="probe", created_at=created, dataset="Dataset900_Bench",
             configuration="probe", fold="0", mode="single", device="cpu", gpus=[],
             simulated=True, argv=[], env={}, run_dir=str(folder),
             console_path=str(folder / "console.log"),
-            processes=[ProcessRecord(os.getpid(), me.create_time(), "trainer")],
+            processes=[ProcessRecord(os.getpid(), created, "trainer", None, ticks)],
         )
     )  # fmt: skip
     from trainer.schema import Kind, encode_event

@@ -269,13 +269,13 @@ def cleanup_jobs(state_dir: Path) -> None:
     import psutil
 
     from app.services.registry import Registry
-    from app.services.signals import is_same_process
+    from app.services.signals import record_alive
 
     registry = Registry(Path(state_dir))
     for job in registry.list():
         pids: list[int] = []
         for record in job.processes:
-            if is_same_process(record.pid, record.create_time):
+            if record_alive(record):
                 pids.append(record.pid)
                 with contextlib.suppress(psutil.Error):
                     pids += [c.pid for c in psutil.Process(record.pid).children(recursive=True)]

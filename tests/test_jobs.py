@@ -17,7 +17,8 @@ from app.services.signals import proc_info
 from trainer.schema import encode_event
 
 NOW = time.time()
-ME_ALIVE = ProcessRecord(os.getpid(), proc_info(os.getpid()).create_time, "supervisor")
+_ME = proc_info(os.getpid())
+ME_ALIVE = ProcessRecord(_ME.pid, _ME.create_time, "supervisor", None, _ME.start_ticks)
 DEAD = ProcessRecord(999_999_1, 1.0, "supervisor")
 
 
@@ -182,7 +183,7 @@ def test_cross_validation_eta(tmp_path: Path, views: list[JobView], expected: fl
 
 def test_simulated_gpu_load_follows_live_simulated_jobs(tmp_path: Path) -> None:
     registry = Registry(tmp_path / "state")
-    trainer = ProcessRecord(ME_ALIVE.pid, ME_ALIVE.create_time, "trainer")
+    trainer = ProcessRecord(ME_ALIVE.pid, ME_ALIVE.create_time, "trainer", None, _ME.start_ticks)
     add_job(registry, tmp_path, "live", simulated=True, gpus=["1"], processes=[trainer])
     add_job(registry, tmp_path, "ended", simulated=True, gpus=["0"], processes=[trainer],
             exit_code=0)  # fmt: skip

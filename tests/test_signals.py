@@ -17,15 +17,19 @@ from fake_trainer import cleanup_jobs, fake_env, wait_until
 
 from app.services import launcher
 from app.services.jobs import JobTracker
+from app.services.proctree import process_tree
 from app.services.registry import Job, ProcessRecord, Registry, SignalRecord
 from app.services.signals import (
     ProcInfo,
     _sigcgt_has,
     is_launcher_cmdline,
+    is_same_process,
     kill,
     plan_kill,
     plan_stop,
     proc_info,
+    process_start_ticks,
+    record_alive,
     remember_workers,
     send_stop,
 )
@@ -144,9 +148,47 @@ def test_remote_ranks_are_left_to_the_local_ones() -> None:
 
 
 def test_recorded_create_time_catches_reuse() -> None:
-    recorded = [*job("single").processes, ProcessRecord(11, T_JOB + 0.5, "worker", 0)]
+    # An old record (no start_ticks): wall-clock start time, 1 s tolerance.
+    recorded = [*job("single").processes, ProcessRecord(11, T_JOB - 0.5, "worker", 0)]
     plan = plan_stop(job("single", processes=recorded), topology(11), 1, lookup(SINGLE))
     assert not plan.ok and "pid reused" in plan.reason
+
+
+# (recorded create_time, recorded start_ticks, live create_time, live start_ticks, same?)
+IDENTITY_CASES = [
+    (T_JOB + 1.0, 500, T_JOB + 1.7, 500, True),  # wall clock adjusted by 0.7 s: same process
+    (T_JOB + 1.0, 500, T_JOB - 30.0, 500, True),  # even a big clock step does not matter
+    (T_JOB + 1.0, 500, T_JOB + 1.0, 501, False),  # pid reused within the same second
+    (T_JOB + 1.0, None, T_JOB + 1.7, 500, True),  # old record: create_time within 1 s
+    (T_JOB + 1.0, None, T_JOB + 2.5, 500, False),  # old record: too far apart
+    (T_JOB + 1.0, 500, T_JOB + 1.7, None, True),  # ticks unreadable: fall back to time
+]
+
+
+@pytest.mark.parametrize(("rec_t", "rec_ticks", "live_t", "live_ticks", "same"), IDENTITY_CASES)
+def test_identity_is_start_ticks_and_survives_clock_drift(
+    rec_t: float, rec_ticks: int | None, live_t: float, live_ticks: int | None, same: bool
+) -> None:
+    live = worker(11, ppid=10, create_time=live_t, start_ticks=live_ticks)
+    record = ProcessRecord(11, rec_t, "trainer", None, rec_ticks)
+    assert is_same_process(11, rec_t, lookup(live), rec_ticks) is same
+    assert record_alive(record, lookup(live)) is same
+    # The stop check of a recorded worker follows the same rule (topology written 5 s later).
+    recorded = [ProcessRecord(10, T_JOB + 1, "supervisor"), replace(record, role="worker", rank=0)]
+    plan = plan_stop(job("single", processes=recorded), topology(11), 1, lookup(live))
+    if same and live_t >= T_JOB - 2:
+        assert plan.ok, plan.reason
+        assert plan.targets[0].start_ticks == live_ticks
+    elif not same:
+        assert not plan.ok and "pid reused" in plan.reason
+
+
+def test_real_start_ticks_are_stable_and_exact() -> None:
+    me = proc_info(os.getpid())
+    assert me is not None and me.start_ticks == process_start_ticks(os.getpid())
+    record = ProcessRecord(os.getpid(), me.create_time + 0.7, "trainer", None, me.start_ticks)
+    assert record_alive(record)  # drifted wall-clock start time, same ticks
+    assert not record_alive(replace(record, start_ticks=me.start_ticks + 1))
 
 
 def test_second_stop_sends_nothing(tmp_path: Path) -> None:
@@ -302,3 +344,32 @@ def test_real_kill_escalates_to_sigkill_after_grace(env: dict) -> None:
     assert wait_until(lambda: registry.get(job.job_id).exit_code is not None, 10)
     assert registry.get(job.job_id).exit_code == -signal.SIGKILL
     assert [s.signal for s in registry.get(job.job_id).signals] == ["SIGTERM", "SIGKILL"]
+
+
+def test_real_process_tree_labels_roles_of_a_two_rank_job(env: dict) -> None:
+    registry, job = _launch("spawn", ["0", "1"], ["--epoch-time", "0.2"])
+    tracker = JobTracker(registry)
+    assert wait_until(lambda: _view(tracker, job.job_id).topology is not None, 15)
+    view = _view(tracker, job.job_id)
+    job = registry.get(job.job_id)
+    # Every record carries the exact identity (start ticks since boot).
+    assert all(p.start_ticks is not None for p in job.processes), job.processes
+    ranks = {r["pid"]: r for r in view.topology["ranks"]}
+    for tree in (process_tree(job, view.topology), process_tree(job)):  # topology read from disk
+        by_pid = {n.pid: n for n in tree}
+        assert by_pid[job.process("supervisor").pid].role == "supervisor"
+        parent = by_pid[job.process("trainer").pid]
+        assert (parent.role, parent.ppid) == ("spawn parent", job.process("supervisor").pid)
+        for pid, entry in ranks.items():
+            node = by_pid[pid]
+            assert (node.role, node.rank, node.ppid) == ("rank", entry["global_rank"], parent.pid)
+            assert node.label == f"rank {entry['global_rank']} ({entry['device']})"
+        assert {n.role for n in tree} <= {"supervisor", "spawn parent", "rank", "loader worker",
+                                          "other"}  # fmt: skip
+    # An unrelated process of ours (not recorded, not a descendant, not a rank) is left out.
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert stranger.pid not in {n.pid for n in process_tree(job, view.topology)}
+    finally:
+        stranger.kill()
+        stranger.wait()

@@ -1,16 +1,21 @@
 """Trainings outlive an SSH hang-up, and a new login re-attaches to them (real sshd + tmux).
 
-sshd on 127.0.0.1 (free port), a tmux pane running `ssh` to it, `nnui launch` inside the
-session on a simulated 2-GPU machine (folds 0 and 1, one per GPU); then the ssh client is
-killed by its pid, the trainings must keep running (pids alive, events growing), and after
-logging in again `nnui status` shows both jobs with progress. Uses the real trainer when it
-and the demo data fixture exist, else tests/fake_trainer.py. Facts: shared/notes/ssh-local.md.
+sshd on 127.0.0.1 (free port), a tmux pane running `ssh` to it, `nnui --simulate-gpus 2`
+(the TUI) inside the session; keystrokes put folds 0 and 1 on GPUs 0 and 1 with short
+trainer flags and launch. Then the ssh client is killed by its pid while the TUI is open:
+the trainings must keep running (pids alive, events growing), and after logging in again a
+new `nnui` shows both jobs re-attached, running, with their epochs (and `nnui status --json`
+agrees). The jobs are then ended by their verified pids. Uses the real trainer with the
+demo_preprocessed fixture (NNUI_E2E_TRAINER=fake: tests/fake_trainer.py, for quick local
+runs). Facts: shared/notes/ssh-local.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -26,7 +31,7 @@ import pytest
 from fake_trainer import FAKE_TRAINER, cleanup_jobs, make_preprocessed, wait_until
 
 from app.services.registry import Registry
-from app.services.signals import is_same_process
+from app.services.signals import job_alive, kill, record_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ("sshd", "ssh", "ssh-keygen", "tmux")
@@ -137,6 +142,15 @@ class Tmux:
     def send(self, session: str, line: str) -> None:
         self.run("send-keys", "-t", session, line, "Enter")
 
+    def keys(self, session: str, *keys: str) -> None:
+        """Key presses by tmux name (Space, Down, Enter, l, ...), one at a time."""
+        for key in keys:
+            self.run("send-keys", "-t", session, key)
+            time.sleep(0.15)  # one key per frame, as a person types
+
+    def type(self, session: str, text: str) -> None:
+        self.run("send-keys", "-t", session, "-l", "--", text)
+
     def screen(self, session: str) -> str:
         return self.run("capture-pane", "-p", "-t", session, "-S", "-200")
 
@@ -184,6 +198,9 @@ def setup(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict]:
                "sshd": sshd, "tmux": tmux, "tmp": tmp_path}  # fmt: skip
     finally:
         tmux.kill_server()
+        for proc in _nnui_processes({"env": env}):  # a TUI that outlived its session
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
         cleanup_jobs(Path(env["NNUI_STATE_DIR"]))
         sshd.stop()
 
@@ -195,11 +212,33 @@ def launch_headless(setup: dict, session: str) -> None:
     setup["tmux"].send(session, shlex.join(args))
 
 
+def start_tui(setup: dict, session: str) -> None:
+    """`nnui --simulate-gpus 2` in the remote shell; returns once the dashboard is drawn."""
+    tmux = setup["tmux"]
+    tmux.send(session, f"{shlex.quote(str(setup['wrapper']))} --simulate-gpus 2")
+    assert wait_until(lambda: "Quit (jobs keep running)" in tmux.screen(session), 30), tmux.screen(
+        session
+    )
+
+
 def launch_through_tui(setup: dict, session: str) -> None:
-    """TODO(lead): the TUI keystroke sequence — start `nnui --simulate-gpus 2` in the pane, put
-    fold 0 on GPU 0 and fold 1 on GPU 1 on the fold board, launch, confirm, quit with `q`
-    (jobs keep running). Until wired, the headless launch stands in (same services)."""
-    launch_headless(setup, session)
+    """Keystrokes, as a user would type them: `l` opens the launch screen, space puts fold 0
+    on GPU 0, down/right/space fold 1 on GPU 1, `f` + the trainer flags + enter, `g` starts.
+    nnui stays open: the hang-up comes while it runs."""
+    tmux = setup["tmux"]
+    start_tui(setup, session)
+    tmux.keys(session, "l")
+    assert wait_until(lambda: "folds × GPUs" in tmux.screen(session), 15), tmux.screen(session)
+    # The dataset list is read in a thread: wait for the demo dataset's row.
+    short = setup["dataset"].split("_", 1)[-1]
+    assert wait_until(lambda: short in tmux.screen(session), 15), tmux.screen(session)
+    tmux.keys(session, "Space", "Down", "Right", "Space", "f")
+    tmux.type(session, " ".join(setup["flags"]))
+    tmux.keys(session, "Enter")
+    ready = "ready: 2 process(es)"
+    assert wait_until(lambda: ready in tmux.screen(session), 20), tmux.screen(session)
+    tmux.keys(session, "g")
+    assert wait_until(lambda: "started 2 job(s)" in tmux.screen(session), 20), tmux.screen(session)
 
 
 def _jobs(setup: dict) -> list:
@@ -214,12 +253,53 @@ def _epochs(job) -> int:
         return 0
 
 
+def _nnui_processes(setup: dict) -> list[psutil.Process]:
+    """TUIs of this test (python -m app.main with this test's state dir), for clean-up."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if "app.main" in (proc.info["cmdline"] or []) and (
+                proc.environ().get("NNUI_STATE_DIR") == setup["env"]["NNUI_STATE_DIR"]
+            ):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+EPOCH_CELL = re.compile(r"\b(\d+)/(\d+)\b")
+
+
+def _job_rows(screen: str, job_ids: set[str]) -> dict[str, str]:
+    """The jobs-table line of each job on the captured screen (the one with its epoch N/M;
+    the GPU panel and the summary line name the job too)."""
+    return {
+        j: line
+        for line in screen.splitlines()
+        for j in job_ids
+        if j in line and EPOCH_CELL.search(line)
+    }
+
+
+def _running_with_progress(line: str) -> bool:
+    match = EPOCH_CELL.search(line)
+    return "running" in line and match is not None and int(match.group(1)) > 0
+
+
 def test_trainings_survive_ssh_hangup_and_reattach(setup: dict) -> None:
     tmux, sshd = setup["tmux"], setup["sshd"]
     tmux.login("first", sshd)
     launch_through_tui(setup, "first")
     startup_s = 120 if setup["real"] else 20
     assert wait_until(lambda: len(_jobs(setup)) == 2, 30), tmux.screen("first")
+    jobs = _jobs(setup)
+    assert sorted(j.fold for j in jobs) == ["0", "1"]
+    assert sorted(tuple(j.gpus) for j in jobs) == [("0",), ("1",)]
+    for job in jobs:  # the flags typed into the board's flags field
+        assert job.simulated and job.argv[-len(setup["flags"]) :] == setup["flags"], (
+            job.argv,
+            tmux.screen("first"),
+        )
     assert wait_until(lambda: all(_epochs(j) >= 1 for j in _jobs(setup)), startup_s), tmux.screen(
         "first"
     )
@@ -229,28 +309,47 @@ def test_trainings_survive_ssh_hangup_and_reattach(setup: dict) -> None:
     os.kill(ssh_pid, signal.SIGTERM)  # the connection drops: sshd hangs up the login shell
     assert wait_until(lambda: not psutil.pid_exists(ssh_pid) or
                       psutil.Process(ssh_pid).status() == psutil.STATUS_ZOMBIE, 10)  # fmt: skip
+    # The TUI of the dropped session dies of the hang-up; the trainings must not.
+    assert wait_until(lambda: not _nnui_processes(setup), 15), _nnui_processes(setup)
     time.sleep(2.0)  # give SIGHUP every chance to reach anything still attached
 
     jobs = _jobs(setup)
     for job in jobs:
         assert job.exit_code is None, (job.job_id, job.exit_code, job.note)
-        assert all(is_same_process(p.pid, p.create_time) for p in job.processes), job.job_id
+        assert all(record_alive(p) for p in job.processes), job.job_id
     before = {j.job_id: _epochs(j) for j in jobs}
     grown = lambda: all(_epochs(j) > before[j.job_id] for j in _jobs(setup))  # noqa: E731
     assert wait_until(grown, 60 if setup["real"] else 10)
 
+    # Log in again, start nnui: both jobs are re-attached, running, with their progress.
     tmux.login("second", sshd)
+    start_tui(setup, "second")
+    job_ids = {j.job_id for j in jobs}
+
+    def both_rows_running() -> bool:
+        rows = _job_rows(tmux.screen("second"), job_ids)
+        return set(rows) == job_ids and all(_running_with_progress(r) for r in rows.values())
+
+    assert wait_until(both_rows_running, 30), tmux.screen("second")
+    tmux.keys("second", "q")  # quit leaves the jobs running
+    assert wait_until(lambda: not _nnui_processes(setup), 15)
+
+    # The headless twin agrees.
     out = setup["tmp"] / "status.json"
     nnui = shlex.quote(str(setup["wrapper"]))
-    command = f"{nnui} status --json > {out}.tmp && mv {out}.tmp {out} && {nnui} status"
-    tmux.send("second", command)
+    tmux.send("second", f"{nnui} status --json > {out}.tmp && mv {out}.tmp {out}")
     assert wait_until(out.exists, 30), tmux.screen("second")
     rows = {row["id"]: row for row in json.loads(out.read_text())}
-    assert set(rows) == {j.job_id for j in jobs}
-    assert sorted(r["fold"] for r in rows.values()) == ["0", "1"]
+    assert set(rows) == job_ids
     for row in rows.values():
         assert row["state"] == "running", row
         assert row["epoch"] >= 1 and row["simulated"]
-    # The table in the new login shows both re-attached jobs.
-    on_screen = lambda: all(job_id in tmux.screen("second") for job_id in rows)  # noqa: E731
-    assert wait_until(on_screen, 15), tmux.screen("second")
+
+    # Stop both by their verified pids (SIGTERM, then SIGKILL), and see them end.
+    registry = Registry(Path(setup["env"]["NNUI_STATE_DIR"]))
+    for job in _jobs(setup):
+        records = kill(job, registry, grace_s=5.0)
+        assert records and all(r.result == "sent" for r in records if r.signal == "SIGTERM")
+    assert wait_until(lambda: all(j.exit_code is not None for j in _jobs(setup)), 30)
+    # (the supervisor writes the exit code, then ends itself)
+    assert wait_until(lambda: not any(job_alive(j) for j in _jobs(setup)), 10)

@@ -3,13 +3,20 @@ checks and preview (valid and invalid DDP groups) driven with Pilot."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
-from test_tui_fixtures import make_roots, tui_app, use_fake_trainer, wait_for
+from test_gpus import FakeNvml, monitor
+from test_tui_fixtures import DATASET, make_roots, tui_app, use_fake_trainer, wait_for
 
 from app.screens.launch import LaunchScreen
+from app.services.jobs import JobTracker
+from app.services.procs import proc_info
+from app.services.registry import Job, ProcessRecord, Registry
+from app.tui import Services, TuiConfig, make_app
 from app.widgets.fold_board import BoardModel, RequestSpec
+from trainer.schema import Status, atomic_write_text, run_dir
 
 SPEC_CASES = [
     (
@@ -141,3 +148,85 @@ async def test_launch_board_click_toggles_a_cell(tmp_path: Path, monkeypatch) ->
         # Row 2 of the content (fold 1), second GPU column; +1/+1 for border and padding.
         await pilot.click(board, offset=(1 + 1 + 10 + 9 + 4, 1 + 2))
         assert board.model.assignments == {"1": ["1"]}
+
+
+def _registered_running_job(roots, state: Path, fold: str) -> str:
+    """A job of this fold whose recorded process is alive: this very test process."""
+    me = proc_info(os.getpid())
+    folder = run_dir(roots.results, DATASET, "3d_fullres", fold)
+    folder.mkdir(parents=True)
+    job = Job(
+        job_id="0101-000000-f0-abc", created_at=me.create_time, dataset=DATASET,
+        configuration="3d_fullres", fold=fold, mode="single", device="cpu", gpus=["0"],
+        simulated=True, argv=[], env={}, run_dir=str(folder),
+        console_path=str(folder / "console.log"),
+        processes=[ProcessRecord(me.pid, me.create_time, "trainer", None, me.start_ticks)],
+    )  # fmt: skip
+    Registry(state).add(job)
+    return job.job_id
+
+
+async def test_launch_board_refuses_a_fold_that_is_already_running(
+    tmp_path: Path, monkeypatch
+) -> None:
+    roots = make_roots(tmp_path)
+    state = tmp_path / "state"
+    use_fake_trainer(monkeypatch, roots, state)
+    _registered_running_job(roots, state, "0")
+    app = tui_app(roots, state)
+    async with app.run_test(size=(150, 48)) as pilot:
+        screen = await open_board(app, pilot)
+        await pilot.press("space")  # fold 0 on GPU 0
+        await settled(screen, pilot)
+        assert any("fold 0 is already running" in p for p in screen.problems), screen.problems
+        assert screen.plans == []
+        checks = screen.query_one("#launch-checks").render().plain
+        assert "fold 0 is already running" in checks
+        await pilot.press("g")  # refused: nothing started, still on the board
+        assert isinstance(app.screen, LaunchScreen)
+        assert len(Registry(state).list()) == 1
+        # Another fold is fine.
+        await pilot.press("space", "down", "space")
+        await settled(screen, pilot)
+        assert screen.problems == [] and [p.fold for p in screen.plans] == ["1"]
+
+
+async def test_launch_board_offers_resume_for_a_stopped_fold(tmp_path: Path, monkeypatch) -> None:
+    roots = make_roots(tmp_path)
+    state = tmp_path / "state"
+    use_fake_trainer(monkeypatch, roots, state)
+    folder = run_dir(roots.results, DATASET, "3d_fullres", "0")
+    folder.mkdir(parents=True)
+    atomic_write_text(folder / "status.json", Status("stopped", epoch=3, num_epochs=10).to_json())
+    app = tui_app(roots, state)
+    async with app.run_test(size=(150, 48)) as pilot:
+        screen = await open_board(app, pilot)
+        await pilot.press("space")
+        await settled(screen, pilot)
+        assert screen.resumable == ["0"] and screen.plans == []
+        assert "press c (resume --c)" in screen.query_one("#launch-checks").render().plain
+        await pilot.press("c")
+        await wait_for(lambda: screen.plans and screen.planned_generation == screen._generation,
+                       pilot)  # fmt: skip
+        assert screen.problems == [] and "--c" in screen.plans[0].argv
+
+
+async def test_launch_board_warns_about_busy_gpus_and_other_users(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A real (fake NVML) machine: GPU 1 is 51 % full, 97 % busy and used by alice."""
+    roots = make_roots(tmp_path)
+    state = tmp_path / "state"
+    use_fake_trainer(monkeypatch, roots, state)
+    registry = Registry(state)
+    services = Services(monitor(FakeNvml()), registry, JobTracker(registry))
+    app = make_app(TuiConfig(roots=roots, state_dir=state, jobs_interval_s=0.25), services)
+    async with app.run_test(size=(150, 48)) as pilot:
+        screen = await open_board(app, pilot)
+        await pilot.press("right", "space")  # fold 0 on GPU 1
+        await settled(screen, pilot)
+        assert screen.problems == [] and screen.plans[0].gpus == ["1"]
+        assert any("GPU 1 is busy" in w for w in screen.warnings), screen.warnings
+        assert "GPU 1 is used by alice" in screen.warnings
+        checks = screen.query_one("#launch-checks").render().plain
+        assert "! GPU 1 is busy" in checks and "CUDA_VISIBLE_DEVICES=1" in screen.preview_text

@@ -4,6 +4,7 @@ again, the typed kill confirm, read-only mode and the command palette."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from app.screens.confirm import KillConfirmScreen, LaunchConfirmScreen, StopConf
 from app.screens.dashboard import ACTION_IDS, DashboardScreen
 from app.screens.launch import LaunchScreen
 from app.screens.palette import NnuiCommands
+from app.services import launcher
 from app.services.registry import Registry
 
 
@@ -221,3 +223,35 @@ async def test_space_selects_several_jobs_for_stop(tmp_path: Path) -> None:
         await pilot.press("escape")
         await pilot.press("space")  # unselect the third: the cursor row is the target again
         assert table.target_job_ids() == [ids[0]]
+
+
+async def test_go_right_after_typing_flags_uses_the_new_flags(tmp_path: Path, monkeypatch) -> None:
+    """g pressed while the checks of just-typed flags are still running waits for them: the
+    job starts with the flags on screen, never with a plan of older input."""
+    roots = make_roots(tmp_path)
+    state = tmp_path / "state"
+    use_fake_trainer(monkeypatch, roots, state)
+    app = tui_app(roots, state)
+    try:
+        async with app.run_test(size=(150, 48)) as pilot:
+            await wait_for(lambda: app.snapshot is not None, pilot)
+            await pilot.press("l")
+            await wait_for(lambda: isinstance(app.screen, LaunchScreen), pilot)
+            screen = app.screen
+            await wait_for(lambda: screen.query_one("#picker").choices, pilot)
+            await pilot.press("space")
+            await wait_for(lambda: screen.plans, pilot)  # a valid plan, without flags
+            slow = launcher.check_request
+
+            def slow_checks(*args, **kwargs):  # a busy machine: the checks take a while
+                time.sleep(0.5)
+                return slow(*args, **kwargs)
+
+            monkeypatch.setattr(launcher, "check_request", slow_checks)
+            await pilot.press("f", *"--epochs 7", "enter", "g")
+            await wait_for(lambda: isinstance(app.screen, DashboardScreen), pilot)
+            await wait_for(lambda: len(Registry(state).list()) == 1, pilot)
+            argv = Registry(state).list()[0].argv
+            assert argv[argv.index("--epochs") + 1] == "7", argv
+    finally:
+        kill_started_jobs(state)

@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 import pytest
 
 from app.screens.confirm import stop_text
+from app.services.proctree import label_tree
 from app.widgets.curves import epoch_ticks, series
 from app.widgets.formatting import bar, fmt_duration_s
 from app.widgets.gpu_panel import NO_DRIVER_BANNER, GpuPanel, gpu_lines, sparkline
 from app.widgets.job_table import row_cells
-from app.widgets.process_tree import label_processes, tree_text
+from app.widgets.process_tree import tree_text
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ def test_process_tree_labels_roles() -> None:
         {"pid": 12, "global_rank": 0, "device": "cuda:0"},
         {"pid": 13, "global_rank": 1, "device": "cuda:1"},
     ]}  # fmt: skip
-    roles = {n.pid: n.role for n in label_processes(job, procs, topology)}
+    roles = {n.pid: n.label for n in label_tree(job, procs, topology)}
     assert roles == {
         10: "supervisor",
         11: "torchrun",
@@ -200,7 +201,7 @@ def test_process_tree_labels_roles() -> None:
         13: "rank 1 (cuda:1)",
         14: "loader worker",
     }
-    lines = tree_text(label_processes(job, procs, topology)).plain.splitlines()
+    lines = tree_text(label_tree(job, procs, topology)).plain.splitlines()
     assert lines[0].startswith("10") and "└ 14" in lines[3]
 
 

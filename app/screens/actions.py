@@ -190,7 +190,9 @@ def resume_jobs(app: Any, job_ids: Sequence[str]) -> None:
             job = view.job
             request = launcher.resume_request(job)
             batch = batch_size_of(app.config.roots, job.dataset, job.configuration)
-            got, why = launcher.plan_launch(request, app.config.roots, batch)
+            got, why = launcher.plan_launch(
+                request, app.config.roots, batch, app.snapshot, app.services.registry
+            )
             plans += got
             problems += [f"{job.job_id}: {p}" for p in why]
         return plans, problems

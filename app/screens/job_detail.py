@@ -17,7 +17,7 @@ from app.screens import actions
 from app.screens.dashboard import summary_text
 from app.widgets.curves import CurvesPanel
 from app.widgets.log_tail import LogTail
-from app.widgets.process_tree import ProcessTree, label_processes
+from app.widgets.process_tree import ProcessTree
 
 NAV_BINDINGS = [
     Binding("escape", "back", "Back", id="detail-back"),
@@ -96,20 +96,9 @@ class JobDetailScreen(Screen):
         self._procs_busy = True
 
         def read() -> list[Any]:
-            from app.services import signals
+            from app.services.proctree import process_tree
 
-            finder = getattr(signals, "process_tree", None) or signals.plan_kill
-            procs = list(finder(view.job))
-            # plan_kill leaves the supervisor out while the trainer lives; show it anyway.
-            seen = {p.pid for p in procs}
-            for record in view.job.processes:
-                if record.pid not in seen and signals.is_same_process(
-                    record.pid, record.create_time
-                ):
-                    info = signals.proc_info(record.pid)
-                    if info is not None:
-                        procs.append(info)
-            return label_processes(view.job, procs, view.topology)
+            return process_tree(view.job, view.topology)
 
         self.app.run_in_thread(read, self._got_processes)
 

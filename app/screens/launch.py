@@ -40,10 +40,13 @@ class LaunchScreen(Screen):
         self.plans: list[Any] = []
         self.problems: list[str] = []
         self.warnings: list[str] = []
+        self.resumable: list[str] = []  # folds with an earlier, stopped run: offer --c
         self.preview_text = ""
         self._shown: tuple[str, str] | None = None
         self._generation = 0
         self.planned_generation = -1  # tests wait until it catches up with _generation
+        self._go_pending = False  # g pressed while the checks were still running
+        self._inputs: tuple | None = None  # what the newest plan was made from
         self._ready = False  # data messages can arrive before the widgets are composed
         self._machine_key: tuple | None = None
         self._jobs_key: tuple | None = None
@@ -165,23 +168,27 @@ class LaunchScreen(Screen):
         if not self._ready:
             return
         requests, batch_size, problems = self.requests()
+        self._inputs = (requests, batch_size, problems)
         self._generation += 1
         generation = self._generation
         app = self.app
         snapshot, registry, roots = app.snapshot, app.services.registry, app.config.roots
 
-        def plan() -> tuple[list[Any], list[str], list[str]]:
+        def plan() -> tuple[list[Any], list[str], list[str], list[str]]:
+            # The full checks: busy GPUs, other users, a fold already running (registry and
+            # run folder), a finished or stopped fold (offer resume).
             plans: list[Any] = []
-            errors, warnings = list(problems), []
+            errors, warnings, resumable = list(problems), [], []
             for request in requests:
                 checks = launcher.check_request(request, roots, batch_size, snapshot, registry)
                 errors += [e for e in checks.errors if e not in errors]
                 warnings += [w for w in checks.warnings if w not in warnings]
+                resumable += checks.resumable_folds
                 if not checks.errors:
                     got, why = launcher.plan_launch(request, roots, batch_size, snapshot, registry)
                     plans += got
                     errors += [e for e in why if e not in errors]
-            return plans, errors, warnings
+            return plans, errors, warnings, resumable
 
         app.run_in_thread(plan, lambda result: self._planned(generation, result))
 
@@ -190,14 +197,16 @@ class LaunchScreen(Screen):
             return  # a newer plan is on its way
         self.planned_generation = generation
         if isinstance(result, Exception):
-            plans, problems, warnings = [], [f"cannot plan: {result}"], []
+            plans, problems, warnings, resumable = [], [f"cannot plan: {result}"], [], []
         else:
-            plans, problems, warnings = result
+            plans, problems, warnings, resumable = result
         self.plans = [] if problems else plans
-        self.problems, self.warnings = problems, warnings
+        self.problems, self.warnings, self.resumable = problems, warnings, resumable
         self.preview_text = "\n\n".join(launcher.preview(p) for p in plans)
         self._show()
         self.post_message(self.Planned())
+        if self._go_pending:
+            self.action_go()
 
     def _show(self) -> None:
         checks = Text()
@@ -205,6 +214,12 @@ class LaunchScreen(Screen):
             checks.append(f"✗ {problem}\n", style="bold red")
         for warning in self.warnings:
             checks.append(f"! {warning}\n", style="yellow")
+        if self.resumable:
+            folds = ", ".join(self.resumable)
+            checks.append(
+                f"↻ fold {folds} can continue from its checkpoint: press c (resume --c)\n",
+                style="bold cyan",
+            )
         if not self.problems:
             checks.append(f"✓ ready: {len(self.plans)} process(es); press g to start", "green")
         shown = (checks.plain, self.preview_text)
@@ -223,6 +238,14 @@ class LaunchScreen(Screen):
         self.app.pop_screen()
 
     def action_go(self) -> None:
+        if self._inputs != self.requests():
+            self.recompute()  # input whose change message has not arrived yet (fast typing)
+        if self.planned_generation != self._generation:
+            # The checks of the latest input (e.g. flags typed just now) are still running:
+            # start once they are back, never from a plan of older input.
+            self._go_pending = True
+            return
+        self._go_pending = False
         if self.problems or not self.plans:
             self.notify(
                 "Cannot start: " + "; ".join(self.problems or ["nothing"]), severity="error"

@@ -19,7 +19,7 @@ from pathlib import Path
 import app
 from app.services.gpus import MachineSnapshot
 from app.services.registry import Job, ProcessRecord, Registry, new_job_id
-from app.services.signals import job_alive, proc_info, process_start_time
+from app.services.signals import job_alive, proc_info, process_identity
 from trainer.schema import (
     CONSOLE_FILE,
     DEFAULT_PLANS,
@@ -40,6 +40,9 @@ MODES = ("per_gpu", "spawn", "torchrun")
 _started: list[subprocess.Popen[bytes]] = []
 # Test hook: run this script instead of `-m trainer` (the fake trainer in tests/).
 TRAINER_SCRIPT_ENV = "NNUI_TRAINER_SCRIPT"
+# Test hook: run this script instead of `-m torch.distributed.run` (a torchrun that records
+# the signals it receives; it must stay the launcher process, so it runs torchrun in-process).
+TORCHRUN_SCRIPT_ENV = "NNUI_TORCHRUN_SCRIPT"
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,11 @@ def trainer_entry(request: LaunchRequest) -> list[str]:
         return list(request.trainer_entry)
     script = os.environ.get(TRAINER_SCRIPT_ENV)
     return [script] if script else ["-m", "trainer"]
+
+
+def torchrun_entry() -> list[str]:
+    script = os.environ.get(TORCHRUN_SCRIPT_ENV)
+    return [script] if script else ["-m", "torch.distributed.run"]
 
 
 def _flag_value(args: list[str], flag: str, default: str) -> str:
@@ -284,7 +292,7 @@ def plan_launch(
             argv = [sys.executable, *entry, *args, "-num_gpus", str(size)]
         elif job_mode == "torchrun":
             argv = [
-                sys.executable, "-m", "torch.distributed.run", "--standalone",
+                sys.executable, *torchrun_entry(), "--standalone",
                 f"--nproc_per_node={size}", *entry, *args,
             ]  # fmt: skip
         else:
@@ -380,8 +388,9 @@ def start(plan: LaunchPlan, registry: Registry) -> Job:
         )
         raise
     _started.append(process)
-    create_time = process_start_time(process.pid) or time.time()
-    return registry.add_process(plan.job_id, ProcessRecord(process.pid, create_time, "supervisor"))
+    ticks, create_time = process_identity(process.pid)
+    record = ProcessRecord(process.pid, create_time or time.time(), "supervisor", None, ticks)
+    return registry.add_process(plan.job_id, record)
 
 
 def reap_children() -> None:

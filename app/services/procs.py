@@ -1,7 +1,11 @@
 """Process identity from /proc (read-only): who a pid is, whether it is still the same process.
 
 Used by the stop and kill checks (signals.py), the supervisor and the job views. A pid alone
-never identifies a process (pids are reused): always pid + create_time.
+never identifies a process (pids are reused): always pid + start_ticks, the start time in
+clock ticks since boot (/proc/PID/stat field 22). It is exact and never changes for a
+process, whereas any wall-clock start time moves when the VM's clock is adjusted (measured:
+0.6 s after a few minutes here). create_time (wall clock) stays for display and for the
+"started after the job was launched" checks, with a tolerance of seconds.
 """
 
 from __future__ import annotations
@@ -15,12 +19,17 @@ from dataclasses import dataclass
 
 import psutil
 
-from app.services.registry import Job
+from app.services.registry import Job, ProcessRecord
 from trainer.schema import JOB_ID_ENV
 
 log = logging.getLogger(__name__)
 
-CREATE_TIME_TOLERANCE_S = 0.05
+# Records written before start_ticks existed are compared by wall-clock start time, which
+# drifts with clock adjustments: a tolerance of ~1 s (a reused pid needs a full pid-space
+# wrap within that second to slip through).
+LEGACY_CREATE_TIME_TOLERANCE_S = 1.0
+# Comparing a start time with another wall-clock instant (job launch, topology event).
+WALL_CLOCK_TOLERANCE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,7 @@ class ProcInfo:
     sigcgt_usr1: bool
     env_job_id: str | None
     zombie: bool
+    start_ticks: int | None = None  # clock ticks since boot; the identity (None: unreadable)
 
 
 def _sigcgt_has(status_text: str, signum: int) -> bool:
@@ -60,13 +70,8 @@ def _env_value(pid: int, name: str) -> str | None:
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def process_start_time(pid: int) -> float | None:
-    """Start time of a process in wall-clock seconds, good to one clock tick (10 ms).
-
-    psutil's create_time() adds the start tick to /proc/stat's whole-second btime, so it
-    can be up to 1 s off time.time(); stop checks compare against event times, so use the
-    boot clock instead: now - CLOCK_BOOTTIME + starttime ticks.
-    """
+def process_start_ticks(pid: int) -> int | None:
+    """Start time in clock ticks since boot (/proc/PID/stat field 22): exact and immutable."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             data = handle.read()
@@ -74,9 +79,30 @@ def process_start_time(pid: int) -> float | None:
         return None
     # Fields after the command name (which may contain spaces and parentheses).
     fields = data[data.rindex(b")") + 2 :].split()
-    start_ticks = int(fields[19])
+    return int(fields[19])
+
+
+def ticks_to_wall_s(start_ticks: int) -> float:
+    """A start tick as wall-clock seconds now (moves when the wall clock is adjusted)."""
     boot_wall_s = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
     return round(boot_wall_s + start_ticks / _CLOCK_TICKS, 3)
+
+
+def process_start_time(pid: int) -> float | None:
+    """Start time of a process in wall-clock seconds, for display and wall-time checks.
+
+    psutil's create_time() adds the start tick to /proc/stat's whole-second btime, so it
+    can be up to 1 s off time.time(); use the boot clock instead: now - CLOCK_BOOTTIME +
+    start ticks. Not an identity: it follows wall-clock adjustments (use start_ticks).
+    """
+    ticks = process_start_ticks(pid)
+    return None if ticks is None else ticks_to_wall_s(ticks)
+
+
+def process_identity(pid: int) -> tuple[int | None, float | None]:
+    """(start_ticks, create_time) of a pid, read once, for a registry record."""
+    ticks = process_start_ticks(pid)
+    return ticks, (None if ticks is None else ticks_to_wall_s(ticks))
 
 
 def proc_info(pid: int) -> ProcInfo | None:
@@ -84,16 +110,18 @@ def proc_info(pid: int) -> ProcInfo | None:
     try:
         process = psutil.Process(pid)
         with process.oneshot():
+            ticks = process_start_ticks(pid)
             info = ProcInfo(
                 pid=pid,
                 ppid=process.ppid(),
                 uid=process.uids().real,
-                create_time=process_start_time(pid) or process.create_time(),
+                create_time=process.create_time() if ticks is None else ticks_to_wall_s(ticks),
                 name=process.name(),
                 cmdline=_safe_cmdline(process),
                 sigcgt_usr1=_read_sigcgt(pid),
                 env_job_id=_env_value(pid, JOB_ID_ENV),
                 zombie=process.status() == psutil.STATUS_ZOMBIE,
+                start_ticks=ticks,
             )
         return info
     except (psutil.NoSuchProcess, ProcessLookupError):
@@ -118,18 +146,32 @@ def _read_sigcgt(pid: int) -> bool:
         return False
 
 
+def same_identity(info: ProcInfo, create_time: float, start_ticks: int | None) -> bool:
+    """Is `info` the process recorded with (create_time, start_ticks)? Exact by ticks; by
+    wall-clock start time (1 s tolerance) only for old records without ticks."""
+    if start_ticks is not None and info.start_ticks is not None:
+        return info.start_ticks == start_ticks
+    return abs(info.create_time - create_time) <= LEGACY_CREATE_TIME_TOLERANCE_S
+
+
 def is_same_process(
-    pid: int, create_time: float, proc_lookup: Callable[[int], ProcInfo | None] = proc_info
+    pid: int,
+    create_time: float,
+    proc_lookup: Callable[[int], ProcInfo | None] = proc_info,
+    start_ticks: int | None = None,
 ) -> bool:
-    """Alive (not a zombie) and the same process as recorded (pid reuse shows in create_time)."""
+    """Alive (not a zombie) and the same process as recorded (pid reuse changes start_ticks)."""
     info = proc_lookup(pid)
-    return (
-        info is not None
-        and not info.zombie
-        and abs(info.create_time - create_time) <= CREATE_TIME_TOLERANCE_S
-    )
+    return info is not None and not info.zombie and same_identity(info, create_time, start_ticks)
+
+
+def record_alive(
+    record: ProcessRecord, proc_lookup: Callable[[int], ProcInfo | None] = proc_info
+) -> bool:
+    """The recorded process (supervisor, trainer, worker) is still the same one and alive."""
+    return is_same_process(record.pid, record.create_time, proc_lookup, record.start_ticks)
 
 
 def job_alive(job: Job, proc_lookup: Callable[[int], ProcInfo | None] = proc_info) -> bool:
     """Any recorded process of the job (supervisor, trainer, worker) still the same and alive."""
-    return any(is_same_process(p.pid, p.create_time, proc_lookup) for p in job.processes)
+    return any(record_alive(p, proc_lookup) for p in job.processes)

@@ -37,9 +37,10 @@ def default_state_dir() -> Path:
 @dataclass
 class ProcessRecord:
     pid: int
-    create_time: float
+    create_time: float  # wall clock, for display and wall-time checks (drifts with the clock)
     role: str  # "supervisor" | "trainer" (the top process it started) | "worker" (a rank)
     rank: int | None = None
+    start_ticks: int | None = None  # the identity: /proc/PID/stat start time (None: old record)
 
 
 @dataclass

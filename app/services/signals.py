@@ -3,9 +3,9 @@
 The headline promise: a graceful stop reaches exactly the job's worker processes, or
 nothing. Targets come from the trainer's `topology` event (never torchrun, never the
 -num_gpus parent, never a process group, never a name). Every target must be alive, ours,
-the very process that wrote the topology (create_time), part of this job (NNUI_JOB_ID in
-its environment), and have a SIGUSR1 handler (else the signal would kill it). If one
-check fails nothing is sent and the reason is shown.
+the very process that wrote the topology (start ticks since boot), part of this job
+(NNUI_JOB_ID in its environment), and have a SIGUSR1 handler (else the signal would kill
+it). If one check fails nothing is sent and the reason is shown.
 """
 
 from __future__ import annotations
@@ -22,13 +22,17 @@ from typing import Any
 import psutil
 
 from app.services.procs import (
-    CREATE_TIME_TOLERANCE_S,
+    WALL_CLOCK_TOLERANCE_S,
     ProcInfo,
     _sigcgt_has,
     is_same_process,
     job_alive,
     proc_info,
+    process_identity,
+    process_start_ticks,
     process_start_time,
+    record_alive,
+    same_identity,
 )
 from app.services.registry import Job, ProcessRecord, Registry, SignalRecord
 from trainer.schema import JOB_ID_ENV
@@ -47,7 +51,10 @@ __all__ = [  # process identity lives in procs.py; re-exported so callers can us
     "plan_kill",
     "plan_stop",
     "proc_info",
+    "process_identity",
+    "process_start_ticks",
     "process_start_time",
+    "record_alive",
     "remember_workers",
     "send_stop",
     "topology_ranks",
@@ -56,7 +63,8 @@ __all__ = [  # process identity lives in procs.py; re-exported so callers can us
 log = logging.getLogger(__name__)
 
 # The job's create time comes from nnui's clock before Popen; processes start after it.
-LAUNCH_SLACK_S = 1.0
+# Both are wall-clock readings, which clock adjustments move by up to about a second.
+LAUNCH_SLACK_S = WALL_CLOCK_TOLERANCE_S
 LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "app.services.supervisor")
 HAS_PIDFD = hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
 
@@ -72,6 +80,7 @@ class StopTarget:
     host: str
     device: str
     create_time: float = 0.0
+    start_ticks: int | None = None  # the identity checked again right before the signal
 
 
 @dataclass(frozen=True)
@@ -122,12 +131,12 @@ def _launcher_pids(job: Job) -> set[int]:
 def _descends_from_job(
     info: ProcInfo, job: Job, proc_lookup: Callable[[int], ProcInfo | None]
 ) -> bool:
-    """True if an ancestor is the job's recorded trainer or supervisor (same create_time)."""
-    recorded = {p.pid: p.create_time for p in job.processes if p.role in ("trainer", "supervisor")}
+    """True if an ancestor is the job's recorded trainer or supervisor (same start ticks)."""
+    recorded = {p.pid: p for p in job.processes if p.role in ("trainer", "supervisor")}
     pid, seen = info.ppid, 0
     while pid > 1 and seen < 16:
         if pid in recorded:
-            return is_same_process(pid, recorded[pid], proc_lookup)
+            return record_alive(recorded[pid], proc_lookup)
         parent = proc_lookup(pid)
         if parent is None:
             return False
@@ -154,14 +163,11 @@ def check_worker(
     if pid in _launcher_pids(job) or is_launcher_cmdline(info.cmdline):
         return info, f"{label} is a launcher, not a worker"
     recorded = next((p for p in job.processes if p.pid == pid and p.role == "worker"), None)
-    if (
-        recorded is not None
-        and abs(recorded.create_time - info.create_time) > CREATE_TIME_TOLERANCE_S
-    ):
+    if recorded is not None and not same_identity(info, recorded.create_time, recorded.start_ticks):
         return info, f"{label} is another process now (pid reused)"
     if info.create_time < job.created_at - LAUNCH_SLACK_S:
         return info, f"{label} started before this job was launched (pid reused)"
-    if topology_t is not None and info.create_time > topology_t + CREATE_TIME_TOLERANCE_S:
+    if topology_t is not None and info.create_time > topology_t + WALL_CLOCK_TOLERANCE_S:
         return info, f"{label} started after the topology was written (pid reused)"
     if info.env_job_id != job.job_id and not (
         info.env_job_id is None and _descends_from_job(info, job, proc_lookup)
@@ -206,6 +212,7 @@ def plan_stop(
                 host=str(entry.get("host") or here),
                 device=str(entry.get("device", "?")),
                 create_time=info.create_time,
+                start_ticks=info.start_ticks,
             )
         )
     sent = {s.pid for s in job.signals if s.signal == "SIGUSR1" and s.result == "sent"}
@@ -219,7 +226,7 @@ def remember_workers(
     registry: Registry,
     proc_lookup: Callable[[int], ProcInfo | None] = proc_info,
 ) -> Job:
-    """Record each worker's create_time the first time the topology is seen (pid-reuse guard)."""
+    """Record each worker's identity (start ticks) when the topology is first seen (pid reuse)."""
     known = {p.pid for p in job.processes if p.role == "worker"}
     topology_t = topology.get("t") if topology else None
     for entry in local_ranks(topology):
@@ -229,24 +236,26 @@ def remember_workers(
         # A handler not yet installed is fine to remember; anything else is not our worker.
         if info is None or (problem is not None and "SIGUSR1 handler" not in problem):
             continue
-        record = ProcessRecord(info.pid, info.create_time, "worker", entry.get("global_rank"))
+        record = ProcessRecord(
+            info.pid, info.create_time, "worker", entry.get("global_rank"), info.start_ticks
+        )
         job = registry.add_process(job.job_id, record)
     return job
 
 
-def _send(pid: int, create_time: float, signum: int) -> str:
+def _send(pid: int, create_time: float, signum: int, start_ticks: int | None = None) -> str:
     """Send one signal to exactly that process; pidfd closes the pid-reuse window."""
     try:
         if HAS_PIDFD:
             fd = os.pidfd_open(pid)
             try:
-                if not is_same_process(pid, create_time):
+                if not is_same_process(pid, create_time, start_ticks=start_ticks):
                     return "refused: pid changed before the signal"
                 signal.pidfd_send_signal(fd, signum)
             finally:
                 os.close(fd)
         else:
-            if not is_same_process(pid, create_time):
+            if not is_same_process(pid, create_time, start_ticks=start_ticks):
                 return "refused: pid changed before the signal"
             os.kill(pid, signum)
     except ProcessLookupError:
@@ -268,7 +277,7 @@ def send_stop(plan: StopPlan, job: Job, registry: Registry) -> list[SignalRecord
         return []  # pressing stop again is harmless: the workers already have the signal
     records = []
     for target in plan.targets:
-        result = _send(target.pid, target.create_time, signal.SIGUSR1)
+        result = _send(target.pid, target.create_time, signal.SIGUSR1, target.start_ticks)
         record = SignalRecord(time.time(), target.pid, "SIGUSR1", target.rank, result)
         registry.record_signal(job.job_id, record)
         records.append(record)
@@ -297,7 +306,7 @@ def plan_kill(
     a supervisor still waiting for an earlier job is included (nothing else would end it).
     """
     # A list, not a dict by pid: in single mode the trainer is also the worker (same pid).
-    alive = [p for p in job.processes if is_same_process(p.pid, p.create_time, proc_lookup)]
+    alive = [p for p in job.processes if record_alive(p, proc_lookup)]
     recorded_pids = {p.pid for p in alive}
     trainers = [p for p in alive if p.role == "trainer"]
     candidates: list[int] = []
@@ -338,9 +347,9 @@ def kill(job: Job, registry: Registry, grace_s: float = 10.0) -> list[SignalReco
         remaining = [i for i in targets if i.pid in fds]
         while remaining and time.monotonic() < deadline:
             time.sleep(0.1)
-            remaining = [i for i in remaining if is_same_process(i.pid, i.create_time)]
+            remaining = [i for i in remaining if _still(i)]
         for info in remaining:
-            if is_same_process(info.pid, info.create_time):
+            if _still(info):
                 records.append(_signal_fd(job, registry, info, fds[info.pid], signal.SIGKILL))
     finally:
         for fd in fds.values():
@@ -349,11 +358,15 @@ def kill(job: Job, registry: Registry, grace_s: float = 10.0) -> list[SignalReco
     return records
 
 
+def _still(info: ProcInfo) -> bool:
+    return is_same_process(info.pid, info.create_time, start_ticks=info.start_ticks)
+
+
 def _signal_fd(job: Job, registry: Registry, info: ProcInfo, fd: int, signum: int) -> SignalRecord:
     try:
         if fd >= 0:
             signal.pidfd_send_signal(fd, signum)
-        elif is_same_process(info.pid, info.create_time):
+        elif _still(info):
             os.kill(info.pid, signum)
         else:
             raise ProcessLookupError

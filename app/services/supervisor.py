@@ -1,8 +1,8 @@
 """`python -m app.services.supervisor --job-id ID --state-dir DIR -- ARGV...`
 
 The small parent of every training nnui starts: waits for an earlier job when asked (folds
-queued on one GPU), starts the trainer as its child, records the trainer's pid and
-create_time, then its exit code and end time, in the registry. It ignores SIGUSR1 and
+queued on one GPU), starts the trainer as its child, records the trainer's pid and start
+time (ticks since boot), then its exit code and end time, in the registry. It ignores SIGUSR1 and
 SIGHUP: it is never a stop target and outlives an SSH hang-up. (The trainer inherits the
 ignored SIGUSR1 until it installs its own handler, so an early stop cannot kill it.)
 Its stdout/stderr are the job's console.log, which the trainer inherits.
@@ -23,7 +23,7 @@ from app.services.signals import (
     job_alive,
     plan_stop,
     proc_info,
-    process_start_time,
+    process_identity,
     remember_workers,
     send_stop,
 )
@@ -141,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         registry.update(job_id, exit_code=127, ended_at=time.time(), note=f"start failed: {error}")
         return 127
     # /proc/PID/stat only: psutil may fail while the child is between fork and exec.
-    create_time = process_start_time(trainer.pid) or time.time()
-    registry.add_process(job_id, ProcessRecord(trainer.pid, create_time, "trainer"))
+    ticks, create_time = process_identity(trainer.pid)
+    record = ProcessRecord(trainer.pid, create_time or time.time(), "trainer", None, ticks)
+    registry.add_process(job_id, record)
     code = wait_delivering_queued_stop(registry, job_id, trainer)
     _say(f"trainer exited with code {code}")
     registry.update(job_id, exit_code=code, ended_at=time.time())
