@@ -72,7 +72,7 @@ async def test_launch_then_graceful_stop_then_resume(tmp_path: Path, monkeypatch
             text = dialog.query_one("#stop-plan").render().plain
             rank_pid = app.view_of(job_id).topology["ranks"][0]["pid"]
             assert f"pid {rank_pid}" in text and "rank 0" in text and "device cpu" in text
-            assert "stops at the end of epoch" in text
+            assert "stops at the end of the running epoch (epoch " in text
             await pilot.press("y")
             await wait_for(
                 lambda: (

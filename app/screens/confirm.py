@@ -41,7 +41,12 @@ def stop_text(choices: Sequence[Any]) -> Text:
                     f"\n  pid {t.pid:<8d} rank {t.rank} (local {t.local_rank})  "
                     f"host {t.host}  device {t.device}"
                 )
-            at = "the current epoch" if plan.epoch is None else f"epoch {plan.epoch}"
+            # plan.epoch counts completed epochs, like the table: the running one is the next.
+            at = (
+                "the running epoch"
+                if plan.epoch is None
+                else f"the running epoch (epoch {plan.epoch + 1}/{view.num_epochs or '?'})"
+            )
             text.append(
                 f"\nIt stops at the end of {at}, writes checkpoint_latest and exits 0.",
                 style="green",

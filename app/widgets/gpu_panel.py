@@ -18,7 +18,7 @@ from app.widgets.formatting import NA, bar, fmt_gib, fmt_mib, fmt_or_na, short_u
 
 HISTORY_POINTS = 24
 SPARK_LEVELS = "▁▁▂▃▄▅▆▇█"  # 0 % still draws a baseline
-NO_DRIVER_BANNER = "No NVIDIA driver: jobs run on CPU"
+NO_DRIVER_BANNER = "No usable GPU: jobs run on CPU"
 
 
 def sparkline(values: list[float], width: int = HISTORY_POINTS) -> str:
@@ -101,7 +101,8 @@ class GpuPanel(Vertical):
         if snapshot.driver_problem:
             text.append(f" {NO_DRIVER_BANNER} ", style="bold black on yellow")
             text.append(f"  CPU slots: {self.cpu_slots}  ", style="bold")
-            text.append(snapshot.driver_problem, style="dim")
+            # The service appends its own "jobs can run on CPU"; the banner already says it.
+            text.append(snapshot.driver_problem.split(" — ")[0], style="dim")
         elif not snapshot.gpus:
             text.append(f"No GPUs visible: jobs run on CPU  CPU slots: {self.cpu_slots}")
         return text
