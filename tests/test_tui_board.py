@@ -230,3 +230,15 @@ async def test_launch_board_warns_about_busy_gpus_and_other_users(
         assert "GPU 1 is used by alice" in screen.warnings
         checks = screen.query_one("#launch-checks").render().plain
         assert "! GPU 1 is busy" in checks and "CUDA_VISIBLE_DEVICES=1" in screen.preview_text
+
+
+async def test_escape_in_the_flags_field_returns_to_the_board(tmp_path: Path, monkeypatch) -> None:
+    roots = make_roots(tmp_path)
+    use_fake_trainer(monkeypatch, roots, tmp_path / "state")
+    app = tui_app(roots, tmp_path / "state")
+    async with app.run_test(size=(150, 48)) as pilot:
+        screen = await open_board(app, pilot)
+        await pilot.press("space", "f", *"--epochs 3", "escape")
+        assert app.screen is screen  # still on the board, the typed flags kept
+        await pilot.press("escape")
+        assert app.screen is not screen

@@ -235,6 +235,10 @@ class LaunchScreen(Screen):
     # ---- actions ----------------------------------------------------------------------
 
     def action_cancel(self) -> None:
+        # Escape while typing flags leaves the field, not the board (nothing typed is lost).
+        if isinstance(self.focused, Input):
+            self.query_one(FoldBoard).focus()
+            return
         self.app.pop_screen()
 
     def action_go(self) -> None:
