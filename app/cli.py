@@ -164,7 +164,7 @@ def _view_of(registry: Registry, text: str) -> tuple[JobView | None, str | None]
     try:
         job = registry.resolve(text)
     except KeyError as problem:
-        return None, str(problem).strip("'\"")
+        return None, problem.args[0]
     views = JobTracker(registry).refresh()
     return next(v for v in views if v.job.job_id == job.job_id), None
 
@@ -309,7 +309,7 @@ def cmd_kill(options: argparse.Namespace, registry: Registry) -> int:
     try:
         job: Job = registry.resolve(options.job)
     except KeyError as problem:
-        return error(str(problem).strip("'\""), EXIT_USAGE)
+        return error(problem.args[0], EXIT_USAGE)
     if job.exit_code is not None or not job_alive(job, proc_info):
         print(f"nothing to do: job {job.job_id} is not running")
         return EXIT_NOTHING

@@ -100,7 +100,7 @@ def test_ddp_group_and_queued_stop(env: dict) -> None:
 @pytest.mark.parametrize(
     ("args", "code", "fragment"),
     [
-        (["stop", "nope"], 2, "no job"),
+        (["stop", "nope"], 2, "error: no job 'nope'"),
         (["resume", "nope"], 2, "no job"),
         (["kill", "nope", "--yes"], 2, "no job"),
         (["launch", "4", "3d_fullres", "--folds", "0"], 2, "--gpus"),
