@@ -1,6 +1,10 @@
-"""Step time of `-num_gpus 2` vs one process on the CPU, at the same global batch.
+"""Step time of `-num_gpus 2` vs one process, at the same global batch.
 
     python bench/ddp.py [--configuration 3d_fullres] [--batch 4] [--iterations 5] [--epochs 3]
+                        [-device auto|cuda|cpu]
+
+`-device auto` (default) measures on CUDA (nccl) when torch sees a GPU, else on the CPU
+(gloo); the 2-process row needs two visible GPUs on CUDA.
 
 Writes a small demo dataset and preprocesses it with the given global batch (patch 16x32x32
 in 3D, 32x32 in 2D) into a temporary folder, then runs `python -m trainer` with one process
@@ -44,7 +48,7 @@ def _prepare(work: Path, configuration: str, batch: int, num_cases: int) -> Path
 
 def _run(pre: Path, results: Path, args: argparse.Namespace, num_gpus: int) -> dict:
     argv = [
-        sys.executable, "-m", "trainer", "900", args.configuration, "0", "-device", "cpu",
+        sys.executable, "-m", "trainer", "900", args.configuration, "0", "-device", args.device,
         "--epochs", str(args.epochs), "--iterations-per-epoch", str(args.iterations),
         "--val-iterations", "1", "--num-workers", "1", "--disable_checkpointing",
         "--preprocessed", str(pre), "--results", str(results),
@@ -72,23 +76,34 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--cases", type=int, default=6)
+    parser.add_argument("-device", dest="device", default="auto", choices=("auto", "cuda", "cpu"))
     args = parser.parse_args()
+    import torch
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    counts = (1, 2)
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        counts = (1,)  # -num_gpus 2 needs two GPUs
+        print("note: one CUDA device visible; measuring one process only", file=sys.stderr)
     if args.batch < 2:
         print("error: --batch must be >= 2 to split it over 2 processes", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="nnui_bench_ddp_") as tmp:
         work = Path(tmp)
         pre = _prepare(work, args.configuration, args.batch, args.cases)
-        rows = [_run(pre, work / f"results{n}", args, n) for n in (1, 2)]
+        rows = [_run(pre, work / f"results{n}", args, n) for n in counts]
     cores = len(os.sched_getaffinity(0))
     print(f"{args.configuration}, global batch {args.batch}, patch {PATCH[args.configuration]}, "
-          f"{args.iterations} it/epoch x {args.epochs} epochs, {cores} cores, gloo")  # fmt: skip
+          f"{args.iterations} it/epoch x {args.epochs} epochs, {cores} cores, "
+          f"{'nccl' if args.device == 'cuda' else 'gloo'} on {args.device}")  # fmt: skip
     print(f"{'processes':>9}  {'s/step':>8}  {'samples/s':>9}  {'wall s':>7}")
     for row in rows:
         samples_s = args.batch / row["step_s"]
         step_s, wall_s = row["step_s"], row["wall_s"]
         print(f"{row['num_procs']:>9}  {step_s:>8.3f}  {samples_s:>9.1f}  {wall_s:>7.1f}")
-    print(f"speed-up of 2 processes: {rows[0]['step_s'] / rows[1]['step_s']:.2f}x")
+    if len(rows) == 2:
+        print(f"speed-up of 2 processes: {rows[0]['step_s'] / rows[1]['step_s']:.2f}x")
     return 0
 
 

@@ -49,3 +49,18 @@ def demo_preprocessed(demo_raw, tmp_path_factory) -> DemoPreprocessed:
         overrides=Overrides(patch_size=dict(DEMO_TEST_PATCH), batch_size=dict(DEMO_TEST_BATCH)),
     )
     return DemoPreprocessed(demo_raw, preprocessed, results, DEMO_DATASET)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Skip `@pytest.mark.gpu` tests where torch sees no CUDA device (torch is imported
+    only when such a test was collected)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in gpu_items:
+        item.add_marker(skip)

@@ -113,3 +113,38 @@ def test_metadata_is_read_without_torch(tmp_path: Path) -> None:
         "sys.exit(0 if m['epoch_next'] == 7 and 'torch' not in sys.modules else 1)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def _safetensors_bytes(header: object) -> bytes:
+    import json
+    import struct
+
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"model.w": {"dtype": "F32", "shape": [1]}},  # no data_offsets: KeyError
+        {"model.w": {"data_offsets": 5}},  # not a list: TypeError
+        {"model.w": {"data_offsets": []}},  # IndexError
+        {"model.w": {"data_offsets": [0, "x"]}},  # ValueError
+        {"model.w": [1, 2]},  # TypeError
+        {"__metadata__": {"nnui": "[1, 2]"}},  # metadata not an object
+        {"__metadata__": "text"},  # TypeError
+    ],
+)
+def test_wrong_structure_header_is_a_checkpoint_error(tmp_path: Path, header) -> None:
+    write(tmp_path, "best", 2)
+    latest = tmp_path / "checkpoint_latest.safetensors"
+    latest.write_bytes(_safetensors_bytes(header))
+    with pytest.raises(checkpoint.CheckpointError):
+        checkpoint.read_metadata(latest)
+    assert checkpoint.find_resume(tmp_path).kind == "best"  # skipped with a warning
+
+
+def test_identity_that_is_not_an_object_is_a_mismatch(tmp_path: Path) -> None:
+    write(tmp_path, "latest", 2, identity="nonsense")  # type: ignore[arg-type]
+    with pytest.raises(checkpoint.IdentityMismatch):
+        checkpoint.find_resume(tmp_path, IDENTITY)

@@ -17,7 +17,10 @@ COMMANDS = {
 
 @pytest.mark.parametrize(("script", "module"), sorted(COMMANDS.items()))
 def test_help_exits_zero_with_usage(script: str, module: str) -> None:
-    code = f"import sys; from {module} import main; sys.argv = [{script!r}, '--help']; sys.exit(main())"
+    code = (
+        f"import sys; from {module} import main; "
+        f"sys.argv = [{script!r}, '--help']; sys.exit(main())"
+    )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )

@@ -199,32 +199,75 @@ def test_torchrun_two_processes(demo_preprocessed, tmp_path, procs) -> None:
     assert [r["local_rank"] for r in ranks] == [0, 1]
 
 
-def test_two_torchrun_nodes_on_localhost_only_rank0_writes(demo_preprocessed, tmp_path, procs):
+def _start_two_nodes(procs: Procs, demo, tmp_path: Path, name: str, *extra: str):
+    """Two torchrun "nodes" on localhost with static ranks (node 0 holds global rank 0),
+    each with its own results root, as on two machines without a shared file system."""
     port = _free_port()
-    nodes = [
+    return [
         procs.start(
             [
                 *torchrun(
                     "--nnodes=2",
+                    f"--node_rank={node}",
                     "--nproc_per_node=1",
-                    "--rdzv_backend=c10d",
-                    f"--rdzv_endpoint=127.0.0.1:{port}",
-                    "--rdzv_id=nnui-test",
+                    "--master_addr=127.0.0.1",
+                    f"--master_port={port}",
                 ),
-                *trainer_args(demo_preprocessed, tmp_path / f"results{node}"),
+                *trainer_args(demo, tmp_path / f"{name}{node}", *extra),
             ],
-            f"node{node}",
+            f"{name}-node{node}",
         )
         for node in range(2)
     ]
+
+
+def test_two_torchrun_nodes_only_rank0_writes_npz_and_resume(demo_preprocessed, tmp_path, procs):
+    """--npz: rank 1's probabilities reach rank 0, which writes them; the other node's results
+    stay empty. --c: only node 0 has the checkpoint; rank 0 hands it to rank 1, and the
+    stopped-and-resumed curves equal the uninterrupted ones."""
+    epochs = ("--epochs", "4")
+    nodes = _start_two_nodes(procs, demo_preprocessed, tmp_path, "whole", *epochs, "--npz")
     codes = [finish(p) for p in nodes]
-    assert codes == [0, 0], procs.log("node0") + procs.log("node1")
-    written = [p for p in (tmp_path / "results0", tmp_path / "results1") if run_folder(p).exists()]
-    assert len(written) == 1  # global rank 0 lives on one of the two "nodes"
-    ranks = assert_clean_finish(run_folder(written[0]), 2, "torchrun")
+    assert codes == [0, 0], procs.log("whole-node0") + procs.log("whole-node1")
+    whole = run_folder(tmp_path / "whole0")
+    ranks = assert_clean_finish(whole, 2, "torchrun")
     assert [r["local_rank"] for r in ranks] == [0, 0]  # one process per node
-    other = tmp_path / ("results1" if written[0].name == "results0" else "results0")
-    assert not any(other.rglob("*")), "a non-zero rank wrote under its results root"
+    assert not any((tmp_path / "whole1").rglob("*")), "a non-zero rank wrote under results"
+    summary = (whole / schema.VALIDATION_DIR / schema.SUMMARY_FILE).read_text()
+    import json
+
+    import numpy as np
+
+    case_ids = [c["case_id"] for c in json.loads(summary)["per_case"]]
+    assert len(case_ids) == 2  # one predicted by each rank
+    for case_id in case_ids:
+        with np.load(whole / schema.VALIDATION_DIR / f"{case_id}.npz") as saved:
+            probabilities = saved["probabilities"]
+        assert probabilities.dtype == np.float32
+        assert np.allclose(probabilities.sum(0), 1, atol=1e-4)
+    assert not list((whole / schema.VALIDATION_DIR).glob(".*.tmp"))
+
+    first = _start_two_nodes(procs, demo_preprocessed, tmp_path, "split", *epochs)
+    folder = run_folder(tmp_path / "split0")
+    (topology,) = wait_events(folder, "topology", 1, first[0])
+    procs.rank_pids.update(r["pid"] for r in topology["ranks"])
+    wait_events(folder, "epoch_ended", 1, first[0])
+    os.kill(topology["ranks"][1]["pid"], signal.SIGUSR1)  # the rank on the other node
+    stopped = _assert_stopped_together(folder, [finish(p) for p in first])
+    assert stopped["epoch"] < 3, "stopped too late to test resuming"
+    assert not any((tmp_path / "split1").rglob("*"))
+    resumed = _start_two_nodes(procs, demo_preprocessed, tmp_path, "split", *epochs, "--c")
+    codes = [finish(p) for p in resumed]
+    assert codes == [0, 0], procs.log("split-node0") + procs.log("split-node1")
+    assert not any((tmp_path / "split1").rglob("*"))
+    split_epochs = of_kind(events(folder), "epoch_ended")
+    whole_epochs = of_kind(events(whole), "epoch_ended")
+    assert [e["epoch"] for e in split_epochs] == [0, 1, 2, 3]
+    for key in ("train_loss", "val_loss", "mean_fg_dice", "lr"):
+        assert [e[key] for e in split_epochs] == pytest.approx(
+            [e[key] for e in whole_epochs], rel=1e-5
+        ), key
+    assert of_kind(events(folder), "finished")
 
 
 def test_stale_rank_alone_changes_nothing(demo_preprocessed, tmp_path, procs) -> None:
@@ -385,3 +428,22 @@ def test_ddp_resume_continues_exactly(demo_preprocessed, tmp_path, procs) -> Non
             [e[key] for e in whole_epochs], rel=1e-5
         ), key
     assert of_kind(events(folder), "finished")
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_count() < 2, reason="needs two CUDA GPUs")
+def test_num_gpus_2_with_nccl(demo_preprocessed, tmp_path, procs) -> None:
+    argv = trainer_args(demo_preprocessed, tmp_path / "r", "-num_gpus", "2", "--npz")
+    argv[argv.index("-device") + 1] = "cuda"
+    proc = procs.start([sys.executable, "-m", "trainer", *argv], "nccl")
+    assert finish(proc) == 0, procs.log("nccl")
+    folder = run_folder(tmp_path / "r")
+    ranks = assert_clean_finish(folder, 2, "spawn")
+    assert [r["device"] for r in ranks] == ["cuda:0", "cuda:1"]
+    assert len(list((folder / schema.VALIDATION_DIR).glob("*.npz"))) == 2

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from trainer import distributed as dist_mod
-from trainer.distributed import RankBatch, Topology, split_global_batch
+from trainer import launch
+from trainer.launch import RankBatch, Topology, split_global_batch
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent
@@ -101,7 +102,7 @@ LAUNCHERS = [
 
 @pytest.mark.parametrize(("env", "expected"), LAUNCHERS)
 def test_detect_external_launcher(env: dict[str, str], expected: str | None) -> None:
-    assert dist_mod.detect_external_launcher(env) == expected
+    assert launch.detect_external_launcher(env) == expected
 
 
 RANKS = [
@@ -117,7 +118,7 @@ RANKS = [
 
 @pytest.mark.parametrize(("env", "expected"), RANKS)
 def test_rank_and_size_from_env(env: dict[str, str], expected: tuple) -> None:
-    assert dist_mod._env_rank_and_size(env) == expected
+    assert launch.env_rank_and_size(env) == expected
 
 
 LOCALS = [
@@ -132,7 +133,7 @@ LOCALS = [
 
 @pytest.mark.parametrize(("env", "expected"), LOCALS)
 def test_local_rank_from_env(env: dict[str, str], expected: tuple) -> None:
-    assert dist_mod._env_local(env) == expected
+    assert launch.env_local(env) == expected
 
 
 @pytest.mark.parametrize(
@@ -145,17 +146,15 @@ def test_local_rank_from_env(env: dict[str, str], expected: tuple) -> None:
     ],
 )
 def test_local_rank_from_hosts(hosts: list[str], rank: int, expected: tuple) -> None:
-    assert dist_mod.local_from_hosts(hosts, rank) == expected
+    assert launch.local_from_hosts(hosts, rank) == expected
 
 
 def test_topology_and_device() -> None:
     topo = Topology(1, 4, 1, 2, "h", "torchrun")
     assert not topo.is_main and Topology(0, 1, 0, 1, "h", "single").is_main
-    assert dist_mod.device_for(topo, "cuda") == torch.device("cuda", 1)
-    assert dist_mod.device_for(topo, "cpu") == torch.device("cpu")
-    assert dist_mod.device_for(topo, "mps") == torch.device("mps")
-    with pytest.raises(ValueError, match="unknown device"):
-        dist_mod.device_for(topo, "tpu")
+    assert launch.device_for(topo, "cuda") == torch.device("cuda", 1)
+    assert launch.device_for(topo, "cpu") == torch.device("cpu")
+    assert launch.device_for(topo, "mps") == torch.device("mps")
 
 
 # ---- run_distributed: single process and user errors -----------------------------------
@@ -172,7 +171,7 @@ def test_single_process_runs_in_process(
 ) -> None:
     clean_env.setenv("RANK", "3")  # stale, ignored
     seen: list = []
-    assert dist_mod.run_distributed(_record_worker, seen, num_gpus, "cpu") == 7
+    assert launch.run_distributed(_record_worker, seen, num_gpus, "cpu") == 7
     (topo,) = seen
     assert (topo.global_rank, topo.world_size, topo.local_rank, topo.launcher) == (
         0, 1, 0, "single",
@@ -182,18 +181,18 @@ def test_single_process_runs_in_process(
 def test_num_gpus_under_launcher_is_an_error(clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv("TORCHELASTIC_RUN_ID", "x")
     with pytest.raises(ValueError, match="launcher decides"):
-        dist_mod.run_distributed(_record_worker, [], 2, "cpu")
+        launch.run_distributed(_record_worker, [], 2, "cpu")
 
 
 @pytest.mark.parametrize(
     ("num_gpus", "device", "match"),
-    [(0, "cpu", ">= 1"), (-2, "cpu", ">= 1"), (2, "mps", "mps"), (64, "cuda", "CUDA device")],
+    [(2, "mps", "mps"), (64, "cuda", "CUDA device")],
 )
 def test_bad_num_gpus(
     clean_env: pytest.MonkeyPatch, num_gpus: int, device: str, match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
-        dist_mod.run_distributed(_record_worker, [], num_gpus, device)
+        launch.run_distributed(_record_worker, [], num_gpus, device)
 
 
 def test_collectives_are_no_ops_in_one_process() -> None:
@@ -253,6 +252,17 @@ def _collectives_worker(topology: Topology, out_dir: str) -> int:
     }
     gathered = dist_mod.gather_objects({"rank": rank, "pid": os.getpid()})
     result["gathered"] = gathered
+    shared = dist_mod.broadcast_tensors(
+        {"w": torch.arange(6.0).reshape(2, 3), "i": torch.tensor([7], dtype=torch.int64)}
+        if rank == 0
+        else None
+    )
+    result["tensors"] = {k: [str(v.dtype), v.tolist()] for k, v in shared.items()}
+    if rank == 0:  # the --npz path: other ranks send, rank 0 receives in a fixed order
+        received = [dist_mod.recv_from(r, torch.float32) for r in range(1, world)]
+        result["received"] = [t.tolist() for t in received]
+    else:
+        dist_mod.send_to_main(torch.full((2, 1, 3), float(rank)))
     dist_mod.barrier()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     return 0
@@ -260,7 +270,7 @@ def _collectives_worker(topology: Topology, out_dir: str) -> int:
 
 def test_spawn_two_gloo_ranks(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
     clean_env.delenv("OMP_NUM_THREADS", raising=False)
-    assert dist_mod.run_distributed(_collectives_worker, str(tmp_path), 2, "cpu") == 0
+    assert launch.run_distributed(_collectives_worker, str(tmp_path), 2, "cpu") == 0
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     cores = len(os.sched_getaffinity(0))
     for rank, res in enumerate(results):
@@ -273,6 +283,12 @@ def test_spawn_two_gloo_ranks(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> 
         assert res["broadcast"] == {"from": 0, "text": ""}
     assert results[0]["gathered"] == [{"rank": r, "pid": results[r]["pid"]} for r in range(2)]
     assert results[1]["gathered"] is None
+    for res in results:
+        assert res["tensors"] == {
+            "w": ["torch.float32", [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]],
+            "i": ["torch.int64", [7]],
+        }
+    assert results[0]["received"] == [[[[1.0, 1.0, 1.0]], [[1.0, 1.0, 1.0]]]]
     assert os.getpid() not in {res["pid"] for res in results}
     # The gradient through the all-reduced batch dice equals the single-process one.
     logits, target = _dice_inputs()
@@ -296,7 +312,7 @@ def _failing_worker(topology: Topology, codes: list[int]) -> int:
 def test_spawn_parent_fails_when_a_rank_fails(
     clean_env: pytest.MonkeyPatch, codes: list[int], expected: int
 ) -> None:
-    assert dist_mod.run_distributed(_failing_worker, codes, 2, "cpu") == expected
+    assert launch.run_distributed(_failing_worker, codes, 2, "cpu") == expected
 
 
 # ---- signals to the spawn parent (a real parent process) --------------------------------
@@ -322,7 +338,7 @@ def _start_parent(out_dir: Path) -> subprocess.Popen:
         f"import sys; sys.path.insert(0, {str(REPO)!r}); from trainer import stop; stop.install(); "
         "import logging; logging.basicConfig(level=logging.INFO); "
         f"sys.path.insert(0, {str(TESTS_DIR)!r}); "
-        "import test_distributed as t; from trainer import distributed as d; "
+        "import test_distributed as t; from trainer import launch as d; "
         f"sys.exit(d.run_distributed(t._stop_worker, {str(out_dir)!r}, 2, 'cpu'))"
     )
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENVS}
@@ -399,7 +415,7 @@ def test_mpirun_like_launch_gathers_local_ranks_from_hostnames(tmp_path: Path) -
     """OMPI rank/size but no local rank: the hostname all_gather decides it."""
     code = (
         f"import sys; sys.path.insert(0, {str(TESTS_DIR)!r}); sys.path.insert(0, {str(REPO)!r}); "
-        "import test_distributed as t; from trainer import distributed as d; "
+        "import test_distributed as t; from trainer import launch as d; "
         f"sys.exit(d.run_distributed(t._collectives_worker, {str(tmp_path)!r}, None, 'cpu'))"
     )
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENVS}
@@ -426,4 +442,121 @@ def test_srun_without_master_addr_is_an_error(clean_env: pytest.MonkeyPatch) -> 
     clean_env.setenv("SLURM_NTASKS", "2")
     clean_env.setenv("SLURM_PROCID", "1")
     with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT must be set"):
-        dist_mod.run_distributed(_record_worker, [], None, "cpu")
+        launch.run_distributed(_record_worker, [], None, "cpu")
+
+
+# ---- review fixes: local-rank fallback, -num_gpus under launchers, loss weights ---------
+
+
+@pytest.mark.parametrize(
+    ("known", "hosts", "rank", "expected"),
+    [
+        ((None, None), ["a", "a", "b"], 1, (1, 2)),
+        ((3, None), ["a", "a", "b"], 1, (3, 2)),  # a known SLURM_LOCALID is kept
+        ((None, 8), ["a", "b"], 1, (0, 8)),
+        ((2, 4), ["a"], 0, (2, 4)),
+    ],
+)
+def test_hostname_fallback_fills_only_missing_values(known, hosts, rank, expected) -> None:
+    assert launch.fill_local(known, hosts, rank) == expected
+
+
+@pytest.mark.parametrize("num_gpus", [1, 2, 8])
+@pytest.mark.parametrize("launcher", ["torchrun", "external"])
+def test_every_num_gpus_is_refused_under_a_launcher(num_gpus: int, launcher: str) -> None:
+    with pytest.raises(ValueError, match="launcher decides"):
+        launch.check_num_gpus(num_gpus, launcher)
+    launch.check_num_gpus(None, launcher)
+    launch.check_num_gpus(num_gpus, None)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "weights"),
+    [
+        ([2], [1.0]),
+        ([1, 1], [1.0, 1.0]),
+        ([3, 2], [1.2, 0.8]),
+        ([3, 3, 2, 2], [1.2, 1.2, 0.8, 0.8]),
+    ],
+)
+def test_loss_weight_is_share_times_world(sizes: list[int], weights: list[float]) -> None:
+    assert [launch.loss_weight(sizes, r) for r in range(len(sizes))] == pytest.approx(weights)
+
+
+GRAD_BATCH = 5  # split [3, 2] over two ranks
+
+
+def _grad_inputs() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    torch.manual_seed(3)
+    net = torch.nn.Conv2d(2, 3, 3, padding=1)
+    x = torch.randn(GRAD_BATCH, 2, 6, 6, generator=gen)
+    y = torch.randint(0, 3, (GRAD_BATCH, 1, 6, 6), generator=gen)
+    return net, x, y
+
+
+def _grad_worker(topology: Topology, out_dir: str) -> int:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainer.loss import DeepSupervisionLoss
+
+    rank = topology.global_rank
+    sizes = [b.batch_size for b in split_global_batch(GRAD_BATCH, topology.world_size)]
+    low = sum(sizes[:rank])
+    result = {}
+    for name, weight_ce in (("weighted", launch.loss_weight(sizes, rank)), ("plain", 1.0)):
+        net, x, y = _grad_inputs()
+        model = DistributedDataParallel(net)
+        loss_fn = DeepSupervisionLoss(
+            1, reduce_fn=dist_mod.differentiable_all_reduce_sum, weight_ce=weight_ce
+        )
+        loss = loss_fn(model(x[low : low + sizes[rank]]), y[low : low + sizes[rank]])
+        loss.backward()
+        result[name] = torch.cat([p.grad.flatten() for p in net.parameters()]).tolist()
+        result[name + "_loss"] = dist_mod.all_reduce_sum(loss.detach().clone()).item() / 2
+    Path(out_dir, f"grad{rank}.json").write_text(json.dumps(result))
+    return 0
+
+
+def test_uneven_split_gradient_equals_single_process(
+    tmp_path: Path, clean_env: pytest.MonkeyPatch
+) -> None:
+    """G=5 over 2 gloo ranks ([3, 2]): DDP's averaged gradient is the one-process gradient."""
+    from trainer.loss import DeepSupervisionLoss
+
+    assert launch.run_distributed(_grad_worker, str(tmp_path), 2, "cpu") == 0
+    results = [json.loads((tmp_path / f"grad{r}.json").read_text()) for r in range(2)]
+    net, x, y = _grad_inputs()
+    loss = DeepSupervisionLoss(1)(net(x), y)
+    loss.backward()
+    whole = torch.cat([p.grad.flatten() for p in net.parameters()])
+    for res in results:  # DDP leaves the same averaged gradient on every rank
+        torch.testing.assert_close(torch.tensor(res["weighted"]), whole, rtol=1e-5, atol=1e-7)
+        assert res["weighted_loss"] == pytest.approx(loss.item(), rel=1e-6)
+        # Unweighted per-rank means over-weight the 2-sample rank: the check has teeth.
+        assert not torch.allclose(torch.tensor(res["plain"]), whole, rtol=1e-4, atol=1e-6)
+
+
+def _sleepy_worker(topology: Topology, out_dir: str) -> int:
+    from trainer import stop
+
+    if topology.global_rank == 0:
+        return 3
+    stop.install_termination()
+    try:
+        time.sleep(120)
+    except stop.Terminated as terminated:
+        Path(out_dir, "terminated").write_text(str(terminated.signum))
+        return 128 + terminated.signum
+    return 0
+
+
+@pytest.mark.slow
+def test_failed_rank_makes_the_parent_sigterm_the_others(
+    tmp_path: Path, clean_env: pytest.MonkeyPatch
+) -> None:
+    started = time.monotonic()
+    assert launch.run_distributed(_sleepy_worker, str(tmp_path), 2, "cpu") == 1
+    # SIGTERM at once (the survivor records why), not a SIGKILL after the 30 s grace.
+    assert time.monotonic() - started < launch.FAILED_RANK_GRACE_S
+    assert (tmp_path / "terminated").read_text() == str(int(signal.SIGTERM))

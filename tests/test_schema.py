@@ -51,3 +51,27 @@ def test_recorder_writes_events_and_status_only_when_enabled(tmp_path: Path) -> 
     assert kinds == [schema.Kind.EPOCH_ENDED, schema.Kind.FAILED]
     assert schema.read_status(main).state == schema.State.FAILED
     assert not other.exists()
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_events_are_strict_json_with_non_finite_values_as_null(value: float) -> None:
+    line = schema.encode_event(
+        schema.Kind.EPOCH_ENDED, t=1.0, train_loss=value, dice_per_class=[value, 0.5],
+        nested={"x": value},
+    )  # fmt: skip
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    record = json.loads(line, parse_constant=refuse)
+    assert record["train_loss"] is None
+    assert record["dice_per_class"] == [None, 0.5] and record["nested"] == {"x": None}
+
+
+def test_atomic_write_bytes_replaces_whole_file(tmp_path: Path) -> None:
+    path = tmp_path / "blob.bin"
+    schema.atomic_write_bytes(path, b"old")
+    schema.atomic_write_bytes(path, b"\x00new")
+    schema.atomic_write_text(tmp_path / "t.txt", "é")
+    assert path.read_bytes() == b"\x00new" and (tmp_path / "t.txt").read_text() == "é"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blob.bin", "t.txt"]

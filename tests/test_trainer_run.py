@@ -189,6 +189,92 @@ def test_checkpoint_of_another_configuration_is_refused(demo_preprocessed, tmp_p
     assert err.startswith("error: ") and "configuration='3d_fullres'" in err
 
 
+@pytest.fixture
+def own_demo(demo_preprocessed, tmp_path):
+    """A private copy of the preprocessed demo, safe to damage."""
+    import shutil
+
+    root = tmp_path / "preprocessed"
+    shutil.copytree(demo_preprocessed.preprocessed, root)
+    return demo_preprocessed._replace(preprocessed=root)
+
+
+def _dataset_dir(demo) -> Path:
+    return demo.preprocessed / "Dataset900_NnuiDemo"
+
+
+def _damage_splits(demo, text: str) -> None:
+    (_dataset_dir(demo) / "splits_final.json").write_text(text)
+
+
+def _delete_one_case(demo) -> str:
+    data_dir = next(p for p in _dataset_dir(demo).iterdir() if p.is_dir() and "2d" in p.name)
+    victim = sorted(data_dir.glob("*_seg.b2nd"))[0]
+    victim.unlink()
+    return victim.name.removesuffix("_seg.b2nd")
+
+
+@pytest.mark.parametrize(
+    ("damage", "env", "message"),
+    [
+        (lambda d: _damage_splits(d, "{"), {}, "is not valid JSON"),
+        (lambda d: _damage_splits(d, "[1]"), {}, "is not a list of"),
+        (
+            lambda d: _damage_splits(d, json.dumps([{"train": ["a"], "val": ["b"]}] * 2)),
+            {},
+            "case a listed in splits_final.json",
+        ),
+        (
+            lambda d: _damage_splits(d, json.dumps([{"train": [], "val": []}])),
+            {"fold": "3"},
+            "fold 3 does not exist",
+        ),
+        (_delete_one_case, {}, "has no preprocessed files in"),
+        (None, {"results_is_file": True}, "cannot create the run folder"),
+        (
+            None,
+            {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "5", "LOCAL_RANK": "0"},
+            "global batch size 4 < world size 5",
+        ),
+        (
+            None,
+            {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "6", "LOCAL_RANK": "1"},
+            "global batch size 4 < world size 6",
+        ),
+    ],
+)
+def test_start_up_problems_are_one_line_before_anything_is_written(
+    own_demo, tmp_path, capsys, monkeypatch, damage, env, message
+):
+    env = dict(env)
+    results = tmp_path / "results"
+    if env.pop("results_is_file", False):
+        results.write_text("not a folder")
+    argv = train_argv(own_demo, results)
+    if "fold" in env:
+        argv[2] = env.pop("fold")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if damage is not None:
+        damage(own_demo)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not results.is_dir() or not any(results.rglob("*")), "written before the check"
+
+
+def test_val_best_hint_only_when_given(demo_preprocessed, tmp_path, capsys):
+    assert main([*train_argv(demo_preprocessed, tmp_path), "--val"]) == 2
+    assert "drop --val_best" not in capsys.readouterr().err
+    assert main([*train_argv(demo_preprocessed, tmp_path), "--val", "--val_best"]) == 2
+    assert "drop --val_best" in capsys.readouterr().err
+
+
+def test_missing_plans_says_preprocess_once(demo_preprocessed, tmp_path, capsys):
+    assert main([*train_argv(demo_preprocessed, tmp_path), "-p", "otherPlans"]) == 2
+    assert capsys.readouterr().err.count("nnui-preprocess") == 1
+
+
 # ---- real runs (subprocesses) -------------------------------------------------------------
 
 
@@ -254,6 +340,19 @@ def test_full_run_writes_every_file_and_event_and_lines_stay_whole(demo_preproce
     assert summary["num_cases"] == 2 and set(summary["dice_per_class"]) == {"1", "2"}
     config = json.loads((folder / "config.json").read_text())
     assert config["num_epochs"] == 2 and config["configuration"] == "3d_fullres"
+    epochs = [e for e in records if e["kind"] == "epoch_ended"]
+    assert all(e["nan_loss"] is False for e in epochs)
+    validated = next(e for e in records if e["kind"] == "validation_finished")
+    # The same shape as in epoch_ended: a list indexed by foreground class.
+    assert isinstance(validated["dice_per_class"], list)
+    assert len(validated["dice_per_class"]) == len(epochs[-1]["dice_per_class"]) == 2
+
+    # --val validates again without touching the training's config.json.
+    config_bytes = (folder / "config.json").read_bytes()
+    val = start([*argv, "--val"], tmp_path / "val.log")
+    assert finish(val) == 0, (tmp_path / "val.log").read_text()
+    assert (folder / "config.json").read_bytes() == config_bytes
+    assert [e["kind"] for e in events(folder)][-2:] == ["validation_finished", "finished"]
 
 
 @pytest.mark.slow
@@ -341,3 +440,23 @@ def test_sigterm_records_failed_and_exits_nonzero(demo_preprocessed, tmp_path):
     assert failed["kind"] == "failed" and "SIGTERM" in failed["message"] and failed["traceback"]
     status = schema.read_status(folder)
     assert status.state == "failed" and "SIGTERM" in status.message
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_two_epochs_on_one_gpu_with_amp(demo_preprocessed, tmp_path):
+    """CUDA end to end: autocast (bf16, or fp16 with loss scaling), checkpoints, validation."""
+    argv = [*train_argv(demo_preprocessed, tmp_path, "3d_fullres"), "--npz"]
+    argv[argv.index("-device") + 1] = "cuda"
+    env_log = tmp_path / "gpu.log"
+    proc = start(argv, env_log)
+    assert finish(proc) == 0, env_log.read_text()
+    folder = run_dir(tmp_path, "3d_fullres")
+    records = events(folder)
+    epochs = [e for e in records if e["kind"] == "epoch_ended"]
+    assert len(epochs) == 2 and not any(e.get("nan_loss") for e in epochs)
+    (topology,) = [e for e in records if e["kind"] == "topology"]
+    assert topology["ranks"][0]["device"].startswith("cuda")
+    assert records[-1]["kind"] == "finished"
+    assert (folder / "checkpoint_final.safetensors").is_file()
+    assert len(list((folder / "validation").glob("*.npz"))) == 2

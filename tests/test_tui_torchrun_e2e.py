@@ -154,10 +154,13 @@ async def _stop_after_first_epoch(app: Any, pilot: Any, setup: dict, job_id: str
     stopped = _of_job(job, "stopped")
     assert len(stopped) == 1
     epoch = stopped[0]["epoch"]
-    # Both ranks had the signal and agreed on that boundary; no epoch was trained after it;
-    # and both exited 0 there (torchrun, which waits for all its workers, exited 0).
+    # The ranks agreed on one boundary; no epoch was trained after it; and all exited 0
+    # there (torchrun, which waits for all its workers, exited 0). The two signals leave
+    # one after the other, so an epoch boundary may fall between them: then only rank 0
+    # had its flag set at the agreement, which is enough to stop both.
     requested = _of_job(job, "stop_requested")
-    assert [(e["epoch"], sorted(e["ranks"])) for e in requested] == [(epoch, [0, 1])]
+    assert [e["epoch"] for e in requested] == [epoch]
+    assert set(requested[0]["ranks"]) in ({0}, {1}, {0, 1})
     assert [e["epoch"] for e in _of_job(job, "epoch_ended")][-1] == epoch
     console = Path(job.console_path).read_text()
     assert "trainer exited with code 0" in console

@@ -239,7 +239,7 @@ STOP_CASES = [
             5,
             False,
         ),
-        ["pid 101", "rank 0 (local 0)", "pid 102", "cuda:1", "end of the running epoch (epoch 6/10)"],
+        ["pid 101", "rank 0 (local 0)", "pid 102", "cuda:1", "running epoch (epoch 6/10)"],
     ),
     (
         Plan(False, (), "pid 101 is not nnui's", None, False),

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.schema import CHECKPOINT_KINDS, checkpoint_file
+from trainer.schema import atomic_write_bytes, checkpoint_file
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,13 @@ def read_metadata(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path.name}: unreadable header ({error})") from error
     if not isinstance(header, dict):
         raise CheckpointError(f"{path.name}: header is not an object")
-    data_end = max(
-        (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0
-    )
+    try:
+        data_end = max(
+            (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+            default=0,
+        )
+    except (KeyError, TypeError, IndexError, ValueError) as error:
+        raise CheckpointError(f"{path.name}: malformed tensor table ({error!r})") from error
     if 8 + header_len + data_end != size:
         raise CheckpointError(
             f"{path.name}: truncated ({size} bytes, expected {8 + header_len + data_end})"
@@ -82,13 +86,16 @@ def read_metadata(path: Path) -> dict[str, Any]:
         metadata = json.loads(header["__metadata__"][META_KEY])
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"{path.name}: no nnui metadata") from error
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path.name}: nnui metadata is not an object")
     if metadata.get("format") != FORMAT or not isinstance(metadata.get("epoch_next"), int):
         raise CheckpointError(f"{path.name}: not an {FORMAT} file")
     return metadata
 
 
 def check_identity(info: CheckpointInfo, expected: dict[str, str]) -> None:
-    stored = info.metadata.get("identity", {})
+    stored = info.metadata.get("identity")
+    stored = stored if isinstance(stored, dict) else {}
     for key, value in expected.items():
         if stored.get(key) != value:
             raise IdentityMismatch(
@@ -218,13 +225,7 @@ def save(
         "rng": rng_json,
     }
     blob = save_bytes(tensors, metadata={META_KEY: json.dumps(meta)})
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(blob)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    atomic_write_bytes(Path(path), blob)
     return time.perf_counter() - started
 
 
@@ -257,7 +258,3 @@ def apply(
         scaler.load_state_dict(metadata["scaler"])
     if restore_rng_state:
         restore_rng(tensors, metadata.get("rng", {}))
-
-
-def kinds() -> tuple[str, ...]:
-    return CHECKPOINT_KINDS

@@ -7,8 +7,9 @@ by slice. Dice is computed in the preprocessed space (spacing of the plans).
 
 from __future__ import annotations
 
+import io
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.events import finite_or_none
+from trainer.schema import atomic_write_bytes
 
 
 def window_starts(size: int, patch: int, step_fraction: float = 0.5) -> list[int]:
@@ -163,6 +165,11 @@ def summarize(per_case: list[dict[str, Any]], labels: Sequence[int]) -> dict[str
     }
 
 
+# Called once per predicted case, in order: (index among this rank's cases, case id,
+# softmax probabilities (K, Z, Y, X) on the prediction device).
+ProbabilitySink = Callable[[int, str, torch.Tensor], None]
+
+
 @torch.inference_mode()
 def validate_cases(
     model: torch.nn.Module,
@@ -171,23 +178,28 @@ def validate_cases(
     patch: Sequence[int],
     num_classes: int,
     device: torch.device,
-    output_dir: Path | None,
     mirror: bool = False,
-    save_npz: bool = False,
+    on_probabilities: ProbabilitySink | None = None,
 ) -> list[dict[str, Any]]:
-    """Per-case Dice for this rank's cases (npz written by whichever rank predicted it)."""
+    """Per-case Dice for this rank's cases; probabilities go to `on_probabilities` (--npz)."""
     model.eval()
     labels = list(range(1, num_classes))
     results = []
-    for case_id in case_ids:
+    for index, case_id in enumerate(case_ids):
         image, seg, _props = cases.load_case(case_id)
         probs = predict_case(model, np.asarray(image), patch, num_classes, device, mirror)
         prediction = probs.argmax(0).cpu().numpy()
         reference = np.maximum(np.asarray(seg)[0], 0)
         results.append({"case_id": case_id, "dice": case_dice(prediction, reference, labels)})
-        if save_npz and output_dir is not None:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            np.savez_compressed(
-                output_dir / f"{case_id}.npz", probabilities=probs.cpu().numpy().astype(np.float32)
-            )
+        if on_probabilities is not None:
+            on_probabilities(index, case_id, probs)
     return results
+
+
+def write_probabilities(output_dir: Path, case_id: str, probs: torch.Tensor) -> Path:
+    """CASE.npz with `probabilities` (float32, K x spatial), written atomically."""
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, probabilities=probs.detach().cpu().float().numpy())
+    path = Path(output_dir) / f"{case_id}.npz"
+    atomic_write_bytes(path, buffer.getvalue())
+    return path

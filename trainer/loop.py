@@ -54,6 +54,7 @@ class LoopState:
     best_ema: float | None = None
     history: History = field(default_factory=History)
     last_checkpoint: str | None = None
+    resumed_kind: str | None = None  # "latest" | "best" | "final" when started from one
 
 
 @dataclass
@@ -194,7 +195,10 @@ def record_stop(
         checkpointer.save("latest", state)
     recorder.event(Kind.STOPPED, epoch=epoch, reason="SIGUSR1")
     recorder.status(State.STOPPED, epoch=state.epoch_next)
-    log.info("stopped; continue with --c")
+    if checkpointer.config.disable_checkpointing:
+        log.info("stopped (--disable_checkpointing: no checkpoint to continue from)")
+    else:
+        log.info("stopped; continue with --c")
 
 
 def run_epochs(
@@ -211,7 +215,7 @@ def run_epochs(
     val_batches = make_batches("val", state.epoch_next * config.val_iterations)
     recorder.status(State.RUNNING, epoch=state.epoch_next)
     for epoch in range(state.epoch_next, config.num_epochs):
-        stop.reinstall()
+        stop.install()  # again each epoch: torch.compile's start-up may replace it
         started = time.perf_counter()
         lr = poly_lr(config.initial_lr, epoch, config.num_epochs)
         for group in trainee.optimizer.param_groups:
@@ -258,6 +262,8 @@ def run_epochs(
             lr=lr,
             epoch_time_s=round(epoch_time_s, 4),
             iterations_per_s=round(config.iterations_per_epoch / max(train_time_s, 1e-9), 4),
+            # Losses are written as null when not finite; this flag keeps the alarm explicit.
+            nan_loss=not (math.isfinite(train_loss) and math.isfinite(val_loss)),
         )
         recorder.status(epoch=state.epoch_next)
         log.info(

@@ -61,6 +61,10 @@ class SoftDiceLoss(nn.Module):
 
 
 class DiceCELoss(nn.Module):
+    """weight_ce: under DDP with uneven batch shares, trainer.launch.loss_weight (b_r W / G),
+    so DDP's gradient mean equals the single-process mean over the global batch. Dice needs
+    no factor: its sums are global already."""
+
     def __init__(
         self, reduce_fn: Reducer = _identity, weight_ce: float = 1.0, weight_dice: float = 1.0
     ):
@@ -77,10 +81,12 @@ class DiceCELoss(nn.Module):
 class DeepSupervisionLoss(nn.Module):
     """Weighted sum of DiceCE over the decoder outputs (highest resolution first)."""
 
-    def __init__(self, num_outputs: int, reduce_fn: Reducer = _identity) -> None:
+    def __init__(
+        self, num_outputs: int, reduce_fn: Reducer = _identity, weight_ce: float = 1.0
+    ) -> None:
         super().__init__()
         self.weights = deep_supervision_weights(num_outputs)
-        self.loss = DiceCELoss(reduce_fn=reduce_fn)
+        self.loss = DiceCELoss(reduce_fn=reduce_fn, weight_ce=weight_ce)
 
     def forward(
         self, outputs: Sequence[torch.Tensor] | torch.Tensor, target: torch.Tensor

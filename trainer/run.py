@@ -1,7 +1,7 @@
 """`nnui-train DATASET CONFIGURATION FOLD ...` (also `python -m trainer`, `torchrun -m trainer`).
 
 The CLI process checks every input once (a user mistake is one `error: ...` line and exit
-2), resolves a TrainConfig and hands it to trainer.distributed.run_distributed, which runs
+2), resolves a TrainConfig and hands it to trainer.launch.run_distributed, which runs
 trainer.worker.worker in this process, in spawned ranks, or under a launcher.
 
 `import torch` stays out of this module's top level: main() installs the SIGUSR1 handler
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -130,10 +131,8 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
 
     try:
         plans = load_plans(dataset_dir, args.plans)
-    except FileNotFoundError as error:
-        raise UsageError(
-            f"no plans {args.plans!r} for {dataset_name} ({error}); run nnui-preprocess first"
-        ) from error
+    except FileNotFoundError as error:  # its message already says to run nnui-preprocess
+        raise UsageError(f"no plans {args.plans!r} for {dataset_name}: {error}") from error
     try:
         cplan = plans.configuration(args.configuration)
     except (KeyError, ValueError) as error:
@@ -154,7 +153,7 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
                 roots.results, dataset_name, args.configuration, args.fold, args.trainer, args.plans
             )
         ),
-        plans_identity=plans.identity,
+        plans_identity=plans.identity_of(args.configuration),
         trainer=args.trainer,
         plans_name=args.plans,
         num_epochs=args.epochs,
@@ -174,12 +173,21 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
         disable_checkpointing=args.disable_checkpointing,
         argv=argv,
     )
+    _check_cases_and_fold(data_dir, dataset_dir, config.fold)
+    _check_device_and_batch(config, cplan.batch_size)
+    from trainer import launch
+
+    if not launch.is_main_process():
+        # Rank 0 checks and picks the checkpoint and hands it over (other nodes may not
+        # even have the file); nothing is written under results by this process.
+        return config
     run_dir = Path(config.run_dir)
     if config.validation_only:
         kind = "best" if config.val_best else "final"
         path = run_dir / schema.checkpoint_file(kind)
         if not path.exists():
-            raise UsageError(f"--val needs {path}; train first (or drop --val_best)")
+            hint = " (or drop --val_best)" if config.val_best else ""
+            raise UsageError(f"--val needs {path}; train first{hint}")
         try:
             metadata = checkpoint.read_metadata(path)
         except checkpoint.CheckpointError as error:
@@ -194,18 +202,61 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
             log.warning("--c: no valid checkpoint in %s, starting fresh", run_dir)
         else:
             config = config.replace(resume_checkpoint=str(info.path))
-    _check_device_and_batch(config, cplan.batch_size)
+    _check_writable(run_dir)  # last: a refused run leaves no empty folder behind
     return config
 
 
-def _check_device_and_batch(config: Any, global_batch: int) -> None:
-    from trainer import distributed
+def _check_writable(run_dir: Path) -> None:
+    """The run folder exists and accepts files (else one line now, not a traceback later)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"cannot create the run folder {run_dir}: {error.strerror or error}; "
+                         "pass a writable --results or set nnUNet_results") from error  # fmt: skip
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise UsageError(f"the run folder {run_dir} is not writable; pass a writable --results "
+                         "or set nnUNet_results")  # fmt: skip
 
-    launcher = distributed.detect_external_launcher()
-    if config.num_gpus is not None and launcher is not None:
+
+def _check_cases_and_fold(data_dir: Path, dataset_dir: Path, fold: str) -> None:
+    """splits_final.json readable, the fold in it, and the fold's cases preprocessed.
+
+    Runs in every rank's CLI process (also under torchrun), before anything is written.
+    """
+    from trainer.data.dataset import PreprocessedCases
+    from trainer.splits import SPLITS_FILE, load_or_create_splits
+
+    try:
+        cases = PreprocessedCases(data_dir)
+        splits = load_or_create_splits(dataset_dir, cases.case_ids, write=False)
+    except (OSError, ValueError) as error:
+        raise UsageError(str(error)) from error
+    if fold == "all":
+        wanted = list(cases.case_ids)
+    elif int(fold) >= len(splits):
         raise UsageError(
-            f"-num_gpus is not allowed under {launcher}: the launcher decides the number of ranks"
+            f"fold {fold} does not exist: {dataset_dir / SPLITS_FILE} has {len(splits)} "
+            f"fold(s); choose 0-{len(splits) - 1} or 'all'"
         )
+    else:
+        wanted = [*splits[int(fold)]["train"], *splits[int(fold)]["val"]]
+    missing_fn = getattr(cases, "missing_case_ids", None)
+    missing = set(missing_fn()) if missing_fn is not None else set()
+    missing |= set(wanted) - set(cases.case_ids)
+    for case_id in wanted:
+        if case_id in missing:
+            source = "the dataset" if fold == "all" else SPLITS_FILE
+            raise UsageError(
+                f"case {case_id} listed in {source} has no preprocessed files in {data_dir}: "
+                "rerun nnui-preprocess"
+            )
+
+
+def _check_device_and_batch(config: Any, global_batch: int) -> None:
+    from trainer import launch
+
+    launcher = launch.detect_external_launcher()
+    launch.check_num_gpus(config.num_gpus, launcher)
     import torch
 
     if config.device_type == "cuda":
@@ -218,8 +269,10 @@ def _check_device_and_batch(config: Any, global_batch: int) -> None:
             )
     if config.device_type == "mps" and not torch.backends.mps.is_available():
         raise UsageError("MPS is not available on this machine; pass -device cpu")
-    if config.num_gpus and config.num_gpus > 1:
-        distributed.split_global_batch(global_batch, config.num_gpus)  # ValueError if G < W
+    world_size = config.num_gpus or 1
+    if launcher is not None:
+        world_size = launch.env_rank_and_size()[1] or 1
+    launch.split_global_batch(global_batch, world_size)  # ValueError if G < W
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,13 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # UsageError, DatasetNotFound, IdentityMismatch, config checks
         sys.stderr.write(f"error: {error}\n")
         return 2
-    from trainer import distributed
+    from trainer import launch
     from trainer.worker import worker
 
     try:
-        return distributed.run_distributed(
-            worker, config.to_dict(), config.num_gpus, config.device_type
-        )
+        return launch.run_distributed(worker, config.to_dict(), config.num_gpus, config.device_type)
     except ValueError as error:  # raised before any rank starts: a user mistake
         sys.stderr.write(f"error: {error}\n")
         return 2

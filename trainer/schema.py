@@ -7,6 +7,7 @@ must stay cheap (no torch, no numpy).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -50,6 +51,10 @@ class Kind:
     `epoch` counts completed epochs (0..num_epochs). `checkpoint_saved` names the
     checkpoint in `checkpoint` ("latest" | "best" | "final"), since `kind` is the event's.
     Dice values that are undefined (class absent from prediction and reference) are null.
+    Every line is strict JSON: any NaN/inf is written as null; `epoch_ended` then carries
+    `nan_loss: true` when its train or val loss was not finite. `dice_per_class` is a list
+    indexed by foreground class (entry 0 = label 1) in `epoch_ended` and
+    `validation_finished` alike.
     """
 
     RUN_STARTED = "run_started"
@@ -82,7 +87,18 @@ def encode_event(kind: str, t: float | None = None, **fields: Any) -> str:
     """One event as one JSON line (with its newline), ready for a single write()."""
     record = {"v": SCHEMA_VERSION, "t": time.time() if t is None else t, "kind": kind}
     record.update(fields)
-    return json.dumps(record, separators=(",", ":"), allow_nan=True) + "\n"
+    # Strict JSON: NaN/inf (a diverged loss, an undefined Dice) are written as null.
+    return json.dumps(_finite_json(record), separators=(",", ":"), allow_nan=False) + "\n"
+
+
+def _finite_json(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(v) for v in value]
+    return value
 
 
 def decode_event(line: str | bytes) -> dict[str, Any] | None:
@@ -124,14 +140,34 @@ def read_status(run_dir: Path) -> Status | None:
         return None
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a whole file so readers see the old or the new content, never a mix."""
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write a whole file so readers see the old or the new content, never a mix.
+
+    tmp in the same folder, fsync, os.replace, then fsync of the folder so the rename
+    itself survives a crash (best effort: some file systems refuse a directory fsync).
+    """
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as handle:
-        handle.write(text)
+    with open(tmp, "wb") as handle:
+        handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+    try:
+        folder = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(folder)
+    except OSError:
+        pass
+    finally:
+        os.close(folder)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """atomic_write_bytes for text (UTF-8)."""
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 # ---- folder layout (nnU-Net conventions) -------------------------------------------------

@@ -23,7 +23,9 @@ def install() -> None:
     signal.signal(signal.SIGUSR1, _on_sigusr1)
 
 
-reinstall = install
+def installed() -> bool:
+    """True iff our SIGUSR1 handler is the one in place (reported in `topology`)."""
+    return signal.getsignal(signal.SIGUSR1) is _on_sigusr1
 
 
 def requested() -> bool:

@@ -1,6 +1,6 @@
 """What every rank runs: build model, data and optimiser from the plans, then train/validate.
 
-`worker(topology, payload)` is the worker_fn given to trainer.distributed.run_distributed;
+`worker(topology, payload)` is the worker_fn given to trainer.launch.run_distributed;
 the payload is TrainConfig.to_dict(). Returns the process exit code (0 on success and on a
 graceful stop). Heavy imports happen inside, after the SIGUSR1 handler is installed.
 """
@@ -39,7 +39,8 @@ def setup_logging(global_rank: int) -> None:
     handler.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
+    # Rank 0 tells the story; the others speak up only for warnings and errors.
+    root.setLevel(logging.INFO if global_rank == 0 else logging.WARNING)
 
 
 def worker(topology: Any, payload: dict[str, Any]) -> int:
@@ -63,24 +64,14 @@ def worker(topology: Any, payload: dict[str, Any]) -> int:
         recorder.close()
 
 
-def _set_threads(torch: Any, local_world_size: int) -> None:
-    if "OMP_NUM_THREADS" not in os.environ:
-        # Oversubscription is catastrophic on few cores: share them between local ranks.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, (cores or 1) // max(1, local_world_size)))
-
-
 def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorder) -> int:
-    import torch
-
-    from trainer import distributed
+    from trainer import distributed, launch
     from trainer.data.dataset import PreprocessedCases
     from trainer.loop import Checkpointer, record_stop
     from trainer.plans import load_plans
     from trainer.splits import fold_cases, load_or_create_splits
 
-    _set_threads(torch, topology.local_world_size)
-    device = distributed.device_for(topology, config.device_type)
+    device = launch.device_for(topology, config.device_type)
     dataset_dir = Path(config.preprocessed_dataset_dir)
     plans = load_plans(dataset_dir, config.plans_name)
     cplan = plans.configuration(config.configuration)
@@ -88,9 +79,10 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
     splits = load_or_create_splits(dataset_dir, cases.case_ids, write=topology.is_main)
     distributed.barrier()
     train_ids, val_ids = fold_cases(splits, config.fold, cases.case_ids)
-    rank_batch = distributed.split_global_batch(
+    rank_batches = launch.split_global_batch(
         cplan.batch_size, topology.world_size, config.oversample_foreground
-    )[topology.global_rank]
+    )
+    rank_batch = rank_batches[topology.global_rank]
     _record_start(config, topology, recorder, device, rank_batch)
     log.info(
         "%s %s fold %s: %d train / %d val cases, patch %s, batch %d on %s (world size %d)",
@@ -98,15 +90,17 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
         list(cplan.patch_size), rank_batch.batch_size, device, topology.world_size,
     )  # fmt: skip
 
-    trainee = _build_trainee(config, topology, plans, cplan, device)
+    weight_ce = launch.loss_weight([b.batch_size for b in rank_batches], topology.global_rank)
+    trainee = _build_trainee(config, plans, cplan, device, weight_ce)
+    # Restore before DDP wraps the model: its constructor then broadcasts identical weights.
+    state = _restore(config, topology, trainee, recorder)
+    _wrap(config, topology, trainee)
     checkpointer = Checkpointer(config, trainee, recorder, topology.is_main)
-    state = _restore(config, trainee, recorder)
 
     if not config.validation_only:
         # A SIGUSR1 during start-up: stop before the first epoch, resumable as it is.
         if distributed.stop_agreed(stop.requested(), device):
-            resumed = Path(config.resume_checkpoint or "").name
-            already_latest = resumed == checkpoint_file("latest")
+            already_latest = state.resumed_kind == "latest"
             write_latest = state.epoch_next > 0 and not already_latest
             record_stop(state, state.epoch_next - 1, recorder, checkpointer, write_latest)
             return 0
@@ -116,8 +110,7 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
             if not _train(config, topology, trainee, state, cases, streams, cplan, rank_batch,
                           recorder, checkpointer):  # fmt: skip
                 return 0  # graceful stop
-        resumed_final = Path(config.resume_checkpoint or "").name == checkpoint_file("final")
-        if trains or not resumed_final:
+        if trains or state.resumed_kind != "final":
             checkpointer.save("final", state)
         recorder.status(epoch=state.epoch_next)
 
@@ -136,12 +129,16 @@ def _record_start(config: TrainConfig, topology: Any, recorder: RunRecorder, dev
         "global_rank": topology.global_rank, "local_rank": topology.local_rank,
         "host": topology.host, "pid": os.getpid(), "device": str(device),
         "batch_size": rank_batch.batch_size,
-        "oversample_foreground_percent": rank_batch.oversample_share, "sigusr1_handler": True,
+        "oversample_foreground_percent": rank_batch.oversample_share,
+        "sigusr1_handler": stop.installed(),
     }  # fmt: skip
     ranks = distributed.gather_objects(me)
     if not topology.is_main:
         return
-    atomic_write_text(Path(config.run_dir) / CONFIG_FILE, json.dumps(config.to_dict(), indent=1))
+    if not config.validation_only:  # config.json describes the training, not a --val run
+        atomic_write_text(
+            Path(config.run_dir) / CONFIG_FILE, json.dumps(config.to_dict(), indent=1)
+        )
     recorder.event(
         Kind.RUN_STARTED, dataset=config.dataset_name, configuration=config.configuration,
         fold=config.fold, num_epochs=config.num_epochs,
@@ -152,7 +149,9 @@ def _record_start(config: TrainConfig, topology: Any, recorder: RunRecorder, dev
     recorder.status(State.STARTING, pids=[r["pid"] for r in ranks])
 
 
-def _build_trainee(config: TrainConfig, topology: Any, plans: Any, cplan: Any, device: Any) -> Any:
+def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
+                   weight_ce: float) -> Any:  # fmt: skip
+    """Network, optimizer and loss, unwrapped (trainee.model is the raw model until _wrap)."""
     import torch
 
     from trainer import distributed
@@ -164,14 +163,6 @@ def _build_trainee(config: TrainConfig, topology: Any, plans: Any, cplan: Any, d
     raw_model = build_network(
         cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim
     ).to(device)
-    model: torch.nn.Module = raw_model
-    if topology.world_size > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        ids = [device.index] if device.type == "cuda" else None
-        model = DistributedDataParallel(raw_model, device_ids=ids)
-    if config.compile:
-        model = torch.compile(model)
     optimizer = torch.optim.SGD(
         raw_model.parameters(), lr=config.initial_lr, momentum=config.momentum,
         weight_decay=config.weight_decay, nesterov=True,
@@ -181,40 +172,101 @@ def _build_trainee(config: TrainConfig, topology: Any, plans: Any, cplan: Any, d
         autocast_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     # Loss scaling is needed for fp16 only (bf16 has fp32's exponent range).
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
-    reduce_fn = distributed.differentiable_all_reduce_sum
+    loss_fn = DeepSupervisionLoss(
+        cplan.network.num_stages - 1, reduce_fn=distributed.differentiable_all_reduce_sum,
+        weight_ce=weight_ce,
+    )  # fmt: skip
     return Trainee(
-        model=model, raw_model=raw_model, optimizer=optimizer, scaler=scaler,
-        loss_fn=DeepSupervisionLoss(cplan.network.num_stages - 1, reduce_fn=reduce_fn),
-        device=device, autocast_dtype=autocast_dtype, num_classes=plans.num_classes,
+        model=raw_model, raw_model=raw_model, optimizer=optimizer, scaler=scaler,
+        loss_fn=loss_fn, device=device, autocast_dtype=autocast_dtype,
+        num_classes=plans.num_classes,
     )  # fmt: skip
 
 
-def _restore(config: TrainConfig, trainee: Any, recorder: RunRecorder) -> Any:
-    """LoopState to start from: fresh, a resumed checkpoint, or the one --val validates."""
+def _wrap(config: TrainConfig, topology: Any, trainee: Any) -> None:
+    """DDP (world size > 1) and torch.compile around the restored raw model."""
+    import torch
+
+    model: torch.nn.Module = trainee.raw_model
+    if topology.world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = trainee.device
+        ids = [device.index] if device.type == "cuda" else None
+        model = DistributedDataParallel(model, device_ids=ids)
+    if config.compile:
+        model = torch.compile(model)
+    trainee.model = model
+
+
+def _load_on_main(path: Path | None, topology: Any) -> tuple[dict, dict] | None:
+    """Rank 0 reads the checkpoint and hands it to every rank (other nodes may lack the file).
+
+    Returns (tensors, metadata), or None when rank 0 has nothing to resume from.
+    """
+    from trainer import checkpoint, distributed
+
+    loaded, error = None, None
+    if topology.is_main and path is not None:
+        try:
+            loaded = checkpoint.load(path)
+        except checkpoint.CheckpointError as exc:
+            error = str(exc)
+    if topology.world_size == 1:
+        if error:
+            raise checkpoint.CheckpointError(error)
+        return loaded
+    # One small message first, so every rank fails (or skips) together.
+    header = distributed.broadcast_object(
+        {"error": error, "metadata": loaded[1] if loaded else None}
+    )
+    if header["error"]:
+        raise checkpoint.CheckpointError(f"rank 0 could not load the checkpoint: {header['error']}")
+    if header["metadata"] is None:
+        return None
+    tensors = distributed.broadcast_tensors(loaded[0] if loaded else None)
+    return tensors, header["metadata"]
+
+
+def _restore(config: TrainConfig, topology: Any, trainee: Any, recorder: RunRecorder) -> Any:
+    """LoopState to start from: fresh, a resumed checkpoint, or the one --val validates.
+
+    Rank 0's choice counts (it found the checkpoint in resolve_config); every rank loads
+    the very same tensors and metadata, so weights, optimizer momentum, history, EMA and
+    RNG states agree across ranks and nodes.
+    """
     from trainer import checkpoint
     from trainer.loop import History, LoopState
 
     if config.validation_only:
         path = Path(config.run_dir) / checkpoint_file("best" if config.val_best else "final")
-        tensors, metadata = checkpoint.load(path)
+        loaded = _load_on_main(path, topology)
+        assert loaded is not None
+        tensors, metadata = loaded
         checkpoint.apply(tensors, metadata, trainee.raw_model)
         # Progress of a --val run is that of the training it validates.
         trained_epochs = metadata.get("config", {}).get("num_epochs", config.num_epochs)
         recorder.status(num_epochs=trained_epochs, epoch=metadata["epoch_next"])
         return LoopState(epoch_next=metadata["epoch_next"])
-    if not config.resume_checkpoint:
+    if not config.continue_training:
         return LoopState()
-    tensors, metadata = checkpoint.load(Path(config.resume_checkpoint))
+    resume = Path(config.resume_checkpoint) if config.resume_checkpoint else None
+    loaded = _load_on_main(resume, topology)
+    if loaded is None:
+        return LoopState()
+    tensors, metadata = loaded
     checkpoint.apply(
         tensors, metadata, trainee.raw_model, trainee.optimizer, trainee.scaler,
         restore_rng_state=True,
     )  # fmt: skip
-    log.info("continuing from %s at epoch %d", Path(config.resume_checkpoint).name,
-             metadata["epoch_next"])  # fmt: skip
+    kind = metadata.get("kind")
+    if topology.is_main:
+        log.info("continuing from %s at epoch %d", Path(config.resume_checkpoint or "").name,
+                 metadata["epoch_next"])  # fmt: skip
     return LoopState(
         epoch_next=metadata["epoch_next"], ema=metadata.get("ema_fg_dice"),
         best_ema=metadata.get("best_ema"), history=History.from_dict(metadata.get("history", {})),
-        last_checkpoint=config.resume_checkpoint,
+        last_checkpoint=config.resume_checkpoint, resumed_kind=kind,
     )  # fmt: skip
 
 
@@ -245,7 +297,11 @@ def _train(config: TrainConfig, topology: Any, trainee: Any, state: Any, cases: 
 
 def _final_validation(config: TrainConfig, topology: Any, trainee: Any, cases: Any,
                       val_ids: list[str], cplan: Any, recorder: RunRecorder) -> None:  # fmt: skip
-    """Sliding-window Dice on whole cases, split val_ids[rank::W]; rank 0 writes the summary."""
+    """Sliding-window Dice on whole cases, split val_ids[rank::W]; rank 0 writes everything.
+
+    With --npz the other ranks send each case's probabilities to rank 0 (float32 tensors
+    on the long-timeout gloo group), which writes CASE.npz atomically.
+    """
     from trainer import distributed
     from trainer.evaluate import summarize, validate_cases
 
@@ -253,26 +309,60 @@ def _final_validation(config: TrainConfig, topology: Any, trainee: Any, cases: A
     output_dir = Path(config.run_dir) / VALIDATION_DIR
     if topology.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-    distributed.barrier()
     raw_model = trainee.raw_model
     raw_model.deep_supervision = False  # only the full-resolution head is needed
+    sink = _case_sink(config, topology, val_ids, output_dir)
     try:
         mine = validate_cases(
             raw_model, cases, list(val_ids)[topology.global_rank :: topology.world_size],
-            tuple(cplan.patch_size), trainee.num_classes, trainee.device, output_dir,
-            mirror=config.val_mirror, save_npz=config.npz,
+            tuple(cplan.patch_size), trainee.num_classes, trainee.device,
+            mirror=config.val_mirror, on_probabilities=sink,
         )  # fmt: skip
     finally:
         raw_model.deep_supervision = True
-    gathered = distributed.gather_objects(mine)
+    gathered = distributed.gather_objects(mine, slow=True)
     if gathered is None:
         return
     summary = summarize([c for part in gathered for c in part], range(1, trainee.num_classes))
     atomic_write_text(output_dir / SUMMARY_FILE, json.dumps(summary, indent=1))
+    per_class = summary["dice_per_class"]
     recorder.event(
         Kind.VALIDATION_FINISHED, mean_fg_dice=summary["mean_fg_dice"],
-        dice_per_class=summary["dice_per_class"], num_cases=summary["num_cases"],
+        dice_per_class=[per_class[str(c)] for c in range(1, trainee.num_classes)],
+        num_cases=summary["num_cases"],
     )  # fmt: skip
     recorder.status(message=None)
     log.info("final validation: mean foreground Dice %s over %d cases",
              summary["mean_fg_dice"], summary["num_cases"])  # fmt: skip
+
+
+def _case_sink(config: TrainConfig, topology: Any, val_ids: list[str], output_dir: Path) -> Any:
+    """Called after each validated case: says once that a SIGUSR1 waits for the validation
+    to finish (there is nothing to resume after it); with --npz, rank 0 writes its own case,
+    then receives the same round's case from every other rank that has one (rank 0 holds
+    the most cases)."""
+    import torch
+
+    from trainer import distributed
+    from trainer.evaluate import write_probabilities
+
+    world = topology.world_size
+    shares = [list(val_ids)[rank::world] for rank in range(world)]
+    told = []
+
+    def sink(index: int, case_id: str, probs: Any) -> None:
+        if stop.requested() and not told:
+            told.append(True)
+            log.warning("SIGUSR1 received during the final validation: finishing it first")
+        if not config.npz:
+            return
+        if not topology.is_main:
+            distributed.send_to_main(probs.float())
+            return
+        write_probabilities(output_dir, case_id, probs)
+        for rank in range(1, world):
+            if index < len(shares[rank]):
+                received = distributed.recv_from(rank, torch.float32)
+                write_probabilities(output_dir, shares[rank][index], received)
+
+    return sink

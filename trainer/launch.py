@@ -1,0 +1,415 @@
+"""How this process was started and where it sits (DESIGN §4-§5): launcher detection,
+topology from the environment, the global batch split, and the `-num_gpus` spawn parent.
+
+Three ways to run, one code path for the worker function:
+
+- single: no launcher and `-num_gpus` None/1 -> `worker_fn` runs in this process, no group;
+- spawn: `-num_gpus N` -> this process becomes a parent that starts N ranks (start method
+  spawn), forwards SIGUSR1 to them and waits; it is never a worker itself;
+- torchrun / external: a launcher started us -> join its group from the environment.
+  srun or mpirun without torchrun work too, but then MASTER_ADDR and MASTER_PORT must be
+  exported by the user or the job script (SLURM/MPI define ranks, not a rendezvous).
+
+The process group itself and the collectives live in trainer.distributed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from trainer import stop
+
+log = logging.getLogger(__name__)
+
+LAUNCHERS = ("single", "spawn", "torchrun", "external")
+# After one rank failed the parent SIGTERMs the others (they record `failed`) and SIGKILLs
+# what is left after this grace; after it forwarded SIGTERM/SIGINT it waits the shorter one.
+FAILED_RANK_GRACE_S = 30.0
+TERMINATE_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits. local_rank picks the device; global_rank gates writes."""
+
+    global_rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    host: str
+    launcher: str  # single | spawn | torchrun | external
+
+    @property
+    def is_main(self) -> bool:
+        return self.global_rank == 0
+
+
+@dataclass(frozen=True)
+class RankBatch:
+    """One rank's share of the global batch."""
+
+    batch_size: int
+    oversample_share: float  # fraction of this rank's samples forced to contain foreground
+
+
+def single_topology() -> Topology:
+    return Topology(0, 1, 0, 1, socket.gethostname(), "single")
+
+
+# ---- launcher detection and topology from the environment -------------------------------
+
+
+def _env_int(env: Mapping[str, str], *names: str) -> int | None:
+    """The first of `names` that is set to an integer (SLURM may write '2(x3)': take 2)."""
+    for name in names:
+        value = env.get(name, "").strip()
+        if value:
+            head = value.split("(", 1)[0].split(",", 1)[0]
+            if head.isdigit():
+                return int(head)
+    return None
+
+
+def detect_external_launcher(env: Mapping[str, str] = os.environ) -> str | None:
+    """ "torchrun", "external" or None.
+
+    torchrun: TORCHELASTIC_RUN_ID is set. external: RANK, WORLD_SIZE and LOCAL_RANK are all
+    set (a stale RANK alone changes nothing), or an srun step / mpirun with more than one
+    task (SLURM_STEP_ID with SLURM_NTASKS > 1, OMPI_COMM_WORLD_SIZE > 1, PMI_SIZE > 1) —
+    without that, N copies started by srun would each train alone and all write.
+    """
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return "torchrun"
+    if all(env.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return "external"
+    if env.get("SLURM_STEP_ID") is not None and (_env_int(env, "SLURM_NTASKS") or 1) > 1:
+        return "external"
+    if (_env_int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE") or 1) > 1:
+        return "external"
+    return None
+
+
+def env_rank_and_size(env: Mapping[str, str] = os.environ) -> tuple[int | None, int | None]:
+    """(global rank, world size) a launcher defined, or (None, None)."""
+    # RANK/WORLD_SIZE only count as a pair: a stale RANK alone must not be used.
+    if env.get("RANK") and env.get("WORLD_SIZE"):
+        return _env_int(env, "RANK"), _env_int(env, "WORLD_SIZE")
+    for rank_name, size_name in (
+        ("SLURM_PROCID", "SLURM_NTASKS"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("PMI_RANK", "PMI_SIZE"),
+    ):
+        rank, size = _env_int(env, rank_name), _env_int(env, size_name)
+        if rank is not None and size is not None:
+            return rank, size
+    return None, None
+
+
+def env_local(env: Mapping[str, str] = os.environ) -> tuple[int | None, int | None]:
+    """(local rank, local world size) as far as the environment tells; None where unknown."""
+    local_rank = _env_int(env, "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+    local_size = _env_int(
+        env, "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"
+    )
+    return local_rank, local_size
+
+
+def is_main_process(env: Mapping[str, str] = os.environ) -> bool:
+    """False only for a launcher-started process whose global rank is known and not 0."""
+    if detect_external_launcher(env) is None:
+        return True
+    rank, _ = env_rank_and_size(env)
+    return rank is None or rank == 0
+
+
+def local_from_hosts(hosts: list[str], global_rank: int) -> tuple[int, int]:
+    """(local rank, local world size) from every rank's host name, indexed by global rank."""
+    mine = hosts[global_rank]
+    same = [rank for rank, host in enumerate(hosts) if host == mine]
+    return same.index(global_rank), len(same)
+
+
+def fill_local(
+    known: tuple[int | None, int | None], hosts: list[str], global_rank: int
+) -> tuple[int, int]:
+    """The environment's local rank/size where known; the hostname answer only for the gaps."""
+    from_hosts = local_from_hosts(hosts, global_rank)
+    return (
+        known[0] if known[0] is not None else from_hosts[0],
+        known[1] if known[1] is not None else from_hosts[1],
+    )
+
+
+# ---- global batch split ------------------------------------------------------------------
+
+
+def split_global_batch(
+    global_batch: int, world_size: int, oversample: float = 0.33
+) -> list[RankBatch]:
+    """Split the plans batch size G over W ranks, keeping foreground oversampling exact.
+
+    Sizes: G // W each, the first G mod W ranks one more. Global slot i is forced to hold
+    foreground iff i >= round(G * (1 - p)); a rank's share is the forced fraction of its
+    slots, so the whole batch has exactly as many forced samples as on one GPU.
+    """
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    if global_batch < world_size:
+        raise ValueError(
+            f"global batch size {global_batch} < world size {world_size}: every rank needs at "
+            f"least one sample; use at most {global_batch} processes (-num_gpus / "
+            "--nproc_per_node) or a plans file with a larger batch size"
+        )
+    if not 0.0 <= oversample <= 1.0:
+        raise ValueError(f"oversample must lie in [0, 1], got {oversample}")
+    first_forced = round(global_batch * (1 - oversample))
+    base, extra = divmod(global_batch, world_size)
+    out, low = [], 0
+    for rank in range(world_size):
+        size = base + (1 if rank < extra else 0)
+        high = low + size
+        forced = max(0, high - max(low, first_forced))
+        out.append(RankBatch(batch_size=size, oversample_share=forced / size))
+        low = high
+    return out
+
+
+def loss_weight(batch_sizes: list[int], global_rank: int) -> float:
+    """Factor for a rank's per-sample-mean loss terms: b_r * W / G.
+
+    DDP averages gradients over the W ranks; with uneven shares (G=5 -> [3, 2]) the plain
+    mean of per-rank means over-weights the smaller batch. Scaled, the average equals the
+    single-process mean over the whole global batch.
+    """
+    return batch_sizes[global_rank] * len(batch_sizes) / sum(batch_sizes)
+
+
+# ---- devices and threads -----------------------------------------------------------------
+
+
+def device_for(topology: Topology, device_type: str) -> Any:
+    import torch
+
+    if device_type == "cuda":
+        return torch.device("cuda", topology.local_rank)
+    return torch.device(device_type)  # cpu or mps (TrainConfig validated the name)
+
+
+def set_cpu_threads(local_world_size: int) -> None:
+    """Ranks sharing a node share its cores: oversubscription is several times slower."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return  # torchrun (1) or the user decided
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // max(1, local_world_size)))
+
+
+# ---- entry point ---------------------------------------------------------------------------
+
+
+def check_num_gpus(num_gpus: int | None, launcher: str | None) -> None:
+    """Under a launcher any -num_gpus is refused: the launcher decides the number of ranks."""
+    if launcher is not None and num_gpus is not None:
+        raise ValueError(
+            f"-num_gpus {num_gpus} cannot be used under {launcher}: the launcher decides the "
+            "number of processes (e.g. torchrun --nproc_per_node); drop -num_gpus"
+        )
+
+
+def run_distributed(
+    worker_fn: Callable[[Topology, Any], int],
+    payload: Any,
+    num_gpus: int | None,
+    device_type: str,
+) -> int:
+    """Run `worker_fn(topology, payload)` once per rank; return the exit code.
+
+    Raises ValueError for user mistakes (the CLI prints them as one `error:` line).
+    """
+    launcher = detect_external_launcher()
+    check_num_gpus(num_gpus, launcher)
+    if launcher is not None:
+        return _run_rank(worker_fn, payload, device_type, launcher, store=None)
+    if num_gpus is None or num_gpus == 1:
+        set_cpu_threads(1)
+        return int(worker_fn(single_topology(), payload))
+    if device_type == "cuda":
+        import torch
+
+        available = torch.cuda.device_count()
+        if num_gpus > available:
+            raise ValueError(
+                f"-num_gpus {num_gpus} but only {available} CUDA device(s) are visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+            )
+    elif device_type == "mps":
+        raise ValueError("-num_gpus > 1 is not supported with -device mps; use cuda or cpu")
+    return _spawn_parent(worker_fn, payload, num_gpus, device_type)
+
+
+def _run_rank(
+    worker_fn: Callable[[Topology, Any], int],
+    payload: Any,
+    device_type: str,
+    launcher: str,
+    store: Any,
+) -> int:
+    from trainer import distributed
+
+    rank, world = env_rank_and_size()
+    try:
+        rank, world, local_rank, local_world = distributed.init_group(
+            device_type, rank, world, env_local(), store
+        )
+        topology = Topology(rank, world, local_rank, local_world, socket.gethostname(), launcher)
+        set_cpu_threads(topology.local_world_size)
+        return int(worker_fn(topology, payload))
+    finally:
+        distributed.destroy_group()
+
+
+# ---- spawn mode ------------------------------------------------------------------------------
+
+
+def _spawn_parent(
+    worker_fn: Callable[[Topology, Any], int], payload: Any, num_procs: int, device_type: str
+) -> int:
+    import torch.multiprocessing as mp
+
+    from trainer import distributed
+
+    requested_port = _env_int(os.environ, "MASTER_PORT") or 0
+    try:
+        store = distributed.host_store(requested_port)
+    except (RuntimeError, OSError) as error:
+        raise ValueError(f"cannot listen on MASTER_PORT={requested_port}: {error}") from error
+    port = store.port
+    # Children inherit the blocked mask across exec: a SIGUSR1 that arrives while they import
+    # torch stays pending until _spawn_entry installed its flag handler, instead of killing
+    # them. Ours stays pending too and is forwarded as soon as the rank pids are known.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    previous = {
+        sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+    }
+    received: list[int] = []
+    procs: list[Any] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        _signal_alive(procs, signum)
+        if signum != signal.SIGUSR1:
+            received.append(signum)
+
+    try:
+        context = mp.start_processes(
+            _spawn_entry,
+            args=(worker_fn, payload, num_procs, device_type, port),
+            nprocs=num_procs,
+            join=False,
+            start_method="spawn",
+        )
+        procs.extend(context.processes)
+        for sig in previous:
+            signal.signal(sig, forward)
+        if stop.requested():
+            # The trainer's handler caught a SIGUSR1 before we took over: pass it on.
+            forward(signal.SIGUSR1, None)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+        log.info("spawned %d ranks: pids %s", num_procs, [p.pid for p in procs])
+        return _wait_ranks(procs, received)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        del store
+
+
+def _signal_alive(procs: list[Any], signum: int) -> None:
+    for proc in procs:
+        if proc.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signum)
+
+
+def _wait_ranks(
+    procs: list[Any], received: list[int], failed_grace_s: float = FAILED_RANK_GRACE_S
+) -> int:
+    """Wait for every rank; 0 iff all returned 0. SIGTERM/SIGINT: forwarded, exit 128+n.
+
+    When a rank fails, the survivors get SIGTERM at once (they record `failed` and exit)
+    and SIGKILL only if they are still there after the grace period.
+    """
+    deadline: float | None = None
+    while True:
+        alive = [p for p in procs if p.exitcode is None]
+        if not alive:
+            break
+        failed = any(p.exitcode not in (None, 0) for p in procs)
+        if (failed or received) and deadline is None:
+            if failed and not received:
+                log.warning("a rank failed: sending SIGTERM to ranks %s", [p.pid for p in alive])
+                _signal_alive(procs, signal.SIGTERM)
+            deadline = time.monotonic() + (TERMINATE_GRACE_S if received else failed_grace_s)
+        if deadline is not None and time.monotonic() > deadline:
+            for proc in alive:
+                log.warning("rank pid %d still running, killing it", proc.pid)
+                proc.kill()
+            deadline = time.monotonic() + 5.0
+        multiprocessing.connection.wait([p.sentinel for p in alive], timeout=0.5)
+    for rank, proc in enumerate(procs):
+        proc.join()
+        if proc.exitcode != 0:
+            log.error("rank %d (pid %d) exited with %s", rank, proc.pid, proc.exitcode)
+    if received:
+        return 128 + received[0]
+    return 0 if all(p.exitcode == 0 for p in procs) else 1
+
+
+def _spawn_entry(
+    local_rank: int,
+    worker_fn: Callable[[Topology, Any], int],
+    payload: Any,
+    world_size: int,
+    device_type: str,
+    port: int,
+) -> None:
+    # The trainer's flag handler before anything else (trainer/stop.py is stdlib only).
+    stop.install()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+    os.environ.update(
+        RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        MASTER_ADDR="localhost",
+        MASTER_PORT=str(port),
+    )
+    try:
+        from trainer import distributed
+
+        store = distributed.client_store(port)
+        code = _run_rank(worker_fn, payload, device_type, "spawn", store)
+    except SystemExit:
+        raise
+    except BaseException:  # report every rank failure (KeyboardInterrupt too), then exit 1
+        sys.stderr.write(f"[rank {local_rank}] {traceback.format_exc()}")
+        sys.stderr.flush()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The exit code is how the parent learns the rank's result (SystemExit passes through
+    # torch's wrapper; a normal return means 0).
+    if code:
+        sys.exit(code)
