@@ -155,8 +155,9 @@ def test_alerts_nan_stalled_foreign(tmp_path: Path) -> None:
 
 def test_recent_events_are_not_stalled(tmp_path: Path) -> None:
     registry = Registry(tmp_path / "state")
-    job = add_job(registry, tmp_path, "j", processes=[ME_ALIVE])
-    write_events(job, run_started(NOW - 5), topology(NOW - 5), epoch(NOW - 1, 0, seconds=30))
+    now = time.time()  # not the module's NOW: a slow suite can reach this test minutes later
+    job = add_job(registry, tmp_path, "j", processes=[ME_ALIVE], created_at=now - 100)
+    write_events(job, run_started(now - 5), topology(now - 5), epoch(now - 1, 0, seconds=30))
     (view,) = JobTracker(registry).refresh()
     assert view.alerts == ()
 
