@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -73,28 +72,14 @@ def prepare_real(roots: Roots) -> str:
 
 
 def end_job_processes(state_dir: Path) -> None:
-    """SIGKILL every live process of every job in this registry: the recorded pids whose
-    command line or environment names the job, and their descendants. (By pid only; this
-    does not rely on create_time, which drifts on VMs whose clock is adjusted.)"""
-    import psutil
-
+    """End every live process of every job in this registry through the product's own kill
+    (verified identities, SIGTERM then SIGKILL, by pid only)."""
+    from app.services import signals
     from app.services.registry import Registry
 
-    for job in Registry(state_dir).list():
-        doomed: list[psutil.Process] = []
-        for pid in {p.pid for p in job.processes} - {os.getpid()}:
-            try:
-                proc = psutil.Process(pid)
-                named = job.job_id in proc.cmdline() or (
-                    proc.environ().get("NNUI_JOB_ID") == job.job_id
-                )
-                if named:
-                    doomed += [proc, *proc.children(recursive=True)]
-            except psutil.Error:
-                continue
-        for proc in doomed:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
+    registry = Registry(state_dir)
+    for job in registry.list():
+        signals.kill(job, registry, grace_s=3.0)
 
 
 async def until(condition, pilot, timeout_s: float) -> bool:

@@ -7,9 +7,7 @@ app wired to a temporary registry, and clean-up of every process a test started.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -63,7 +61,7 @@ def tui_app(roots: Roots, state_dir: Path, **config: Any) -> NnuiApp:
     return make_app(TuiConfig(roots=roots, state_dir=state_dir, **config))
 
 
-async def wait_for(condition: Callable[[], bool], pilot: Any, timeout_s: float = 10.0) -> None:
+async def wait_for(condition: Callable[[], bool], pilot: Any, timeout_s: float = 30.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not condition():
@@ -73,28 +71,14 @@ async def wait_for(condition: Callable[[], bool], pilot: Any, timeout_s: float =
 
 
 def end_job_processes(state_dir: Path) -> None:
-    """SIGKILL every live process of every job in this registry: the recorded pids whose
-    command line or environment names the job, and their descendants. (By pid only; this
-    does not rely on create_time, which drifts on VMs whose clock is adjusted.)"""
-    import psutil
-
+    """End every live process of every job in this registry through the product's own kill
+    (verified identities, SIGTERM then SIGKILL, by pid only)."""
+    from app.services import signals
     from app.services.registry import Registry
 
-    for job in Registry(state_dir).list():
-        doomed: list[psutil.Process] = []
-        for pid in {p.pid for p in job.processes} - {os.getpid()}:
-            try:
-                proc = psutil.Process(pid)
-                named = job.job_id in proc.cmdline() or (
-                    proc.environ().get("NNUI_JOB_ID") == job.job_id
-                )
-                if named:
-                    doomed += [proc, *proc.children(recursive=True)]
-            except psutil.Error:
-                continue
-        for proc in doomed:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
+    registry = Registry(state_dir)
+    for job in registry.list():
+        signals.kill(job, registry, grace_s=3.0)
 
 
 kill_started_jobs = end_job_processes
