@@ -2,6 +2,7 @@
 
     python bench/floor.py DATASET CONFIGURATION [--preprocessed DIR] [--iterations 5]
                           [--threads N] [--channels-last] [--bf16] [--data-batches 40]
+                          [--norm instance|group] [--compile [MODE]] [--flush-denormal]
                           [--profile] [--json FILE]
 
 Same network (trainer.model from the plans), loss, optimiser and step code
@@ -9,6 +10,12 @@ Same network (trainer.model from the plans), loss, optimiser and step code
 s/iteration divided by this is its overhead over pure compute. It also measures the data
 side alone: CPU seconds per sample of patch reading and of augmentation, run inline
 (no workers) so `time.process_time()` of this process counts all of it.
+
+Execution variants of the same math (issue 7): --norm group swaps InstanceNorm for
+GroupNorm(C, C) (the same normalisation, another kernel), --compile wraps the network in
+torch.compile (the compile time is the warm-up iteration, reported apart), and
+--flush-denormal sets torch.set_flush_denormal(True). Allocator and oneDNN choices are
+environment variables, e.g. LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ class FloorFigures:
     threads: int
     channels_last: bool
     bf16: bool
+    norm: str
+    compile_mode: str | None
+    flush_denormal: bool
+    warmup_s: float  # the first step: includes torch.compile's compile time
     patch_size: list[int]
     batch_size: int
     num_parameters: int
@@ -72,11 +83,9 @@ def _fixed_batch_and_data_cost(cases, cplan, rank_batch, num_batches: int):
 
 
 def _one_rank_batch(global_batch: int):
-    """The trainer's batch split for one process (the function moved between modules)."""
-    try:
-        from trainer.launch import split_global_batch
-    except ImportError:
-        from trainer.distributed import split_global_batch
+    """The trainer's batch split for one process."""
+    from trainer.launch import split_global_batch
+
     return split_global_batch(global_batch, 1)[0]
 
 
@@ -86,7 +95,6 @@ def measure(args: argparse.Namespace) -> FloorFigures:
     from trainer.data.dataset import PreprocessedCases
     from trainer.loop import Trainee, train_iterations
     from trainer.loss import DeepSupervisionLoss
-    from trainer.model import build_network
     from trainer.plans import load_plans
     from trainer.schema import find_dataset, resolve_roots
 
@@ -96,13 +104,19 @@ def measure(args: argparse.Namespace) -> FloorFigures:
     cplan = plans.configuration(args.configuration)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.default_malloc:
+        from trainer.launch import keep_freed_memory
+
+        keep_freed_memory()  # what the trainer does on CPU: the floor runs the same way
+    if args.flush_denormal:
+        torch.set_flush_denormal(True)
     rank_batch = _one_rank_batch(cplan.batch_size)
     cases = PreprocessedCases(dataset_dir / cplan.data_identifier)
     batch, load_cost, augment_cost = _fixed_batch_and_data_cost(
         cases, cplan, rank_batch, args.data_batches
     )
     torch.manual_seed(0)
-    model = build_network(cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim)
+    model = _build(args.norm, cplan, plans)
     if args.channels_last:
         fmt = torch.channels_last_3d if cplan.ndim == 3 else torch.channels_last
         model = model.to(memory_format=fmt)
@@ -111,14 +125,15 @@ def measure(args: argparse.Namespace) -> FloorFigures:
     optimizer = torch.optim.SGD(
         model.parameters(), lr=1e-2, momentum=0.99, weight_decay=3e-5, nesterov=True
     )
+    stepped = model if args.compile is None else _compiled(model, args.compile)
     trainee = Trainee(
-        model=model,
+        model=stepped,
         raw_model=model,
         optimizer=optimizer,
         scaler=torch.amp.GradScaler("cpu", enabled=False),
         loss_fn=DeepSupervisionLoss(len(cplan.network.features_per_stage) - 1),
         device=torch.device("cpu"),
-        autocast_dtype=None,
+        autocast_dtype=torch.bfloat16 if args.bf16 else None,
         num_classes=plans.num_classes,
     )
 
@@ -127,7 +142,9 @@ def measure(args: argparse.Namespace) -> FloorFigures:
             yield batch
 
     batches = same_batch()
-    train_iterations(trainee, batches, 1, 12.0)  # warm-up (allocator, kernels)
+    warmup_started = time.perf_counter()
+    train_iterations(trainee, batches, 1, 12.0)  # warm-up (allocator, kernels, compile)
+    warmup_s = time.perf_counter() - warmup_started
     times, cpu_times = [], []
     for _ in range(args.iterations):
         started, cpu_started = time.perf_counter(), time.process_time()
@@ -144,6 +161,10 @@ def measure(args: argparse.Namespace) -> FloorFigures:
         threads=torch.get_num_threads(),
         channels_last=args.channels_last,
         bf16=args.bf16,
+        norm=args.norm,
+        compile_mode=args.compile,
+        flush_denormal=args.flush_denormal,
+        warmup_s=warmup_s,
         patch_size=list(cplan.patch_size),
         batch_size=cplan.batch_size,
         num_parameters=sum(p.numel() for p in model.parameters()),
@@ -151,6 +172,37 @@ def measure(args: argparse.Namespace) -> FloorFigures:
         augment_cpu_s_per_sample=augment_cost,
         data_cpu_s_per_sample=load_cost + augment_cost,
     )
+
+
+def _build(norm: str, cplan, plans):
+    """The trainer's network; norm="group" swaps in GroupNorm(C, C) during construction."""
+    from torch import nn
+
+    from trainer import model as model_module
+
+    if norm == "instance":
+        return model_module.build_network(
+            cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim
+        )
+
+    def group_norm(channels: int, eps: float = 1e-5, affine: bool = True) -> nn.GroupNorm:
+        # One group per channel: the same statistics as instance norm, another kernel.
+        return nn.GroupNorm(channels, channels, eps=eps, affine=affine)
+
+    saved = dict(model_module._NORM)
+    model_module._NORM.update({2: group_norm, 3: group_norm})
+    try:
+        return model_module.build_network(
+            cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim
+        )
+    finally:
+        model_module._NORM.update(saved)
+
+
+def _compiled(model, mode: str):
+    import torch
+
+    return torch.compile(model) if mode == "default" else torch.compile(model, mode=mode)
 
 
 def _profile(trainee, batches) -> None:
@@ -171,8 +223,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preprocessed", default=None, help="preprocessed root")
     p.add_argument("--iterations", type=int, default=5, help="timed iterations")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="leave glibc's malloc as it is (the trainer keeps freed blocks on CPU)",
+    )
     p.add_argument("--channels-last", action="store_true", help="channels_last(_3d) layout")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (CPU) for the step")
+    p.add_argument(
+        "--norm", choices=("instance", "group"), default="instance", help="normalisation kernel"
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        default=None,
+        metavar="MODE",
+        help="torch.compile the network (MODE e.g. max-autotune-no-cudagraphs)",
+    )
+    p.add_argument("--flush-denormal", action="store_true", help="torch.set_flush_denormal")
     p.add_argument("--data-batches", type=int, default=40, help="batches timed for data cost")
     p.add_argument("--profile", action="store_true", help="print a torch profiler table")
     p.add_argument("--json", default=None, help="also write the figures to this file")
@@ -189,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         f"floor: {figures.s_per_iteration:.3f} s/iteration, "
         f"{figures.cpu_s_per_iteration:.2f} CPU-s/iteration ({figures.threads} threads, "
         f"patch {figures.patch_size}, batch {figures.batch_size}, "
-        f"{figures.num_parameters / 1e6:.1f} M parameters)"
+        f"{figures.num_parameters / 1e6:.1f} M parameters, norm {figures.norm}, "
+        f"compile {figures.compile_mode}, warm-up {figures.warmup_s:.1f} s)"
     )
     print(
         f"data: load {figures.load_cpu_s_per_sample:.4f} + augment "

@@ -560,3 +560,15 @@ def test_failed_rank_makes_the_parent_sigterm_the_others(
     # SIGTERM at once (the survivor records why), not a SIGKILL after the 30 s grace.
     assert time.monotonic() - started < launch.FAILED_RANK_GRACE_S
     assert (tmp_path / "terminated").read_text() == str(int(signal.SIGTERM))
+
+
+def test_cpu_training_keeps_freed_memory_in_a_glibc_process() -> None:
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    code = "from trainer.launch import keep_freed_memory; print(keep_freed_memory())"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "True", result.stderr

@@ -206,6 +206,13 @@ def device_for(topology: Topology, device_type: str) -> Any:
     return torch.device(device_type)  # cpu or mps (TrainConfig validated the name)
 
 
+def tune_cpu_execution(device_type: str, local_world_size: int) -> None:
+    """Threads per rank, and on CPU training a malloc that keeps freed blocks."""
+    set_cpu_threads(local_world_size)
+    if device_type == "cpu":
+        keep_freed_memory()
+
+
 def set_cpu_threads(local_world_size: int) -> None:
     """Ranks sharing a node share its cores: oversubscription is several times slower."""
     if "OMP_NUM_THREADS" in os.environ:
@@ -214,6 +221,21 @@ def set_cpu_threads(local_world_size: int) -> None:
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, (cores or 1) // max(1, local_world_size)))
+
+
+def keep_freed_memory() -> bool:
+    """glibc hands every large freed tensor back to the kernel, and the next CPU step pays
+    for fresh zeroed pages: ~20 % of a 3D U-Net step here (bench/RESULTS.md). Keep freed
+    blocks in the process instead; resident memory then stays at its peak, never above."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        no_mmap = libc.mallopt(-4, 0)  # M_MMAP_MAX: large blocks from the heap, not mmap
+        no_trim = libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: never shrink the heap
+    except (OSError, AttributeError):
+        return False  # not glibc (musl, macOS): its defaults stay
+    return no_mmap == 1 and no_trim == 1
 
 
 # ---- entry point ---------------------------------------------------------------------------
@@ -243,7 +265,7 @@ def run_distributed(
     if launcher is not None:
         return _run_rank(worker_fn, payload, device_type, launcher, store=None)
     if num_gpus is None or num_gpus == 1:
-        set_cpu_threads(1)
+        tune_cpu_execution(device_type, 1)
         return int(worker_fn(single_topology(), payload))
     if device_type == "cuda":
         import torch
@@ -274,7 +296,7 @@ def _run_rank(
             device_type, rank, world, env_local(), store
         )
         topology = Topology(rank, world, local_rank, local_world, socket.gethostname(), launcher)
-        set_cpu_threads(topology.local_world_size)
+        tune_cpu_execution(device_type, topology.local_world_size)
         return int(worker_fn(topology, payload))
     finally:
         distributed.destroy_group()
