@@ -60,8 +60,16 @@ def _events(job: Any) -> list[dict]:
 
 
 def _of_job(job: Any, kind: str) -> list[dict]:
-    """Events of this job's own run (the folder also holds the run before a resume)."""
-    return [e for e in _events(job) if e["kind"] == kind and e["t"] >= job.created_at - 2.0]
+    """Events of this job's own run: from its run_started on (the folder also holds the run
+    before a resume, whose last events can be less than a second older than this job)."""
+    events = _events(job)
+    starts = [
+        i for i, e in enumerate(events)
+        if e["kind"] == "run_started" and e["t"] >= job.created_at - 2.0
+    ]  # fmt: skip
+    if not starts:
+        return []
+    return [e for e in events[starts[0] :] if e["kind"] == kind]
 
 
 def _alive(pid: int) -> bool:
