@@ -7,21 +7,13 @@ from dataclasses import dataclass, field
 import pytest
 
 from app.screens.confirm import stop_text
+from app.services.gpus import GpuProcess
 from app.services.proctree import label_tree
 from app.widgets.curves import epoch_ticks, series
 from app.widgets.formatting import bar, fmt_duration_s
 from app.widgets.gpu_panel import NO_DRIVER_BANNER, GpuPanel, gpu_lines, sparkline
 from app.widgets.job_table import row_cells
 from app.widgets.process_tree import tree_text
-
-
-@dataclass(frozen=True)
-class Proc:
-    pid: int
-    user: str | None
-    used_memory_bytes: int | None
-    name: str | None
-    is_mine: bool
 
 
 @dataclass(frozen=True)
@@ -52,7 +44,10 @@ GPU_CASES = [
     ),
     (
         Gpu(
-            processes=(Proc(11, "alice", 2**30, "python", True), Proc(22, "bob", None, None, False))
+            processes=(
+                GpuProcess(11, "alice", 2**30, "python", True),
+                GpuProcess(22, "bob", None, None, False),
+            )
         ),
         ["pid 11", "alice (you)", "1024 MiB", "pid 22", "bob (other user)", "n/a"],
     ),
