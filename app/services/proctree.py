@@ -11,7 +11,6 @@ and carry the job's NNUI_JOB_ID or be recorded.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ import psutil
 
 from app.services.procs import WALL_CLOCK_TOLERANCE_S, ProcInfo, proc_info, record_alive
 from app.services.registry import Job
-from app.services.signals import local_ranks, topology_ranks
+from app.services.signals import job_members, local_ranks, topology_ranks
 from trainer.schema import EVENTS_FILE, Kind
 
 ROLES = ("supervisor", "launcher", "spawn parent", "trainer", "rank", "loader worker", "other")
@@ -122,14 +121,4 @@ def process_tree(
             candidates.extend(children(record.pid))
     rank_pids = [int(r["pid"]) for r in local_ranks(topology)]
     candidates.extend(rank_pids)
-    verified: list[ProcInfo] = []
-    for pid in dict.fromkeys(candidates):
-        info = proc_lookup(pid)
-        if info is None or info.zombie or info.uid != os.getuid():
-            continue
-        if info.create_time < job.created_at - WALL_CLOCK_TOLERANCE_S:
-            continue  # older than the job: a reused pid
-        if pid not in recorded and info.env_job_id != job.job_id:
-            continue  # not started for this job (children inherit NNUI_JOB_ID)
-        verified.append(info)
-    return label_tree(job, verified, topology)
+    return label_tree(job, job_members(job, candidates, recorded, proc_lookup), topology)

@@ -316,6 +316,17 @@ def plan_kill(
     candidates.extend(p.pid for p in alive if p.role == "worker")
     if not trainers:
         candidates.extend(p.pid for p in alive if p.role == "supervisor")
+    return job_members(job, candidates, recorded_pids, proc_lookup)
+
+
+def job_members(
+    job: Job,
+    candidates: Iterable[int],
+    recorded_pids: set[int],
+    proc_lookup: Callable[[int], ProcInfo | None] = proc_info,
+) -> list[ProcInfo]:
+    """The candidates that really are this job's: alive, ours, not older than the job (a
+    reused pid), and recorded by nnui or started with this job's NNUI_JOB_ID."""
     verified: list[ProcInfo] = []
     for pid in dict.fromkeys(candidates):
         info = proc_lookup(pid)
