@@ -3,6 +3,7 @@
     python bench/floor.py DATASET CONFIGURATION [--preprocessed DIR] [--iterations 5]
                           [--threads N] [--channels-last] [--bf16] [--data-batches 40]
                           [--norm instance|group] [--compile [MODE]] [--flush-denormal]
+                          [--recompute-norm on|off]
                           [--profile] [--json FILE]
 
 Same network (trainer.model from the plans), loss, optimiser and step code
@@ -40,6 +41,7 @@ class FloorFigures:
     channels_last: bool
     bf16: bool
     norm: str
+    recompute_norm: bool
     compile_mode: str | None
     flush_denormal: bool
     warmup_s: float  # the first step: includes torch.compile's compile time
@@ -116,7 +118,7 @@ def measure(args: argparse.Namespace) -> FloorFigures:
         cases, cplan, rank_batch, args.data_batches
     )
     torch.manual_seed(0)
-    model = _build(args.norm, cplan, plans)
+    model = _build(args.norm, cplan, plans, args.recompute_norm == "on")
     if args.channels_last:
         fmt = torch.channels_last_3d if cplan.ndim == 3 else torch.channels_last
         model = model.to(memory_format=fmt)
@@ -162,6 +164,7 @@ def measure(args: argparse.Namespace) -> FloorFigures:
         channels_last=args.channels_last,
         bf16=args.bf16,
         norm=args.norm,
+        recompute_norm=args.recompute_norm == "on",
         compile_mode=args.compile,
         flush_denormal=args.flush_denormal,
         warmup_s=warmup_s,
@@ -174,7 +177,7 @@ def measure(args: argparse.Namespace) -> FloorFigures:
     )
 
 
-def _build(norm: str, cplan, plans):
+def _build(norm: str, cplan, plans, recompute: bool):
     """The trainer's network; norm="group" swaps in GroupNorm(C, C) during construction."""
     from torch import nn
 
@@ -182,8 +185,9 @@ def _build(norm: str, cplan, plans):
 
     if norm == "instance":
         return model_module.build_network(
-            cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim
-        )
+            cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim,
+            recompute_norm=recompute,
+        )  # fmt: skip
 
     def group_norm(channels: int, eps: float = 1e-5, affine: bool = True) -> nn.GroupNorm:
         # One group per channel: the same statistics as instance norm, another kernel.
@@ -193,8 +197,9 @@ def _build(norm: str, cplan, plans):
     model_module._NORM.update({2: group_norm, 3: group_norm})
     try:
         return model_module.build_network(
-            cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim
-        )
+            cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim,
+            recompute_norm=recompute,
+        )  # fmt: skip
     finally:
         model_module._NORM.update(saved)
 
@@ -240,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="MODE",
         help="torch.compile the network (MODE e.g. max-autotune-no-cudagraphs)",
+    )
+    p.add_argument(
+        "--recompute-norm",
+        choices=("on", "off"),
+        default="on",
+        help="recompute norm+activation in backward (nnui-train's CPU default: on)",
     )
     p.add_argument("--flush-denormal", action="store_true", help="torch.set_flush_denormal")
     p.add_argument("--data-batches", type=int, default=40, help="batches timed for data cost")

@@ -124,6 +124,7 @@ BASE = dict(
         ({"trainer": "nnUNetTrainer_5epochs"}, "available: nnUNetTrainer"),
         ({"num_workers": -1}, "--num-workers"),
         ({"val_best": True}, "--val_best"),
+        ({"recompute_norm": "yes"}, "--recompute-norm"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_flag(change: dict, message: str) -> None:

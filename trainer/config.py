@@ -12,6 +12,7 @@ from typing import Any
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
 
 DEVICE_TYPES = ("cuda", "cpu", "mps")
+RECOMPUTE_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class TrainConfig:
     device_type: str = "cuda"
     num_gpus: int | None = None
     compile: bool = False
+    # Recompute norm + activation in backward instead of keeping them (trainer.model):
+    # "auto" = on for CPU (host memory is the scarce resource), off for GPUs.
+    recompute_norm: str = "auto"
     num_workers: int = 2
     npz: bool = False
     continue_training: bool = False
@@ -75,6 +79,11 @@ class TrainConfig:
             raise ValueError(
                 f"-device must be one of {', '.join(DEVICE_TYPES)}, got {self.device_type!r}"
             )
+        if self.recompute_norm not in RECOMPUTE_CHOICES:
+            raise ValueError(
+                f"--recompute-norm must be one of {', '.join(RECOMPUTE_CHOICES)}, "
+                f"got {self.recompute_norm!r}"
+            )
         if self.trainer != DEFAULT_TRAINER:
             raise ValueError(
                 f"unknown trainer {self.trainer!r}; available: {DEFAULT_TRAINER} "
@@ -93,6 +102,11 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return TrainConfig.from_dict({**self.to_dict(), **changes})
+
+    def recomputes_norm(self, device_type: str) -> bool:
+        return self.recompute_norm == "on" or (
+            self.recompute_norm == "auto" and device_type == "cpu"
+        )
 
     def identity(self) -> dict[str, str]:
         """What a checkpoint must match to be resumed by this run."""

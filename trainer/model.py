@@ -4,14 +4,29 @@ Per stage: (conv -> instance norm (affine) -> LeakyReLU 0.01) x n; the first con
 encoder stage carries the stride (downsampling). Decoder: transposed conv (kernel = stride)
 upsampling, concatenation with the skip, convs, and a 1x1 segmentation head per decoder
 stage for deep supervision. Outputs are ordered highest resolution first.
+
+Memory: autograd would keep two full-size tensors per conv block (the conv output for the
+norm's backward, the activation for the next conv's backward) plus every decoder concat.
+With `recompute_norm` (nnui-train's default on CPU) the forward is cut at the conv outputs
+instead: each piece is norm -> activation -> conv, run under selective checkpointing that
+keeps the conv's output and recomputes the cheap norm and activation during backward. One
+tensor per block is kept and no concat at all: about half the activation memory, the same
+values and gradients bit for bit, a few per cent more time (bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 _CONV = {2: nn.Conv2d, 3: nn.Conv3d}
 _TRANSP = {2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
@@ -22,6 +37,9 @@ def _as_tuple(value: int | Sequence[int], ndim: int) -> tuple[int, ...]:
     return (value,) * ndim if isinstance(value, int) else tuple(int(v) for v in value)
 
 
+NEGATIVE_SLOPE = 0.01
+
+
 class ConvBlock(nn.Sequential):
     def __init__(
         self, ndim: int, in_ch: int, out_ch: int, kernel: Sequence[int], stride: Sequence[int]
@@ -30,8 +48,24 @@ class ConvBlock(nn.Sequential):
         super().__init__(
             _CONV[ndim](in_ch, out_ch, tuple(kernel), tuple(stride), padding, bias=True),
             _NORM[ndim](out_ch, eps=1e-5, affine=True),
-            nn.LeakyReLU(0.01, inplace=True),
+            nn.LeakyReLU(NEGATIVE_SLOPE, inplace=True),
         )
+
+    def conv(self, x: torch.Tensor) -> torch.Tensor:
+        return self[0](x)
+
+    def norm_act(self, z: torch.Tensor) -> torch.Tensor:
+        """Norm and activation of this block's conv output (out of place: z is kept)."""
+        return F.leaky_relu(self[1](z), NEGATIVE_SLOPE)
+
+
+def _keep_conv_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op is torch.ops.aten.convolution.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SELECTIVE = functools.partial(create_selective_checkpoint_contexts, _keep_conv_outputs)
 
 
 def _stage(
@@ -54,6 +88,7 @@ class PlainConvUNet(nn.Module):
         n_conv_per_stage_decoder: Sequence[int],
         ndim: int,
         deep_supervision: bool = True,
+        recompute_norm: bool = True,
     ) -> None:
         super().__init__()
         if ndim not in (2, 3):
@@ -68,6 +103,7 @@ class PlainConvUNet(nn.Module):
         kernels = [_as_tuple(k, ndim) for k in kernel_sizes]
         stride_list = [_as_tuple(s, ndim) for s in strides]
         self.deep_supervision = deep_supervision
+        self.recompute_norm = recompute_norm
         self.encoder = nn.ModuleList()
         channels = in_channels
         for s in range(num_stages):
@@ -113,17 +149,42 @@ class PlainConvUNet(nn.Module):
             )
         self.apply(_init_weights)
 
+    def _piece(self, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+        """One cut of the forward: inputs are conv outputs, so is the result."""
+        if not (self.recompute_norm and torch.is_grad_enabled()):
+            return fn(*inputs)
+        return checkpoint(fn, *inputs, use_reentrant=False, context_fn=_SELECTIVE)
+
     def forward(self, x: torch.Tensor) -> list[torch.Tensor] | torch.Tensor:
-        skips = []
+        # The forward is a chain of conv outputs z; each piece applies the norm and
+        # activation of the block that produced its input, then a conv.
+        skips: list[tuple[ConvBlock, torch.Tensor]] = []
+        owner: ConvBlock | None = None  # the block whose conv produced z
+        z = x
         for stage in self.encoder:
-            x = stage(x)
-            skips.append(x)
-        x = skips.pop()
+            for block in stage:
+                if owner is None:
+                    z = block.conv(z)
+                else:
+                    z = self._piece(lambda t, o=owner, b=block: b.conv(o.norm_act(t)), z)
+                owner = block
+            skips.append((owner, z))
+        skips.pop()
         outputs = []
         for d, (up, stage) in enumerate(zip(self.upsample, self.decoder, strict=True)):
-            x = stage(torch.cat((up(x), skips[-1 - d]), dim=1))
+            skip_owner, skip_z = skips[-1 - d]
+            z = self._piece(lambda t, o=owner, u=up: u(o.norm_act(t)), z)
+            first = stage[0]
+
+            def merge(t, s, so=skip_owner, b=first):
+                return b.conv(torch.cat((t, so.norm_act(s)), dim=1))
+
+            z, owner = self._piece(merge, z, skip_z), first
+            for block in list(stage)[1:]:
+                z = self._piece(lambda t, o=owner, b=block: b.conv(o.norm_act(t)), z)
+                owner = block
             if self.deep_supervision or d == len(self.decoder) - 1:
-                outputs.append(self.heads[d](x))
+                outputs.append(self._piece(lambda t, o=owner, h=self.heads[d]: h(o.norm_act(t)), z))
         outputs.reverse()  # highest resolution first
         return outputs if self.deep_supervision else outputs[0]
 
@@ -142,6 +203,7 @@ def build_network(
     num_classes: int,
     ndim: int,
     deep_supervision: bool = True,
+    recompute_norm: bool = True,
 ) -> PlainConvUNet:
     """From the data helper's NetworkPlan (features_per_stage, kernel_sizes, strides, n_conv_*)."""
     return PlainConvUNet(
@@ -154,4 +216,5 @@ def build_network(
         n_conv_per_stage_decoder=list(network_plan.n_conv_per_stage_decoder),
         ndim=ndim,
         deep_supervision=deep_supervision,
+        recompute_norm=recompute_norm,
     )

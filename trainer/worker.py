@@ -161,8 +161,9 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
 
     torch.manual_seed(config.seed)
     raw_model = build_network(
-        cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim
-    ).to(device)
+        cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim,
+        recompute_norm=config.recomputes_norm(device.type),
+    ).to(device)  # fmt: skip
     optimizer = torch.optim.SGD(
         raw_model.parameters(), lr=config.initial_lr, momentum=config.momentum,
         weight_decay=config.weight_decay, nesterov=True,

@@ -1,0 +1,111 @@
+"""The memory-saving forward (norm + activation recomputed in backward) changes nothing else."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from trainer.config import TrainConfig
+from trainer.loss import DeepSupervisionLoss
+from trainer.model import PlainConvUNet
+
+
+def sequential_forward(net: PlainConvUNet, x: torch.Tensor) -> list[torch.Tensor]:
+    """The textbook U-Net forward over the same modules (each ConvBlock as a Sequential)."""
+    skips = []
+    for stage in net.encoder:
+        x = stage(x)
+        skips.append(x)
+    x = skips.pop()
+    outputs = []
+    for d, (up, stage) in enumerate(zip(net.upsample, net.decoder, strict=True)):
+        x = stage(torch.cat((up(x), skips[-1 - d]), dim=1))
+        outputs.append(net.heads[d](x))
+    return outputs[::-1]
+
+
+def _net(ndim: int) -> PlainConvUNet:
+    torch.manual_seed(0)
+    kernels = [[3] * ndim] * 3
+    strides = [[1] * ndim, [2] * ndim, [2] * ndim]
+    return PlainConvUNet(1, 3, [4, 8, 16], kernels, strides, [2, 2, 2], [2, 2], ndim)
+
+
+def _loss_and_grads(net: PlainConvUNet, forward, x, y) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    loss = DeepSupervisionLoss(2)(forward(net, x), y)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in net.parameters()]
+
+
+def _saved_bytes(net: PlainConvUNet, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd keeps for backward after one forward."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        net(x)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_recompute_gives_bit_identical_loss_and_gradients(ndim: int) -> None:
+    net = _net(ndim)
+    x = torch.randn(2, 1, *([16] * ndim))
+    y = (torch.rand(2, 1, *([16] * ndim)) * 3).to(torch.uint8)
+    kept, recomputed = copy.deepcopy(net), copy.deepcopy(net)
+    kept.recompute_norm, recomputed.recompute_norm = False, True
+
+    def call(n, t):
+        return n(t)
+
+    loss_a, grads_a = _loss_and_grads(kept, call, x, y)
+    loss_b, grads_b = _loss_and_grads(recomputed, call, x, y)
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
+    # And the same math as the plain Sequential U-Net (summation order aside).
+    loss_c, grads_c = _loss_and_grads(copy.deepcopy(net), sequential_forward, x, y)
+    assert torch.equal(loss_a, loss_c)
+    for a, c in zip(grads_a, grads_c, strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)
+
+
+def test_recompute_keeps_about_half_the_activations() -> None:
+    net = _net(3)
+    x = torch.randn(2, 1, 16, 32, 32)
+    net.recompute_norm = False
+    kept = _saved_bytes(net, x)
+    net.recompute_norm = True
+    recomputed = _saved_bytes(net, x)
+    assert recomputed < 0.6 * kept
+
+
+def test_eval_forward_matches_training_forward_values() -> None:
+    net = _net(3)
+    x = torch.randn(1, 1, 16, 16, 16)
+    with torch.no_grad():
+        plain = net(x)
+    again = net(x)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(plain, again, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("choice", "device", "expected"),
+    [("auto", "cpu", True), ("auto", "cuda", False), ("on", "cuda", True), ("off", "cpu", False)],
+)
+def test_recompute_choice_per_device(choice: str, device: str, expected: bool) -> None:
+    config = TrainConfig(
+        dataset_name="Dataset001_X",
+        configuration="3d_fullres",
+        fold="0",
+        preprocessed_dataset_dir="/p",
+        run_dir="/r",
+        plans_identity="id",
+        device_type="cpu",
+        recompute_norm=choice,
+    )
+    assert config.recomputes_norm(device) is expected
