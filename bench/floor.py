@@ -9,8 +9,8 @@
 Same network (trainer.model from the plans), loss, optimiser and step code
 (trainer.loop.train_iterations) as nnui-train, but no data loading: the trainer's
 s/iteration divided by this is its overhead over pure compute. It also measures the data
-side alone: CPU seconds per sample of patch reading and of augmentation, run inline
-(no workers) so `time.process_time()` of this process counts all of it.
+side alone: CPU seconds per sample of patch reading and of augmentation, in the loader
+threads as nnui-train runs them on CPU (`time.process_time()` of this process counts them).
 
 Execution variants of the same math (issue 7): --norm group swaps InstanceNorm for
 GroupNorm(C, C) (the same normalisation, another kernel), --compile wraps the network in
@@ -48,13 +48,18 @@ class FloorFigures:
     patch_size: list[int]
     batch_size: int
     num_parameters: int
-    load_cpu_s_per_sample: float  # reading + cropping patches (nnui's loader workers)
-    augment_cpu_s_per_sample: float  # augment_batch on the CPU device
+    load_cpu_s_per_sample: float  # reading + cropping patches (nnui's loader threads)
+    augment_cpu_s_per_sample: float  # augment_batch in the loader threads (CPU device)
     data_cpu_s_per_sample: float  # the sum: what one augmented training sample costs
 
 
 def _fixed_batch_and_data_cost(cases, cplan, rank_batch, num_batches: int):
-    """One real batch for the floor, and CPU-s/sample of loading and of augmenting."""
+    """One real batch for the floor, and CPU-s/sample of loading and of augmenting.
+
+    Measured as the trainer runs its CPU loader: 2 loader threads reading and augmenting
+    (one intra-op thread each) while this thread only takes batches, so the process CPU
+    time over N batches is the data side's (a few batches in flight at both ends cancel).
+    """
     import torch
 
     from trainer.data.loader import PatchLoader
@@ -70,13 +75,14 @@ def _fixed_batch_and_data_cost(cases, cplan, rank_batch, num_batches: int):
             0,
             torch.device("cpu"),
             augment=augment,
-            num_workers=0,
+            num_workers=2,
         )
 
     costs = {}
     for augment in (False, True):
         with loader(augment) as stream:
-            batch = next(stream)  # warm-up: opens files, allocates
+            for _ in range(3):  # warm-up: opens files, allocates, fills the prefetch queue
+                batch = next(stream)
             started = time.process_time()
             for _ in range(num_batches):
                 batch = next(stream)

@@ -101,6 +101,8 @@ def data_cost_main() -> int:
     dataset, configuration, fold = sys.argv[1], sys.argv[2], int(sys.argv[3])
     num_batches = int(sys.argv[4]) if len(sys.argv) > 4 else 40
     os.environ["nnUNet_n_proc_DA"] = "0"  # noqa: SIM112 - nnU-Net's own name
+    if os.environ.get("NNUI_BENCH_THREADS"):  # else torch's default, as its DA workers run
+        torch.set_num_threads(int(os.environ["NNUI_BENCH_THREADS"]))
     trainer = get_trainer_from_args(
         dataset, configuration, fold, "nnUNetTrainer_nnuiBench", device=torch.device("cpu")
     )

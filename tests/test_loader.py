@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -311,7 +312,16 @@ def test_patch_read_decompresses_only_the_blocks_it_touches(counting_codec, patc
 # ---- augmentation ----------------------------------------------------------------------
 
 OFF = AugmentConfig(
-    p_rotation=0, p_scale=0, p_mirror=0, p_noise=0, p_brightness=0, p_contrast=0, p_gamma=0
+    p_rotation=0,
+    p_scale=0,
+    p_mirror=0,
+    p_noise=0,
+    p_blur=0,
+    p_brightness=0,
+    p_contrast=0,
+    p_low_res=0,
+    p_gamma_inverted=0,
+    p_gamma=0,
 )
 
 
@@ -347,8 +357,9 @@ def test_identity_spatial_transform_reproduces_input(ndim):
 def test_full_augmentation_is_seeded_and_keeps_label_values():
     data, seg = _sample(3, b=8)
     strong = AugmentConfig(
-        p_rotation=1, p_scale=1, p_noise=1, p_brightness=1, p_contrast=1, p_gamma=1
-    )
+        p_rotation=1, p_scale=1, p_noise=1, p_blur=1, p_brightness=1, p_contrast=1,
+        p_low_res=1, p_gamma_inverted=1, p_gamma=1,
+    )  # fmt: skip
     a = augment_batch(data, seg, torch.Generator().manual_seed(5), strong)
     b = augment_batch(data, seg, torch.Generator().manual_seed(5), strong)
     c = augment_batch(data, seg, torch.Generator().manual_seed(6), strong)
@@ -356,6 +367,94 @@ def test_full_augmentation_is_seeded_and_keeps_label_values():
     assert not torch.equal(a[0], c[0])
     assert set(a[1].unique().tolist()) <= {0, 1, 2} and a[1].dtype == torch.uint8
     assert torch.isfinite(a[0]).all() and a[0].shape == data.shape
+
+
+ONLY = {k: 0.0 for k in OFF.__dict__ if k.startswith("p_")}
+
+
+def _only(**on: float) -> AugmentConfig:
+    return AugmentConfig(**{**OFF.__dict__, **ONLY, **on})
+
+
+def test_blur_keeps_constants_and_smooths_noise():
+    data, seg = _sample(3, b=2)
+    blur = _only(p_blur=1, p_blur_per_channel=1)
+    flat = torch.full_like(data, 3.0)
+    d, _ = augment_batch(flat, seg, torch.Generator().manual_seed(0), blur)
+    torch.testing.assert_close(d, flat)
+    d, s = augment_batch(data, seg, torch.Generator().manual_seed(0), blur)
+    assert torch.equal(s, seg)  # intensity transforms never touch labels
+    assert d.std() < 0.8 * data.std()  # high frequencies damped
+    torch.testing.assert_close(d.mean(), data.mean(), atol=0.05, rtol=0)
+
+
+def test_low_resolution_loses_detail_but_keeps_smooth_images():
+    data, seg = _sample(3, b=2)
+    coarse = _only(p_low_res=1, p_low_res_per_channel=1)
+    d, _ = augment_batch(data, seg, torch.Generator().manual_seed(0), coarse)
+    assert d.shape == data.shape and not torch.allclose(d, data)
+    ramp = torch.linspace(0, 1, 10).expand(2, 2, 8, 12, 10).contiguous()
+    r, _ = augment_batch(ramp, seg, torch.Generator().manual_seed(0), coarse)
+    assert (r - ramp).abs().max() < 0.2
+
+
+def test_inverted_gamma_keeps_mean_and_std_and_differs_from_gamma():
+    data, seg = _sample(3, b=2)
+    inverted = _only(p_gamma_inverted=1)
+    plain = _only(p_gamma=1)
+    a, _ = augment_batch(data, seg, torch.Generator().manual_seed(3), inverted)
+    b, _ = augment_batch(data, seg, torch.Generator().manual_seed(3), plain)
+    dims = (2, 3, 4)
+    torch.testing.assert_close(a.mean(dims), data.mean(dims), atol=1e-4, rtol=0)
+    torch.testing.assert_close(a.std(dims), data.std(dims), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(a, b)
+
+
+def test_augmentation_does_not_depend_on_the_thread_count():
+    """Loader threads augment with one intra-op thread, a num_workers=0 loader with the
+    trainer's: a resumed run must see the same batches either way (sizes above torch's
+    parallel grain)."""
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randn(3, 1, 24, 48, 48, generator=gen)
+    seg = torch.randint(0, 3, (3, 1, 24, 48, 48), generator=gen, dtype=torch.uint8)
+    strong = AugmentConfig(
+        p_rotation=1, p_scale=1, p_noise=1, p_blur=1, p_brightness=1, p_contrast=1,
+        p_low_res=1, p_gamma_inverted=1, p_gamma=1,
+    )  # fmt: skip
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(augment_batch(data, seg, torch.Generator().manual_seed(9), strong))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_cpu_loader_threads_augment_on_one_thread_and_leave_the_trainer_its_own(
+    demo_preprocessed,
+):
+    cases = PreprocessedCases(_folder(demo_preprocessed, "3d_fullres"))
+    threads = torch.get_num_threads()
+    seen = {}
+
+    def probe(*args, **kwargs):
+        seen["threads"] = torch.get_num_threads()
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as comm:
+            seen["name"] = comm.read().strip()
+        return augment_batch(*args, **kwargs)
+
+    import trainer.data.loader as loader_module
+
+    original = loader_module.augment_batch
+    loader_module.augment_batch = probe
+    try:
+        _batches(cases, 0, 1, num_workers=1)
+    finally:
+        loader_module.augment_batch = original
+    assert seen == {"threads": 1, "name": "nnui-loader"}
+    assert torch.get_num_threads() == threads
 
 
 def test_rotation_by_90_degrees_in_plane_matches_rot90():

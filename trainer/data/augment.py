@@ -1,9 +1,12 @@
 """Batched data augmentation as torch ops on whatever device the batch lives on.
 
-One affine_grid/grid_sample call per batch does rotation and scaling (image linear,
-segmentation nearest); mirroring is a flip (exact); intensity transforms are per-sample
-elementwise ops. Every random number is drawn from the generators given, in a fixed
-number of draws, so a batch is reproducible from its seed.
+nnU-Net v2's training transforms, in its order: rotation and scaling (one grid_sample for
+the samples that need it; image linear, segmentation nearest), Gaussian noise, Gaussian
+blur, brightness, contrast, low-resolution simulation, gamma on the inverted image, gamma,
+mirroring (exact flips). Each transform touches only the samples it was drawn for. Every
+random number comes from the generators given, in a fixed number of draws, so a batch is
+reproducible from its seed; per-sample statistics are summed in float64 so the result
+does not depend on how many threads compute it (loader thread or main thread).
 """
 
 from __future__ import annotations
@@ -27,10 +30,17 @@ class AugmentConfig:
     p_mirror: float = 0.5
     p_noise: float = 0.1
     noise_variance: tuple[float, float] = (0.0, 0.1)
+    p_blur: float = 0.2
+    p_blur_per_channel: float = 0.5
+    blur_sigma: tuple[float, float] = (0.5, 1.0)  # voxels, drawn per axis
     p_brightness: float = 0.15
     brightness_range: tuple[float, float] = (0.75, 1.25)
     p_contrast: float = 0.15
     contrast_range: tuple[float, float] = (0.75, 1.25)
+    p_low_res: float = 0.25
+    p_low_res_per_channel: float = 0.5
+    low_res_scale: tuple[float, float] = (0.5, 1.0)  # one zoom for all (in-plane) axes
+    p_gamma_inverted: float = 0.1
     p_gamma: float = 0.3
     gamma_range: tuple[float, float] = (0.7, 1.5)
 
@@ -60,6 +70,7 @@ def _affine_grid(m: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
 
     Same result as affine_grid(align_corners=False), ~20x faster on CPU where
     affine_grid's batched matmul over a materialised base grid dominates the transform.
+    Each output coordinate is one broadcast sum written straight into the grid.
     """
     ndim = len(spatial)
     coords = []  # normalised voxel centres per axis in (x, y, z) order
@@ -68,13 +79,14 @@ def _affine_grid(m: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
         shape = [1] * (ndim + 1)
         shape[ndim - i] = n
         coords.append(c.view(shape))
-    outputs = []
+    grid = torch.empty((m.shape[0], *spatial, ndim), device=m.device, dtype=m.dtype)
     for row in range(ndim):
-        acc = 0
-        for col in range(ndim):
-            acc = acc + m[:, row, col].view(-1, *([1] * ndim)) * coords[col]
-        outputs.append(acc)
-    return torch.stack(outputs, dim=-1)
+        terms = [m[:, row, col].view(-1, *([1] * ndim)) * coords[col] for col in range(ndim)]
+        partial = terms[0]
+        for term in terms[1:-1]:
+            partial = partial + term
+        torch.add(partial, terms[-1], out=grid[..., row])
+    return grid
 
 
 def spatial_transform(
@@ -96,6 +108,59 @@ def spatial_transform(
     return data, seg_f.to(seg.dtype)
 
 
+def _mean(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    count = math.prod(x.shape[d] for d in dims)
+    return (x.sum(dim=dims, keepdim=True, dtype=torch.float64) / count).to(x.dtype)
+
+
+def _mean_std(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row mean and (unbiased) std, accumulated in float64."""
+    count = math.prod(x.shape[d] for d in dims)
+    mean = _mean(x, dims)
+    centred = x - mean
+    var = (centred * centred).sum(dim=dims, keepdim=True, dtype=torch.float64) / max(1, count - 1)
+    return mean, var.sqrt().to(x.dtype)
+
+
+def _gaussian_blur(x: torch.Tensor, sigmas: list[float], radius: int) -> torch.Tensor:
+    """x (*spatial) blurred by a separable Gaussian, sigmas (ndim) in voxels, edges
+    replicated. A weighted sum of shifted views per axis: ~10x faster on CPU than a conv
+    with a (k, 1, 1) kernel."""
+    taps = torch.arange(-radius, radius + 1, dtype=torch.float64)
+    out = x
+    for axis, sigma in enumerate(sigmas):
+        weights = torch.exp(-0.5 * (taps / sigma) ** 2)
+        weights = (weights / weights.sum()).tolist()
+        pad = [0] * (2 * x.ndim)
+        pad[2 * (x.ndim - 1 - axis)] = pad[2 * (x.ndim - 1 - axis) + 1] = radius
+        padded = F.pad(out[None, None], pad, mode="replicate")[0, 0]
+        length = x.shape[axis]
+        out = padded.narrow(axis, 0, length) * weights[0]
+        for k in range(1, 2 * radius + 1):
+            out.add_(padded.narrow(axis, k, length), alpha=weights[k])
+    return out
+
+
+def _low_resolution(x: torch.Tensor, zoom: float, axes: tuple[int, ...]) -> torch.Tensor:
+    """x (*spatial): nearest down-sampling by `zoom` along `axes`, linear back up."""
+    spatial = tuple(x.shape)
+    small = tuple(max(1, round(n * zoom)) if a in axes else n for a, n in enumerate(spatial))
+    mode = "trilinear" if len(spatial) == 3 else "bilinear"
+    down = F.interpolate(x[None, None], size=small, mode="nearest-exact")
+    return F.interpolate(down, size=spatial, mode=mode, align_corners=False)[0, 0]
+
+
+def _gamma(x: torch.Tensor, gamma: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """Gamma on the [0, 1]-rescaled image, then mean and std restored (nnU-Net's
+    retain_stats)."""
+    mean, std = _mean_std(x, dims)
+    lo, hi = x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True)
+    span = (hi - lo).clamp_min(1e-7)
+    out = ((x - lo) / span).clamp_min(0).pow(gamma) * span + lo
+    out_mean, out_std = _mean_std(out, dims)
+    return (out - out_mean) / out_std.clamp_min(1e-7) * std + mean
+
+
 def augment_batch(
     data: torch.Tensor,
     seg: torch.Tensor,
@@ -108,81 +173,81 @@ def augment_batch(
     `generator` is a CPU generator for the per-sample parameters; `noise_generator` lives
     on data.device for the noise field (defaults to one seeded from `generator`).
     """
-    b, ndim = data.shape[0], data.ndim - 2
+    b, channels, ndim = data.shape[0], data.shape[1], data.ndim - 2
     device = data.device
-    u = torch.rand(b, 17, generator=generator, dtype=torch.float64)
+    u = torch.rand(b, 17, generator=generator, dtype=torch.float64).tolist()
     if noise_generator is None:
         noise_generator = torch.Generator(device=device)
         noise_generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+    v = torch.rand(b, 4, generator=generator, dtype=torch.float64).tolist()
+    per_channel = torch.rand(b, channels, 3 + ndim, generator=generator, dtype=torch.float64)
+    per_channel = per_channel.tolist()
+    dims = tuple(range(1, ndim + 1))  # spatial dims of one channel stack (C, *spatial)
 
     # --- rotation and scaling: one grid_sample for the samples that need it
-    rotate = u[:, 0] < config.p_rotation
-    scale = u[:, 1] < config.p_scale
-    max_angle = math.radians(config.rotation_deg)
-    angles = (u[:, 2:5] * 2 - 1) * max_angle
-    if ndim == 3 and config.in_plane_only:
-        angles[:, 1:] = 0.0
-    angles = torch.where(rotate[:, None], angles, torch.zeros_like(angles))
-    factors = torch.where(
-        scale, _uniform(u[:, 5], config.scale_range), torch.ones(b, dtype=u.dtype)
-    )
-    moved = torch.nonzero(rotate | scale).flatten()
-    if len(moved):
-        matrices = _rotation_matrices(angles[moved], ndim) * factors[moved, None, None]
-        index = moved.to(device)
+    images, labels = list(data.unbind(0)), list(seg.unbind(0))  # views; stacked at the end
+    moved = [i for i in range(b) if u[i][0] < config.p_rotation or u[i][1] < config.p_scale]
+    if moved:
+        max_angle = math.radians(config.rotation_deg)
+        angles = torch.tensor(
+            [
+                [(x * 2 - 1) * max_angle if u[i][0] < config.p_rotation else 0.0 for x in u[i][2:5]]
+                for i in moved
+            ],
+            dtype=torch.float64,
+        )
+        if ndim == 3 and config.in_plane_only:
+            angles[:, 1:] = 0.0
+        factors = torch.tensor(
+            [
+                _uniform(u[i][5], config.scale_range) if u[i][1] < config.p_scale else 1.0
+                for i in moved
+            ],
+            dtype=torch.float64,
+        )
+        matrices = _rotation_matrices(angles, ndim) * factors[:, None, None]
+        index = torch.tensor(moved, device=device)
         new_data, new_seg = spatial_transform(data[index], seg[index], matrices)
-        data, seg = data.clone(), seg.clone()
-        data[index], seg[index] = new_data, new_seg
+        for k, i in enumerate(moved):
+            images[i], labels[i] = new_data[k], new_seg[k]
 
-    # --- mirroring: exact flips per sample and axis
-    for axis in range(ndim):
-        flip = (u[:, 6 + axis] < config.p_mirror).to(device)
-        if flip.any():
-            view = flip.view(b, *([1] * (ndim + 1)))
-            dim = 2 + axis
-            data = torch.where(view, data.flip(dim), data)
-            seg = torch.where(view, seg.flip(dim), seg)
-
-    # --- intensities (image only)
-    per_sample = [1] * (ndim + 1)
-
-    def column(x: torch.Tensor) -> torch.Tensor:
-        return x.to(device=device, dtype=data.dtype).view(b, *per_sample)
-
-    noise_on = u[:, 9] < config.p_noise
-    if noise_on.any():
-        sigma = torch.sqrt(_uniform(u[:, 10], config.noise_variance)) * noise_on
-        noise = torch.randn(data.shape, generator=noise_generator, device=device, dtype=data.dtype)
-        data = data + noise * column(sigma)
-    brightness = torch.where(
-        u[:, 11] < config.p_brightness, _uniform(u[:, 12], config.brightness_range), 1.0
-    )
-    data = data * column(brightness)
-    spatial_dims = tuple(range(2, data.ndim))
-    contrast_on = u[:, 13] < config.p_contrast
-    if contrast_on.any():
-        factor = column(torch.where(contrast_on, _uniform(u[:, 14], config.contrast_range), 1.0))
-        mean = data.mean(dim=spatial_dims, keepdim=True)
-        lo, hi = (
-            data.amin(dim=spatial_dims, keepdim=True),
-            data.amax(dim=spatial_dims, keepdim=True),
-        )
-        data = torch.minimum(torch.maximum((data - mean) * factor + mean, lo), hi)
-    gamma_on = u[:, 15] < config.p_gamma
-    if gamma_on.any():
-        # Gamma on the [0, 1]-rescaled image, then mean and std restored (nnU-Net's
-        # retain_stats).
-        gamma = column(torch.where(gamma_on, _uniform(u[:, 16], config.gamma_range), 1.0))
-        mean = data.mean(dim=spatial_dims, keepdim=True)
-        std = data.std(dim=spatial_dims, keepdim=True)
-        lo, hi = (
-            data.amin(dim=spatial_dims, keepdim=True),
-            data.amax(dim=spatial_dims, keepdim=True),
-        )
-        span = (hi - lo).clamp_min(1e-7)
-        out = ((data - lo) / span).clamp_min(0).pow(gamma) * span + lo
-        out = (out - out.mean(dim=spatial_dims, keepdim=True)) / out.std(
-            dim=spatial_dims, keepdim=True
-        ).clamp_min(1e-7) * std + mean
-        data = torch.where(column(gamma_on) > 0, out, data)
-    return data, seg
+    # --- intensities (image only), each on the samples (and channels) drawn for it
+    for i in range(b):
+        x, ui, vi, pc = images[i], u[i], v[i], per_channel[i]
+        if ui[9] < config.p_noise:
+            sigma = math.sqrt(_uniform(ui[10], config.noise_variance))
+            noise = torch.randn(x.shape, generator=noise_generator, device=device, dtype=x.dtype)
+            x = x + noise * sigma
+        if vi[0] < config.p_blur:
+            picked = [c for c in range(channels) if pc[c][0] < config.p_blur_per_channel]
+            if picked:
+                radius = math.ceil(3 * config.blur_sigma[1])
+                x = x.clone()
+                for c in picked:
+                    sigmas = [_uniform(s, config.blur_sigma) for s in pc[c][1 : 1 + ndim]]
+                    x[c] = _gaussian_blur(x[c], sigmas, radius)
+        if ui[11] < config.p_brightness:
+            x = x * _uniform(ui[12], config.brightness_range)
+        if ui[13] < config.p_contrast:
+            factor = _uniform(ui[14], config.contrast_range)
+            mean = _mean(x, dims)
+            lo, hi = x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True)
+            x = torch.minimum(torch.maximum((x - mean) * factor + mean, lo), hi)
+        if vi[1] < config.p_low_res:
+            axes = tuple(range(1 if ndim == 3 and config.in_plane_only else 0, ndim))
+            picked = [c for c in range(channels) if pc[c][1 + ndim] < config.p_low_res_per_channel]
+            if picked:
+                x = x.clone()
+                for c in picked:
+                    zoom = _uniform(pc[c][2 + ndim], config.low_res_scale)
+                    x[c] = _low_resolution(x[c], zoom, axes)
+        if vi[2] < config.p_gamma_inverted:
+            x = -_gamma(-x, _uniform(vi[3], config.gamma_range), dims)
+        if ui[15] < config.p_gamma:
+            x = _gamma(x, _uniform(ui[16], config.gamma_range), dims)
+        # --- mirroring last (as nnU-Net): one exact flip per sample
+        flips = [1 + axis for axis in range(ndim) if ui[6 + axis] < config.p_mirror]
+        if flips:
+            x, labels[i] = x.flip(flips), labels[i].flip(flips)
+        images[i] = x
+    return torch.stack(images), torch.stack(labels)

@@ -2,13 +2,18 @@
 
 Patch reading runs ahead in background workers (threads by default: blosc2 and numpy
 release the GIL and, measured on 2 cores, threads beat processes; see bench/loader.py)
-with at most `prefetch` batches in flight. Augmentation runs here, batched on the device.
-Batch k depends only on (seed, rank, stream, k), so a loader started at start_iteration=k
-continues the exact stream of one that ran from 0.
+with at most `prefetch` batches in flight. Augmentation runs batched on the training
+device: for a GPU in the consuming thread, for the CPU inside the loader threads, each
+with one intra-op thread (two OpenMP threads cost twice the CPU for these small ops, and
+the training step keeps its own threads). Loader threads are named `nnui-loader` for the
+OS (`top -H`, bench/). Batch k depends only on (seed, rank, stream, k), so a loader
+started at start_iteration=k continues the exact stream of one that ran from 0.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import sys
 from collections import deque
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -24,6 +29,16 @@ from trainer.data.patches import BatchSpec, init_worker, load_patches, load_patc
 from trainer.data.sampling import STREAM_IDS, forced_slots
 
 ANISO_THRESHOLD = 3.0
+LOADER_THREAD_NAME = b"nnui-loader"
+
+
+def _init_loader_thread(augments: bool) -> None:
+    """Name the OS thread (Linux) and keep its torch ops on one intra-op thread."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the name is cosmetic
+        ctypes.CDLL(None).prctl(15, LOADER_THREAD_NAME, 0, 0, 0)  # PR_SET_NAME
+    if augments:
+        # Per thread: the main thread keeps the count it initialised before this starts.
+        torch.set_num_threads(1)
 
 
 @dataclass
@@ -99,8 +114,17 @@ class PatchLoader:
         self._iteration = int(start_iteration)
         self._pending: deque[tuple[int, Future | None]] = deque()
         self._executor: Executor | None = None
+        self._augment_in_worker = (
+            augment and self.device.type == "cpu" and num_workers > 0 and worker_mode == "thread"
+        )
         if num_workers > 0 and worker_mode == "thread":
-            self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="nnui-loader")
+            torch.get_num_threads()  # settles this thread's own count before workers start
+            self._executor = ThreadPoolExecutor(
+                num_workers,
+                thread_name_prefix="nnui-loader",
+                initializer=_init_loader_thread,
+                initargs=(self._augment_in_worker,),
+            )
         elif num_workers > 0:
             # fork (Linux): the child starts with the parent's harmless flag handler and
             # init_worker ignores SIGUSR1 before anything else; spawn would leave a window
@@ -128,7 +152,16 @@ class PatchLoader:
 
     def _load(self, iteration: int):
         data, seg, _ = load_patches(self.cases, self.spec, iteration)
+        if self._augment_in_worker:
+            return self._augmented(torch.from_numpy(data), torch.from_numpy(seg), iteration)
         return data, seg
+
+    def _augmented(self, data: torch.Tensor, seg: torch.Tensor, iteration: int):
+        generator = torch.Generator()
+        generator.manual_seed(
+            augment_seed(self.spec.seed, self.spec.rank, self.spec.stream, iteration)
+        )
+        return augment_batch(data, seg, generator, self.augment_config)
 
     def __iter__(self) -> PatchLoader:
         return self
@@ -140,18 +173,15 @@ class PatchLoader:
             self._pending.append((self._next_submit, self._submit(self._next_submit)))
             self._next_submit += 1
         iteration, future = self._pending.popleft()
-        data_np, seg_np = future.result() if future is not None else self._load(iteration)
-        data, seg = torch.from_numpy(data_np), torch.from_numpy(seg_np)
-        if self.device.type == "cuda":
-            data, seg = data.pin_memory(), seg.pin_memory()
-        data = data.to(self.device, non_blocking=True)
-        seg = seg.to(self.device, non_blocking=True)
-        if self.augment:
-            generator = torch.Generator()
-            generator.manual_seed(
-                augment_seed(self.spec.seed, self.spec.rank, self.spec.stream, iteration)
-            )
-            data, seg = augment_batch(data, seg, generator, self.augment_config)
+        data, seg = future.result() if future is not None else self._load(iteration)
+        if not self._augment_in_worker:
+            data, seg = torch.from_numpy(data), torch.from_numpy(seg)
+            if self.device.type == "cuda":
+                data, seg = data.pin_memory(), seg.pin_memory()
+            data = data.to(self.device, non_blocking=True)
+            seg = seg.to(self.device, non_blocking=True)
+            if self.augment:
+                data, seg = self._augmented(data, seg, iteration)
         self._iteration = iteration + 1
         return Batch(data, seg, iteration)
 
