@@ -69,8 +69,14 @@ class TreeSampler:
         period_s: float = SAMPLE_PERIOD_S,
         scan_every: int = 5,
         pss_every: int = 10,
+        thread_name: str | None = None,
     ):
         self.root_pid = root_pid
+        # CPU of the root's threads with this OS name (nnui's "nnui-loader"), per sample.
+        self.thread_name = thread_name
+        self.thread_times: list[float] = []
+        self.thread_cpu_s: list[float] = []
+        self._named_tids: set[int] = set()
         self.period_s = period_s
         self.scan_every = scan_every
         self.pss_every = pss_every
@@ -119,6 +125,8 @@ class TreeSampler:
                 continue
             members.append((proc, series))
         self._members = members
+        if self.thread_name is not None:
+            self._named_tids = _threads_named(root.pid, self.thread_name)
 
     def _sample(self, with_pss: bool) -> None:
         now = time.time()
@@ -138,6 +146,14 @@ class TreeSampler:
             count += 1
         if count:
             self.samples.append(TreeSample(now, rss, pss, count))
+        if self._named_tids:
+            try:
+                threads = psutil.Process(self.root_pid).threads()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                return
+            named = [t for t in threads if t.id in self._named_tids]
+            self.thread_times.append(now)
+            self.thread_cpu_s.append(sum(t.user_time + t.system_time for t in named))
 
     def end_leftovers(self, timeout_s: float = 10.0) -> list[int]:
         """End processes of the tree that outlived its root (checked by pid + create_time)."""
@@ -201,8 +217,23 @@ class TreeSampler:
         """CPU seconds of the whole tree (root and descendants) between t0 and t1."""
         return sum(s.cpu_at(t1) - s.cpu_at(t0) for s in self.procs.values())
 
+    def named_threads_cpu_s(self, t0: float, t1: float) -> float:
+        """CPU seconds of the root's named threads between t0 and t1 (0 if none seen)."""
+        series = ProcSeries(self.root_pid, 0, self.thread_name or "", True)
+        series.times, series.cpu_s = self.thread_times, self.thread_cpu_s
+        return series.cpu_at(t1) - series.cpu_at(t0)
+
     def root_cpu_s(self, t0: float, t1: float) -> float:
         return sum(s.cpu_at(t1) - s.cpu_at(t0) for s in self.procs.values() if s.is_root)
+
+
+def _threads_named(pid: int, name: str) -> set[int]:
+    found = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            if (task / "comm").read_text().strip() == name:
+                found.add(int(task.name))
+    return found
 
 
 def median_or_nan(values: list[float]) -> float:

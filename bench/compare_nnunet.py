@@ -77,9 +77,9 @@ class RunFigures:
     first_epoch_start_s: float  # process start -> first training epoch begins
     peak_rss_bytes: int  # whole process tree, until training ends (final validation excluded)
     peak_pss_bytes: int
-    # CPU of the child processes (data workers) between the end of epoch 0 and the end of
-    # the last epoch, per training+validation sample consumed there. nnui's default loader
-    # uses threads, so its figure is 0 here: the comparable figure is measured inline.
+    # CPU of the data side between the end of epoch 0 and the end of the last epoch, per
+    # training+validation sample consumed there: nnU-Net's worker processes, nnui's
+    # "nnui-loader" threads (reading + augmenting on CPU).
     inrun_worker_cpu_s_per_sample: float
     data_samples: int
     wall_s: float
@@ -276,7 +276,7 @@ def run_nnui(a: BenchArgs, pre_root: Path, repeat: int) -> RunFigures:
     started = time.time()
     with open(log_path, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-        sampler = TreeSampler(proc.pid).start()
+        sampler = TreeSampler(proc.pid, thread_name="nnui-loader").start()
         try:
             rc = _wait_for_training(proc, fold_dir / "events.jsonl")
         finally:
@@ -300,7 +300,10 @@ def run_nnui(a: BenchArgs, pre_root: Path, repeat: int) -> RunFigures:
     tree_cpu = sum(sampler.tree_cpu_s(t0, t1) for t0, t1 in windows)
     end_t = epochs[-1]["t"] if epochs else None
     samples = (len(epochs) - 1) * (a.iterations + a.val_iterations) * batch
-    cpu = sampler.children_cpu_s(epochs[0]["t"], epochs[-1]["t"]) if len(epochs) > 1 else 0.0
+    cpu = 0.0
+    if len(epochs) > 1:
+        t0, t1 = epochs[0]["t"], epochs[-1]["t"]
+        cpu = sampler.named_threads_cpu_s(t0, t1) + sampler.children_cpu_s(t0, t1)
     peak = sampler.peak(until_t=end_t)
     return RunFigures(
         "nnui",
@@ -380,6 +383,7 @@ def summarize(runs: list[RunFigures]) -> tuple[list[str], dict[str, float]]:
         ("CPU-s/iteration (process tree)", "tree_cpu_s_per_iteration", "{:.2f} CPU-s"),
         ("first-iteration", "first_epoch_start_s", "{:.1f} s"),
         ("peak-memory", "peak_rss_bytes", None),
+        ("peak-memory (PSS)", "peak_pss_bytes", None),
     ]
     for label, key, fmt in rows:
         a, b = med("nnui", key), med("nnU-Net", key)
@@ -400,10 +404,15 @@ def run_floor(a: BenchArgs, pre_root: Path) -> dict | None:
     return json.loads(out.read_text())
 
 
-def nnunet_data_cost(a: BenchArgs, venv: Path, roots: dict[str, str]) -> float | None:
-    """nnU-Net's loader + transforms run inline (see data_cost_main in the trainer file)."""
+def nnunet_data_cost(
+    a: BenchArgs, venv: Path, roots: dict[str, str], threads: int | None = None
+) -> float | None:
+    """nnU-Net's loader + transforms run inline (see data_cost_main in the trainer file),
+    with torch's default threads (as its augmentation workers run) or `threads`."""
     module = f"nnunetv2.training.nnUNetTrainer.{NNUNET_TRAINER}"
     env = dict(os.environ, **roots, nnUNet_results=str(a.work / "nnunet_results" / "datacost"))
+    if threads:
+        env["NNUI_BENCH_THREADS"] = str(threads)
     argv = [str(venv / "bin" / "python"), "-m", module, str(DATASET_ID), a.configuration, FOLD]
     done = subprocess.run(argv, capture_output=True, text=True, env=env)
     (a.work / "logs" / "nnunet_datacost.log").write_text(done.stdout + done.stderr)
@@ -423,7 +432,7 @@ def append_results(
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = [
         f"\n## compare_nnunet {stamp}\n",
-        f"- machine: {machine} (shared, loaded machine)",
+        f"- machine: {machine}",
         f"- command: `python bench/compare_nnunet.py {' '.join(argv)}`",
     ]
     if plan:
@@ -512,15 +521,26 @@ def main(argv: list[str] | None = None) -> int:
     lines, _ = summarize(runs)
     floor = None if a.skip_nnui else run_floor(a, nnui_pre)
     theirs = None if a.skip_nnunet else nnunet_data_cost(a, venv, roots)
+    theirs_1 = None if a.skip_nnunet else nnunet_data_cost(a, venv, roots, threads=1)
     ours = floor["data_cpu_s_per_sample"] if floor else None
+    nan = float("nan")
     lines.append(
-        f"data CPU-s/sample (loading + augmentation, inline): nnui {ours or float('nan'):.4f}"
-        f"  nnU-Net {theirs or float('nan'):.4f}"
+        f"data CPU-s/sample (loading + augmentation; nnui in its loader threads, nnU-Net "
+        f"inline at its default threads): nnui {ours or nan:.4f}  nnU-Net {theirs or nan:.4f}"
+        f" (nnU-Net at 1 thread {theirs_1 or nan:.4f})"
     )
-    data_ratio = ratio(ours, theirs) if ours and theirs else float("nan")
+    data_ratio = ratio(ours, theirs) if ours and theirs else nan
     lines.append(f"data CPU-s/sample ratio nnui/nnU-Net = {data_ratio:.2f}")
-    inrun = median_or_nan([r.inrun_worker_cpu_s_per_sample for r in runs if r.side == "nnU-Net"])
-    lines.append(f"nnU-Net worker processes in the runs: {inrun:.4f} CPU-s/sample")
+    inrun = {
+        side: median_or_nan([r.inrun_worker_cpu_s_per_sample for r in runs if r.side == side])
+        for side in ("nnui", "nnU-Net")
+    }
+    lines.append(
+        f"data CPU-s/sample in the runs (nnui loader threads, nnU-Net worker processes): "
+        f"nnui {inrun['nnui']:.4f}  nnU-Net {inrun['nnU-Net']:.4f}"
+    )
+    inrun_ratio = ratio(inrun["nnui"], inrun["nnU-Net"])
+    lines.append(f"in-run data CPU-s/sample ratio nnui/nnU-Net = {inrun_ratio:.2f}")
     if floor:
         nnui_s = median_or_nan([r.s_per_iteration for r in runs if r.side == "nnui"])
         lines.append(

@@ -112,10 +112,8 @@ def measure(args: argparse.Namespace) -> FloorFigures:
     cplan = plans.configuration(args.configuration)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not args.default_malloc:
-        from trainer.launch import keep_freed_memory
+    from trainer.launch import keep_freed_memory
 
-        keep_freed_memory()  # what the trainer does on CPU: the floor runs the same way
     if args.flush_denormal:
         torch.set_flush_denormal(True)
     rank_batch = _one_rank_batch(cplan.batch_size)
@@ -143,6 +141,8 @@ def measure(args: argparse.Namespace) -> FloorFigures:
         device=torch.device("cpu"),
         autocast_dtype=torch.bfloat16 if args.bf16 else None,
         num_classes=plans.num_classes,
+        # What the trainer does on CPU (after its first step): the floor runs the same way.
+        after_first_step=None if args.default_malloc else keep_freed_memory,
     )
 
     def same_batch():

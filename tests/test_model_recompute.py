@@ -52,9 +52,14 @@ def _saved_bytes(net: PlainConvUNet, x: torch.Tensor) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("ndim", [2, 3])
-def test_recompute_gives_bit_identical_loss_and_gradients(ndim: int) -> None:
-    net = _net(ndim)
+@pytest.mark.parametrize(("ndim", "convs_in_first_stage"), [(2, 2), (3, 2), (3, 1)])
+def test_recompute_gives_the_same_loss_and_gradients(ndim: int, convs_in_first_stage: int) -> None:
+    torch.manual_seed(0)
+    kernels = [[3] * ndim] * 3
+    strides = [[1] * ndim, [2] * ndim, [2] * ndim]
+    net = PlainConvUNet(
+        1, 3, [4, 8, 16], kernels, strides, [convs_in_first_stage, 2, 2], [2, 2], ndim
+    )
     x = torch.randn(2, 1, *([16] * ndim))
     y = (torch.rand(2, 1, *([16] * ndim)) * 3).to(torch.uint8)
     kept, recomputed = copy.deepcopy(net), copy.deepcopy(net)
@@ -65,13 +70,22 @@ def test_recompute_gives_bit_identical_loss_and_gradients(ndim: int) -> None:
 
     loss_a, grads_a = _loss_and_grads(kept, call, x, y)
     loss_b, grads_b = _loss_and_grads(recomputed, call, x, y)
-    assert torch.equal(loss_a, loss_b)
-    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
-    # And the same math as the plain Sequential U-Net (summation order aside).
     loss_c, grads_c = _loss_and_grads(copy.deepcopy(net), sequential_forward, x, y)
-    assert torch.equal(loss_a, loss_c)
-    for a, c in zip(grads_a, grads_c, strict=True):
-        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)
+    assert torch.equal(loss_a, loss_c)  # recompute off = the textbook forward
+    assert all(torch.equal(a, c) for a, c in zip(grads_a, grads_c, strict=True))
+    # Recomputed: the same math, summed in another order (the split top concat conv).
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=0)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_recompute_is_deterministic() -> None:
+    net = _net(3)
+    x = torch.randn(2, 1, 16, 16, 16)
+    y = (torch.rand(2, 1, 16, 16, 16) * 3).to(torch.uint8)
+    runs = [_loss_and_grads(copy.deepcopy(net), lambda n, t: n(t), x, y) for _ in range(2)]
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
 
 
 def test_recompute_keeps_about_half_the_activations() -> None:
@@ -81,7 +95,7 @@ def test_recompute_keeps_about_half_the_activations() -> None:
     kept = _saved_bytes(net, x)
     net.recompute_norm = True
     recomputed = _saved_bytes(net, x)
-    assert recomputed < 0.6 * kept
+    assert recomputed < 0.5 * kept
 
 
 def test_eval_forward_matches_training_forward_values() -> None:

@@ -69,6 +69,7 @@ class Trainee:
     device: torch.device
     autocast_dtype: torch.dtype | None
     num_classes: int
+    after_first_step: Callable[[], Any] | None = None  # e.g. launch.keep_freed_memory on CPU
 
 
 class Checkpointer:
@@ -136,6 +137,9 @@ def train_iterations(
         trainee.scaler.step(trainee.optimizer)
         trainee.scaler.update()
         total += loss.detach()
+        if trainee.after_first_step is not None:
+            trainee.after_first_step()
+            trainee.after_first_step = None
     return total
 
 

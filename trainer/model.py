@@ -7,16 +7,16 @@ stage for deep supervision. Outputs are ordered highest resolution first.
 
 Memory: autograd would keep two full-size tensors per conv block (the conv output for the
 norm's backward, the activation for the next conv's backward) plus every decoder concat.
-With `recompute_norm` (nnui-train's default on CPU) the forward is cut at the conv outputs
-instead: each piece is norm -> activation -> conv, run under selective checkpointing that
-keeps the conv's output and recomputes the cheap norm and activation during backward. One
-tensor per block is kept and no concat at all: about half the activation memory, the same
-values and gradients bit for bit, a few per cent more time (bench/RESULTS.md).
+With `recompute_norm` (nnui-train's default on CPU) the training forward is cut at the
+conv outputs instead: each piece is norm -> activation -> conv, run under selective
+checkpointing that keeps the conv's output and recomputes the cheap norm and activation
+during backward. One tensor per block is kept and no concat: less than half the
+activation memory, the same math (gradients equal up to float rounding), a few per cent
+more time (bench/RESULTS.md). Evaluation and recompute_norm=False run the plain forward.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -55,17 +55,30 @@ class ConvBlock(nn.Sequential):
         return self[0](x)
 
     def norm_act(self, z: torch.Tensor) -> torch.Tensor:
-        """Norm and activation of this block's conv output (out of place: z is kept)."""
-        return F.leaky_relu(self[1](z), NEGATIVE_SLOPE)
+        """Norm and activation of this block's conv output z (z itself is left intact)."""
+        return F.leaky_relu(self[1](z), NEGATIVE_SLOPE, inplace=True)
 
 
-def _keep_conv_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op is torch.ops.aten.convolution.default:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+def _selective(keep: int | None) -> Callable[[], tuple]:
+    """Checkpoint contexts that keep the output of a piece's keep-th conv (1-based; None:
+    none) and recompute every other op in backward."""
+
+    def contexts() -> tuple:
+        calls = {False: 0, True: 0}  # forward and recompute count their convs apart
+
+        def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+            if op is torch.ops.aten.convolution.default:
+                calls[ctx.is_recompute] += 1
+                if calls[ctx.is_recompute] == keep:
+                    return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return contexts
 
 
-_SELECTIVE = functools.partial(create_selective_checkpoint_contexts, _keep_conv_outputs)
+_KEEP_FIRST, _KEEP_SECOND, _KEEP_NONE = _selective(1), _selective(2), _selective(None)
 
 
 def _stage(
@@ -149,44 +162,83 @@ class PlainConvUNet(nn.Module):
             )
         self.apply(_init_weights)
 
-    def _piece(self, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
-        """One cut of the forward: inputs are conv outputs, so is the result."""
-        if not (self.recompute_norm and torch.is_grad_enabled()):
-            return fn(*inputs)
-        return checkpoint(fn, *inputs, use_reentrant=False, context_fn=_SELECTIVE)
-
     def forward(self, x: torch.Tensor) -> list[torch.Tensor] | torch.Tensor:
-        # The forward is a chain of conv outputs z; each piece applies the norm and
-        # activation of the block that produced its input, then a conv.
-        skips: list[tuple[ConvBlock, torch.Tensor]] = []
-        owner: ConvBlock | None = None  # the block whose conv produced z
-        z = x
+        if self.recompute_norm and torch.is_grad_enabled():
+            outputs = self._recomputing_forward(x)
+        else:
+            outputs = self._plain_forward(x)
+        outputs.reverse()  # highest resolution first
+        return outputs if self.deep_supervision else outputs[0]
+
+    def _plain_forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        skips = []
         for stage in self.encoder:
-            for block in stage:
-                if owner is None:
+            x = stage(x)
+            skips.append(x)
+        x = skips.pop()
+        outputs = []
+        for d, (up, stage) in enumerate(zip(self.upsample, self.decoder, strict=True)):
+            x = stage(torch.cat((up(x), skips[-1 - d]), dim=1))
+            if self.deep_supervision or d == len(self.decoder) - 1:
+                outputs.append(self.heads[d](x))
+        return outputs
+
+    @staticmethod
+    def _piece(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, keep=_KEEP_FIRST):
+        return checkpoint(fn, *inputs, use_reentrant=False, context_fn=keep)
+
+    def _recomputing_forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The same network as a chain of kept conv outputs z: each piece applies the norm
+        and activation of the block that produced its input, then a conv. Two pieces also
+        recompute cheap convs at full resolution, where the backward peak is: the first
+        conv (one input channel), and the top decoder's concat conv, split into its two
+        halves so that neither the concat nor its gradient ever exists."""
+        blocks = [block for stage in self.encoder for block in stage]
+        stage_ends = {
+            sum(len(st) for st in self.encoder[: s + 1]) - 1 for s in range(len(self.encoder))
+        }
+        merged_first = len(self.encoder[0]) >= 2  # else z of block 0 is a skip and is kept
+        skips: list[tuple[ConvBlock, torch.Tensor]] = []
+        z, owner = x, None  # owner: the block whose conv produced z
+        for i, block in enumerate(blocks):
+            if owner is None:
+                if not merged_first:
                     z = block.conv(z)
-                else:
-                    z = self._piece(lambda t, o=owner, b=block: b.conv(o.norm_act(t)), z)
-                owner = block
-            skips.append((owner, z))
+            elif i == 1 and merged_first:
+                z = self._piece(lambda t, o=owner, b=block: b.conv(o.norm_act(o.conv(t))), z,
+                                keep=_KEEP_SECOND)  # fmt: skip
+            else:
+                z = self._piece(lambda t, o=owner, b=block: b.conv(o.norm_act(t)), z)
+            owner = block
+            if i in stage_ends:
+                skips.append((owner, z))
         skips.pop()
         outputs = []
+        top = len(self.decoder) - 1
         for d, (up, stage) in enumerate(zip(self.upsample, self.decoder, strict=True)):
             skip_owner, skip_z = skips[-1 - d]
             z = self._piece(lambda t, o=owner, u=up: u(o.norm_act(t)), z)
             first = stage[0]
+            if d == top:
 
-            def merge(t, s, so=skip_owner, b=first):
-                return b.conv(torch.cat((t, so.norm_act(s)), dim=1))
+                def merge(t, s, so=skip_owner, conv=first[0]):
+                    c = t.shape[1]
+                    low = conv._conv_forward(t, conv.weight[:, :c], None)
+                    return low + conv._conv_forward(so.norm_act(s), conv.weight[:, c:], conv.bias)
 
-            z, owner = self._piece(merge, z, skip_z), first
+                z = self._piece(merge, z, skip_z, keep=_KEEP_NONE)
+            else:
+                z = self._piece(
+                    lambda t, s, so=skip_owner, b=first: b.conv(torch.cat((t, so.norm_act(s)), 1)),
+                    z, skip_z,
+                )  # fmt: skip
+            owner = first
             for block in list(stage)[1:]:
                 z = self._piece(lambda t, o=owner, b=block: b.conv(o.norm_act(t)), z)
                 owner = block
-            if self.deep_supervision or d == len(self.decoder) - 1:
+            if self.deep_supervision or d == top:
                 outputs.append(self._piece(lambda t, o=owner, h=self.heads[d]: h(o.norm_act(t)), z))
-        outputs.reverse()  # highest resolution first
-        return outputs if self.deep_supervision else outputs[0]
+        return outputs
 
 
 def _init_weights(module: nn.Module) -> None:

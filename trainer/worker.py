@@ -177,10 +177,13 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
         cplan.network.num_stages - 1, reduce_fn=distributed.differentiable_all_reduce_sum,
         weight_ce=weight_ce,
     )  # fmt: skip
+    from trainer.launch import keep_freed_memory
+
     return Trainee(
         model=raw_model, raw_model=raw_model, optimizer=optimizer, scaler=scaler,
         loss_fn=loss_fn, device=device, autocast_dtype=autocast_dtype,
         num_classes=plans.num_classes,
+        after_first_step=keep_freed_memory if device.type == "cpu" else None,
     )  # fmt: skip
 
 
