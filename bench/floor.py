@@ -44,6 +44,7 @@ class FloorFigures:
     recompute_norm: bool
     compile_mode: str | None
     flush_denormal: bool
+    malloc: str
     warmup_s: float  # the first step: includes torch.compile's compile time
     patch_size: list[int]
     batch_size: int
@@ -112,7 +113,8 @@ def measure(args: argparse.Namespace) -> FloorFigures:
     cplan = plans.configuration(args.configuration)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from trainer.launch import keep_freed_memory
+    from trainer import allocator
+    from trainer.allocator import keep_freed_memory
 
     if args.flush_denormal:
         torch.set_flush_denormal(True)
@@ -173,6 +175,7 @@ def measure(args: argparse.Namespace) -> FloorFigures:
         recompute_norm=args.recompute_norm == "on",
         compile_mode=args.compile,
         flush_denormal=args.flush_denormal,
+        malloc="glibc defaults" if args.default_malloc else allocator.describe(),
         warmup_s=warmup_s,
         patch_size=list(cplan.patch_size),
         batch_size=cplan.batch_size,
@@ -237,7 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--default-malloc",
         action="store_true",
-        help="leave glibc's malloc as it is (the trainer keeps freed blocks on CPU)",
+        help="glibc's malloc as it is: no preload, no keeping of freed blocks",
+    )
+    p.add_argument(
+        "--malloc",
+        choices=("auto", "glibc"),
+        default="auto",
+        help="as nnui-train --malloc: auto preloads tcmalloc/jemalloc when installed",
     )
     p.add_argument("--channels-last", action="store_true", help="channels_last(_3d) layout")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (CPU) for the step")
@@ -263,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="print a torch profiler table")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args(argv)
+    if argv is None and not args.default_malloc:  # the trainer's allocator, as nnui-train
+        from trainer import allocator
+
+        allocator.reexec_with_caching_allocator("cpu", args.malloc)
     if args.iterations < 1 or args.data_batches < 1:
         print("error: --iterations and --data-batches must be >= 1", file=sys.stderr)
         return 2
@@ -276,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{figures.cpu_s_per_iteration:.2f} CPU-s/iteration ({figures.threads} threads, "
         f"patch {figures.patch_size}, batch {figures.batch_size}, "
         f"{figures.num_parameters / 1e6:.1f} M parameters, norm {figures.norm}, "
-        f"compile {figures.compile_mode}, warm-up {figures.warmup_s:.1f} s)"
+        f"compile {figures.compile_mode}, warm-up {figures.warmup_s:.1f} s, "
+        f"malloc {figures.malloc})"
     )
     print(
         f"data: load {figures.load_cpu_s_per_sample:.4f} + augment "

@@ -115,6 +115,17 @@ def test_stream_is_resumable_and_worker_independent(demo_preprocessed):
     assert not torch.equal(other_stream.data, from_zero[3].data)
 
 
+def test_loader_counts_the_time_its_consumer_waited(demo_preprocessed):
+    cases = PreprocessedCases(_folder(demo_preprocessed, "3d_fullres"))
+    args = dict(patch_size=(16, 32, 32), batch_size=2, oversample_share=0.5, seed=3, rank=0,
+                device=CPU, augment=False, num_workers=0)  # fmt: skip
+    with PatchLoader(cases, cases.case_ids, **args) as loader:
+        assert loader.wait_s == 0.0
+        next(loader)
+        inline = loader.wait_s
+    assert inline > 0  # without workers every read is a wait
+
+
 def test_2d_batches(demo_preprocessed):
     cases = PreprocessedCases(_folder(demo_preprocessed, "2d"))
     batch = _batches(cases, 0, 1, patch_size=(32, 32), batch_size=4, num_workers=1)[0]

@@ -49,6 +49,7 @@ EVENT_FIELDS = {
         "lr",
         "epoch_time_s",
         "iterations_per_s",
+        "data_wait_s",
     },
     "checkpoint_saved": {"checkpoint", "path", "epoch", "write_time_s"},
     "stop_requested": {"epoch", "ranks"},
@@ -342,6 +343,7 @@ def test_full_run_writes_every_file_and_event_and_lines_stay_whole(demo_preproce
     assert config["num_epochs"] == 2 and config["configuration"] == "3d_fullres"
     epochs = [e for e in records if e["kind"] == "epoch_ended"]
     assert all(e["nan_loss"] is False for e in epochs)
+    assert all(0 <= e["data_wait_s"] < e["epoch_time_s"] for e in epochs)
     validated = next(e for e in records if e["kind"] == "validation_finished")
     # The same shape as in epoch_ended: a list indexed by foreground class.
     assert isinstance(validated["dice_per_class"], list)

@@ -207,7 +207,7 @@ def device_for(topology: Topology, device_type: str) -> Any:
 
 
 def tune_cpu_execution(device_type: str, local_world_size: int) -> None:
-    """Threads per rank (the malloc change comes after the first step: keep_freed_memory)."""
+    """Threads per rank (malloc: trainer.allocator)."""
     set_cpu_threads(local_world_size)
 
 
@@ -219,24 +219,6 @@ def set_cpu_threads(local_world_size: int) -> None:
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, (cores or 1) // max(1, local_world_size)))
-
-
-def keep_freed_memory() -> bool:
-    """glibc hands every large freed tensor back to the kernel, and the next CPU step pays
-    for fresh zeroed pages: ~30 % of a 3D U-Net step here (bench/RESULTS.md). Keep freed
-    blocks in the process instead; resident memory then stays at its peak. The trainer
-    calls this after its first step: the heap then grows in the steady pattern of later
-    steps, not around the first step's one-time allocations (2.6 instead of 3.2 GiB peak
-    at 64x80x80, batch 2, for the same speed)."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        no_mmap = libc.mallopt(-4, 0)  # M_MMAP_MAX: large blocks from the heap, not mmap
-        no_trim = libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: never shrink the heap
-    except (OSError, AttributeError):
-        return False  # not glibc (musl, macOS): its defaults stay
-    return no_mmap == 1 and no_trim == 1
 
 
 # ---- entry point ---------------------------------------------------------------------------

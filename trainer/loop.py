@@ -69,7 +69,7 @@ class Trainee:
     device: torch.device
     autocast_dtype: torch.dtype | None
     num_classes: int
-    after_first_step: Callable[[], Any] | None = None  # e.g. launch.keep_freed_memory on CPU
+    after_first_step: Callable[[], Any] | None = None  # allocator.keep_freed_memory on CPU
 
 
 class Checkpointer:
@@ -221,6 +221,7 @@ def run_epochs(
     for epoch in range(state.epoch_next, config.num_epochs):
         stop.install()  # again each epoch: torch.compile's start-up may replace it
         started = time.perf_counter()
+        waited_s = getattr(train_batches, "wait_s", 0.0)  # a PatchLoader counts its waits
         lr = poly_lr(config.initial_lr, epoch, config.num_epochs)
         for group in trainee.optimizer.param_groups:
             group["lr"] = lr
@@ -228,6 +229,7 @@ def run_epochs(
             trainee, train_batches, config.iterations_per_epoch, config.grad_clip_norm
         )
         train_time_s = time.perf_counter() - started
+        data_wait_s = getattr(train_batches, "wait_s", 0.0) - waited_s
         val_stats = validation_iterations(trainee, val_batches, config.val_iterations)
         totals = (
             distributed.all_reduce_sum(torch.cat((train_sum.double().reshape(1), val_stats)))
@@ -266,6 +268,8 @@ def run_epochs(
             lr=lr,
             epoch_time_s=round(epoch_time_s, 4),
             iterations_per_s=round(config.iterations_per_epoch / max(train_time_s, 1e-9), 4),
+            # Of the training time, how long the step waited for data (0 = loading hidden).
+            data_wait_s=round(data_wait_s, 4),
             # Losses are written as null when not finite; this flag keeps the alarm explicit.
             nan_loss=not (math.isfinite(train_loss) and math.isfinite(val_loss)),
         )

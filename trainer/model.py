@@ -191,8 +191,9 @@ class PlainConvUNet(nn.Module):
         """The same network as a chain of kept conv outputs z: each piece applies the norm
         and activation of the block that produced its input, then a conv. Two pieces also
         recompute cheap convs at full resolution, where the backward peak is: the first
-        conv (one input channel), and the top decoder's concat conv, split into its two
-        halves so that neither the concat nor its gradient ever exists."""
+        conv (one input channel), and the top decoder's upsampling and concat conv, the
+        latter split into its two halves so that neither the concat nor its gradient ever
+        exists."""
         blocks = [block for stage in self.encoder for block in stage]
         stage_ends = {
             sum(len(st) for st in self.encoder[: s + 1]) - 1 for s in range(len(self.encoder))
@@ -217,17 +218,18 @@ class PlainConvUNet(nn.Module):
         top = len(self.decoder) - 1
         for d, (up, stage) in enumerate(zip(self.upsample, self.decoder, strict=True)):
             skip_owner, skip_z = skips[-1 - d]
-            z = self._piece(lambda t, o=owner, u=up: u(o.norm_act(t)), z)
             first = stage[0]
             if d == top:
 
-                def merge(t, s, so=skip_owner, conv=first[0]):
-                    c = t.shape[1]
-                    low = conv._conv_forward(t, conv.weight[:, :c], None)
-                    return low + conv._conv_forward(so.norm_act(s), conv.weight[:, c:], conv.bias)
+                def merge(t, s, o=owner, u=up, so=skip_owner, conv=first[0]):
+                    low = u(o.norm_act(t))
+                    c = low.shape[1]
+                    part = conv._conv_forward(low, conv.weight[:, :c], None)
+                    return part + conv._conv_forward(so.norm_act(s), conv.weight[:, c:], conv.bias)
 
                 z = self._piece(merge, z, skip_z, keep=_KEEP_NONE)
             else:
+                z = self._piece(lambda t, o=owner, u=up: u(o.norm_act(t)), z)
                 z = self._piece(
                     lambda t, s, so=skip_owner, b=first: b.conv(torch.cat((t, so.norm_act(s)), 1)),
                     z, skip_z,

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer import stop
+from trainer import allocator, stop
 
 log = logging.getLogger("trainer.run")
 
@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=12345, help="seed of weights and sampling (default 12345)"
     )
     p.add_argument("--compile", action="store_true", help="torch.compile the network")
+    p.add_argument(
+        "--malloc",
+        choices=allocator.MALLOC_CHOICES,
+        default="auto",
+        help="CPU only: auto = preload tcmalloc or jemalloc when installed (same speed, less "
+        "memory than glibc), glibc = keep glibc's malloc",
+    )
     p.add_argument(
         "--recompute-norm",
         choices=("auto", "on", "off"),
@@ -285,11 +292,15 @@ def _check_device_and_batch(config: Any, global_batch: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     stop.install()  # first: a SIGUSR1 during start-up must not kill us
+    allocator.unblock_stop_signal()  # one kept pending across our own re-exec arrives now
+    as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    if as_program:  # not when called from Python (tests): the caller owns the process
+        allocator.reexec_with_caching_allocator(args.device, args.malloc)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
         config = resolve_config(args, argv)

@@ -90,6 +90,10 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
         list(cplan.patch_size), rank_batch.batch_size, device, topology.world_size,
     )  # fmt: skip
 
+    if device.type == "cpu":
+        from trainer import allocator
+
+        log.info("CPU malloc: %s", allocator.describe())
     weight_ce = launch.loss_weight([b.batch_size for b in rank_batches], topology.global_rank)
     trainee = _build_trainee(config, plans, cplan, device, weight_ce)
     # Restore before DDP wraps the model: its constructor then broadcasts identical weights.
@@ -177,7 +181,7 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
         cplan.network.num_stages - 1, reduce_fn=distributed.differentiable_all_reduce_sum,
         weight_ce=weight_ce,
     )  # fmt: skip
-    from trainer.launch import keep_freed_memory
+    from trainer.allocator import keep_freed_memory
 
     return Trainee(
         model=raw_model, raw_model=raw_model, optimizer=optimizer, scaler=scaler,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import sys
+import time
 from collections import deque
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -137,6 +138,7 @@ class PatchLoader:
                 initargs=(str(cases.folder),),
             )
         self._closed = False
+        self.wait_s = 0.0  # time __next__ spent blocked on a batch (data starving the step)
 
     @property
     def iteration(self) -> int:
@@ -173,7 +175,9 @@ class PatchLoader:
             self._pending.append((self._next_submit, self._submit(self._next_submit)))
             self._next_submit += 1
         iteration, future = self._pending.popleft()
+        started = time.perf_counter()
         data, seg = future.result() if future is not None else self._load(iteration)
+        self.wait_s += time.perf_counter() - started
         if not self._augment_in_worker:
             data, seg = torch.from_numpy(data), torch.from_numpy(seg)
             if self.device.type == "cuda":
