@@ -45,6 +45,7 @@ class FloorFigures:
     compile_mode: str | None
     flush_denormal: bool
     malloc: str
+    peak_rss_bytes: int  # VmHWM of this process at the end (loaders, data cost included)
     warmup_s: float  # the first step: includes torch.compile's compile time
     patch_size: list[int]
     batch_size: int
@@ -176,6 +177,7 @@ def measure(args: argparse.Namespace) -> FloorFigures:
         compile_mode=args.compile,
         flush_denormal=args.flush_denormal,
         malloc="glibc defaults" if args.default_malloc else allocator.describe(),
+        peak_rss_bytes=_peak_rss_bytes(),
         warmup_s=warmup_s,
         patch_size=list(cplan.patch_size),
         batch_size=cplan.batch_size,
@@ -184,6 +186,13 @@ def measure(args: argparse.Namespace) -> FloorFigures:
         augment_cpu_s_per_sample=augment_cost,
         data_cpu_s_per_sample=load_cost + augment_cost,
     )
+
+
+def _peak_rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def _build(norm: str, cplan, plans, recompute: bool):
@@ -290,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         f"patch {figures.patch_size}, batch {figures.batch_size}, "
         f"{figures.num_parameters / 1e6:.1f} M parameters, norm {figures.norm}, "
         f"compile {figures.compile_mode}, warm-up {figures.warmup_s:.1f} s, "
-        f"malloc {figures.malloc})"
+        f"malloc {figures.malloc}, peak RSS {figures.peak_rss_bytes / 2**30:.2f} GiB)"
     )
     print(
         f"data: load {figures.load_cpu_s_per_sample:.4f} + augment "

@@ -132,6 +132,15 @@ def test_config_rejects_bad_values_naming_the_flag(change: dict, message: str) -
         TrainConfig(**{**BASE, **change})
 
 
+@pytest.mark.parametrize(
+    ("choice", "device", "expected"),
+    [("auto", "cpu", True), ("auto", "cuda", False), ("on", "cuda", True), ("off", "cpu", False)],
+)
+def test_recompute_choice_per_device(choice: str, device: str, expected: bool) -> None:
+    config = TrainConfig(**{**BASE, "recompute_norm": choice})
+    assert config.recomputes_norm(device) is expected
+
+
 def test_config_round_trips_through_json_dict() -> None:
     config = TrainConfig(**BASE, argv=["1", "2d", "0"])
     assert TrainConfig.from_dict(config.to_dict()) == config
