@@ -111,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--recompute-norm",
         choices=("auto", "on", "off"),
         default="auto",
-        help="recompute norm+activation in backward: about half the activation memory, same "
-        "results, a few %% more time (default auto: on for -device cpu, off on GPUs)",
+        help="recompute norm+activation in backward: less than half the activation memory, "
+        "same results, ~6-11%% more time (default auto: on for -device cpu, off on GPUs)",
     )
     p.add_argument(
         "--num-workers",
