@@ -55,8 +55,11 @@ class ConvBlock(nn.Sequential):
         return self[0](x)
 
     def norm_act(self, z: torch.Tensor) -> torch.Tensor:
-        """Norm and activation of this block's conv output z (z itself is left intact)."""
-        return F.leaky_relu(self[1](z), NEGATIVE_SLOPE, inplace=True)
+        """Norm and activation of this block's conv output z (z itself is left intact).
+        In place saves a full-size buffer; torch.compile wants checkpointed regions
+        without in-place ops."""
+        inplace = not torch.compiler.is_compiling()
+        return F.leaky_relu(self[1](z), NEGATIVE_SLOPE, inplace=inplace)
 
 
 def _selective(keep: int | None) -> Callable[[], tuple]:
