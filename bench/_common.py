@@ -74,8 +74,7 @@ class TreeSampler:
         self.root_pid = root_pid
         # CPU of the root's threads with this OS name (nnui's "nnui-loader"), per sample.
         self.thread_name = thread_name
-        self.thread_times: list[float] = []
-        self.thread_cpu_s: list[float] = []
+        self.named_threads = ProcSeries(root_pid, 0, thread_name or "", True)
         self._named_tids: set[int] = set()
         self.period_s = period_s
         self.scan_every = scan_every
@@ -152,8 +151,8 @@ class TreeSampler:
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 return
             named = [t for t in threads if t.id in self._named_tids]
-            self.thread_times.append(now)
-            self.thread_cpu_s.append(sum(t.user_time + t.system_time for t in named))
+            self.named_threads.times.append(now)
+            self.named_threads.cpu_s.append(sum(t.user_time + t.system_time for t in named))
 
     def end_leftovers(self, timeout_s: float = 10.0) -> list[int]:
         """End processes of the tree that outlived its root (checked by pid + create_time)."""
@@ -219,9 +218,7 @@ class TreeSampler:
 
     def named_threads_cpu_s(self, t0: float, t1: float) -> float:
         """CPU seconds of the root's named threads between t0 and t1 (0 if none seen)."""
-        series = ProcSeries(self.root_pid, 0, self.thread_name or "", True)
-        series.times, series.cpu_s = self.thread_times, self.thread_cpu_s
-        return series.cpu_at(t1) - series.cpu_at(t0)
+        return self.named_threads.cpu_at(t1) - self.named_threads.cpu_at(t0)
 
     def root_cpu_s(self, t0: float, t1: float) -> float:
         return sum(s.cpu_at(t1) - s.cpu_at(t0) for s in self.procs.values() if s.is_root)

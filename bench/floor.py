@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -30,6 +31,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from trainer.allocator import MALLOC_CHOICES  # noqa: E402 - stdlib only, after the path
 
 
 @dataclass
@@ -177,7 +180,7 @@ def measure(args: argparse.Namespace) -> FloorFigures:
         compile_mode=args.compile,
         flush_denormal=args.flush_denormal,
         malloc="glibc defaults" if args.default_malloc else allocator.describe(),
-        peak_rss_bytes=_peak_rss_bytes(),
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB
         warmup_s=warmup_s,
         patch_size=list(cplan.patch_size),
         batch_size=cplan.batch_size,
@@ -186,13 +189,6 @@ def measure(args: argparse.Namespace) -> FloorFigures:
         augment_cpu_s_per_sample=augment_cost,
         data_cpu_s_per_sample=load_cost + augment_cost,
     )
-
-
-def _peak_rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def _build(norm: str, cplan, plans, recompute: bool):
@@ -253,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--malloc",
-        choices=("auto", "glibc"),
+        choices=MALLOC_CHOICES,
         default="auto",
         help="as nnui-train --malloc: auto preloads tcmalloc/jemalloc when installed",
     )

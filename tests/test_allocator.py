@@ -61,7 +61,7 @@ def test_reexec_keeps_pid_and_a_stop_received_before_it(tmp_path) -> None:
             import os, signal, sys
             from trainer import allocator, stop
             stop.install()
-            allocator.unblock_stop_signal()
+            stop.release()
             if allocator.preloaded():
                 print("after", os.getpid(), stop.requested(), allocator.preloaded(), sys.argv[1:])
                 raise SystemExit(0)

@@ -56,7 +56,7 @@ def reexec_with_caching_allocator(device_type: str, choice: str) -> None:
 
     A SIGUSR1 that arrives meanwhile is kept: it is blocked across exec (the mask and
     pending signals survive it) and the new image unblocks it once its handler is back
-    (stop.install + unblock_stop_signal in trainer.run.main).
+    (stop.install + stop.release in trainer.run.main).
     """
     if (
         device_type != "cpu"
@@ -68,7 +68,7 @@ def reexec_with_caching_allocator(device_type: str, choice: str) -> None:
     library = installed_allocator()
     if library is None:
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    stop.hold()
     if stop.requested():  # already received: send it again, to be delivered after exec
         os.kill(os.getpid(), signal.SIGUSR1)
     sys.stdout.flush()
@@ -76,13 +76,7 @@ def reexec_with_caching_allocator(device_type: str, choice: str) -> None:
     try:
         os.execve(sys.executable, sys.orig_argv, preload_env(os.environ, library))
     except OSError:  # keep running as we are (glibc, tuned after the first step)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
-
-
-def unblock_stop_signal() -> None:
-    """After the handler is installed: deliver a SIGUSR1 kept pending across exec."""
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+        stop.release()
 
 
 def keep_freed_memory() -> bool:

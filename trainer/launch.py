@@ -206,11 +206,6 @@ def device_for(topology: Topology, device_type: str) -> Any:
     return torch.device(device_type)  # cpu or mps (TrainConfig validated the name)
 
 
-def tune_cpu_execution(device_type: str, local_world_size: int) -> None:
-    """Threads per rank (malloc: trainer.allocator)."""
-    set_cpu_threads(local_world_size)
-
-
 def set_cpu_threads(local_world_size: int) -> None:
     """Ranks sharing a node share its cores: oversubscription is several times slower."""
     if "OMP_NUM_THREADS" in os.environ:
@@ -248,7 +243,7 @@ def run_distributed(
     if launcher is not None:
         return _run_rank(worker_fn, payload, device_type, launcher, store=None)
     if num_gpus is None or num_gpus == 1:
-        tune_cpu_execution(device_type, 1)
+        set_cpu_threads(1)
         return int(worker_fn(single_topology(), payload))
     if device_type == "cuda":
         import torch
@@ -279,7 +274,7 @@ def _run_rank(
             device_type, rank, world, env_local(), store
         )
         topology = Topology(rank, world, local_rank, local_world, socket.gethostname(), launcher)
-        tune_cpu_execution(device_type, topology.local_world_size)
+        set_cpu_threads(topology.local_world_size)
         return int(worker_fn(topology, payload))
     finally:
         distributed.destroy_group()

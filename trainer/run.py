@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import allocator, stop
+from trainer.config import RECOMPUTE_CHOICES
 
 log = logging.getLogger("trainer.run")
 
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--recompute-norm",
-        choices=("auto", "on", "off"),
+        choices=RECOMPUTE_CHOICES,
         default="auto",
         help="recompute norm+activation in backward: less than half the activation memory, "
         "same results, ~6-11%% more time (default auto: on for -device cpu, off on GPUs)",
@@ -292,7 +293,7 @@ def _check_device_and_batch(config: Any, global_batch: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     stop.install()  # first: a SIGUSR1 during start-up must not kill us
-    allocator.unblock_stop_signal()  # one kept pending across our own re-exec arrives now
+    stop.release()  # a SIGUSR1 kept pending across our own re-exec arrives now
     as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -28,6 +28,17 @@ def installed() -> bool:
     return signal.getsignal(signal.SIGUSR1) is _on_sigusr1
 
 
+def hold() -> None:
+    """Block SIGUSR1: one that arrives stays pending (also across exec) until release()."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+
+
+def release() -> None:
+    """Unblock SIGUSR1 (after install()): a pending one is delivered now."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+
+
 def requested() -> bool:
     return _requested
 

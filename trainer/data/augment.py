@@ -183,6 +183,8 @@ def augment_batch(
     per_channel = torch.rand(b, channels, 3 + ndim, generator=generator, dtype=torch.float64)
     per_channel = per_channel.tolist()
     dims = tuple(range(1, ndim + 1))  # spatial dims of one channel stack (C, *spatial)
+    blur_radius = math.ceil(3 * config.blur_sigma[1])
+    low_res_axes = tuple(range(1 if ndim == 3 and config.in_plane_only else 0, ndim))
 
     # --- rotation and scaling: one grid_sample for the samples that need it
     images, labels = list(data.unbind(0)), list(seg.unbind(0))  # views; stacked at the end
@@ -221,11 +223,10 @@ def augment_batch(
         if vi[0] < config.p_blur:
             picked = [c for c in range(channels) if pc[c][0] < config.p_blur_per_channel]
             if picked:
-                radius = math.ceil(3 * config.blur_sigma[1])
                 x = x.clone()
                 for c in picked:
                     sigmas = [_uniform(s, config.blur_sigma) for s in pc[c][1 : 1 + ndim]]
-                    x[c] = _gaussian_blur(x[c], sigmas, radius)
+                    x[c] = _gaussian_blur(x[c], sigmas, blur_radius)
         if ui[11] < config.p_brightness:
             x = x * _uniform(ui[12], config.brightness_range)
         if ui[13] < config.p_contrast:
@@ -234,13 +235,12 @@ def augment_batch(
             lo, hi = x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True)
             x = torch.minimum(torch.maximum((x - mean) * factor + mean, lo), hi)
         if vi[1] < config.p_low_res:
-            axes = tuple(range(1 if ndim == 3 and config.in_plane_only else 0, ndim))
             picked = [c for c in range(channels) if pc[c][1 + ndim] < config.p_low_res_per_channel]
             if picked:
                 x = x.clone()
                 for c in picked:
                     zoom = _uniform(pc[c][2 + ndim], config.low_res_scale)
-                    x[c] = _low_resolution(x[c], zoom, axes)
+                    x[c] = _low_resolution(x[c], zoom, low_res_axes)
         if vi[2] < config.p_gamma_inverted:
             x = -_gamma(-x, _uniform(vi[3], config.gamma_range), dims)
         if ui[15] < config.p_gamma:
