@@ -1,8 +1,10 @@
 # Two commands for a new user: `make demo` and `make test` (see README.md).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# The CPU build of a known-good torch; on a GPU box: `make setup TORCH=torch` (CUDA build).
+# The CPU build of a known-good torch; on a GPU box: `make setup TORCH=torch CONSTRAINTS=`.
 TORCH  ?= torch==2.13.0
+# Keeps that torch when nnunetv2 comes in (extra "nnunet"); on a GPU box: CONSTRAINTS=
+CONSTRAINTS ?= .ci/constraints-cpu.txt
 DEMO   ?= 900
 PYTEST_ARGS ?=
 
@@ -10,11 +12,11 @@ PYTEST_ARGS ?=
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[dev,nnunet]'
 	touch $@
 
 demo-data: setup

@@ -109,7 +109,7 @@ def nnui_preprocess(a: BenchArgs, raw_root: Path, pre_root: Path, plan: dict) ->
     rc = run_logged(argv, a.work / "logs" / "nnui_preprocess.log")
     if rc != 0:
         raise RuntimeError(f"nnui preprocessing failed (exit {rc}); see {a.work}/logs")
-    plans_path = pre_root / DATASET / "plans.json"
+    plans_path = pre_root / DATASET / "nnuiPlans.json"
     data = json.loads(plans_path.read_text())
     conf = data["configurations"][a.configuration]
     arch = plan["architecture"]
@@ -272,7 +272,7 @@ def run_nnui(a: BenchArgs, pre_root: Path, repeat: int) -> RunFigures:
             "--preprocessed", str(pre_root), "--results", str(results)]
     # fmt: on
     log_path = a.work / "logs" / f"nnui_run{repeat}.log"
-    fold_dir = results / DATASET / f"nnUNetTrainer__nnUNetPlans__{a.configuration}" / f"fold_{FOLD}"
+    fold_dir = results / DATASET / f"nnuiTrainer__nnuiPlans__{a.configuration}" / f"fold_{FOLD}"
     started = time.time()
     with open(log_path, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)

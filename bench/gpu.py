@@ -89,7 +89,7 @@ class GpuSampler:
 def prepare(work: Path) -> tuple[Path, Path]:
     """Demo data and its 3d_fullres preprocessing under work (once)."""
     raw, pre = work / "raw", work / "preprocessed"
-    if not (pre / DATASET / "plans.json").is_file():
+    if not (pre / DATASET / "nnuiPlans.json").is_file():
         from trainer.demo import make_demo_dataset
 
         make_demo_dataset(raw, 20, seed=0)
@@ -116,7 +116,7 @@ def run_once(args: argparse.Namespace, pre: Path, recompute: str) -> dict:
         )  # fmt: skip
         with GpuSampler(proc.pid) as sampler:
             rc = proc.wait()
-    run_dir = results / DATASET / f"nnUNetTrainer__nnUNetPlans__{CONFIG}" / "fold_0"
+    run_dir = results / DATASET / f"nnuiTrainer__nnuiPlans__{CONFIG}" / "fold_0"
     events_path = run_dir / "events.jsonl"
     events = [json.loads(x) for x in events_path.read_text().splitlines()] if rc == 0 else []
     epochs = [e for e in events if e["kind"] == "epoch_ended"]

@@ -211,7 +211,7 @@ def main() -> int:
     roots = Roots(work / "raw", work / "preprocessed", work / "results")
     (roots.preprocessed / "Dataset900_Bench").mkdir(parents=True)
     plans = {c: {"patch_size": [32, 32, 32], "batch_size": 2} for c in ("3d_fullres", "2d")}
-    (roots.preprocessed / "Dataset900_Bench" / "nnUNetPlans.json").write_text(
+    (roots.preprocessed / "Dataset900_Bench" / "nnuiPlans.json").write_text(
         json.dumps({"configurations": plans})
     )
     roots.raw.mkdir()

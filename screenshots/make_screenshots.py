@@ -49,7 +49,7 @@ def prepare_fake(roots: Roots) -> str:
             "2d": {"patch_size": [64, 64], "batch_size": 12},
         }
     }
-    (folder / "nnUNetPlans.json").write_text(json.dumps(plans))
+    (folder / "nnuiPlans.json").write_text(json.dumps(plans))
     os.environ["NNUI_TRAINER_SCRIPT"] = str(ROOT / "tests" / "fake_trainer.py")
     return FAKE_FLAGS
 

@@ -56,8 +56,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("configuration")
     parser.add_argument("fold")
     parser.add_argument("-device", default="cpu")
-    parser.add_argument("-tr", default="nnUNetTrainer")
-    parser.add_argument("-p", default="nnUNetPlans")
+    parser.add_argument("-tr", default="nnuiTrainer")
+    parser.add_argument("-p", default="nnuiPlans")
     parser.add_argument("--epochs", type=int, default=1000)
     parser.add_argument("--iterations-per-epoch", type=int, default=250)
     parser.add_argument("--epoch-time", type=float, default=0.2)
@@ -233,13 +233,13 @@ def make_preprocessed(root: Path, name: str = DEMO_DATASET, batch_size: int = 2)
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
     plans = {
-        "plans_name": "nnUNetPlans",
+        "plans_name": "nnuiPlans",
         "configurations": {
             "3d_fullres": {"patch_size": [32, 64, 64], "batch_size": batch_size},
             "2d": {"patch_size": [64, 64], "batch_size": 12},
         },
     }
-    (folder / "nnUNetPlans.json").write_text(json.dumps(plans))
+    (folder / "nnuiPlans.json").write_text(json.dumps(plans))
     return folder
 
 

@@ -122,9 +122,7 @@ def procs(tmp_path: Path):
 
 
 def run_folder(results: Path, configuration: str = "2d") -> Path:
-    return (
-        results / "Dataset900_NnuiDemo" / f"nnUNetTrainer__nnUNetPlans__{configuration}" / "fold_0"
-    )
+    return results / "Dataset900_NnuiDemo" / f"nnuiTrainer__nnuiPlans__{configuration}" / "fold_0"
 
 
 def events(folder: Path) -> list[dict]:

@@ -47,7 +47,7 @@ def test_demo_cli_writes_raw_layout(tmp_path, capsys):
 
 def test_preprocessed_layout_and_contents(demo_preprocessed):
     folder = demo_preprocessed.preprocessed / demo_preprocessed.dataset_name
-    for name in ("plans.json", "dataset.json", "dataset_fingerprint.json", "splits_final.json"):
+    for name in ("nnuiPlans.json", "dataset.json", "nnui_fingerprint.json", "splits_final.json"):
         assert (folder / name).is_file(), name
     plans = load_plans(folder)
     assert plans.configuration("3d_fullres").patch_size == (16, 32, 32)
@@ -169,7 +169,7 @@ def test_bad_input_is_one_error_line_and_exit_2(small_raw, tmp_path, capsys, how
     assert preprocess.main(argv + (["--verify"] if verify else [])) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
-    assert not (pre / DEMO_DATASET / "plans.json").exists()
+    assert not (pre / DEMO_DATASET / "nnuiPlans.json").exists()
 
 
 @pytest.mark.parametrize("dataset", ["901", "Dataset901_Nope", "abc"])
@@ -197,7 +197,7 @@ def test_interrupted_run_never_looks_complete(small_raw, tmp_path, monkeypatch):
     pre = tmp_path / "pre"
     argv = ["900", "--raw", str(small_raw), "--preprocessed", str(pre), "-np", "1"]
     assert preprocess.main(argv) == 0
-    assert (pre / DEMO_DATASET / "plans.json").is_file()
+    assert (pre / DEMO_DATASET / "nnuiPlans.json").is_file()
     calls = []
 
     def crash_on_second(job):
@@ -210,7 +210,7 @@ def test_interrupted_run_never_looks_complete(small_raw, tmp_path, monkeypatch):
     monkeypatch.setattr(preprocess, "preprocess_case", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
         preprocess.main(argv)
-    assert not (pre / DEMO_DATASET / "plans.json").exists()
+    assert not (pre / DEMO_DATASET / "nnuiPlans.json").exists()
     assert not list((pre / DEMO_DATASET).rglob("*.tmp"))
 
 
@@ -243,7 +243,7 @@ def _pre_argv(small_raw, pre, *extra):
 
 def test_preprocessing_one_configuration_keeps_the_others(small_raw, tmp_path, capsys):
     pre = tmp_path / "pre"
-    plans_path = pre / DEMO_DATASET / "plans.json"
+    plans_path = pre / DEMO_DATASET / "nnuiPlans.json"
     assert preprocess.main(_pre_argv(small_raw, pre, "-c", "3d_fullres")) == 0
     first = json.loads(plans_path.read_text())
     identity_3d = load_plans(pre / DEMO_DATASET).identity_of("3d_fullres")
@@ -267,7 +267,7 @@ def test_preprocessing_one_configuration_keeps_the_others(small_raw, tmp_path, c
 
 def test_changed_raw_data_drops_the_other_configurations(small_raw, tmp_path, capsys):
     pre = tmp_path / "pre"
-    plans_path = pre / DEMO_DATASET / "plans.json"
+    plans_path = pre / DEMO_DATASET / "nnuiPlans.json"
     assert preprocess.main(_pre_argv(small_raw, pre, "-c", "3d_fullres")) == 0
     data = json.loads(plans_path.read_text())  # as if the raw intensities had changed
     data["foreground_intensity_properties_per_channel"]["0"]["mean"] += 1.0
@@ -282,7 +282,7 @@ def test_interrupted_run_of_one_configuration_keeps_the_others_listed(
     small_raw, tmp_path, monkeypatch
 ):
     pre = tmp_path / "pre"
-    plans_path = pre / DEMO_DATASET / "plans.json"
+    plans_path = pre / DEMO_DATASET / "nnuiPlans.json"
     assert preprocess.main(_pre_argv(small_raw, pre, "-c", "3d_fullres")) == 0
 
     def crash(job):
@@ -312,4 +312,4 @@ def test_bad_sizes_are_one_error_line(small_raw, tmp_path, capsys, extra, messag
     assert preprocess.main(_pre_argv(small_raw, pre, *extra)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
-    assert not (pre / DEMO_DATASET / "plans.json").exists()
+    assert not (pre / DEMO_DATASET / "nnuiPlans.json").exists()

@@ -189,13 +189,13 @@ def test_a_deleted_case_file_is_reported_not_skipped(copied_dataset, file):
 
 def test_expected_cases_fall_back_to_the_fingerprint_then_to_the_folder(copied_dataset):
     folder = copied_dataset / load_plans(copied_dataset).configuration("2d").data_identifier
-    data = json.loads((copied_dataset / "plans.json").read_text())
+    data = json.loads((copied_dataset / "nnuiPlans.json").read_text())
     for block in data["configurations"].values():  # plans from before `case_ids`
         del block["case_ids"]
-    (copied_dataset / "plans.json").write_text(json.dumps(data))
+    (copied_dataset / "nnuiPlans.json").write_text(json.dumps(data))
     (folder / "demo_001.json").unlink()
     assert PreprocessedCases(folder).missing_case_ids() == ["demo_001"]
-    (copied_dataset / "dataset_fingerprint.json").unlink()  # nothing records the cases
+    (copied_dataset / "nnui_fingerprint.json").unlink()  # nothing records the cases
     cases = PreprocessedCases(folder)
     assert "demo_001" not in cases.case_ids and cases.missing_case_ids() == []
 

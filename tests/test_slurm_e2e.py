@@ -74,9 +74,7 @@ def _spec(demo, tmp_path: Path, epochs: int, **changes) -> slurm.JobSpec:
 
 
 def _folder(tmp_path: Path) -> Path:
-    return (
-        tmp_path / "results" / "Dataset900_NnuiDemo" / "nnUNetTrainer__nnUNetPlans__2d" / "fold_0"
-    )
+    return tmp_path / "results" / "Dataset900_NnuiDemo" / "nnuiTrainer__nnuiPlans__2d" / "fold_0"
 
 
 def _events(folder: Path) -> list[dict]:

@@ -140,13 +140,13 @@ def preprocessed_root(tmp_path, monkeypatch) -> Path:
     """A preprocessed root with Dataset900_NnuiDemo planned for 3d_fullres only."""
     root = tmp_path / "pre"
     (root / "Dataset900_NnuiDemo").mkdir(parents=True)
-    plans = {"plans_name": "nnUNetPlans", "configurations": {"3d_fullres": {}}}
-    (root / "Dataset900_NnuiDemo" / "plans.json").write_text(json.dumps(plans))
+    plans = {"plans_name": "nnuiPlans", "configurations": {"3d_fullres": {}}}
+    (root / "Dataset900_NnuiDemo" / "nnuiPlans.json").write_text(json.dumps(plans))
     (root / "Dataset900_NnuiDemo" / "myPlans.json").write_text(
         json.dumps({"configurations": {"2d": {}}})
     )
     (root / "Dataset901_Broken").mkdir()
-    (root / "Dataset901_Broken" / "plans.json").write_text("{not json")
+    (root / "Dataset901_Broken" / "nnuiPlans.json").write_text("{not json")
     monkeypatch.setenv("nnUNet_preprocessed", str(root))
     return root
 

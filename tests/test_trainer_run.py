@@ -149,7 +149,7 @@ def losses(folder: Path) -> list[tuple]:
             "CUDA is not available on this machine; pass -device cpu",
             marks=pytest.mark.skipif(_has_cuda(), reason="this machine has CUDA"),
         ),
-        ({"extra": ["-tr", "nnUNetTrainer_5epochs"]}, "available: nnUNetTrainer"),
+        ({"extra": ["-tr", "nnUNetTrainer_5epochs"]}, "available: nnuiTrainer"),
         ({"extra": ["--val"]}, "--val needs"),
         ({"extra": ["--val_best"]}, "--val_best only makes sense with --val"),
         ({"extra": ["-p", "otherPlans"]}, "no plans 'otherPlans'"),

@@ -121,7 +121,7 @@ BASE = dict(
         ({"save_every": 0}, "--save-every"),
         ({"fold": "5"}, "fold must be one of"),
         ({"device_type": "tpu"}, "-device must be one of"),
-        ({"trainer": "nnUNetTrainer_5epochs"}, "available: nnUNetTrainer"),
+        ({"trainer": "nnUNetTrainer_5epochs"}, "available: nnuiTrainer"),
         ({"num_workers": -1}, "--num-workers"),
         ({"val_best": True}, "--val_best"),
         ({"recompute_norm": "yes"}, "--recompute-norm"),

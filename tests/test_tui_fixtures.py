@@ -40,7 +40,7 @@ def make_roots(tmp_path: Path, batch_size: int = 2) -> Roots:
             "2d": {"patch_size": [64, 64], "batch_size": 12},
         }
     }
-    (folder / "nnUNetPlans.json").write_text(json.dumps(plans))
+    (folder / "nnuiPlans.json").write_text(json.dumps(plans))
     roots.raw.mkdir()
     roots.results.mkdir()
     return roots

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
+from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS, LEGACY_TRAINER
 
 DEVICE_TYPES = ("cuda", "cpu", "mps")
 RECOMPUTE_CHOICES = ("auto", "on", "off")
@@ -84,7 +84,7 @@ class TrainConfig:
                 f"--recompute-norm must be one of {', '.join(RECOMPUTE_CHOICES)}, "
                 f"got {self.recompute_norm!r}"
             )
-        if self.trainer != DEFAULT_TRAINER:
+        if self.trainer not in (DEFAULT_TRAINER, LEGACY_TRAINER):
             raise ValueError(
                 f"unknown trainer {self.trainer!r}; available: {DEFAULT_TRAINER} "
                 "(set epochs and iterations with --epochs / --iterations-per-epoch)"

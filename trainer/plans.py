@@ -1,4 +1,4 @@
-"""Plans: what preprocessing produced and what the network looks like (plans.json).
+"""Plans: what preprocessing produced and what the network looks like (nnuiPlans.json).
 
 The typed view the trainer reads (`load_plans`) lives here; the rules that make a plan
 from a dataset fingerprint live in `trainer.data.planning`.
@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.schema import DEFAULT_PLANS
+from trainer.schema import DEFAULT_PLANS, is_legacy_identifier, plans_file_name
 
-PLANS_FILE = "plans.json"
 PLANS_FORMAT_VERSION = 1
 
 
@@ -42,7 +41,7 @@ class NetworkPlan:
 @dataclass(frozen=True)
 class ConfigurationPlan:
     name: str  # "2d" | "3d_fullres"
-    data_identifier: str  # folder under the dataset, e.g. "nnUNetPlans_3d_fullres"
+    data_identifier: str  # folder under the dataset, e.g. "nnuiPlans_3d_fullres"
     patch_size: tuple[int, ...]  # 2 or 3 ints
     batch_size: int  # GLOBAL batch size G
     spacing: tuple[float, ...]  # (z, y, x) target spacing of the stored data
@@ -62,7 +61,7 @@ class ConfigurationPlan:
 @dataclass(frozen=True)
 class Plans:
     dataset_name: str
-    plans_name: str  # "nnUNetPlans"
+    plans_name: str  # "nnuiPlans"
     configurations: dict[str, ConfigurationPlan]
     num_input_channels: int
     labels: dict[str, int]  # from dataset.json, includes background
@@ -266,12 +265,17 @@ def plans_from_dict(data: dict) -> Plans:
 
 
 def plans_file(preprocessed_dataset_dir: Path, plans_name: str = DEFAULT_PLANS) -> Path:
-    """`plans.json` for the default plans (DESIGN §2), `<plans_name>.json` for others."""
-    name = PLANS_FILE if plans_name == DEFAULT_PLANS else f"{plans_name}.json"
-    return Path(preprocessed_dataset_dir) / name
+    """`<plans_name>.json` (DESIGN §2); nnui 0.1's `nnUNetPlans` lived in `plans.json`."""
+    return Path(preprocessed_dataset_dir) / plans_file_name(plans_name)
 
 
 def load_plans(preprocessed_dataset_dir: Path, plans_name: str = DEFAULT_PLANS) -> Plans:
+    if plans_name.startswith("nnUNet") and not is_legacy_identifier("", plans_name):
+        raise ValueError(
+            f"{plans_name!r} is not an nnui plans identifier: nnU-Net's plans are trained by "
+            f"nnUNetv2_train; nnui's are {DEFAULT_PLANS} (the default) and others that "
+            f"nnui-preprocess wrote"
+        )
     path = plans_file(preprocessed_dataset_dir, plans_name)
     if not path.is_file():
         raise FileNotFoundError(

@@ -1,9 +1,13 @@
 """`nnui-preprocess DATASET`: fingerprint -> plans -> cropped, normalised, resampled .b2nd.
 
-Completion marker: plans.json. It is deleted when a run starts and written last, after
+Completion marker: nnuiPlans.json. It is deleted when a run starts and written last, after
 every case of every configuration, so a half-finished run never looks complete. Each case
 writes CASE.b2nd and CASE_seg.b2nd (tmp name + rename) before CASE.json, so a listed case
 is always whole.
+
+One tree, two tools: everything written here has nnui's own names (nnuiPlans.json,
+nnui_fingerprint.json, nnuiPlans_<config>/); dataset.json and splits_final.json are shared
+with nnU-Net and only written when absent. nnU-Net's files are never touched.
 """
 
 from __future__ import annotations
@@ -42,11 +46,17 @@ from trainer.plans import (
     plans_from_dict,
     read_plans_json,
 )
-from trainer.schema import DatasetNotFound, atomic_write_text, find_dataset, resolve_roots
+from trainer.schema import (
+    FINGERPRINT_FILE,
+    DatasetNotFound,
+    atomic_write_text,
+    find_dataset,
+    nnunet_files,
+    resolve_roots,
+)
 from trainer.splits import NUM_FOLDS, load_or_create_splits
 
 MAX_CLASS_LOCATIONS = 2000
-FINGERPRINT_FILE = "dataset_fingerprint.json"
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +192,13 @@ def preprocess_dataset(
         return None
     plans = plan_experiment(fingerprint, raw.dataset_json, name, tuple(configurations), overrides)
     out_dir = Path(preprocessed_root) / name
+    _refuse_nnunet_data_folders(out_dir, plans)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if nnunet_files(out_dir):
+        progress(
+            f"{out_dir} also holds nnU-Net's files: they are left untouched; nnui writes only "
+            f"{plans.plans_name}.json, {FINGERPRINT_FILE} and {plans.plans_name}_<config>/ there"
+        )
     # Other configurations already in plans.json stay (same bytes, same identity). While
     # this run works, plans.json lists only them: the requested ones are not complete yet.
     case_ids = [case.case_id for case in raw.cases]
@@ -199,7 +215,8 @@ def preprocess_dataset(
         atomic_write_text(plans_file(out_dir), content_to_json(kept))
     else:
         plans_file(out_dir).unlink(missing_ok=True)  # not complete until written again
-    atomic_write_text(out_dir / "dataset.json", json.dumps(raw.dataset_json, indent=2) + "\n")
+    if not (out_dir / "dataset.json").exists():  # shared with nnU-Net: never replaced
+        atomic_write_text(out_dir / "dataset.json", json.dumps(raw.dataset_json, indent=2) + "\n")
     atomic_write_text(out_dir / FINGERPRINT_FILE, json.dumps(fingerprint, indent=1) + "\n")
     configs = []
     for config in plans.configurations.values():
@@ -242,6 +259,23 @@ def preprocess_dataset(
     content, _ = merge_plans(replace(plans, configurations=written), existing)
     atomic_write_text(plans_file(out_dir), content_to_json(content))  # the completion marker
     return plans_from_dict(content)
+
+
+class SharedTreeError(ValueError):
+    """Writing would replace or delete files that nnU-Net made."""
+
+
+def _refuse_nnunet_data_folders(out_dir: Path, plans: Plans) -> None:
+    """Before anything is written: a data folder of ours must not hold nnU-Net's files
+    (its stale-file sweep would delete them)."""
+    for config in plans.configurations.values():
+        folder = out_dir / config.data_identifier
+        theirs = nnunet_files(folder)
+        if theirs:
+            raise SharedTreeError(
+                f"{folder} holds nnU-Net's files ({', '.join(theirs)}); nnui will not write "
+                "there: move them away or use another plans identifier"
+            )
 
 
 def _parse_overrides(patch: list[int] | None, batch: list[str] | None, configs) -> Overrides:
@@ -296,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             args.verify,
             progress=lambda line: print(line, flush=True),
         )
-    except (DatasetNotFound, DataError, PlanningError) as exc:
+    except (DatasetNotFound, DataError, PlanningError, SharedTreeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # e.g. a read-only or full output disk

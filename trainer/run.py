@@ -19,6 +19,7 @@ from typing import Any
 
 from trainer import allocator, stop
 from trainer.config import RECOMPUTE_CHOICES
+from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, LEGACY_TRAINER
 
 log = logging.getLogger("trainer.run")
 
@@ -43,10 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("configuration", help="configuration from the plans, e.g. 2d or 3d_fullres")
     p.add_argument("fold", help="0-4, or 'all' to train on every case")
     p.add_argument(
-        "-tr", dest="trainer", default="nnUNetTrainer", help="trainer name (only nnUNetTrainer)"
+        "-tr",
+        dest="trainer",
+        default=DEFAULT_TRAINER,
+        help=f"trainer name (default {DEFAULT_TRAINER}; {LEGACY_TRAINER} only continues a run "
+        "made by nnui 0.1)",
     )
     p.add_argument(
-        "-p", dest="plans", default="nnUNetPlans", help="plans name (default nnUNetPlans)"
+        "-p",
+        dest="plans",
+        default=DEFAULT_PLANS,
+        help=f"plans identifier (default {DEFAULT_PLANS})",
     )
     p.add_argument(
         "--npz", action="store_true", help="also save softmax probabilities of the final validation"
@@ -142,6 +150,14 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
     roots = schema.resolve_roots(preprocessed=args.preprocessed, results=args.results)
     dataset_name = schema.find_dataset(roots.preprocessed, args.dataset)
     dataset_dir = roots.preprocessed / dataset_name
+    _check_shared_tree(
+        schema.run_dir(
+            roots.results, dataset_name, args.configuration, args.fold, args.trainer, args.plans
+        ),
+        args.trainer,
+        args.plans,
+        continuing=args.continue_training or args.validation_only,
+    )
     from trainer.plans import load_plans
 
     try:
@@ -220,6 +236,27 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
             config = config.replace(resume_checkpoint=str(info.path))
     _check_writable(run_dir)  # last: a refused run leaves no empty folder behind
     return config
+
+
+def _check_shared_tree(run_dir: Path, trainer: str, plans: str, continuing: bool) -> None:
+    """One tree, two tools: never write into nnU-Net's run folders, never start anything
+    new under nnU-Net's names (nnui 0.1's run folders are only continued)."""
+    from trainer import schema
+
+    theirs = schema.nnunet_files(run_dir)
+    if theirs:
+        raise UsageError(
+            f"{run_dir} is an nnU-Net run folder ({', '.join(theirs)}); nnui will not write "
+            f"there (nnui trains as -tr {DEFAULT_TRAINER} -p {DEFAULT_PLANS}, the defaults)"
+        )
+    if schema.is_legacy_identifier(trainer, plans) and not (
+        continuing and (run_dir / schema.EVENTS_FILE).is_file()
+    ):
+        raise UsageError(
+            f"-tr {trainer} -p {plans}: nnU-Net's names; nnui trains as -tr {DEFAULT_TRAINER} "
+            f"-p {DEFAULT_PLANS} (the defaults); the old names only continue (--c, --val) a run "
+            f"that nnui 0.1 made in {run_dir}"
+        )
 
 
 def _check_writable(run_dir: Path) -> None:

@@ -6,6 +6,7 @@ must stay cheap (no torch, no numpy).
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -25,9 +26,56 @@ CONSOLE_FILE = "console.log"
 VALIDATION_DIR = "validation"
 SUMMARY_FILE = "summary.json"
 CHECKPOINT_KINDS = ("latest", "best", "final")
-DEFAULT_TRAINER = "nnUNetTrainer"
-DEFAULT_PLANS = "nnUNetPlans"
 FOLDS = ("0", "1", "2", "3", "4", "all")
+
+# ---- one tree, two tools (DESIGN §2) -------------------------------------------------------
+# nnui's own identifiers never collide with nnU-Net's, so both tools share one
+# nnUNet_raw/preprocessed/results tree: nnuiPlans_3d_fullres/, nnuiTrainer__nnuiPlans__2d/.
+DEFAULT_TRAINER = "nnuiTrainer"
+DEFAULT_PLANS = "nnuiPlans"
+NNUI_PREFIX = "nnui"
+# nnui 0.1 trained under nnU-Net's own names. Such run folders are still continued
+# (`-tr nnUNetTrainer -p nnUNetPlans --c`) but nothing new is ever started under them.
+LEGACY_TRAINER = "nnUNetTrainer"
+LEGACY_PLANS = "nnUNetPlans"
+LEGACY_PLANS_FILE = "plans.json"  # nnui 0.1's name for its nnUNetPlans
+FINGERPRINT_FILE = "nnui_fingerprint.json"
+LEGACY_FINGERPRINT_FILE = "dataset_fingerprint.json"  # nnU-Net's name (nnui 0.1 used it too)
+# What nnU-Net 2.x writes, and nnui never does: a folder holding any of these is nnU-Net's.
+NNUNET_FILE_PATTERNS = (
+    "*.pkl",
+    "*.pth",
+    "training_log_*.txt",
+    "progress.png",
+    "debug.json",
+    "nnUNet*Plans*.json",
+    "dataset_fingerprint.json",
+)
+
+
+def plans_file_name(plans_name: str) -> str:
+    """nnui's plans file for a plans identifier: `nnuiPlans.json` (0.1's is `plans.json`)."""
+    return LEGACY_PLANS_FILE if plans_name == LEGACY_PLANS else f"{plans_name}.json"
+
+
+def is_legacy_identifier(trainer: str, plans: str) -> bool:
+    return trainer == LEGACY_TRAINER or plans == LEGACY_PLANS
+
+
+def nnunet_files(folder: Path, limit: int = 3) -> list[str]:
+    """Up to `limit` names of nnU-Net's own files directly in `folder` (none: [])."""
+    found: list[str] = []
+    try:
+        names = sorted(entry.name for entry in os.scandir(folder) if entry.is_file())
+    except OSError:
+        return found
+    for name in names:
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in NNUNET_FILE_PATTERNS):
+            found.append(name)
+            if len(found) >= limit:
+                break
+    return found
+
 
 # Environment variables shared by both parts.
 JOB_ID_ENV = "NNUI_JOB_ID"

@@ -43,10 +43,13 @@ def validate_splits(splits: object, path: Path) -> list[dict[str, list[str]]]:
 def create_splits(
     case_ids: list[str], seed: int = 12345, num_folds: int = NUM_FOLDS
 ) -> list[dict[str, list[str]]]:
-    """Sorted ids, a seeded shuffle, then fold f validates on every num_folds-th of it.
+    """nnU-Net 2.8's folds for the same case ids, so a fold of one tool is the fold of the
+    other: scikit-learn's KFold(num_folds, shuffle=True, random_state=seed) over the sorted
+    ids, reproduced with numpy (the same RandomState shuffle of 0..n-1, then consecutive
+    chunks, the first n mod k one larger; ids of each side in sorted order).
 
-    Fewer cases than folds gives one fold per case (a single case trains and validates on
-    itself), so tiny datasets still work with fold 'all' and the folds that exist.
+    With fewer cases than folds (where nnU-Net stops with an error) each case is one fold
+    (a single case trains and validates on itself), so tiny datasets still work.
     """
     ids = sorted(case_ids)
     if not ids:
@@ -54,13 +57,20 @@ def create_splits(
     if len(ids) == 1:
         return [{"train": list(ids), "val": list(ids)}]
     num_folds = min(num_folds, len(ids))
-    order = np.random.default_rng(seed).permutation(len(ids))
-    shuffled = [ids[i] for i in order]
-    splits = []
-    for fold in range(num_folds):
-        val = sorted(shuffled[fold::num_folds])
-        train = sorted(set(ids) - set(val))
-        splits.append({"train": train, "val": val})
+    order = np.arange(len(ids))
+    np.random.RandomState(seed).shuffle(order)
+    sizes = np.full(num_folds, len(ids) // num_folds)
+    sizes[: len(ids) % num_folds] += 1
+    splits, start = [], 0
+    for size in sizes:
+        val_index = set(order[start : start + int(size)].tolist())
+        start += int(size)
+        splits.append(
+            {
+                "train": [c for i, c in enumerate(ids) if i not in val_index],
+                "val": [c for i, c in enumerate(ids) if i in val_index],
+            }
+        )
     return splits
 
 

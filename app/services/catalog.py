@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.schema import DEFAULT_PLANS, Roots, read_status
+from trainer.schema import DEFAULT_PLANS, Roots, plans_file_name, read_status
 from trainer.schema import list_datasets as dataset_names
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,9 @@ class DatasetInfo:
 
 
 def _plans_file(folder: Path, plans: str) -> Path | None:
-    for name in (f"{plans}.json", "plans.json"):
-        if (folder / name).is_file():
-            return folder / name
-    return None
+    # Only nnui's own plans file: nnU-Net's nnUNetPlans.json in the same folder is not ours.
+    path = folder / plans_file_name(plans)
+    return path if path.is_file() else None
 
 
 def read_configurations(folder: Path, plans: str = DEFAULT_PLANS) -> tuple[ConfigurationInfo, ...]:

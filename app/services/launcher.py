@@ -31,6 +31,7 @@ from trainer.schema import (
     DatasetNotFound,
     Roots,
     find_dataset,
+    is_legacy_identifier,
     read_status,
     run_dir,
 )
@@ -401,6 +402,13 @@ def reap_children() -> None:
 def resume_request(job: Job) -> LaunchRequest:
     """Continue a job's fold on the same GPUs in the same mode (`--c`)."""
     args = [a for a in job.trainer_args if a != "--c"]
+    # A job of nnui 0.1 ran under nnU-Net's names without saying so: name its folder's.
+    trainer, plans, _ = [*Path(job.run_dir).parent.name.split("__"), "", "", ""][:3]
+    if is_legacy_identifier(trainer, plans):
+        if _flag_value(args, "-tr", DEFAULT_TRAINER) != trainer:
+            args += ["-tr", trainer]
+        if _flag_value(args, "-p", DEFAULT_PLANS) != plans:
+            args += ["-p", plans]
     mode = "per_gpu" if job.mode == "single" else job.mode
     return LaunchRequest(
         dataset=job.dataset,

@@ -36,7 +36,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.schema import DEFAULT_PLANS, FOLDS, ROOT_ENVS, find_dataset, resolve_roots
+from trainer.schema import (
+    DEFAULT_PLANS,
+    FOLDS,
+    ROOT_ENVS,
+    find_dataset,
+    plans_file_name,
+    resolve_roots,
+)
 
 _TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
 _NAME = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -264,7 +271,7 @@ def check_preprocessed(spec: JobSpec) -> None:
     """ValueError unless the dataset and configuration are preprocessed where the job will
     look (the trainer's --preprocessed, else $nnUNet_preprocessed, else ./nnui_data).
 
-    Reads plans.json as plain JSON: the app does not import the trainer's numpy code.
+    Reads the plans file as plain JSON: the app does not import the trainer's numpy code.
     """
     preprocessed = _trainer_flag(spec.trainer_args, "--preprocessed")
     root = resolve_roots(preprocessed=preprocessed).preprocessed
@@ -274,10 +281,7 @@ def check_preprocessed(spec: JobSpec) -> None:
     except ValueError as error:
         raise UsageError(f"{error}{hint}") from None
     plans_name = _trainer_flag(spec.trainer_args, "-p") or DEFAULT_PLANS
-    # Same rule as trainer.plans.plans_file (not imported: it pulls in numpy).
-    plans_path = (
-        root / name / ("plans.json" if plans_name == DEFAULT_PLANS else f"{plans_name}.json")
-    )
+    plans_path = root / name / plans_file_name(plans_name)
     try:
         configurations = json.loads(plans_path.read_text()).get("configurations", {})
     except (OSError, ValueError, AttributeError):

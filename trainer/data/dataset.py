@@ -3,7 +3,7 @@
 A case counts once its CASE.json exists: preprocessing writes it after both arrays.
 The cases that *should* be there come from the plans file next to the folder (the
 configuration's `case_ids`, written last by nnui-preprocess) or, for plans written before
-that list existed, from dataset_fingerprint.json; a deleted file is then an error that
+that list existed, from nnui's fingerprint; a deleted file is then an error that
 says how to fix it, not a case silently left out of training.
 """
 
@@ -17,8 +17,8 @@ import numpy as np
 
 from trainer.data.blosc_io import open_array
 from trainer.data.raw import DataError
+from trainer.schema import FINGERPRINT_FILE, LEGACY_FINGERPRINT_FILE
 
-FINGERPRINT_FILE = "dataset_fingerprint.json"
 CASE_FILES = ("{}.b2nd", "{}_seg.b2nd", "{}.json")
 
 
@@ -44,11 +44,13 @@ def expected_case_ids(folder: Path) -> list[str] | None:
                 and "case_ids" in block
             ):
                 return sorted(str(c) for c in block["case_ids"])
-    try:  # plans from before `case_ids`: the fingerprint lists every raw case
-        fingerprint = json.loads((folder.parent / FINGERPRINT_FILE).read_text())
-        return sorted(str(c) for c in fingerprint["case_ids"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    for name in (FINGERPRINT_FILE, LEGACY_FINGERPRINT_FILE):
+        try:  # plans from before `case_ids`: nnui's fingerprint lists every raw case
+            fingerprint = json.loads((folder.parent / name).read_text())
+            return sorted(str(c) for c in fingerprint["case_ids"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
 
 
 class PreprocessedCases:
