@@ -53,6 +53,13 @@ NNUNET_FILE_PATTERNS = (
 )
 
 
+# The nnU-Net engine (DESIGN §4): nnU-Net finds nnui's trainer classes in this folder.
+NNUNET_EXT_DIR = Path(__file__).resolve().parent / "nnunet_ext"
+NNUNET_EXT_ENV = "nnUNet_extTrainer"
+NNUI_NNUNET_TRAINER = "nnUNetTrainer_nnui"  # nnU-Net's trainer + nnui's stop and events
+NNUNET_WRAP_SUFFIX = "_nnui"  # `<AnyTrainer>_nnui` wraps any trainer nnU-Net can find
+
+
 def plans_file_name(plans_name: str) -> str:
     """nnui's plans file for a plans identifier: `nnuiPlans.json` (0.1's is `plans.json`)."""
     return LEGACY_PLANS_FILE if plans_name == LEGACY_PLANS else f"{plans_name}.json"
@@ -111,6 +118,7 @@ class Kind:
     CHECKPOINT_SAVED = "checkpoint_saved"
     STOP_REQUESTED = "stop_requested"
     STOPPED = "stopped"
+    VALIDATION_STARTED = "validation_started"
     VALIDATION_FINISHED = "validation_finished"
     FINISHED = "finished"
     FAILED = "failed"
