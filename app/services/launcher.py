@@ -1,13 +1,17 @@
 """Starting trainings — the only subprocess.Popen user (DESIGN §4).
 
 A launch request becomes one plan per job (argv list, environment additions, run folder),
-checked first. `start()` runs the plan under a small supervisor in a new session with
-stdin from /dev/null and stdout/stderr into the run folder's console.log, so the job
-outlives nnui and the SSH session, and records it in the registry.
+checked first: arguments that name nothing (a fold, a dataset, a configuration not in the
+plans) are usage errors, refused before anything is written. `start()` claims the run
+folder atomically (claims.py: the checks again, then an exclusive claim, under one lock with
+the registration), runs the plan under a small supervisor in a new session with stdin from
+/dev/null and stdout/stderr into the run folder's console.log, so the job outlives nnui and
+the SSH session, and records it in the registry. A resume continues in the job's own roots.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -17,8 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import app
+from app.services import claims
+from app.services.claims import ClaimRefused
 from app.services.gpus import MachineSnapshot
-from app.services.registry import Job, ProcessRecord, Registry, new_job_id
+from app.services.registry import Job, ProcessRecord, Registry, new_job_id, valid_pid
 from app.services.signals import job_alive, proc_info, process_identity
 from trainer.schema import (
     CONSOLE_FILE,
@@ -58,6 +64,7 @@ class LaunchRequest:
     continue_training: bool = False
     sequential: bool = False  # several folds on one GPU (or one group) run one after another
     trainer_entry: tuple[str, ...] = field(default=())  # default: ("-m", "trainer")
+    roots: Roots | None = None  # a resume: the job's own roots, whatever the caller's are
 
 
 @dataclass(frozen=True)
@@ -81,9 +88,10 @@ class LaunchPlan:
 
 @dataclass
 class LaunchChecks:
-    errors: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # every refusal (usage ones included)
     warnings: list[str] = field(default_factory=list)
     resumable_folds: list[str] = field(default_factory=list)  # folds with a stopped run
+    usage_errors: list[str] = field(default_factory=list)  # arguments that name nothing
 
 
 def trainer_entry(request: LaunchRequest) -> list[str]:
@@ -98,12 +106,83 @@ def torchrun_entry() -> list[str]:
     return [script] if script else ["-m", "torch.distributed.run"]
 
 
-def _flag_value(args: list[str], flag: str, default: str) -> str:
-    if flag in args:
-        index = args.index(flag)
-        if index + 1 < len(args):
-            return args[index + 1]
-    return default
+def flag_value(args: list[str], flag: str, default: str) -> str:
+    """The value of `flag V` or `flag=V` in trainer flags (the last one wins, as in argparse)."""
+    value = default
+    for index, arg in enumerate(args):
+        if arg == flag and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value
+
+
+def effective_roots(request: LaunchRequest, roots: Roots) -> Roots:
+    """The roots the trainer will use: a resume's own, then trainer flags, then the caller's."""
+    base = request.roots or roots
+    preprocessed = flag_value(request.trainer_args, "--preprocessed", "")
+    results = flag_value(request.trainer_args, "--results", "")
+    return Roots(
+        raw=base.raw,
+        preprocessed=_root(preprocessed) if preprocessed else base.preprocessed,
+        results=_root(results) if results else base.results,
+    )
+
+
+def _root(text: str) -> Path:
+    return Path(text).expanduser().absolute()
+
+
+def job_roots(job: Job) -> Roots | None:
+    """The roots a job was launched with (its environment additions), None if not recorded."""
+    values = {name: job.env.get(variable) for name, variable in ROOT_ENVS.items()}
+    if not all(values.values()):
+        return None
+    return Roots(**{name: Path(value) for name, value in values.items() if value})
+
+
+def configuration_names(dataset_folder: Path, plans: str) -> list[str] | None:
+    """Configurations in the plans file (stock cascade ones included); None: no plans file."""
+    for name in (f"{plans}.json", "plans.json"):
+        try:
+            data = json.loads((dataset_folder / name).read_text())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, RecursionError):
+            return []
+        configurations = data.get("configurations") if isinstance(data, dict) else None
+        return sorted(configurations) if isinstance(configurations, dict) else []
+    return None
+
+
+def check_arguments(request: LaunchRequest, roots: Roots) -> list[str]:
+    """Usage errors: a fold, dataset or configuration that does not exist (exit 2)."""
+    errors = []
+    if not request.folds:
+        errors.append("no fold chosen")
+    for fold in request.folds:
+        if fold not in FOLDS:
+            errors.append(f"fold {fold!r} is not one of {', '.join(FOLDS)}")
+    if len(set(request.folds)) != len(request.folds):
+        errors.append("a fold is listed twice")
+    try:
+        dataset_name = find_dataset(roots.preprocessed, request.dataset)
+    except DatasetNotFound as error:
+        return [*errors, str(error)]
+    plans = flag_value(request.trainer_args, "-p", DEFAULT_PLANS)
+    names = configuration_names(roots.preprocessed / dataset_name, plans)
+    if names is None:
+        errors.append(
+            f"{dataset_name} has no plans {plans}.json in {roots.preprocessed / dataset_name}: "
+            f"preprocess it first (nnui-preprocess {dataset_name})"
+        )
+    elif request.configuration not in names:
+        known = ", ".join(names) or "none"
+        errors.append(
+            f"unknown configuration {request.configuration!r} for {dataset_name} "
+            f"(plans {plans} has: {known})"
+        )
+    return errors
 
 
 def _assignments(request: LaunchRequest) -> tuple[list[tuple[str, list[str]]], list[str]]:
@@ -141,16 +220,14 @@ def check_request(
 ) -> LaunchChecks:
     """Every reason not to launch (errors) or to think twice (warnings)."""
     checks = LaunchChecks()
+    roots = effective_roots(request, roots)
     if request.mode not in MODES:
         checks.errors.append(f"unknown mode {request.mode!r} (one of {', '.join(MODES)})")
         return checks
-    if not request.folds:
-        checks.errors.append("no fold chosen")
-    for fold in request.folds:
-        if fold not in FOLDS:
-            checks.errors.append(f"fold {fold!r} is not one of {', '.join(FOLDS)}")
-    if len(set(request.folds)) != len(request.folds):
-        checks.errors.append("a fold is listed twice")
+    checks.usage_errors = check_arguments(request, roots)
+    checks.errors.extend(checks.usage_errors)
+    if checks.usage_errors:
+        return checks
     if request.mode != "per_gpu":
         size = _group_size(request)
         if size < 2:
@@ -211,6 +288,48 @@ def _gpu_checks(request: LaunchRequest, snapshot: MachineSnapshot, checks: Launc
             checks.warnings.append(f"GPU {gpu} is used by {', '.join(reading.other_users)}")
 
 
+def _running_jobs(registry: Registry | None, dataset_name: str, configuration: str) -> list[Job]:
+    return [
+        j
+        for j in (registry.list() if registry else [])
+        if j.dataset == dataset_name
+        and j.configuration == configuration
+        and j.exit_code is None
+        and job_alive(j, proc_info)
+    ]
+
+
+def folder_problem(
+    folder: Path, fold: str, continue_training: bool, running_jobs: list[Job]
+) -> tuple[str | None, bool]:
+    """(why this run folder cannot take a new run, resumable?) — (None, False) when free.
+
+    The same check runs once more inside start()'s claim, under the lock.
+    """
+    if any(j.fold == fold and j.run_dir == str(folder) for j in running_jobs):
+        return f"fold {fold} is already running (see nnui status)", False
+    claimed = claims.check(folder, fold)
+    if claimed is not None:
+        return claimed, False
+    status = read_status(folder)
+    if status is None:
+        return None, False
+    state = status.state if isinstance(status.state, str) else "unknown"
+    pids = [p for p in status.pids if valid_pid(p)] if isinstance(status.pids, list) else []
+    if state not in TERMINAL_STATES and any(_pid_alive(p) for p in pids):
+        return f"fold {fold} is already running (pids {pids})", False
+    if continue_training:
+        return None, False
+    if state == "finished":
+        return (
+            f"fold {fold} already finished training in {folder}; move that folder to train it again"
+        ), False
+    return (
+        f"fold {fold} has an earlier run ({state} at epoch {status.epoch}): "
+        "resume it (nnui resume JOB, or launch with --c) or move its folder away"
+    ), True
+
+
 def _fold_checks(
     request: LaunchRequest,
     roots: Roots,
@@ -218,39 +337,21 @@ def _fold_checks(
     registry: Registry | None,
     checks: LaunchChecks,
 ) -> None:
-    trainer = _flag_value(request.trainer_args, "-tr", DEFAULT_TRAINER)
-    plans = _flag_value(request.trainer_args, "-p", DEFAULT_PLANS)
-    running_jobs = [
-        j
-        for j in (registry.list() if registry else [])
-        if j.dataset == dataset_name
-        and j.configuration == request.configuration
-        and j.exit_code is None
-        and job_alive(j, proc_info)
-    ]
+    trainer = flag_value(request.trainer_args, "-tr", DEFAULT_TRAINER)
+    plans = flag_value(request.trainer_args, "-p", DEFAULT_PLANS)
+    running_jobs = _running_jobs(registry, dataset_name, request.configuration)
     for fold in request.folds:
         folder = run_dir(roots.results, dataset_name, request.configuration, fold, trainer, plans)
-        if any(j.fold == fold and j.run_dir == str(folder) for j in running_jobs):
-            checks.errors.append(f"fold {fold} is already running (see nnui status)")
-            continue
-        status = read_status(folder)
-        if status is None:
-            continue
-        if status.state not in TERMINAL_STATES and any(_pid_alive(p) for p in status.pids):
-            checks.errors.append(f"fold {fold} is already running (pids {status.pids})")
-        elif request.continue_training:
-            continue
-        elif status.state == "finished":
-            checks.errors.append(
-                f"fold {fold} already finished training in {folder}; move that folder to "
-                "train it again"
+        try:
+            problem, resumable = folder_problem(
+                folder, fold, request.continue_training, running_jobs
             )
-        else:
+        except ClaimRefused as refused:
+            problem, resumable = str(refused), False
+        if problem is not None:
+            checks.errors.append(problem)
+        if resumable:
             checks.resumable_folds.append(fold)
-            checks.errors.append(
-                f"fold {fold} has an earlier run ({status.state} at epoch {status.epoch}): "
-                "resume it (nnui resume JOB, or launch with --c) or move its folder away"
-            )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -269,10 +370,11 @@ def plan_launch(
     checks = check_request(request, roots, plans_batch_size, snapshot, registry)
     if checks.errors:
         return [], checks.errors
+    roots = effective_roots(request, roots)
     dataset_name = find_dataset(roots.preprocessed, request.dataset)
     assignments, _ = _assignments(request)
-    trainer = _flag_value(request.trainer_args, "-tr", DEFAULT_TRAINER)
-    plans_name = _flag_value(request.trainer_args, "-p", DEFAULT_PLANS)
+    trainer = flag_value(request.trainer_args, "-tr", DEFAULT_TRAINER)
+    plans_name = flag_value(request.trainer_args, "-p", DEFAULT_PLANS)
     device = "cpu" if request.simulated else request.device
     job_mode = "single" if request.mode == "per_gpu" else request.mode
     plans: list[LaunchPlan] = []
@@ -342,8 +444,34 @@ def _python_path() -> str:
 
 
 def start(plan: LaunchPlan, registry: Registry) -> Job:
-    """Register the job and start its supervisor, detached from nnui and the terminal."""
-    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    """Claim the run folder, register the job and start its supervisor, detached from nnui
+    and the terminal. ClaimRefused (one line) when the fold was taken meanwhile: then
+    nothing of this job is written.
+
+    Check, claim and registration happen under one lock shared by every nnui process and
+    user of the results root, so of several launches of one fold at the same moment exactly
+    one gets in; the claim is handed to the supervisor, whose life it then follows.
+    """
+    results_root = plan.run_dir.parents[2]  # results/DatasetNNN_Name/T__P__C/fold_F
+    with claims.locked(results_root):
+        running = _running_jobs(registry, plan.dataset, plan.configuration)
+        problem, _ = folder_problem(plan.run_dir, plan.fold, plan.continue_training, running)
+        if problem is not None:
+            raise ClaimRefused(problem)
+        plan.run_dir.mkdir(parents=True, exist_ok=True)
+        claims.take(plan.run_dir, plan.fold, plan.job_id)
+        try:
+            job = _register_and_start(plan, registry)
+        except BaseException:
+            claims.release(plan.run_dir, plan.job_id)
+            raise
+        supervisor = job.process("supervisor")
+        assert supervisor is not None
+        claims.hand_over(plan.run_dir, plan.job_id, supervisor.pid)
+    return job
+
+
+def _register_and_start(plan: LaunchPlan, registry: Registry) -> Job:
     job = Job(
         job_id=plan.job_id,
         created_at=time.time(),
@@ -399,7 +527,8 @@ def reap_children() -> None:
 
 
 def resume_request(job: Job) -> LaunchRequest:
-    """Continue a job's fold on the same GPUs in the same mode (`--c`)."""
+    """Continue a job's fold on the same GPUs in the same mode (`--c`), in the job's own
+    results and preprocessed roots (recorded in its environment), not the caller's."""
     args = [a for a in job.trainer_args if a != "--c"]
     mode = "per_gpu" if job.mode == "single" else job.mode
     return LaunchRequest(
@@ -412,4 +541,5 @@ def resume_request(job: Job) -> LaunchRequest:
         trainer_args=args,
         simulated=job.simulated,
         continue_training=True,
+        roots=job_roots(job),
     )

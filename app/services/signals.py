@@ -86,7 +86,7 @@ def remember_workers(
     known = {p.pid for p in job.processes if p.role == "worker"}
     if topology_problem(topology) is not None:
         return job
-    topology_t = topology.get("t") if topology else None
+    topology_t = topology.get("t") if isinstance(topology, dict) else None
     for entry in local_ranks(topology):
         if entry["pid"] in known:
             continue
