@@ -135,7 +135,7 @@ BAD_FILES = [
     ("processes not a list", _mutated(processes={"pid": 1}), "processes"),
     ("a process not an object", _mutated(processes=[7]), "processes[0]"),
     ("a process without pid", _mutated(processes=[{"create_time": 1.0, "role": "x"}]),
-     "missing pid"),
+     "processes[0]: missing pid"),
     ("signal pid negative", _mutated(signals=[{"t": 1.0, "pid": -5, "signal": "SIGTERM",
                                                "rank": None, "result": "sent"}]), "signals[0].pid"),
     ("created_at a string", _mutated(created_at="later"), "created_at"),

@@ -113,11 +113,11 @@ class Job:
         values = {k: v for k, v in data.items() if k in _CHECKS[cls]}
         _check_fields(cls, values, "")
         values["processes"] = [
-            _record(ProcessRecord, p, f"processes[{i}].")
+            _record(ProcessRecord, p, f"processes[{i}]")
             for i, p in enumerate(values.get("processes", []))
         ]
         values["signals"] = [
-            _record(SignalRecord, s, f"signals[{i}].")
+            _record(SignalRecord, s, f"signals[{i}]")
             for i, s in enumerate(values.get("signals", []))
         ]
         return cls(**values)
@@ -125,7 +125,7 @@ class Job:
 
 def _record(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
-        raise RecordError(f"{where.rstrip('.')}: not a JSON object: {_short(data)}")
+        raise RecordError(f"{where}: not a JSON object: {_short(data)}")
     values = {k: v for k, v in data.items() if k in _CHECKS[cls]}
     _check_fields(cls, values, where)
     return cls(**values)
@@ -225,10 +225,11 @@ def _check_fields(cls: type, values: dict[str, Any], where: str) -> None:
     checks = _CHECKS[cls]
     for name, (check, expected) in checks.items():
         if name in values and not check(values[name]):
-            raise RecordError(f"{where}{name}: expected {expected}, got {_short(values[name])}")
+            label = f"{where}.{name}" if where else name
+            raise RecordError(f"{label}: expected {expected}, got {_short(values[name])}")
     missing = [f.name for f in fields(cls) if f.name not in values and _required(f)]
     if missing:
-        raise RecordError(f"{where}missing {', '.join(missing)}")
+        raise RecordError(f"{where + ': ' if where else ''}missing {', '.join(missing)}")
 
 
 def _required(item: Any) -> bool:
@@ -327,7 +328,7 @@ class Registry:
 
     def _report(self, message: str) -> None:
         if message not in self.problems:
-            log.warning(message)
+            log.info(message)  # the user sees `problems` (nnui prints them once, as warnings)
             self.problems.append(message)
 
     # ---- public API ----------------------------------------------------------------------
