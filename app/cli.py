@@ -32,7 +32,7 @@ from trainer.schema import (
 )
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3
-ENDED_STATES = ("stopped", "finished", "failed", "lost")
+ENDED_STATES = ("stopped", "finished", "failed", "lost", "killed")
 RECENT_S = 7 * 24 * 3600  # `nnui status` hides jobs that ended longer ago (--all shows them)
 
 

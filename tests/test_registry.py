@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import time
 from pathlib import Path
 
@@ -222,3 +223,17 @@ def test_unusable_state_dir_is_one_line(tmp_path: Path, layout: str) -> None:
         Registry(state)
     message = str(caught.value)
     assert "\n" not in message and "NNUI_STATE_DIR" in message and str(state) in message
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_unwritable_state_dir_is_one_line(tmp_path: Path) -> None:
+    from app.services.registry import StateDirError
+
+    (tmp_path / "state" / "jobs").mkdir(parents=True)
+    (tmp_path / "state" / "lock").touch()
+    (tmp_path / "state" / "jobs").chmod(0o500)
+    try:
+        with pytest.raises(StateDirError, match="not writable"):
+            Registry(tmp_path / "state")
+    finally:
+        (tmp_path / "state" / "jobs").chmod(0o700)

@@ -28,9 +28,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 STATE_DIR_ENV = "NNUI_STATE_DIR"
-# No real pid is larger than the kernel's PID_MAX_LIMIT (2**22 on 64-bit). Zero and negative
-# values are never pids here: os.kill(0 | -1 | -N) would signal a whole process group.
-PID_MAX = 4_194_304
+# A pid fits pid_t (the kernel's own limit is 2**22 on 64-bit; larger values are simply
+# absent). Zero and negative values are never pids here: os.kill(0 | -1 | -N) would signal
+# a whole process group.
+PID_MAX = 2**31 - 1
 MAX_JOB_FILE_BYTES = 16 * 1024 * 1024  # a real job file is a few KiB
 
 
