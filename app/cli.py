@@ -11,18 +11,28 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from app.services import catalog, launcher
+from app.services.claims import ClaimRefused
 from app.services.gpus import GpuMonitor, MachineSnapshot
 from app.services.jobs import JobTracker, JobView
 from app.services.registry import Job, Registry
-from app.services.signals import job_alive, plan_kill, plan_stop, proc_info, send_stop
 from app.services.signals import kill as kill_job
-from trainer.schema import DatasetNotFound, Roots, find_dataset, resolve_roots
+from app.services.signals import kill_plan, plan_stop, send_stop
+from trainer.schema import (
+    DEFAULT_PLANS,
+    DEFAULT_TRAINER,
+    DatasetNotFound,
+    Roots,
+    find_dataset,
+    resolve_roots,
+    run_dir,
+)
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3
-ENDED_STATES = ("stopped", "finished", "failed", "lost")
+ENDED_STATES = ("stopped", "finished", "failed", "lost", "killed")
 RECENT_S = 7 * 24 * 3600  # `nnui status` hides jobs that ended longer ago (--all shows them)
 
 
@@ -231,8 +241,9 @@ def _launch_plans(
     dry_run: bool = False,
 ) -> int:
     try:
-        dataset_name = find_dataset(roots.preprocessed, request.dataset)
-        batch = catalog.plans_batch_size(roots, dataset_name, request.configuration)
+        used = launcher.effective_roots(request, roots)
+        dataset_name = find_dataset(used.preprocessed, request.dataset)
+        batch = catalog.plans_batch_size(used, dataset_name, request.configuration)
     except DatasetNotFound:
         batch = None  # check_request reports the missing dataset
     checks = launcher.check_request(request, roots, batch, snapshot, registry)
@@ -241,7 +252,8 @@ def _launch_plans(
     if checks.errors:
         for problem in checks.errors[1:]:
             print(f"error: {problem}", file=sys.stderr)
-        return error(checks.errors[0], EXIT_REFUSED)
+        # Arguments that name nothing (fold, dataset, configuration) are usage errors.
+        return error(checks.errors[0], EXIT_USAGE if checks.usage_errors else EXIT_REFUSED)
     plans, problems = launcher.plan_launch(request, roots, batch, snapshot, registry)
     if problems:
         return error(problems[0], EXIT_REFUSED)
@@ -249,7 +261,10 @@ def _launch_plans(
         if dry_run:
             print(launcher.preview(plan))
             continue
-        job = launcher.start(plan, registry)
+        try:
+            job = launcher.start(plan, registry)
+        except ClaimRefused as refused:  # another launch of this fold got in first
+            return error(f"refused to start fold {plan.fold}: {refused}", EXIT_REFUSED)
         gpus = ",".join(job.gpus) or "cpu"
         after = f" after {job.after}" if job.after else ""
         print(f"{job.job_id}  fold {job.fold}  {job.mode}  gpus {gpus}{after}  {job.run_dir}")
@@ -294,11 +309,29 @@ def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:
     if view.state == "finished":
         print(f"nothing to do: job {view.job.job_id} finished training")
         return EXIT_NOTHING
-    request = launcher.resume_request(view.job)
+    request = launcher.resume_request(view.job)  # in the job's own roots, not the current ones
+    folder = launcher.effective_roots(request, roots_of(options))
+    expected = Path(view.job.run_dir)
+    planned = run_dir(folder.results, view.job.dataset, view.job.configuration, view.job.fold,
+                      *_identity(request.trainer_args))  # fmt: skip
+    if planned != expected:
+        return error(
+            f"cannot resume {view.job.job_id}: it would train in {planned}, not in its own run "
+            f"folder {expected}",
+            EXIT_REFUSED,
+        )
     # A simulated or CPU job needs no GPU readings; a CUDA one gets the real busy checks.
     real_gpus = request.device == "cuda" and not request.simulated
     snapshot = _snapshot(argparse.Namespace(simulate_gpus=None)) if real_gpus else None
     return _launch_plans(request, roots_of(options), registry, snapshot)
+
+
+def _identity(trainer_args: list[str]) -> tuple[str, str]:
+    """(trainer, plans) named by the trainer flags: they choose the run folder."""
+    return (
+        launcher.flag_value(trainer_args, "-tr", DEFAULT_TRAINER),
+        launcher.flag_value(trainer_args, "-p", DEFAULT_PLANS),
+    )
 
 
 def cmd_kill(options: argparse.Namespace, registry: Registry) -> int:
@@ -310,18 +343,21 @@ def cmd_kill(options: argparse.Namespace, registry: Registry) -> int:
         job: Job = registry.resolve(options.job)
     except KeyError as problem:
         return error(problem.args[0], EXIT_USAGE)
-    if job.exit_code is not None or not job_alive(job, proc_info):
+    plan = kill_plan(job)
+    if job.exit_code is not None or not (plan.targets or plan.refused):
         print(f"nothing to do: job {job.job_id} is not running")
         return EXIT_NOTHING
-    targets = plan_kill(job)
-    if not targets:
-        return error(f"no process of job {job.job_id} passed the identity checks", EXIT_REFUSED)
-    for info in targets:
+    for info in plan.targets:
         print(f"  pid {info.pid}  {' '.join(info.cmdline)[:80]}")
+    # kill() plans again every round (a trainer recorded meanwhile is reached too) and waits
+    # for the supervisor to record the exit code.
     records = kill_job(job, registry, grace_s=options.grace)
     for record in records:
-        print(f"  {record.signal} -> pid {record.pid}: {record.result}")
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and job_alive(registry.get(job.job_id), proc_info):
-        time.sleep(0.1)
+        refused = record.result.startswith("refused")
+        print(f"  {record.signal} -> pid {record.pid}: {record.result}",
+              file=sys.stderr if refused else sys.stdout)  # fmt: skip
+    if not any(r.result == "sent" for r in records):
+        reasons = [r.result.removeprefix("refused: ") for r in records if r.result != "sent"]
+        why = reasons[0] if reasons else "no process of the job passed the identity checks"
+        return error(f"refused to kill {job.job_id}: {why}", EXIT_REFUSED)
     return EXIT_OK

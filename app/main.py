@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     if options.simulate_gpus is not None and options.simulate_gpus < 1:
         print("error: --simulate-gpus needs N >= 1", file=sys.stderr)
         return EXIT_USAGE
+    problem = _state_dir_problem()
+    if problem is not None:  # every command and the TUI keep their jobs there
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     if options.command is None:
         try:
             from app.tui import run_tui
@@ -128,6 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `nnui status | head`
         sys.stderr.close()
         return EXIT_OK
+
+
+def _state_dir_problem() -> str | None:
+    """One line when $NNUI_STATE_DIR cannot be used (a file in its place, not writable)."""
+    from app.services.registry import StateDirError, check_state_dir, default_state_dir
+
+    try:
+        check_state_dir(default_state_dir())
+    except StateDirError as error:
+        return str(error)
+    return None
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def test_ddp_group_and_queued_stop(env: dict) -> None:
          "does not exist"),
         (["launch", "4", "3d_fullres", "--simulate-gpus", "4", "--ddp", "spawn", "--folds", "0",
           "--gpus", "0,1,2"], 1, "global batch size 2"),
-        (["launch", "9", "3d_fullres", "--cpu", "--folds", "0"], 1, "no dataset"),
+        (["launch", "9", "3d_fullres", "--cpu", "--folds", "0"], 2, "no dataset"),
         (["status", "--", "--epochs", "3"], 2, "only go with"),
         (["launch"], 2, "usage"),
     ],
@@ -168,3 +168,136 @@ def test_common_flags_after_the_subcommand(env: dict) -> None:
                   "--results", "/elsewhere")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "nnUNet_results=/elsewhere" in result.stdout
+
+
+# ---- the state directory, bad registry files, bad launch arguments ---------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [[], ["status"], ["status", "--json"], ["stop", "x", "--yes"], ["resume", "x"],
+     ["kill", "x", "--yes"], ["launch", "4", "3d_fullres", "--cpu", "--folds", "0"]],
+    ids=lambda a: " ".join(a) or "tui",
+)  # fmt: skip
+def test_state_dir_that_is_a_file_is_one_line(env: dict, tmp_path: Path, args: list[str]) -> None:
+    state = tmp_path / "not_a_dir"
+    state.write_text("x")
+    result = nnui({**env, "NNUI_STATE_DIR": str(state)}, *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(state) in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_registry_file_is_reported_and_the_others_still_show(env: dict) -> None:
+    from test_registry import make_job
+
+    from app.services.registry import Registry
+
+    registry = Registry(Path(env["NNUI_STATE_DIR"]))
+    registry.add(make_job("1130-120000-f0-abc", exit_code=0, ended_at=1e12))
+    (registry.jobs_dir / "1130-120000-f1-bad.json").write_bytes(b'{"job_id": "\xff"}')
+    (registry.jobs_dir / "1130-120000-f2-bad.json").write_text(
+        json.dumps(make_job("1130-120000-f2-bad", processes=[]).to_dict() | {"gpus": 3})
+    )
+    result = nnui(env, "status", "--json")
+    assert result.returncode == 0, result.stderr
+    assert [row["id"] for row in json.loads(result.stdout)] == ["1130-120000-f0-abc"]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 2 and all("corrupt job file" in w for w in warnings), result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in registry.jobs_dir.glob("*.corrupt")) == [
+        "1130-120000-f1-bad.json.corrupt", "1130-120000-f2-bad.json.corrupt",
+    ]  # fmt: skip
+    assert nnui(env, "stop", "f0-abc", "--yes").returncode == 3  # the good one still works
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["launch", "dry-run"])
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["4", "3d_fulres", "--folds", "0"], "unknown configuration '3d_fulres'"),
+        (["4", "3d_fullres", "--folds", "7"], "fold '7' is not one of"),
+        (["4", "3d_fullres", "--folds", "0,0"], "listed twice"),
+        (["9", "3d_fullres", "--folds", "0"], "no dataset with id 009"),
+        (["Dataset004_Other", "3d_fullres", "--folds", "0"], "not found"),
+    ],
+    ids=["configuration", "fold", "fold twice", "dataset id", "dataset name"],
+)
+def test_launch_arguments_that_name_nothing(
+    env: dict, args: list[str], fragment: str, dry_run: bool
+) -> None:
+    extra = ["--dry-run"] if dry_run else []
+    result = nnui(env, "launch", *args, "--cpu", *extra)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("error: ") and fragment in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert status(env) == {}  # no job file
+    assert list(Path(env["NNUI_STATE_DIR"], "jobs").iterdir()) == []
+    assert not Path(env["nnUNet_results"]).exists()  # no run folder, nothing written
+
+
+def test_launch_with_plans_missing_is_refused_before_writing(env: dict) -> None:
+    result = nnui(env, "launch", "4", "3d_fullres", "--cpu", "--folds", "0", "--", "-p", "Nope")
+    assert result.returncode == 2 and "no plans Nope.json" in result.stderr, result.stderr
+    assert not Path(env["nnUNet_results"]).exists()
+
+
+# ---- kill refuses what is not the job's; resume continues in the job's own roots -----------
+
+
+def test_kill_of_a_forged_record_is_refused(env: dict) -> None:
+    from app.services.registry import Job, ProcessRecord, Registry
+    from app.services.signals import proc_info
+
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert wait_until(lambda: proc_info(bystander.pid) is not None)
+        info = proc_info(bystander.pid)
+        registry = Registry(Path(env["NNUI_STATE_DIR"]))
+        registry.add(Job(
+            job_id="1130-120000-f0-abc", created_at=info.create_time - 1, dataset="D",
+            configuration="C", fold="0", mode="single", device="cpu", gpus=[], simulated=False,
+            argv=[], env={}, run_dir="/nonexistent", console_path="/nonexistent/c",
+            processes=[ProcessRecord(bystander.pid, info.create_time, "trainer", None,
+                                     info.start_ticks)],
+        ))  # fmt: skip
+        result = nnui(env, "kill", "f0-abc", "--yes", "--grace", "1")
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "refused" in result.stderr and "NNUI_JOB_ID" in result.stderr
+        assert "Traceback" not in result.stderr
+        assert bystander.poll() is None  # not signalled
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+@pytest.mark.slow
+def test_resume_continues_in_the_jobs_own_roots(env: dict, tmp_path: Path) -> None:
+    from fake_trainer import make_preprocessed
+
+    own = tmp_path / "own"
+    make_preprocessed(own / "preprocessed")
+    flags = ["--preprocessed", str(own / "preprocessed"), "--results", str(own / "results")]
+    result = nnui(env, "launch", "4", "3d_fullres", "--cpu", "--folds", "0", *flags,
+                  "--", "--epochs", "300", "--epoch-time", "0.1")  # fmt: skip
+    (first,) = launched_ids(result)
+    run = status(env)[first]["run_dir"]
+    assert run.startswith(str(own / "results"))
+    assert wait_until(lambda: (status(env)[first]["epoch"] or 0) >= 2, 20)
+    assert nnui(env, "stop", first, "--yes").returncode == 0
+    assert wait_until(lambda: status(env)[first]["state"] == "stopped", 20)
+    stopped_epoch = status(env)[first]["epoch"]
+
+    # A shell whose nnUNet_* variables point elsewhere (with a dataset of the same id there).
+    elsewhere = tmp_path / "elsewhere"
+    make_preprocessed(elsewhere / "preprocessed")
+    other_env = {**env, "nnUNet_preprocessed": str(elsewhere / "preprocessed"),
+                 "nnUNet_results": str(elsewhere / "results")}  # fmt: skip
+    (resumed,) = launched_ids(nnui(other_env, "resume", first))
+    row = status(other_env)[resumed]
+    assert row["run_dir"] == run
+    assert wait_until(lambda: (status(other_env)[resumed]["epoch"] or 0) > stopped_epoch, 20)
+    assert status(other_env)[resumed]["epoch"] > stopped_epoch  # continued, not from zero
+    assert not (elsewhere / "results").exists()
+    assert nnui(other_env, "stop", resumed, "--yes").returncode == 0

@@ -15,7 +15,7 @@ from app.services.gpus import GIB, GpuProcess, GpuSnapshot, MachineSnapshot
 from app.services.launcher import LaunchRequest, plan_launch, preview, resume_request
 from app.services.registry import Registry
 from app.services.signals import proc_info
-from trainer.schema import Roots, State, Status, atomic_write_text, run_dir
+from trainer.schema import DEFAULT_PLANS, Roots, State, Status, atomic_write_text, run_dir
 
 ENTRY = ("-m", "trainer")
 
@@ -81,6 +81,8 @@ def test_argv_and_env_per_mode(roots: Roots, changes: dict, expected: list) -> N
 
 
 def test_trainer_flags_choose_the_run_folder(roots: Roots) -> None:
+    plans_file = roots.preprocessed / D / f"{DEFAULT_PLANS}.json"
+    (roots.preprocessed / D / "MyPlans.json").write_text(plans_file.read_text())
     plans, _ = plan_launch(request(trainer_args=["-p", "MyPlans"]), roots, 4)
     assert plans[0].run_dir == run_dir(roots.results, D, C, "0", plans="MyPlans")
 
@@ -234,7 +236,7 @@ def test_start_detaches_and_records_the_exit_code(env: dict) -> None:
     assert f"[nnui] job {job.job_id}" in console and "epoch 2 loss" in console
     assert "trainer exited with code 0" in console
     assert sorted(p.name for p in Path(done.run_dir).iterdir()) == [
-        "console.log", "events.jsonl", "status.json",
+        ".nnui_claim", "console.log", "events.jsonl", "status.json",
     ]  # fmt: skip
 
 

@@ -373,3 +373,161 @@ def test_real_process_tree_labels_roles_of_a_two_rank_job(env: dict) -> None:
     finally:
         stranger.kill()
         stranger.wait()
+
+
+# ---- bad pids and malformed topologies: data errors, never targets, never tracebacks -------
+
+BAD_PIDS = [0, -1, -11, True, "11", 11.0, None, 10**30, [11]]
+
+
+@pytest.mark.parametrize("bad", BAD_PIDS, ids=[repr(b)[:12] for b in BAD_PIDS])
+def test_bad_topology_pid_is_a_data_error(bad: object) -> None:
+    topo = topology(12, 13)
+    topo["ranks"][1]["pid"] = bad
+    table = lookup(SUPERVISOR, SPAWN_PARENT, worker(12), worker(13))
+    plan = plan_stop(job("spawn"), topo, 1, proc_lookup=table)
+    assert not plan.ok and plan.targets == () and "malformed" in plan.reason
+    assert proc_info(bad) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "topo",
+    [
+        {"kind": "topology", "t": T_TOPOLOGY, "ranks": "all"},
+        {"kind": "topology", "t": "later", "ranks": [{"pid": 11, "global_rank": 0}]},
+        {"kind": "topology", "t": T_TOPOLOGY, "ranks": [{"pid": 11, "global_rank": "abc"}]},
+        {"kind": "topology", "t": T_TOPOLOGY, "ranks": [{"pid": 11, "local_rank": -3}]},
+        {"kind": "topology", "t": T_TOPOLOGY, "ranks": [None, 5, "x"]},
+        {"kind": "topology", "t": float("nan"), "ranks": [{"pid": 11}]},
+        "not even a dict",
+    ],
+)
+def test_malformed_topology_sends_nothing(topo: object, tmp_path: Path) -> None:
+    plan = plan_stop(job("single"), topo, 1, proc_lookup=lookup(SUPERVISOR, SINGLE))  # type: ignore[arg-type]
+    assert not plan.ok and plan.targets == ()
+    registry = Registry(tmp_path)
+    registry.add(job("single", run_dir=str(tmp_path)))
+    assert remember_workers(job("single"), topo, registry, lookup(SUPERVISOR, SINGLE)).processes \
+        == job("single").processes  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [0, -1, -os.getpid()])
+def test_send_refuses_non_pids_without_signalling(bad: int) -> None:
+    from app.services.signals import _send
+
+    # os.kill(0 | -N) would signal this very process group: it must never be reached.
+    assert _send(bad, 0.0, signal.SIGTERM).startswith("refused")
+
+
+# ---- kill: the stop's identity checks (a registry record proves nothing) --------------------
+
+TRAINER = worker(11, ppid=10)
+NO_SCAN = lambda job_id: []  # noqa: E731 - no /proc sweep in the table tests
+
+# (name, process table, recorded processes, expected targets, expected refused pids, fragment)
+KILL_CASES = [
+    ("the job's tree", (SUPERVISOR, TRAINER, worker(12, ppid=11), worker(13, ppid=11)),
+     None, [11, 12, 13], [], None),
+    ("forged record: a process without the job id", (SUPERVISOR, worker(11, env_job_id=None)),
+     None, [], [11], "NNUI_JOB_ID"),
+    ("forged record: another job's process", (SUPERVISOR, worker(11, env_job_id="OTHER")),
+     None, [], [11], "job OTHER"),
+    ("child without env of a trainer that carries the id",
+     (SUPERVISOR, TRAINER, worker(12, ppid=11, env_job_id=None)), None, [11, 12], [], None),
+    ("child without env of a forged trainer", (SUPERVISOR, worker(11, env_job_id=None),
+     worker(12, ppid=11, env_job_id=None)), None, [], [11, 12], "NNUI_JOB_ID"),
+    ("a child older than the job (pid reused)", (SUPERVISOR, TRAINER,
+     worker(12, ppid=11, create_time=T_JOB - 100)), None, [11], [12], "before this job"),
+    ("a child of another user", (SUPERVISOR, TRAINER, worker(12, ppid=11, uid=ME + 4242)), None,
+     [11], [12], "another user"),
+    ("zombie is skipped", (SUPERVISOR, worker(11, zombie=True)), None, [], [], None),
+    ("no trainer yet: the supervisor", (SUPERVISOR,),
+     [ProcessRecord(10, T_JOB + 1, "supervisor")], [10], [], None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("table", "records", "targets", "refused", "fragment"),
+    [c[1:] for c in KILL_CASES],
+    ids=[c[0] for c in KILL_CASES],
+)
+def test_kill_target_selection(table, records, targets, refused, fragment) -> None:
+    from app.services.signals import kill_plan
+
+    changes = {} if records is None else {"processes": records}
+    kids = {11: [p.pid for p in table if p.ppid == 11]}
+    plan = kill_plan(job("spawn", **changes), lookup(*table), lambda pid: kids.get(pid, []),
+                     NO_SCAN)  # fmt: skip
+    assert sorted(i.pid for i in plan.targets) == targets
+    assert sorted(pid for pid, _ in plan.refused) == refused
+    if fragment is not None:
+        assert all(fragment in why for _, why in plan.refused), plan.refused
+    assert 10 in {i.pid for i in plan.targets} or records is None  # supervisor kept otherwise
+
+
+def test_kill_sweeps_an_unrecorded_trainer_carrying_the_job_id() -> None:
+    from app.services.signals import kill_plan
+
+    recorded = [ProcessRecord(10, T_JOB + 1, "supervisor")]  # trainer not recorded yet
+    table = lookup(SUPERVISOR, TRAINER, worker(99, env_job_id="OTHER"))
+    plan = kill_plan(job("single", processes=recorded), table, lambda pid: [], lambda j: [11, 99])
+    assert sorted(i.pid for i in plan.targets) == [10, 11]
+    assert [pid for pid, _ in plan.refused] == [99]
+
+
+def _bystander(job_id: str | None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "NNUI_JOB_ID"}
+    if job_id is not None:
+        env["NNUI_JOB_ID"] = job_id
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    # until exec, /proc shows the parent's environment
+    assert wait_until(lambda: getattr(proc_info(process.pid), "env_job_id", 0) == job_id)
+    return process
+
+
+@pytest.mark.parametrize("carries", [None, "1130-120000-f0-zzz"], ids=["no job id", "other job"])
+def test_real_kill_refuses_a_forged_record(tmp_path: Path, carries: str | None) -> None:
+    registry = Registry(tmp_path)
+    bystander = _bystander(carries)
+    try:
+        ticks = process_start_ticks(bystander.pid)
+        info = proc_info(bystander.pid)
+        forged = Job(
+            job_id="1130-120000-f0-abc", created_at=info.create_time - 1, dataset="D",
+            configuration="C", fold="0", mode="single", device="cpu", gpus=[], simulated=False,
+            argv=[], env={}, run_dir=str(tmp_path), console_path=str(tmp_path / "console.log"),
+            processes=[ProcessRecord(bystander.pid, info.create_time, "trainer", None, ticks),
+                       ProcessRecord(bystander.pid, info.create_time, "worker", 0, ticks)],
+        )  # fmt: skip
+        registry.add(forged)
+        assert plan_kill(forged) == []
+        records = kill(forged, registry, grace_s=0.5)
+        assert [(r.pid, r.result.split(":")[0]) for r in records] == [(bystander.pid, "refused")]
+        assert bystander.poll() is None  # never signalled
+        job_after = registry.get(forged.job_id)
+        assert job_after.killed_at is None and job_after.exit_code is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_real_kill_in_the_supervisors_first_second_ends_killed(env: dict) -> None:
+    from app.services.jobs import derive_state
+    from app.services.procs import pids_with_job_id
+
+    registry = Registry()
+    request = launcher.LaunchRequest(
+        "4", "3d_fullres", ["0"], ["0"], "per_gpu", "cpu", ["--epochs", "200"], True
+    )
+    plans, problems = launcher.plan_launch(request, resolve_roots(), 2, registry=registry)
+    assert problems == []
+    job = launcher.start(plans[0], registry)  # the supervisor is still starting up
+    records = kill(job, registry, grace_s=3.0)
+    assert records and all(r.result == "sent" for r in records if r.signal == "SIGTERM")
+    final = registry.get(job.job_id)
+    assert final.exit_code is not None and final.ended_at is not None
+    assert final.killed_at is not None
+    assert pids_with_job_id(job.job_id) == []  # nothing of the job is left running
+    tracker = JobTracker(registry)
+    assert _view(tracker, job.job_id).state != "lost"
+    assert derive_state is not None

@@ -1,7 +1,9 @@
 """Starting trainings — the only subprocess.Popen user (DESIGN §4).
 
-A launch request becomes one plan per job (argv list, environment additions, run folder),
-checked first. `start()` runs the plan under a small supervisor in a new session with
+A launch request (launch_request.py: the request, its checks, its roots) becomes one plan
+per job: argv list, environment additions, run folder. `start()` claims the run folder
+atomically (claims.py: the folder checks again, then an exclusive claim, under one lock
+with the registration), runs the plan under a small supervisor in a new session with
 stdin from /dev/null and stdout/stderr into the run folder's console.log, so the job
 outlives nnui and the SSH session, and records it in the registry.
 """
@@ -13,30 +15,47 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import app
+from app.services import claims
+from app.services.claims import ClaimRefused
 from app.services.gpus import MachineSnapshot
+from app.services.launch_request import (
+    MODES,
+    LaunchChecks,
+    LaunchRequest,
+    _assignments,
+    _running_jobs,
+    check_arguments,
+    check_request,
+    configuration_names,
+    effective_roots,
+    flag_value,
+    folder_problem,
+    job_roots,
+    resume_request,
+)
 from app.services.registry import Job, ProcessRecord, Registry, new_job_id
-from app.services.signals import job_alive, proc_info, process_identity
+from app.services.signals import process_identity
 from trainer.schema import (
     CONSOLE_FILE,
     DEFAULT_PLANS,
     DEFAULT_TRAINER,
-    FOLDS,
     JOB_ID_ENV,
     ROOT_ENVS,
-    TERMINAL_STATES,
-    DatasetNotFound,
     Roots,
     find_dataset,
-    is_legacy_identifier,
-    read_status,
     run_dir,
 )
 
-MODES = ("per_gpu", "spawn", "torchrun")
+__all__ = [  # the request side lives in launch_request.py; re-exported as launcher.*
+    "MODES", "ClaimRefused", "LaunchChecks", "LaunchPlan", "LaunchRequest", "check_arguments",
+    "check_request", "configuration_names", "effective_roots", "flag_value", "folder_problem",
+    "job_roots", "plan_launch", "preview", "reap_children", "resume_request", "start",
+]  # fmt: skip
+
 # Supervisors started by this process; polled so they never linger as zombies under nnui.
 _started: list[subprocess.Popen[bytes]] = []
 # Test hook: run this script instead of `-m trainer` (the fake trainer in tests/).
@@ -44,21 +63,6 @@ TRAINER_SCRIPT_ENV = "NNUI_TRAINER_SCRIPT"
 # Test hook: run this script instead of `-m torch.distributed.run` (a torchrun that records
 # the signals it receives; it must stay the launcher process, so it runs torchrun in-process).
 TORCHRUN_SCRIPT_ENV = "NNUI_TORCHRUN_SCRIPT"
-
-
-@dataclass(frozen=True)
-class LaunchRequest:
-    dataset: str
-    configuration: str
-    folds: list[str]
-    gpus: list[str]  # one per fold (per_gpu), or the DDP group; simulated indices when simulated
-    mode: str  # "per_gpu" | "spawn" | "torchrun"
-    device: str  # "cuda" | "cpu"
-    trainer_args: list[str]
-    simulated: bool
-    continue_training: bool = False
-    sequential: bool = False  # several folds on one GPU (or one group) run one after another
-    trainer_entry: tuple[str, ...] = field(default=())  # default: ("-m", "trainer")
 
 
 @dataclass(frozen=True)
@@ -80,13 +84,6 @@ class LaunchPlan:
     continue_training: bool = False
 
 
-@dataclass
-class LaunchChecks:
-    errors: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    resumable_folds: list[str] = field(default_factory=list)  # folds with a stopped run
-
-
 def trainer_entry(request: LaunchRequest) -> list[str]:
     if request.trainer_entry:
         return list(request.trainer_entry)
@@ -97,166 +94,6 @@ def trainer_entry(request: LaunchRequest) -> list[str]:
 def torchrun_entry() -> list[str]:
     script = os.environ.get(TORCHRUN_SCRIPT_ENV)
     return [script] if script else ["-m", "torch.distributed.run"]
-
-
-def _flag_value(args: list[str], flag: str, default: str) -> str:
-    if flag in args:
-        index = args.index(flag)
-        if index + 1 < len(args):
-            return args[index + 1]
-    return default
-
-
-def _assignments(request: LaunchRequest) -> tuple[list[tuple[str, list[str]]], list[str]]:
-    """(fold, gpus of its job) in launch order, or errors."""
-    folds, gpus = list(request.folds), list(request.gpus)
-    if request.mode != "per_gpu":
-        group = gpus if gpus else []
-        if len(folds) > 1 and not request.sequential:
-            return [], ["a DDP group trains one fold at a time: pick one fold or --sequential"]
-        return [(fold, group) for fold in folds], []
-    if request.device == "cpu" and not request.simulated:
-        return [(fold, []) for fold in folds], []
-    if not gpus:
-        return [], ["no GPU chosen: pick GPUs or run on CPU"]
-    if len(gpus) == len(folds):
-        return [(f, [g]) for f, g in zip(folds, gpus, strict=True)], []
-    if len(gpus) == 1 or request.sequential:
-        return [(f, [gpus[i % len(gpus)]]) for i, f in enumerate(folds)], []
-    return [], [
-        f"{len(folds)} folds on {len(gpus)} GPUs: give one GPU per fold, or --sequential "
-        "to run several folds on a GPU one after another"
-    ]
-
-
-def _group_size(request: LaunchRequest) -> int:
-    return max(1, len(request.gpus)) if request.mode != "per_gpu" else 1
-
-
-def check_request(
-    request: LaunchRequest,
-    roots: Roots,
-    plans_batch_size: int | None,
-    snapshot: MachineSnapshot | None = None,
-    registry: Registry | None = None,
-) -> LaunchChecks:
-    """Every reason not to launch (errors) or to think twice (warnings)."""
-    checks = LaunchChecks()
-    if request.mode not in MODES:
-        checks.errors.append(f"unknown mode {request.mode!r} (one of {', '.join(MODES)})")
-        return checks
-    if not request.folds:
-        checks.errors.append("no fold chosen")
-    for fold in request.folds:
-        if fold not in FOLDS:
-            checks.errors.append(f"fold {fold!r} is not one of {', '.join(FOLDS)}")
-    if len(set(request.folds)) != len(request.folds):
-        checks.errors.append("a fold is listed twice")
-    if request.mode != "per_gpu":
-        size = _group_size(request)
-        if size < 2:
-            checks.errors.append(
-                f"a {request.mode} DDP group needs at least 2 GPUs (on CPU, --gpus 0,1 "
-                "means 2 processes)"
-            )
-        if len(set(request.gpus)) != len(request.gpus):
-            checks.errors.append("a GPU is listed twice in the DDP group")
-        if plans_batch_size is not None:
-            if size > plans_batch_size:
-                checks.errors.append(
-                    f"group of {size} GPUs > global batch size {plans_batch_size}: "
-                    "each GPU needs at least one sample; use fewer GPUs"
-                )
-            elif plans_batch_size % size:
-                checks.errors.append(
-                    f"global batch size {plans_batch_size} is not divisible by {size} GPUs: "
-                    "ranks would get unequal batches; pick a group size that divides it"
-                )
-    _, assignment_errors = _assignments(request)
-    checks.errors.extend(assignment_errors)
-    if request.mode == "per_gpu" and not request.sequential:
-        used = [g for g in request.gpus]
-        for gpu in sorted(set(used)):
-            if used.count(gpu) > 1 and len(request.folds) > 1 and request.device == "cuda":
-                checks.warnings.append(
-                    f"GPU {gpu} gets {used.count(gpu)} folds at once "
-                    "(add --sequential to queue them)"
-                )
-    try:
-        dataset_name = find_dataset(roots.preprocessed, request.dataset)
-    except DatasetNotFound as error:
-        checks.errors.append(str(error))
-        return checks
-    if snapshot is not None and not request.simulated and request.device == "cuda":
-        _gpu_checks(request, snapshot, checks)
-    _fold_checks(request, roots, dataset_name, registry, checks)
-    return checks
-
-
-def _gpu_checks(request: LaunchRequest, snapshot: MachineSnapshot, checks: LaunchChecks) -> None:
-    if snapshot.driver_problem:
-        checks.errors.append(f"{snapshot.driver_problem} (use --cpu)")
-        return
-    for gpu in dict.fromkeys(request.gpus):
-        reading = snapshot.gpu(gpu) if gpu.isdigit() else None
-        if reading is None:
-            checks.errors.append(f"GPU {gpu} is not visible on this machine")
-            continue
-        if reading.busy:
-            util = reading.utilization_percent
-            checks.warnings.append(
-                f"GPU {gpu} is busy (memory {reading.memory_used_fraction or 0:.0%}, "
-                f"utilisation {'n/a' if util is None else util}%)"
-            )
-        if reading.other_users:
-            checks.warnings.append(f"GPU {gpu} is used by {', '.join(reading.other_users)}")
-
-
-def _fold_checks(
-    request: LaunchRequest,
-    roots: Roots,
-    dataset_name: str,
-    registry: Registry | None,
-    checks: LaunchChecks,
-) -> None:
-    trainer = _flag_value(request.trainer_args, "-tr", DEFAULT_TRAINER)
-    plans = _flag_value(request.trainer_args, "-p", DEFAULT_PLANS)
-    running_jobs = [
-        j
-        for j in (registry.list() if registry else [])
-        if j.dataset == dataset_name
-        and j.configuration == request.configuration
-        and j.exit_code is None
-        and job_alive(j, proc_info)
-    ]
-    for fold in request.folds:
-        folder = run_dir(roots.results, dataset_name, request.configuration, fold, trainer, plans)
-        if any(j.fold == fold and j.run_dir == str(folder) for j in running_jobs):
-            checks.errors.append(f"fold {fold} is already running (see nnui status)")
-            continue
-        status = read_status(folder)
-        if status is None:
-            continue
-        if status.state not in TERMINAL_STATES and any(_pid_alive(p) for p in status.pids):
-            checks.errors.append(f"fold {fold} is already running (pids {status.pids})")
-        elif request.continue_training:
-            continue
-        elif status.state == "finished":
-            checks.errors.append(
-                f"fold {fold} already finished training in {folder}; move that folder to "
-                "train it again"
-            )
-        else:
-            checks.resumable_folds.append(fold)
-            checks.errors.append(
-                f"fold {fold} has an earlier run ({status.state} at epoch {status.epoch}): "
-                "resume it (nnui resume JOB, or launch with --c) or move its folder away"
-            )
-
-
-def _pid_alive(pid: int) -> bool:
-    info = proc_info(pid)
-    return info is not None and not info.zombie
 
 
 def plan_launch(
@@ -270,10 +107,11 @@ def plan_launch(
     checks = check_request(request, roots, plans_batch_size, snapshot, registry)
     if checks.errors:
         return [], checks.errors
+    roots = effective_roots(request, roots)
     dataset_name = find_dataset(roots.preprocessed, request.dataset)
     assignments, _ = _assignments(request)
-    trainer = _flag_value(request.trainer_args, "-tr", DEFAULT_TRAINER)
-    plans_name = _flag_value(request.trainer_args, "-p", DEFAULT_PLANS)
+    trainer = flag_value(request.trainer_args, "-tr", DEFAULT_TRAINER)
+    plans_name = flag_value(request.trainer_args, "-p", DEFAULT_PLANS)
     device = "cpu" if request.simulated else request.device
     job_mode = "single" if request.mode == "per_gpu" else request.mode
     plans: list[LaunchPlan] = []
@@ -343,8 +181,34 @@ def _python_path() -> str:
 
 
 def start(plan: LaunchPlan, registry: Registry) -> Job:
-    """Register the job and start its supervisor, detached from nnui and the terminal."""
-    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    """Claim the run folder, register the job and start its supervisor, detached from nnui
+    and the terminal. ClaimRefused (one line) when the fold was taken meanwhile: then
+    nothing of this job is written.
+
+    Check, claim and registration happen under one lock shared by every nnui process and
+    user of the results root, so of several launches of one fold at the same moment exactly
+    one gets in; the claim is handed to the supervisor, whose life it then follows.
+    """
+    results_root = plan.run_dir.parents[2]  # results/DatasetNNN_Name/T__P__C/fold_F
+    with claims.locked(results_root):
+        running = _running_jobs(registry, plan.dataset, plan.configuration)
+        problem, _ = folder_problem(plan.run_dir, plan.fold, plan.continue_training, running)
+        if problem is not None:
+            raise ClaimRefused(problem)
+        plan.run_dir.mkdir(parents=True, exist_ok=True)
+        claims.take(plan.run_dir, plan.fold, plan.job_id)
+        try:
+            job = _register_and_start(plan, registry)
+        except BaseException:
+            claims.release(plan.run_dir, plan.job_id)
+            raise
+        supervisor = job.process("supervisor")
+        assert supervisor is not None
+        claims.hand_over(plan.run_dir, plan.job_id, supervisor.pid)
+    return job
+
+
+def _register_and_start(plan: LaunchPlan, registry: Registry) -> Job:
     job = Job(
         job_id=plan.job_id,
         created_at=time.time(),
@@ -397,27 +261,3 @@ def start(plan: LaunchPlan, registry: Registry) -> Job:
 def reap_children() -> None:
     """Collect supervisors of this process that have exited (cheap; call it now and then)."""
     _started[:] = [p for p in _started if p.poll() is None]
-
-
-def resume_request(job: Job) -> LaunchRequest:
-    """Continue a job's fold on the same GPUs in the same mode (`--c`)."""
-    args = [a for a in job.trainer_args if a != "--c"]
-    # A job of nnui 0.1 ran under nnU-Net's names without saying so: name its folder's.
-    trainer, plans, _ = [*Path(job.run_dir).parent.name.split("__"), "", "", ""][:3]
-    if is_legacy_identifier(trainer, plans):
-        if _flag_value(args, "-tr", DEFAULT_TRAINER) != trainer:
-            args += ["-tr", trainer]
-        if _flag_value(args, "-p", DEFAULT_PLANS) != plans:
-            args += ["-p", plans]
-    mode = "per_gpu" if job.mode == "single" else job.mode
-    return LaunchRequest(
-        dataset=job.dataset,
-        configuration=job.configuration,
-        folds=[job.fold],
-        gpus=list(job.gpus),
-        mode=mode,
-        device="cuda" if job.device == "cuda" else "cpu",
-        trainer_args=args,
-        simulated=job.simulated,
-        continue_training=True,
-    )

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from app.services.registry import Job, ProcessRecord
+from app.services.registry import Job, ProcessRecord, valid_pid
 from trainer.schema import JOB_ID_ENV
 
 log = logging.getLogger(__name__)
@@ -72,14 +72,19 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 def process_start_ticks(pid: int) -> int | None:
     """Start time in clock ticks since boot (/proc/PID/stat field 22): exact and immutable."""
+    if not valid_pid(pid):
+        return None
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             data = handle.read()
     except OSError:
         return None
     # Fields after the command name (which may contain spaces and parentheses).
-    fields = data[data.rindex(b")") + 2 :].split()
-    return int(fields[19])
+    try:
+        fields = data[data.rindex(b")") + 2 :].split()
+        return int(fields[19])
+    except (ValueError, IndexError):  # an empty read (the process exited meanwhile)
+        return None
 
 
 def ticks_to_wall_s(start_ticks: int) -> float:
@@ -106,7 +111,12 @@ def process_identity(pid: int) -> tuple[int | None, float | None]:
 
 
 def proc_info(pid: int) -> ProcInfo | None:
-    """What the stop checks need about one pid, or None when there is no such process."""
+    """What the stop checks need about one pid, or None when there is no such process.
+
+    Not a pid (0, negative, a bool, a string from a bad record): None, never an exception.
+    """
+    if not valid_pid(pid):
+        return None
     try:
         process = psutil.Process(pid)
         with process.oneshot():
@@ -126,7 +136,7 @@ def proc_info(pid: int) -> ProcInfo | None:
         return info
     except (psutil.NoSuchProcess, ProcessLookupError):
         return None
-    except psutil.Error as error:
+    except (psutil.Error, OSError, ValueError) as error:
         log.debug("proc_info(%s): %s", pid, error)
         return None
 
@@ -144,6 +154,31 @@ def _read_sigcgt(pid: int) -> bool:
             return _sigcgt_has(handle.read(), signal.SIGUSR1)
     except OSError:
         return False
+
+
+def pids_with_job_id(job_id: str) -> list[int]:
+    """Live processes of this user whose start environment holds NNUI_JOB_ID=job_id.
+
+    kill's sweep for a trainer its supervisor had no time to record (a kill in the
+    supervisor's first second); each pid found still passes the kill's identity checks.
+    """
+    uid = os.getuid()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+        except OSError:
+            continue
+        if _env_value(int(name), JOB_ID_ENV) == job_id:
+            found.append(int(name))
+    return found
 
 
 def same_identity(info: ProcInfo, create_time: float, start_ticks: int | None) -> bool:

@@ -4,8 +4,9 @@ Roles: the supervisor, the launcher (torchrun) or spawn parent (`-num_gpus`), ra
 its device (from the topology event), loader workers (children of a rank), other (e.g.
 multiprocessing's resource tracker). Only processes that are provably this job's are
 listed: recorded ones still the same process (start_ticks), their descendants, and the
-topology's ranks on this host; each must be ours (uid), started after the job was launched
-and carry the job's NNUI_JOB_ID or be recorded.
+topology's ranks on this host; each must pass the stop's identity checks: ours (uid),
+started after the job was launched, carrying the job's NNUI_JOB_ID (or a child of its
+recorded trainer that carries it). A registry record alone proves nothing.
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ def latest_topology(job: Job) -> dict[str, Any] | None:
             continue
         try:
             record = json.loads(line)
-        except ValueError:
-            continue  # a torn last line
-        t = record.get("t", 0)
+        except (ValueError, RecursionError):
+            continue  # a torn last line, or garbage
+        t = record.get("t", 0) if isinstance(record, dict) else None
+        if not isinstance(t, (int, float)) or isinstance(t, bool):
+            continue  # not a record, or no usable time
         if record.get("kind") != Kind.TOPOLOGY or t < job.created_at - WALL_CLOCK_TOLERANCE_S:
             continue
         if job.ended_at is not None and t > job.ended_at + WALL_CLOCK_TOLERANCE_S:
@@ -113,7 +116,6 @@ def process_tree(
     if topology is None:
         topology = latest_topology(job)
     alive = [r for r in job.processes if record_alive(r, proc_lookup)]
-    recorded = {r.pid for r in alive}
     candidates: list[int] = []
     for record in alive:
         candidates.append(record.pid)
@@ -121,4 +123,4 @@ def process_tree(
             candidates.extend(children(record.pid))
     rank_pids = [int(r["pid"]) for r in local_ranks(topology)]
     candidates.extend(rank_pids)
-    return label_tree(job, job_members(job, candidates, recorded, proc_lookup), topology)
+    return label_tree(job, job_members(job, candidates, proc_lookup), topology)

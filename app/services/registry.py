@@ -4,7 +4,10 @@ Layout: `$NNUI_STATE_DIR` (else `$XDG_STATE_HOME/nnui`, else `~/.local/state/nnu
 `jobs/<job_id>.json` and a `lock` file. Whole files are replaced atomically (readers never
 see half a job) and every read-modify-write holds `fcntl.flock` on the lock file, so two
 nnui instances and the supervisors never lose each other's updates. A file that does not
-parse is renamed `*.corrupt` and reported in `problems`; it never stops the app.
+parse, is not UTF-8 or holds a field of the wrong type (a pid "x", 0 or -1, gpus 3, ...) is
+renamed `*.corrupt` and reported in `problems`; it never stops the app and never reaches
+the code that signals processes. A state directory that cannot be used (a file in its
+place, no permission) raises `StateDirError` with a one-line reason.
 """
 
 from __future__ import annotations
@@ -12,18 +15,37 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import secrets
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 STATE_DIR_ENV = "NNUI_STATE_DIR"
+# A pid fits pid_t (the kernel's own limit is 2**22 on 64-bit; larger values are simply
+# absent). Zero and negative values are never pids here: os.kill(0 | -1 | -N) would signal
+# a whole process group.
+PID_MAX = 2**31 - 1
+MAX_JOB_FILE_BYTES = 16 * 1024 * 1024  # a real job file is a few KiB
+
+
+class StateDirError(OSError):
+    """The state directory cannot be used; the message is one line for the user."""
+
+
+class RecordError(ValueError):
+    """A job file whose content is not a valid job (names the field and the value)."""
+
+
+def valid_pid(value: object) -> bool:
+    """A positive int that can be a pid (never a bool, never 0 or negative)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= PID_MAX
 
 
 def default_state_dir() -> Path:
@@ -76,6 +98,7 @@ class Job:
     trainer_args: list[str] = field(default_factory=list)
     continue_training: bool = False
     note: str | None = None  # e.g. "stopped before it started"
+    killed_at: float | None = None  # `nnui kill` began (the job ends "killed", not "lost")
 
     def process(self, role: str) -> ProcessRecord | None:
         return next((p for p in self.processes if p.role == role), None)
@@ -84,17 +107,134 @@ class Job:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Job:
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        values["processes"] = [_record(ProcessRecord, p) for p in data.get("processes", [])]
-        values["signals"] = [_record(SignalRecord, s) for s in data.get("signals", [])]
+    def from_dict(cls, data: Any) -> Job:
+        """A job from its JSON object, every field checked (RecordError names the bad one)."""
+        if not isinstance(data, dict):
+            raise RecordError(f"not a JSON object: {_short(data)}")
+        values = {k: v for k, v in data.items() if k in _CHECKS[cls]}
+        _check_fields(cls, values, "")
+        values["processes"] = [
+            _record(ProcessRecord, p, f"processes[{i}]")
+            for i, p in enumerate(values.get("processes", []))
+        ]
+        values["signals"] = [
+            _record(SignalRecord, s, f"signals[{i}]")
+            for i, s in enumerate(values.get("signals", []))
+        ]
         return cls(**values)
 
 
-def _record(cls: type, data: dict[str, Any]) -> Any:
-    known = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in data.items() if k in known})
+def _record(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise RecordError(f"{where}: not a JSON object: {_short(data)}")
+    values = {k: v for k, v in data.items() if k in _CHECKS[cls]}
+    _check_fields(cls, values, where)
+    return cls(**values)
+
+
+# ---- field checks: every value a job file can hold, with its type and range -------------
+
+_INT_LIMIT = 2**63  # larger integers are garbage (and overflow float conversions)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_int(value: Any, low: int = -_INT_LIMIT, high: int = _INT_LIMIT) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _is_time(value: Any) -> bool:
+    """A finite number of seconds (json reads 1e400 as inf, NaN as nan)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return _is_int(value, -(2**53), 2**53)
+
+
+def _is_str_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _is_str_dict(value: Any) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    )
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
+
+
+def _is_job_id(value: Any) -> bool:
+    return (
+        isinstance(value, str)
+        and bool(value)
+        and "/" not in value
+        and "\0" not in value
+        and (not value.startswith("."))
+    )
+
+
+_STR = (lambda v: isinstance(v, str), "a string")
+_BOOL = (lambda v: isinstance(v, bool), "true or false")
+_TIME = (_is_time, "a finite number")
+_STR_LIST = (_is_str_list, "a list of strings")
+_CHECKS: dict[type, dict[str, tuple[Callable[[Any], bool], str]]] = {
+    ProcessRecord: {
+        "pid": (valid_pid, f"a pid (1..{PID_MAX})"),
+        "create_time": _TIME,
+        "role": _STR,
+        "rank": (_optional(lambda v: _is_int(v, 0, 2**20)), "a rank >= 0 or null"),
+        "start_ticks": (_optional(lambda v: _is_int(v, 0)), "clock ticks >= 0 or null"),
+    },
+    SignalRecord: {
+        "t": _TIME,
+        # 0 marks a refusal that reached no process (see signals.send_stop); never signalled.
+        "pid": (lambda v: v == 0 or valid_pid(v), f"0 or a pid (1..{PID_MAX})"),
+        "signal": _STR,
+        "rank": (_optional(lambda v: _is_int(v, 0, 2**20)), "a rank >= 0 or null"),
+        "result": _STR,
+    },
+    Job: {
+        "job_id": (_is_job_id, "a job id"),
+        "created_at": _TIME,
+        **{name: _STR for name in ("dataset", "configuration", "fold", "mode", "device")},
+        "gpus": _STR_LIST,
+        "simulated": _BOOL,
+        "argv": _STR_LIST,
+        "env": (_is_str_dict, "an object of strings"),
+        "run_dir": _STR,
+        "console_path": _STR,
+        "processes": (lambda v: isinstance(v, list), "a list"),
+        "exit_code": (_optional(lambda v: _is_int(v, -(2**31), 2**31)), "an exit code or null"),
+        "ended_at": (_optional(_is_time), "a finite number or null"),
+        "signals": (lambda v: isinstance(v, list), "a list"),
+        "queued_stop": _BOOL,
+        "after": (_optional(_is_job_id), "a job id or null"),
+        "trainer_args": _STR_LIST,
+        "continue_training": _BOOL,
+        "note": (_optional(lambda v: isinstance(v, str)), "a string or null"),
+        "killed_at": (_optional(_is_time), "a finite number or null"),
+    },
+}
+
+
+def _check_fields(cls: type, values: dict[str, Any], where: str) -> None:
+    """RecordError naming the first field of the wrong type; missing required ones too."""
+    checks = _CHECKS[cls]
+    for name, (check, expected) in checks.items():
+        if name in values and not check(values[name]):
+            label = f"{where}.{name}" if where else name
+            raise RecordError(f"{label}: expected {expected}, got {_short(values[name])}")
+    missing = [f.name for f in fields(cls) if f.name not in values and _required(f)]
+    if missing:
+        raise RecordError(f"{where + ': ' if where else ''}missing {', '.join(missing)}")
+
+
+def _required(item: Any) -> bool:
+    return item.default is MISSING and item.default_factory is MISSING
 
 
 def new_job_id(fold: str, when: float | None = None) -> str:
@@ -103,12 +243,30 @@ def new_job_id(fold: str, when: float | None = None) -> str:
     return f"{stamp}-f{fold}-{secrets.token_hex(2)[:3]}"
 
 
+def check_state_dir(state_dir: Path) -> None:
+    """Create the state directory if needed; StateDirError (one line) if it cannot be used."""
+    hint = f"set {STATE_DIR_ENV} to a writable directory"
+    jobs_dir, lock_path = state_dir / "jobs", state_dir / "lock"
+    try:
+        jobs_dir.mkdir(parents=True, exist_ok=True)
+        with open(lock_path, "a"):
+            pass
+    except OSError as error:
+        where = Path(error.filename) if error.filename else state_dir
+        raise StateDirError(
+            f"cannot use the nnui state directory {state_dir} ({where}: "
+            f"{error.strerror or error}); {hint}"
+        ) from None
+    if not os.access(jobs_dir, os.W_OK | os.X_OK):
+        raise StateDirError(f"the nnui state directory {jobs_dir} is not writable; {hint}")
+
+
 class Registry:
     def __init__(self, state_dir: Path | None = None) -> None:
         self.state_dir = Path(state_dir) if state_dir is not None else default_state_dir()
         self.jobs_dir = self.state_dir / "jobs"
-        self.jobs_dir.mkdir(parents=True, exist_ok=True)
         self._lock_path = self.state_dir / "lock"
+        check_state_dir(self.state_dir)
         self.problems: list[str] = []
 
     # ---- locking and files ---------------------------------------------------------------
@@ -128,6 +286,8 @@ class Registry:
         return self.jobs_dir / f"{job_id}.json"
 
     def _write(self, job: Job) -> None:
+        # Never write what a reader would set aside (RecordError names the bad field).
+        Job.from_dict(job.to_dict())
         path = self._path(job.job_id)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(tmp, "w") as handle:
@@ -138,24 +298,39 @@ class Registry:
 
     def _read(self, path: Path) -> Job | None:
         try:
-            text = path.read_text()
+            with open(path, "rb") as handle:
+                data = handle.read(MAX_JOB_FILE_BYTES + 1)
         except FileNotFoundError:
             return None
+        except OSError as error:  # a folder named *.json, no permission: report, keep
+            self._report(f"cannot read job file {path.name} ({error.strerror or error})")
+            return None
         try:
-            return Job.from_dict(json.loads(text))
-        except (ValueError, TypeError, AttributeError, KeyError) as error:
+            if len(data) > MAX_JOB_FILE_BYTES:
+                raise RecordError(f"larger than {MAX_JOB_FILE_BYTES} bytes")
+            job = Job.from_dict(json.loads(data.decode("utf-8")))
+            if job.job_id != path.stem:
+                raise RecordError(f"it names job {_short(job.job_id)}, not {path.stem}")
+            return job
+        # UnicodeDecodeError and JSONDecodeError are ValueErrors; deep nesting: RecursionError.
+        except (ValueError, TypeError, RecursionError) as error:
             self._set_aside(path, error)
             return None
 
     def _set_aside(self, path: Path, error: Exception) -> None:
         target = path.with_name(path.name + ".corrupt")
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
         try:
             os.replace(path, target)
-            message = f"corrupt job file {path.name} ({error}); moved to {target.name}"
+            message = f"corrupt job file {path.name} ({reason}); moved to {target.name}"
         except OSError as move_error:
-            message = f"corrupt job file {path.name} ({error}); could not move: {move_error}"
-        log.warning(message)
-        self.problems.append(message)
+            message = f"corrupt job file {path.name} ({reason}); could not move: {move_error}"
+        self._report(message)
+
+    def _report(self, message: str) -> None:
+        if message not in self.problems:
+            log.info(message)  # the user sees `problems` (nnui prints them once, as warnings)
+            self.problems.append(message)
 
     # ---- public API ----------------------------------------------------------------------
 

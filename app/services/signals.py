@@ -1,11 +1,8 @@
 """Graceful stop and kill — the only os.kill / pidfd user (DESIGN §4).
 
-The headline promise: a graceful stop reaches exactly the job's worker processes, or
-nothing. Targets come from the trainer's `topology` event (never torchrun, never the
--num_gpus parent, never a process group, never a name). Every target must be alive, ours,
-the very process that wrote the topology (start ticks since boot), part of this job
-(NNUI_JOB_ID in its environment), and have a SIGUSR1 handler (else the signal would kill
-it). If one check fails nothing is sent and the reason is shown.
+What may be signalled is decided in targets.py (the identity checks, all or none for a
+stop); this module sends, re-checks the identity right before each signal (pidfd where
+available), and records every attempt in the registry.
 """
 
 from __future__ import annotations
@@ -13,16 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-import psutil
-
 from app.services.procs import (
-    WALL_CLOCK_TOLERANCE_S,
     ProcInfo,
     _sigcgt_has,
     is_same_process,
@@ -32,12 +24,25 @@ from app.services.procs import (
     process_start_ticks,
     process_start_time,
     record_alive,
-    same_identity,
 )
-from app.services.registry import Job, ProcessRecord, Registry, SignalRecord
-from trainer.schema import JOB_ID_ENV
+from app.services.registry import Job, ProcessRecord, Registry, SignalRecord, valid_pid
+from app.services.targets import (
+    KillPlan,
+    StopPlan,
+    StopTarget,
+    check_worker,
+    is_launcher_cmdline,
+    job_members,
+    kill_plan,
+    local_ranks,
+    plan_kill,
+    plan_stop,
+    topology_problem,
+    topology_ranks,
+)
 
-__all__ = [  # process identity lives in procs.py; re-exported so callers can use signals.*
+__all__ = [  # identity lives in procs.py, planning in targets.py; re-exported as signals.*
+    "KillPlan",
     "ProcInfo",
     "StopPlan",
     "StopTarget",
@@ -46,7 +51,9 @@ __all__ = [  # process identity lives in procs.py; re-exported so callers can us
     "is_launcher_cmdline",
     "is_same_process",
     "job_alive",
+    "job_members",
     "kill",
+    "kill_plan",
     "local_ranks",
     "plan_kill",
     "plan_stop",
@@ -57,167 +64,16 @@ __all__ = [  # process identity lives in procs.py; re-exported so callers can us
     "record_alive",
     "remember_workers",
     "send_stop",
+    "topology_problem",
     "topology_ranks",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
-# The job's create time comes from nnui's clock before Popen; processes start after it.
-# Both are wall-clock readings, which clock adjustments move by up to about a second.
-LAUNCH_SLACK_S = WALL_CLOCK_TOLERANCE_S
-LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "app.services.supervisor")
 HAS_PIDFD = hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
 
 
 # ---- graceful stop -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StopTarget:
-    pid: int
-    rank: int
-    local_rank: int
-    host: str
-    device: str
-    create_time: float = 0.0
-    start_ticks: int | None = None  # the identity checked again right before the signal
-
-
-@dataclass(frozen=True)
-class StopPlan:
-    ok: bool
-    targets: tuple[StopTarget, ...]
-    reason: str | None
-    epoch: int | None
-    queued: bool
-    already_signalled: bool = False  # a stop was already sent to these very pids
-
-
-def is_launcher_cmdline(cmdline: list[str]) -> bool:
-    """torchrun, our supervisor, or a -num_gpus N>1 parent: never a SIGUSR1 target."""
-    if any(arg in LAUNCHER_MODULES or os.path.basename(arg) == "torchrun" for arg in cmdline[:4]):
-        return True
-    if "-num_gpus" in cmdline:
-        index = cmdline.index("-num_gpus")
-        value = cmdline[index + 1] if index + 1 < len(cmdline) else ""
-        return value.isdigit() and int(value) > 1
-    return False
-
-
-def topology_ranks(topology: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The per-rank entries of a topology event (key `ranks`; `workers`/`processes` tolerated)."""
-    if not topology:
-        return []
-    for key in ("ranks", "workers", "processes"):
-        value = topology.get(key)
-        if isinstance(value, list):
-            return [r for r in value if isinstance(r, dict) and isinstance(r.get("pid"), int)]
-    return []
-
-
-def local_ranks(topology: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Topology entries of ranks on this host (pids elsewhere mean nothing here)."""
-    here = socket.gethostname()
-    return [r for r in topology_ranks(topology) if r.get("host") in (None, here, "localhost")]
-
-
-def _launcher_pids(job: Job) -> set[int]:
-    pids = {p.pid for p in job.processes if p.role == "supervisor"}
-    if job.mode != "single":
-        pids |= {p.pid for p in job.processes if p.role == "trainer"}
-    return pids
-
-
-def _descends_from_job(
-    info: ProcInfo, job: Job, proc_lookup: Callable[[int], ProcInfo | None]
-) -> bool:
-    """True if an ancestor is the job's recorded trainer or supervisor (same start ticks)."""
-    recorded = {p.pid: p for p in job.processes if p.role in ("trainer", "supervisor")}
-    pid, seen = info.ppid, 0
-    while pid > 1 and seen < 16:
-        if pid in recorded:
-            return record_alive(recorded[pid], proc_lookup)
-        parent = proc_lookup(pid)
-        if parent is None:
-            return False
-        pid, seen = parent.ppid, seen + 1
-    return False
-
-
-def check_worker(
-    job: Job,
-    entry: dict[str, Any],
-    topology_t: float | None,
-    proc_lookup: Callable[[int], ProcInfo | None] = proc_info,
-) -> tuple[ProcInfo | None, str | None]:
-    """(info, None) when this topology entry may receive SIGUSR1, else (info, why not)."""
-    pid = int(entry["pid"])
-    label = f"pid {pid} (rank {entry.get('global_rank', '?')})"
-    info = proc_lookup(pid)
-    if info is None:
-        return None, f"{label} is not running"
-    if info.zombie:
-        return info, f"{label} has exited (zombie)"
-    if info.uid != os.getuid():
-        return info, f"{label} belongs to another user (uid {info.uid})"
-    if pid in _launcher_pids(job) or is_launcher_cmdline(info.cmdline):
-        return info, f"{label} is a launcher, not a worker"
-    recorded = next((p for p in job.processes if p.pid == pid and p.role == "worker"), None)
-    if recorded is not None and not same_identity(info, recorded.create_time, recorded.start_ticks):
-        return info, f"{label} is another process now (pid reused)"
-    if info.create_time < job.created_at - LAUNCH_SLACK_S:
-        return info, f"{label} started before this job was launched (pid reused)"
-    if topology_t is not None and info.create_time > topology_t + WALL_CLOCK_TOLERANCE_S:
-        return info, f"{label} started after the topology was written (pid reused)"
-    if info.env_job_id != job.job_id and not (
-        info.env_job_id is None and _descends_from_job(info, job, proc_lookup)
-    ):
-        if info.env_job_id is None:
-            return info, f"{label} does not carry {JOB_ID_ENV} of this job"
-        return info, f"{label} belongs to job {info.env_job_id}, not {job.job_id}"
-    if not info.sigcgt_usr1:
-        return info, f"{label} has no SIGUSR1 handler yet (still starting?) — try again shortly"
-    return info, None
-
-
-def plan_stop(
-    job: Job,
-    topology: dict[str, Any] | None,
-    last_epoch: int | None,
-    proc_lookup: Callable[[int], ProcInfo | None] = proc_info,
-) -> StopPlan:
-    """Which pids get SIGUSR1, all checked; `ok=False` with the reason when any check fails."""
-    if job.exit_code is not None or job.ended_at is not None:
-        return StopPlan(False, (), "the job has already ended", last_epoch, False)
-    ranks = topology_ranks(topology)
-    if not ranks:
-        reason = "no topology yet: the stop is queued and sent once the workers are up"
-        return StopPlan(False, (), reason, last_epoch, True)
-    here = socket.gethostname()
-    local = local_ranks(topology)
-    if not local:
-        return StopPlan(False, (), f"no worker runs on this host ({here})", last_epoch, False)
-    topology_t = topology.get("t") if topology else None
-    targets: list[StopTarget] = []
-    for entry in sorted(local, key=lambda r: r.get("global_rank", 0)):
-        info, problem = check_worker(job, entry, topology_t, proc_lookup)
-        if problem is not None:
-            return StopPlan(False, (), f"nothing sent: {problem}", last_epoch, False)
-        assert info is not None
-        targets.append(
-            StopTarget(
-                pid=info.pid,
-                rank=int(entry.get("global_rank", 0)),
-                local_rank=int(entry.get("local_rank", 0)),
-                host=str(entry.get("host") or here),
-                device=str(entry.get("device", "?")),
-                create_time=info.create_time,
-                start_ticks=info.start_ticks,
-            )
-        )
-    sent = {s.pid for s in job.signals if s.signal == "SIGUSR1" and s.result == "sent"}
-    already = all(t.pid in sent for t in targets)
-    return StopPlan(True, tuple(targets), None, last_epoch, False, already_signalled=already)
 
 
 def remember_workers(
@@ -228,7 +84,9 @@ def remember_workers(
 ) -> Job:
     """Record each worker's identity (start ticks) when the topology is first seen (pid reuse)."""
     known = {p.pid for p in job.processes if p.role == "worker"}
-    topology_t = topology.get("t") if topology else None
+    if topology_problem(topology) is not None:
+        return job
+    topology_t = topology.get("t") if isinstance(topology, dict) else None
     for entry in local_ranks(topology):
         if entry["pid"] in known:
             continue
@@ -236,15 +94,16 @@ def remember_workers(
         # A handler not yet installed is fine to remember; anything else is not our worker.
         if info is None or (problem is not None and "SIGUSR1 handler" not in problem):
             continue
-        record = ProcessRecord(
-            info.pid, info.create_time, "worker", entry.get("global_rank"), info.start_ticks
-        )
+        rank = entry.get("global_rank")  # an int >= 0 or None (checked with the topology)
+        record = ProcessRecord(info.pid, info.create_time, "worker", rank, info.start_ticks)
         job = registry.add_process(job.job_id, record)
     return job
 
 
 def _send(pid: int, create_time: float, signum: int, start_ticks: int | None = None) -> str:
     """Send one signal to exactly that process; pidfd closes the pid-reuse window."""
+    if not valid_pid(pid):  # os.kill(0 | -1) would reach a whole process group
+        return f"refused: {pid!r} is not a pid"
     try:
         if HAS_PIDFD:
             fd = os.pidfd_open(pid)
@@ -287,94 +146,125 @@ def send_stop(plan: StopPlan, job: Job, registry: Registry) -> list[SignalRecord
 
 # ---- kill --------------------------------------------------------------------------------
 
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return []
+KILL_POLL_S = 0.1
+SETTLE_S = 5.0  # after the kill: time for the supervisor to record the trainer's exit code
 
 
-def plan_kill(
-    job: Job,
-    proc_lookup: Callable[[int], ProcInfo | None] = proc_info,
-    children: Callable[[int], Iterable[int]] = _children,
-) -> list[ProcInfo]:
-    """The job's own live processes: trainer tree (launcher, ranks, loader workers) + workers.
+class _KillSession:
+    """One `kill`: pidfds of the processes signalled so far, and every record."""
 
-    The supervisor is left alone while its trainer lives, so it can record the exit code;
-    a supervisor still waiting for an earlier job is included (nothing else would end it).
-    """
-    # A list, not a dict by pid: in single mode the trainer is also the worker (same pid).
-    alive = [p for p in job.processes if record_alive(p, proc_lookup)]
-    recorded_pids = {p.pid for p in alive}
-    trainers = [p for p in alive if p.role == "trainer"]
-    candidates: list[int] = []
-    for record in trainers:
-        candidates.append(record.pid)
-        candidates.extend(children(record.pid))
-    candidates.extend(p.pid for p in alive if p.role == "worker")
-    if not trainers:
-        candidates.extend(p.pid for p in alive if p.role == "supervisor")
-    return job_members(job, candidates, recorded_pids, proc_lookup)
+    def __init__(self, job_id: str, registry: Registry) -> None:
+        self.job_id, self.registry = job_id, registry
+        self.fds: dict[tuple[int, int | None], tuple[ProcInfo, int]] = {}
+        self.refused: set[tuple[int, str]] = set()
+        self.records: list[SignalRecord] = []
+        self.escalated = False
 
-
-def job_members(
-    job: Job,
-    candidates: Iterable[int],
-    recorded_pids: set[int],
-    proc_lookup: Callable[[int], ProcInfo | None] = proc_info,
-) -> list[ProcInfo]:
-    """The candidates that really are this job's: alive, ours, not older than the job (a
-    reused pid), and recorded by nnui or started with this job's NNUI_JOB_ID."""
-    verified: list[ProcInfo] = []
-    for pid in dict.fromkeys(candidates):
-        info = proc_lookup(pid)
-        if info is None or info.zombie or info.uid != os.getuid():
-            continue
-        if info.create_time < job.created_at - LAUNCH_SLACK_S:
-            continue
-        if pid not in recorded_pids and info.env_job_id != job.job_id:
-            continue
-        verified.append(info)
-    return verified
-
-
-def kill(job: Job, registry: Registry, grace_s: float = 10.0) -> list[SignalRecord]:
-    """SIGTERM to the job's verified processes, then SIGKILL to those still there after grace."""
-    targets = plan_kill(job)
-    records: list[SignalRecord] = []
-    fds: dict[int, int] = {}
-    for info in targets:
+    def round(self) -> list[ProcInfo]:
+        """Plan again (new processes may have been recorded), SIGTERM the new targets;
+        the targets signalled and still alive."""
         try:
-            fds[info.pid] = os.pidfd_open(info.pid) if HAS_PIDFD else -1
-        except OSError:
-            continue
-    try:
-        for info in targets:
-            if info.pid in fds:
-                records.append(_signal_fd(job, registry, info, fds[info.pid], signal.SIGTERM))
-        deadline = time.monotonic() + grace_s
-        remaining = [i for i in targets if i.pid in fds]
-        while remaining and time.monotonic() < deadline:
-            time.sleep(0.1)
-            remaining = [i for i in remaining if _still(i)]
-        for info in remaining:
+            job = self.registry.get(self.job_id)
+        except KeyError:
+            return []
+        plan = kill_plan(job)
+        for pid, reason in plan.refused:
+            if (pid, reason) not in self.refused:
+                self.refused.add((pid, reason))
+                self._record(SignalRecord(time.time(), pid, "SIGTERM", None, f"refused: {reason}"))
+        for info in plan.targets:
+            key = (info.pid, info.start_ticks)
+            if key in self.fds:
+                continue
+            try:
+                fd = os.pidfd_open(info.pid) if HAS_PIDFD else -1
+            except OSError:
+                continue  # gone
+            if not self.fds and job.killed_at is None:
+                self.registry.update(self.job_id, killed_at=time.time())
+            self.fds[key] = (info, fd)
+            self._record(_signal_fd(job, info, fd, signal.SIGTERM))
+        return [i for i in plan.targets if (i.pid, i.start_ticks) in self.fds and _still(i)]
+
+    def escalate(self, pending: list[ProcInfo]) -> None:
+        job = self.registry.get(self.job_id)
+        for info in pending:
             if _still(info):
-                records.append(_signal_fd(job, registry, info, fds[info.pid], signal.SIGKILL))
-    finally:
-        for fd in fds.values():
+                self.escalated = True
+                fd = self.fds[(info.pid, info.start_ticks)][1]
+                self._record(_signal_fd(job, info, fd, signal.SIGKILL))
+
+    def _record(self, record: SignalRecord) -> None:
+        self.records.append(record)
+        self.registry.record_signal(self.job_id, record)
+
+    def close(self) -> None:
+        for _, fd in self.fds.values():
             if fd >= 0:
                 os.close(fd)
-    return records
+
+
+def kill(
+    job: Job, registry: Registry, grace_s: float = 10.0, settle_s: float = SETTLE_S
+) -> list[SignalRecord]:
+    """SIGTERM to the job's verified processes, SIGKILL to those still there after grace_s.
+
+    Planned again every round, so a trainer recorded meanwhile (a kill in the supervisor's
+    first second) is reached too. Refusals are recorded and returned ("refused: ...").
+    When everything is gone and nobody recorded an exit code (the supervisor died before
+    its handler existed), the kill records one: the job ends killed, not lost.
+    """
+    session = _KillSession(job.job_id, registry)
+    try:
+        deadline = time.monotonic() + grace_s
+        while True:
+            pending = session.round()
+            if not pending:
+                break
+            if time.monotonic() >= deadline:
+                session.escalate(pending)
+                break
+            time.sleep(KILL_POLL_S)
+    finally:
+        session.close()
+    if session.fds:
+        _settle(job.job_id, registry, -(signal.SIGKILL if session.escalated else signal.SIGTERM),
+                settle_s)  # fmt: skip
+    return session.records
+
+
+def _settle(job_id: str, registry: Registry, exit_code: int, settle_s: float) -> None:
+    """Wait for the supervisor to record the exit; record it ourselves if nobody is left."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            job = registry.get(job_id)
+        except KeyError:
+            return
+        if job.exit_code is not None:
+            return
+        if not job_alive(job):
+            break
+        if time.monotonic() >= deadline:
+            return  # still alive (the supervisor records it when it ends)
+        time.sleep(KILL_POLL_S)
+
+    def record_end(job: Job) -> None:
+        if job.exit_code is None:  # the supervisor may have written it meanwhile
+            job.exit_code, job.ended_at = exit_code, time.time()
+            job.note = job.note or "killed before its supervisor recorded an exit code"
+
+    registry.modify(job_id, record_end)
 
 
 def _still(info: ProcInfo) -> bool:
     return is_same_process(info.pid, info.create_time, start_ticks=info.start_ticks)
 
 
-def _signal_fd(job: Job, registry: Registry, info: ProcInfo, fd: int, signum: int) -> SignalRecord:
+def _signal_fd(job: Job, info: ProcInfo, fd: int, signum: int) -> SignalRecord:
     try:
+        if not valid_pid(info.pid):
+            raise ValueError(f"{info.pid!r} is not a pid")
         if fd >= 0:
             signal.pidfd_send_signal(fd, signum)
         elif _still(info):
@@ -384,9 +274,7 @@ def _signal_fd(job: Job, registry: Registry, info: ProcInfo, fd: int, signum: in
         result = "sent"
     except ProcessLookupError:
         result = "failed: process already gone"
-    except OSError as error:
+    except (OSError, ValueError) as error:
         result = f"failed: {error}"
     rank = next((p.rank for p in job.processes if p.pid == info.pid), None)
-    record = SignalRecord(time.time(), info.pid, signal.Signals(signum).name, rank, result)
-    registry.record_signal(job.job_id, record)
-    return record
+    return SignalRecord(time.time(), info.pid, signal.Signals(signum).name, rank, result)

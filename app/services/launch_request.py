@@ -1,0 +1,337 @@
+"""What to launch and whether it may be: requests, their checks, and the roots they use.
+
+Every reason not to launch, with the flag that fixes it. Arguments that name nothing (a
+fold, a dataset, a configuration not in the plans) are usage errors, found before anything
+is written. A run folder is free when no live job of the registry trains there, no live
+claim holds it (claims.py) and its status.json shows no earlier run (unless `--c`); start()
+checks the folder once more under the claims lock. A resume uses the job's own roots.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.services import claims
+from app.services.claims import ClaimRefused
+from app.services.gpus import MachineSnapshot
+from app.services.registry import Job, Registry, valid_pid
+from app.services.signals import job_alive, proc_info
+from trainer.schema import (
+    DEFAULT_PLANS,
+    DEFAULT_TRAINER,
+    FOLDS,
+    ROOT_ENVS,
+    TERMINAL_STATES,
+    DatasetNotFound,
+    Roots,
+    find_dataset,
+    is_legacy_identifier,
+    plans_file_name,
+    read_status,
+    run_dir,
+)
+
+MODES = ("per_gpu", "spawn", "torchrun")
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    dataset: str
+    configuration: str
+    folds: list[str]
+    gpus: list[str]  # one per fold (per_gpu), or the DDP group; simulated indices when simulated
+    mode: str  # "per_gpu" | "spawn" | "torchrun"
+    device: str  # "cuda" | "cpu"
+    trainer_args: list[str]
+    simulated: bool
+    continue_training: bool = False
+    sequential: bool = False  # several folds on one GPU (or one group) run one after another
+    trainer_entry: tuple[str, ...] = field(default=())  # default: ("-m", "trainer")
+    roots: Roots | None = None  # a resume: the job's own roots, whatever the caller's are
+
+
+@dataclass
+class LaunchChecks:
+    errors: list[str] = field(default_factory=list)  # every refusal (usage ones included)
+    warnings: list[str] = field(default_factory=list)
+    resumable_folds: list[str] = field(default_factory=list)  # folds with a stopped run
+    usage_errors: list[str] = field(default_factory=list)  # arguments that name nothing
+
+
+def flag_value(args: list[str], flag: str, default: str) -> str:
+    """The value of `flag V` or `flag=V` in trainer flags (the last one wins, as in argparse)."""
+    value = default
+    for index, arg in enumerate(args):
+        if arg == flag and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value
+
+
+def effective_roots(request: LaunchRequest, roots: Roots) -> Roots:
+    """The roots the trainer will use: a resume's own, then trainer flags, then the caller's."""
+    base = request.roots or roots
+    preprocessed = flag_value(request.trainer_args, "--preprocessed", "")
+    results = flag_value(request.trainer_args, "--results", "")
+    return Roots(
+        raw=base.raw,
+        preprocessed=_root(preprocessed) if preprocessed else base.preprocessed,
+        results=_root(results) if results else base.results,
+    )
+
+
+def _root(text: str) -> Path:
+    return Path(text).expanduser().absolute()
+
+
+def job_roots(job: Job) -> Roots | None:
+    """The roots a job was launched with (its environment additions), None if not recorded."""
+    values = {name: job.env.get(variable) for name, variable in ROOT_ENVS.items()}
+    if not all(values.values()):
+        return None
+    return Roots(**{name: Path(value) for name, value in values.items() if value})
+
+
+def resume_request(job: Job) -> LaunchRequest:
+    """Continue a job's fold on the same GPUs in the same mode (`--c`), in the job's own
+    results and preprocessed roots (recorded in its environment), not the caller's."""
+    args = [a for a in job.trainer_args if a != "--c"]
+    # A job of nnui 0.1 ran under nnU-Net's names without saying so: name its folder's.
+    trainer, plans, _ = [*Path(job.run_dir).parent.name.split("__"), "", "", ""][:3]
+    if is_legacy_identifier(trainer, plans):
+        if flag_value(args, "-tr", DEFAULT_TRAINER) != trainer:
+            args += ["-tr", trainer]
+        if flag_value(args, "-p", DEFAULT_PLANS) != plans:
+            args += ["-p", plans]
+    mode = "per_gpu" if job.mode == "single" else job.mode
+    return LaunchRequest(
+        dataset=job.dataset,
+        configuration=job.configuration,
+        folds=[job.fold],
+        gpus=list(job.gpus),
+        mode=mode,
+        device="cuda" if job.device == "cuda" else "cpu",
+        trainer_args=args,
+        simulated=job.simulated,
+        continue_training=True,
+        roots=job_roots(job),
+    )
+
+
+def configuration_names(dataset_folder: Path, plans: str) -> list[str] | None:
+    """Configurations in the plans file (stock cascade ones included); None: no plans file."""
+    try:
+        data = json.loads((dataset_folder / plans_file_name(plans)).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError):
+        return []
+    configurations = data.get("configurations") if isinstance(data, dict) else None
+    return sorted(configurations) if isinstance(configurations, dict) else []
+
+
+def check_arguments(request: LaunchRequest, roots: Roots) -> list[str]:
+    """Usage errors: a fold, dataset or configuration that does not exist (exit 2)."""
+    errors = []
+    if not request.folds:
+        errors.append("no fold chosen")
+    for fold in request.folds:
+        if fold not in FOLDS:
+            errors.append(f"fold {fold!r} is not one of {', '.join(FOLDS)}")
+    if len(set(request.folds)) != len(request.folds):
+        errors.append("a fold is listed twice")
+    try:
+        dataset_name = find_dataset(roots.preprocessed, request.dataset)
+    except DatasetNotFound as error:
+        return [*errors, str(error)]
+    plans = flag_value(request.trainer_args, "-p", DEFAULT_PLANS)
+    names = configuration_names(roots.preprocessed / dataset_name, plans)
+    if names is None:
+        errors.append(
+            f"{dataset_name} has no plans {plans}.json in {roots.preprocessed / dataset_name}: "
+            f"preprocess it first (nnui-preprocess {dataset_name})"
+        )
+    elif request.configuration not in names:
+        known = ", ".join(names) or "none"
+        errors.append(
+            f"unknown configuration {request.configuration!r} for {dataset_name} "
+            f"(plans {plans} has: {known})"
+        )
+    return errors
+
+
+def _assignments(request: LaunchRequest) -> tuple[list[tuple[str, list[str]]], list[str]]:
+    """(fold, gpus of its job) in launch order, or errors."""
+    folds, gpus = list(request.folds), list(request.gpus)
+    if request.mode != "per_gpu":
+        group = gpus if gpus else []
+        if len(folds) > 1 and not request.sequential:
+            return [], ["a DDP group trains one fold at a time: pick one fold or --sequential"]
+        return [(fold, group) for fold in folds], []
+    if request.device == "cpu" and not request.simulated:
+        return [(fold, []) for fold in folds], []
+    if not gpus:
+        return [], ["no GPU chosen: pick GPUs or run on CPU"]
+    if len(gpus) == len(folds):
+        return [(f, [g]) for f, g in zip(folds, gpus, strict=True)], []
+    if len(gpus) == 1 or request.sequential:
+        return [(f, [gpus[i % len(gpus)]]) for i, f in enumerate(folds)], []
+    return [], [
+        f"{len(folds)} folds on {len(gpus)} GPUs: give one GPU per fold, or --sequential "
+        "to run several folds on a GPU one after another"
+    ]
+
+
+def _group_size(request: LaunchRequest) -> int:
+    return max(1, len(request.gpus)) if request.mode != "per_gpu" else 1
+
+
+def check_request(
+    request: LaunchRequest,
+    roots: Roots,
+    plans_batch_size: int | None,
+    snapshot: MachineSnapshot | None = None,
+    registry: Registry | None = None,
+) -> LaunchChecks:
+    """Every reason not to launch (errors) or to think twice (warnings)."""
+    checks = LaunchChecks()
+    roots = effective_roots(request, roots)
+    if request.mode not in MODES:
+        checks.errors.append(f"unknown mode {request.mode!r} (one of {', '.join(MODES)})")
+        return checks
+    checks.usage_errors = check_arguments(request, roots)
+    checks.errors.extend(checks.usage_errors)
+    if checks.usage_errors:
+        return checks
+    if request.mode != "per_gpu":
+        size = _group_size(request)
+        if size < 2:
+            checks.errors.append(
+                f"a {request.mode} DDP group needs at least 2 GPUs (on CPU, --gpus 0,1 "
+                "means 2 processes)"
+            )
+        if len(set(request.gpus)) != len(request.gpus):
+            checks.errors.append("a GPU is listed twice in the DDP group")
+        if plans_batch_size is not None:
+            if size > plans_batch_size:
+                checks.errors.append(
+                    f"group of {size} GPUs > global batch size {plans_batch_size}: "
+                    "each GPU needs at least one sample; use fewer GPUs"
+                )
+            elif plans_batch_size % size:
+                checks.errors.append(
+                    f"global batch size {plans_batch_size} is not divisible by {size} GPUs: "
+                    "ranks would get unequal batches; pick a group size that divides it"
+                )
+    _, assignment_errors = _assignments(request)
+    checks.errors.extend(assignment_errors)
+    if request.mode == "per_gpu" and not request.sequential:
+        used = [g for g in request.gpus]
+        for gpu in sorted(set(used)):
+            if used.count(gpu) > 1 and len(request.folds) > 1 and request.device == "cuda":
+                checks.warnings.append(
+                    f"GPU {gpu} gets {used.count(gpu)} folds at once "
+                    "(add --sequential to queue them)"
+                )
+    try:
+        dataset_name = find_dataset(roots.preprocessed, request.dataset)
+    except DatasetNotFound as error:
+        checks.errors.append(str(error))
+        return checks
+    if snapshot is not None and not request.simulated and request.device == "cuda":
+        _gpu_checks(request, snapshot, checks)
+    _fold_checks(request, roots, dataset_name, registry, checks)
+    return checks
+
+
+def _gpu_checks(request: LaunchRequest, snapshot: MachineSnapshot, checks: LaunchChecks) -> None:
+    if snapshot.driver_problem:
+        checks.errors.append(f"{snapshot.driver_problem} (use --cpu)")
+        return
+    for gpu in dict.fromkeys(request.gpus):
+        reading = snapshot.gpu(gpu) if gpu.isdigit() else None
+        if reading is None:
+            checks.errors.append(f"GPU {gpu} is not visible on this machine")
+            continue
+        if reading.busy:
+            util = reading.utilization_percent
+            checks.warnings.append(
+                f"GPU {gpu} is busy (memory {reading.memory_used_fraction or 0:.0%}, "
+                f"utilisation {'n/a' if util is None else util}%)"
+            )
+        if reading.other_users:
+            checks.warnings.append(f"GPU {gpu} is used by {', '.join(reading.other_users)}")
+
+
+def _running_jobs(registry: Registry | None, dataset_name: str, configuration: str) -> list[Job]:
+    return [
+        j
+        for j in (registry.list() if registry else [])
+        if j.dataset == dataset_name
+        and j.configuration == configuration
+        and j.exit_code is None
+        and job_alive(j, proc_info)
+    ]
+
+
+def folder_problem(
+    folder: Path, fold: str, continue_training: bool, running_jobs: list[Job]
+) -> tuple[str | None, bool]:
+    """(why this run folder cannot take a new run, resumable?) — (None, False) when free.
+
+    The same check runs once more inside start()'s claim, under the lock.
+    """
+    if any(j.fold == fold and j.run_dir == str(folder) for j in running_jobs):
+        return f"fold {fold} is already running (see nnui status)", False
+    claimed = claims.check(folder, fold)
+    if claimed is not None:
+        return claimed, False
+    status = read_status(folder)
+    if status is None:
+        return None, False
+    state = status.state if isinstance(status.state, str) else "unknown"
+    pids = [p for p in status.pids if valid_pid(p)] if isinstance(status.pids, list) else []
+    if state not in TERMINAL_STATES and any(_pid_alive(p) for p in pids):
+        return f"fold {fold} is already running (pids {pids})", False
+    if continue_training:
+        return None, False
+    if state == "finished":
+        return (
+            f"fold {fold} already finished training in {folder}; move that folder to train it again"
+        ), False
+    return (
+        f"fold {fold} has an earlier run ({state} at epoch {status.epoch}): "
+        "resume it (nnui resume JOB, or launch with --c) or move its folder away"
+    ), True
+
+
+def _fold_checks(
+    request: LaunchRequest,
+    roots: Roots,
+    dataset_name: str,
+    registry: Registry | None,
+    checks: LaunchChecks,
+) -> None:
+    trainer = flag_value(request.trainer_args, "-tr", DEFAULT_TRAINER)
+    plans = flag_value(request.trainer_args, "-p", DEFAULT_PLANS)
+    running_jobs = _running_jobs(registry, dataset_name, request.configuration)
+    for fold in request.folds:
+        folder = run_dir(roots.results, dataset_name, request.configuration, fold, trainer, plans)
+        try:
+            problem, resumable = folder_problem(
+                folder, fold, request.continue_training, running_jobs
+            )
+        except ClaimRefused as refused:
+            problem, resumable = str(refused), False
+        if problem is not None:
+            checks.errors.append(problem)
+        if resumable:
+            checks.resumable_folds.append(fold)
+
+
+def _pid_alive(pid: int) -> bool:
+    info = proc_info(pid)
+    return info is not None and not info.zombie
