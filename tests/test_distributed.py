@@ -411,17 +411,31 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_mpirun_like_launch_gathers_local_ranks_from_hostnames(tmp_path: Path) -> None:
-    """OMPI rank/size but no local rank: the hostname all_gather decides it."""
+@pytest.mark.parametrize(
+    "per_rank",
+    [
+        {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "{r}"},  # mpirun
+        # RANK/WORLD_SIZE/LOCAL_RANK alone: the short first-contact timeout, live ranks
+        {"RANK": "{r}", "WORLD_SIZE": "2", "LOCAL_RANK": "{r}"},
+    ],
+    ids=["mpirun", "rank-variables"],
+)
+def test_mpirun_like_launch_gathers_local_ranks_from_hostnames(
+    tmp_path: Path, per_rank: dict[str, str]
+) -> None:
+    """Rank/size but no local world size: the hostname all_gather decides it."""
     code = (
         f"import sys; sys.path.insert(0, {str(TESTS_DIR)!r}); sys.path.insert(0, {str(REPO)!r}); "
         "import test_distributed as t; from trainer import launch as d; "
         f"sys.exit(d.run_distributed(t._collectives_worker, {str(tmp_path)!r}, None, 'cpu'))"
     )
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENVS}
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMPI_COMM_WORLD_SIZE="2")
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], env={**base, "OMPI_COMM_WORLD_RANK": str(r)})
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**base, **{k: v.format(r=r) for k, v in per_rank.items()}},
+        )
         for r in range(2)
     ]
     try:

@@ -56,7 +56,7 @@ def reexec_with_caching_allocator(device_type: str, choice: str) -> None:
 
     A SIGUSR1 that arrives meanwhile is kept: it is blocked across exec (the mask and
     pending signals survive it) and the new image unblocks it once its handler is back
-    (stop.install + stop.release in trainer.run.main).
+    (stop.install_at_start, the first statement of trainer.run).
     """
     if (
         device_type != "cpu"

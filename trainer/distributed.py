@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -47,53 +50,118 @@ def client_store(port: int) -> dist.TCPStore:
     return dist.TCPStore("localhost", port, is_master=False, timeout=INIT_TIMEOUT)
 
 
-def init_group(
-    device_type: str,
-    rank: int | None,
-    world: int | None,
-    local: tuple[int | None, int | None],
-    store: Any,
-) -> tuple[int, int, int, int]:
-    """Join the group; returns (global rank, world size, local rank, local world size).
+class NoRendezvous(RuntimeError):
+    """The first contact of an env rendezvous (MASTER_ADDR:MASTER_PORT) did not happen in
+    time: nobody listens there, or nobody joined rank 0."""
 
-    `local` is what the environment knows; only its missing parts come from a hostname
-    all_gather. nccl gets device_id whenever the local rank is known up front, so a wrong
-    device fails here instead of hanging in the first collective.
+
+# Set by every rank > 0 once connected: any one of them proves the job is live.
+_PEER_KEY = "nnui/peer_joined"
+_POLL_S = 0.05
+
+
+def _master_address() -> tuple[str, int]:
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if not (addr and port):
+        raise ValueError(
+            "MASTER_ADDR and MASTER_PORT must be set when started by srun/mpirun without "
+            "torchrun (e.g. export MASTER_ADDR=$(scontrol show hostnames "
+            "$SLURM_JOB_NODELIST | head -n1) MASTER_PORT=29500)"
+        )
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"MASTER_PORT={port} is not a TCP port (1-65535)")
+    return addr, int(port)
+
+
+def _within(condition: Callable[[], bool], timeout_s: float) -> bool:
+    # Polled in Python: c10d's own connect timeouts retry past their deadline and print
+    # a C++ stack per try; this way a failed first contact is one line, in time.
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_S)
+    return True
+
+
+def _listens(addr: str, port: int) -> bool:
+    try:
+        with socket.create_connection((addr, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def env_store(rank: int, world: int, start_timeout_s: float | None) -> dist.TCPStore:
+    """The rendezvous store at MASTER_ADDR:MASTER_PORT (what init_method env:// builds),
+    hosted by rank 0, with a separate timeout for the first contact (None: INIT_TIMEOUT):
+    rank 0 waits that long for any other rank, the others that long for rank 0 to listen.
+    Later waits (all ranks joining, collectives) keep INIT_TIMEOUT. Raises NoRendezvous
+    or ValueError."""
+    addr, port = _master_address()
+    if start_timeout_s is None:
+        start_timeout_s = INIT_TIMEOUT.total_seconds()
+    where = f"MASTER_ADDR:MASTER_PORT {addr}:{port}"
+    if rank == 0:
+        try:
+            store = dist.TCPStore(
+                addr, port, world_size=world, is_master=True, timeout=INIT_TIMEOUT,
+                wait_for_workers=False,
+            )  # fmt: skip
+        except RuntimeError as error:  # DistNetworkError: the port is taken, or not ours
+            raise NoRendezvous(f"rank 0 cannot listen at {where}: {error}") from error
+        if world > 1 and not _within(lambda: store.check([_PEER_KEY]), start_timeout_s):
+            raise NoRendezvous(
+                f"rank 0 of {world} listened at {where} for {start_timeout_s:.0f} s and no "
+                "other rank joined"
+            )
+        return store
+    if not _within(lambda: _listens(addr, port), start_timeout_s):
+        raise NoRendezvous(
+            f"rank {rank} of {world} found nobody listening at {where} (rank 0 hosts it) "
+            f"within {start_timeout_s:.0f} s"
+        )
+    store = dist.TCPStore(addr, port, world_size=world, is_master=False, timeout=INIT_TIMEOUT)
+    store.set(_PEER_KEY, str(rank))
+    return store
+
+
+def init_group(
+    device_type: str, rank: int | None, world: int | None, local_rank: int | None, store: Any
+) -> tuple[int, int]:
+    """Join the group; returns (global rank, world size).
+
+    With `store` (spawn ranks, env_store) rank and world must be known; without it torch's
+    env:// rendezvous reads the launcher's variables (torchrun). nccl gets device_id
+    whenever the local rank is known up front, so a wrong device fails here instead of
+    hanging in the first collective.
     """
     global _object_group, _slow_group
-    import os
-
     backend = "nccl" if device_type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {"backend": backend, "timeout": INIT_TIMEOUT}
     if store is not None:
         kwargs.update(store=store, rank=rank, world_size=world)
     else:
-        if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-            raise ValueError(
-                "MASTER_ADDR and MASTER_PORT must be set when started by srun/mpirun without "
-                "torchrun (e.g. export MASTER_ADDR=$(scontrol show hostnames "
-                "$SLURM_JOB_NODELIST | head -n1) MASTER_PORT=29500)"
-            )
+        _master_address()
         kwargs["init_method"] = "env://"
         if rank is not None and world is not None:
             kwargs.update(rank=rank, world_size=world)
-    local_rank, local_world = local
     if backend == "nccl" and local_rank is not None:
-        torch.cuda.set_device(local_rank)
+        use_cuda_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
     dist.init_process_group(**kwargs)
     _object_group = dist.new_group(backend="gloo") if backend != "gloo" else None
     _slow_group = dist.new_group(backend="gloo", timeout=SLOW_TIMEOUT)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if local_rank is None or local_world is None:
-        from trainer.launch import fill_local
+    return dist.get_rank(), dist.get_world_size()
 
-        hosts = _all_gather_json(socket.gethostname())
-        had_local_rank = local_rank is not None
-        local_rank, local_world = fill_local((local_rank, local_world), hosts, rank)
-        if backend == "nccl" and not had_local_rank:
-            torch.cuda.set_device(local_rank)
-    return rank, world, local_rank, local_world
+
+def use_cuda_device(local_rank: int) -> None:
+    torch.cuda.set_device(local_rank)
+
+
+def all_hostnames() -> list[str]:
+    """Every rank's host name, indexed by global rank (the local-rank fallback)."""
+    return _all_gather_json(socket.gethostname())
 
 
 def destroy_group() -> None:

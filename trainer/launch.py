@@ -33,6 +33,14 @@ from trainer import stop
 log = logging.getLogger(__name__)
 
 LAUNCHERS = ("single", "spawn", "torchrun", "external")
+# What a launcher exports and a finished job can leave behind in a shell (named in errors).
+RENDEZVOUS_VARIABLES = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+    "MASTER_PORT",
+)  # fmt: skip
+# First contact of an external rendezvous (distributed.env_store) where the environment
+# may be left over from a finished job (start_timeout_s): seconds, not 10 minutes.
+LEFTOVER_START_TIMEOUT_S = 10.0
 # After one rank failed the parent SIGTERMs the others (they record `failed`) and SIGKILLs
 # what is left after this grace; after it forwarded SIGTERM/SIGINT it waits the shorter one.
 FAILED_RANK_GRACE_S = 30.0
@@ -269,15 +277,52 @@ def _run_rank(
     from trainer import distributed
 
     rank, world = env_rank_and_size()
+    local = env_local()
     try:
-        rank, world, local_rank, local_world = distributed.init_group(
-            device_type, rank, world, env_local(), store
-        )
+        if store is None and launcher == "external" and rank is not None and world is not None:
+            store = _external_store(distributed, rank, world)
+        rank, world = distributed.init_group(device_type, rank, world, local[0], store)
+        local_rank, local_world = local
+        if local_rank is None or local_world is None:
+            local_rank, local_world = fill_local(local, distributed.all_hostnames(), rank)
+            if device_type == "cuda" and local[0] is None:
+                distributed.use_cuda_device(local_rank)
         topology = Topology(rank, world, local_rank, local_world, socket.gethostname(), launcher)
         set_cpu_threads(topology.local_world_size)
         return int(worker_fn(topology, payload))
     finally:
         distributed.destroy_group()
+
+
+def start_timeout_s(env: Mapping[str, str] = os.environ) -> float | None:
+    """How long the first contact of an external rendezvous may take (None: as long as
+    any later wait, distributed.INIT_TIMEOUT).
+
+    RANK/WORLD_SIZE/LOCAL_RANK with no srun step or mpirun around us is also what a shell
+    left over from a finished job looks like: then seconds. A live step's ranks may start
+    minutes apart (cold imports on a shared file system): then the normal timeout.
+    """
+    live_step = (
+        env.get("SLURM_STEP_ID") is not None
+        or (_env_int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE") or 1) > 1
+    )
+    return None if live_step else LEFTOVER_START_TIMEOUT_S
+
+
+def leftover_variables(env: Mapping[str, str] = os.environ) -> list[str]:
+    """The launcher variables that are set here, in the order to name them."""
+    return [name for name in RENDEZVOUS_VARIABLES if env.get(name) is not None]
+
+
+def _external_store(distributed: Any, rank: int, world: int) -> Any:
+    try:
+        return distributed.env_store(rank, world, start_timeout_s())
+    except distributed.NoRendezvous as error:
+        names = leftover_variables()
+        raise ValueError(
+            f"{error}: {', '.join(names)} look left over from a finished job; unset them "
+            f"(unset {' '.join(names)}) or start the other ranks"
+        ) from None
 
 
 # ---- spawn mode ------------------------------------------------------------------------------
@@ -296,10 +341,10 @@ def _spawn_parent(
     except (RuntimeError, OSError) as error:
         raise ValueError(f"cannot listen on MASTER_PORT={requested_port}: {error}") from error
     port = store.port
-    # Children inherit the blocked mask across exec: a SIGUSR1 that arrives while they import
-    # torch stays pending until _spawn_entry installed its flag handler, instead of killing
-    # them. Ours stays pending too and is forwarded as soon as the rank pids are known.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    # Children inherit the blocked mask across exec: a SIGUSR1 that arrives while they start
+    # stays pending until their entry installed its flag handler, instead of killing them.
+    # Ours stays pending too and is forwarded as soon as the rank pids are known.
+    stop.hold()
     previous = {
         sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
     }
@@ -325,11 +370,11 @@ def _spawn_parent(
         if stop.requested():
             # The trainer's handler caught a SIGUSR1 before we took over: pass it on.
             forward(signal.SIGUSR1, None)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+        stop.release()
         log.info("spawned %d ranks: pids %s", num_procs, [p.pid for p in procs])
         return _wait_ranks(procs, received)
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+        stop.release()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         del store
@@ -384,9 +429,9 @@ def _spawn_entry(
     device_type: str,
     port: int,
 ) -> None:
-    # The trainer's flag handler before anything else (trainer/stop.py is stdlib only).
-    stop.install()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+    # The parent held SIGUSR1 blocked when it started us (the mask survives fork and exec):
+    # one sent since is pending and reaches the flag handler now, before torch is imported.
+    stop.install_at_start()
     os.environ.update(
         RANK=str(local_rank),
         WORLD_SIZE=str(world_size),

@@ -4,11 +4,20 @@ The CLI process checks every input once (a user mistake is one `error: ...` line
 2), resolves a TrainConfig and hands it to trainer.launch.run_distributed, which runs
 trainer.worker.worker in this process, in spawned ranks, or under a launcher.
 
-`import torch` stays out of this module's top level: main() installs the SIGUSR1 handler
-first, so a stop request during the (slow) torch import is kept, not fatal.
+Every entry point runs this module's top first (the console script imports main from
+here, `python -m trainer` and torchrun's `-m trainer` via trainer/__main__.py, spawned ranks
+when they re-import the main script), so its first statement installs the SIGUSR1 flag
+handler, before any other import: a stop request from then on is kept, not fatal (the
+interpreter's own start-up before it is the one unavoidable window; README). `import torch`
+stays out of the top level.
 """
 
+# ruff: noqa: E402  (the SIGUSR1 handler goes in before the other imports)
 from __future__ import annotations
+
+from trainer import stop
+
+stop.install_at_start()
 
 import argparse
 import logging
@@ -17,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer import allocator, stop
+from trainer import allocator
 from trainer.config import RECOMPUTE_CHOICES
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, LEGACY_TRAINER
 
@@ -329,8 +338,7 @@ def _check_device_and_batch(config: Any, global_batch: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    stop.install()  # first: a SIGUSR1 during start-up must not kill us
-    stop.release()  # a SIGUSR1 kept pending across our own re-exec arrives now
+    stop.install_at_start()  # again: a caller in Python may have replaced it since import
     as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

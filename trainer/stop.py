@@ -1,8 +1,12 @@
 """Graceful stop (DESIGN §4): SIGUSR1 only sets a flag; the loop acts on it between epochs.
 
-Standard library only, so `trainer.run` can install the handler before `import torch`
-(a worker without a handler dies of SIGUSR1). Re-install at the start of every epoch:
-torch.compile's Triton/LLVM start-up can replace process signal handlers.
+The one module that sets SIGUSR1's disposition and mask. Standard library only, so the
+first statement of every entry point (trainer.run's top) installs the handler before any
+other import: until then the default action kills the process (exit 138). Re-install at
+the start of every epoch: torch.compile's Triton/LLVM start-up can replace handlers.
+Processes we start while the handler cannot exist yet (spawned ranks, our own re-exec)
+inherit SIGUSR1 blocked (hold), so one sent meanwhile stays pending and arrives at the
+handler when their entry releases it.
 """
 
 from __future__ import annotations
@@ -23,14 +27,28 @@ def install() -> None:
     signal.signal(signal.SIGUSR1, _on_sigusr1)
 
 
+def install_at_start() -> None:
+    """First thing of every entry point: the handler, then a SIGUSR1 that a parent or our
+    own re-exec held pending is delivered to it (and sets the flag)."""
+    install()
+    release()
+
+
+def ignore() -> None:
+    """Helper processes (data loaders) ignore the stop: only the trainer process acts on it."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 def installed() -> bool:
     """True iff our SIGUSR1 handler is the one in place (reported in `topology`)."""
     return signal.getsignal(signal.SIGUSR1) is _on_sigusr1
 
 
 def hold() -> None:
-    """Block SIGUSR1: one that arrives stays pending (also across exec) until release()."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    """Block SIGUSR1: one that arrives stays pending until release(). The mask is inherited
+    by children and kept across exec, so they start with it held as well."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
 
 
 def release() -> None:
