@@ -228,7 +228,7 @@ def _register_and_start(plan: LaunchPlan, registry: Registry) -> Job:
         continue_training=plan.continue_training,
     )
     registry.add(job)
-    env = {**os.environ, **plan.env, "PYTHONPATH": _python_path()}
+    env = {**_without_launcher_leftovers(os.environ), **plan.env, "PYTHONPATH": _python_path()}
     supervisor = [
         sys.executable, "-m", "app.services.supervisor",
         "--job-id", plan.job_id, "--state-dir", str(registry.state_dir), "--", *plan.argv,
@@ -256,6 +256,16 @@ def _register_and_start(plan: LaunchPlan, registry: Registry) -> Job:
     ticks, create_time = process_identity(process.pid)
     record = ProcessRecord(process.pid, create_time or time.time(), "supervisor", None, ticks)
     return registry.add_process(plan.job_id, record)
+
+
+# A shell that once ran torchrun or srun keeps these; a job nnui starts must not inherit
+# them (the trainer would take itself for a rank of that finished job). torchrun sets its own.
+LAUNCHER_LEFTOVERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
+
+
+def _without_launcher_leftovers(environ: os._Environ | dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if k not in LAUNCHER_LEFTOVERS}
 
 
 def reap_children() -> None:

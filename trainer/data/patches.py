@@ -6,11 +6,11 @@ batch k is the same wherever and whenever it is built.
 
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass
 
 import numpy as np
 
+from trainer import stop
 from trainer.data.blosc_io import read_padded
 from trainer.data.dataset import PreprocessedCases
 from trainer.data.sampling import batch_seed, plan_batch
@@ -58,7 +58,7 @@ _WORKER_CASES: PreprocessedCases | None = None
 
 def init_worker(folder: str) -> None:
     """Process-pool initializer: ignore the trainer's graceful-stop signal first thing."""
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    stop.ignore()
     global _WORKER_CASES
     _WORKER_CASES = PreprocessedCases(folder)
 
