@@ -15,7 +15,7 @@ from typing import Any
 
 from app.services import catalog, launcher
 from app.services.gpus import GpuMonitor, MachineSnapshot
-from app.services.jobs import JobTracker, JobView
+from app.services.jobs import JobTracker, JobView, simulated_gpu_load
 from app.services.registry import Job, Registry
 from app.services.signals import job_alive, plan_kill, plan_stop, proc_info, send_stop
 from app.services.signals import kill as kill_job
@@ -89,6 +89,8 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "eta_s": view.eta_s,
         "exit_code": view.exit_code,
         "alerts": list(view.alerts),
+        "num_invalid_events": view.num_invalid_events,
+        "invalid_event_reason": view.invalid_event_reason,
         "after": job.after,
         "queued_stop": job.queued_stop,
         "worker_pids": workers,
@@ -216,7 +218,8 @@ def cmd_stop(options: argparse.Namespace, registry: Registry) -> int:
 
 
 def _snapshot(options: argparse.Namespace) -> MachineSnapshot:
-    monitor = GpuMonitor(simulate=options.simulate_gpus)
+    load = None if options.simulate_gpus is None else lambda: simulated_gpu_load(Registry())
+    monitor = GpuMonitor(simulate=options.simulate_gpus, simulated_load=load)
     try:
         return monitor.snapshot()
     finally:
