@@ -121,7 +121,8 @@ def _is_int(value: Any) -> bool:
 def _is_number(value: Any) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
-    return math.isfinite(value) and abs(value) <= 1e300
+    # The bound first: it compares a huge int exactly, where isfinite would overflow.
+    return abs(value) <= 1e300 and math.isfinite(value)
 
 
 def _is_metric(value: Any) -> bool:
