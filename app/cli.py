@@ -17,13 +17,14 @@ from typing import Any
 from app.services import catalog, launcher
 from app.services.claims import ClaimRefused
 from app.services.gpus import GpuMonitor, MachineSnapshot
-from app.services.jobs import JobTracker, JobView
+from app.services.jobs import JobTracker, JobView, simulated_gpu_load
 from app.services.registry import Job, Registry
 from app.services.signals import kill as kill_job
 from app.services.signals import kill_plan, plan_stop, send_stop
 from trainer.schema import (
     DEFAULT_PLANS,
     DEFAULT_TRAINER,
+    ENDED_STATES,
     DatasetNotFound,
     Roots,
     find_dataset,
@@ -32,7 +33,6 @@ from trainer.schema import (
 )
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3
-ENDED_STATES = ("stopped", "finished", "failed", "lost", "killed")
 RECENT_S = 7 * 24 * 3600  # `nnui status` hides jobs that ended longer ago (--all shows them)
 
 
@@ -99,6 +99,8 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "eta_s": view.eta_s,
         "exit_code": view.exit_code,
         "alerts": list(view.alerts),
+        "num_invalid_events": view.num_invalid_events,
+        "invalid_event_reason": view.invalid_event_reason,
         "after": job.after,
         "queued_stop": job.queued_stop,
         "worker_pids": workers,
@@ -226,7 +228,8 @@ def cmd_stop(options: argparse.Namespace, registry: Registry) -> int:
 
 
 def _snapshot(options: argparse.Namespace) -> MachineSnapshot:
-    monitor = GpuMonitor(simulate=options.simulate_gpus)
+    load = None if options.simulate_gpus is None else lambda: simulated_gpu_load(Registry())
+    monitor = GpuMonitor(simulate=options.simulate_gpus, simulated_load=load)
     try:
         return monitor.snapshot()
     finally:

@@ -3,6 +3,7 @@ incremental refresh over frozen run folders."""
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 import time
@@ -10,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from app.services.gpus import GIB, GpuProcess, GpuSnapshot, MachineSnapshot
+from app.services.gpus import GIB, GpuMonitor, GpuProcess, GpuSnapshot, MachineSnapshot
 from app.services.jobs import JobTracker, JobView, simulated_gpu_load
 from app.services.registry import Job, ProcessRecord, Registry, SignalRecord
 from app.services.signals import proc_info
-from trainer.schema import encode_event
+from trainer.schema import State, encode_event
 
 NOW = time.time()
 _ME = proc_info(os.getpid())
@@ -205,3 +206,56 @@ def test_ended_job_ignores_the_resumed_run_in_its_folder(tmp_path: Path) -> None
     assert (views["old"].state, views["old"].epoch) == ("stopped", 1)
     assert (views["new"].state, views["new"].epoch) == ("failed", 2)
     assert [p.epoch for p in views["new"].history] == [0, 1]
+
+
+BAD_LINES = [
+    '{"v":1,"t":TIME,"kind":"epoch_ended","epoch":null}',
+    '{"v":1,"t":TIME,"kind":"epoch_ended","epoch":"abc"}',
+    '{"v":1,"t":TIME,"kind":"epoch_ended","epoch":1e400}',
+    '{"v":1,"t":TIME,"kind":"topology","ranks":[{"pid":-1}]}',
+    '{"v":1,"t":TIME,"kind":"topology","ranks":[{"pid":0}]}',
+    '{"v":1,"t":TIME,"kind":"topology","ranks":"all"}',
+    '{"v":1,"t":"later","kind":"epoch_ended","epoch":1}',
+]
+
+
+@pytest.mark.parametrize("bad", BAD_LINES)
+def test_one_bad_record_costs_only_itself(tmp_path: Path, bad: str) -> None:
+    registry = Registry(tmp_path / "state")
+    broken = add_job(registry, tmp_path, "broken", processes=[ME_ALIVE])
+    fine = add_job(registry, tmp_path, "fine", processes=[ME_ALIVE])
+    line = bad.replace("TIME", repr(T)) + "\n"
+    write_events(broken, run_started(T), epoch(T, 0), line, topology(T), epoch(T, 1))
+    write_events(fine, run_started(T), topology(T), epoch(T, 0))
+    views = {v.job.job_id: v for v in JobTracker(registry).refresh()}
+    assert (views["broken"].state, views["broken"].epoch) == ("running", 2)
+    assert views["broken"].topology["ranks"][0]["pid"] == 1
+    assert views["broken"].num_invalid_events == 1
+    assert "1 invalid event lines skipped" in views["broken"].alerts
+    assert (views["fine"].state, views["fine"].epoch, views["fine"].alerts) == ("running", 1, ())
+
+
+def test_a_torn_line_before_the_topology_does_not_hide_it(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state")
+    job = add_job(registry, tmp_path, "j", processes=[ME_ALIVE])
+    write_events(job, run_started(T), epoch(T, 0)[:20], topology(T))  # a writer died mid-line
+    (view,) = JobTracker(registry).refresh()
+    assert view.state == "running" and view.topology is not None
+    assert view.num_invalid_events == 1
+
+
+def test_views_carry_states_of_the_one_enum(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state")
+    add_job(registry, tmp_path, "j")
+    (view,) = JobTracker(registry).refresh()
+    assert view.state is State.LOST and view.state == "lost"
+
+
+def test_gpus_does_not_import_jobs() -> None:
+    """The services gpus<->jobs cycle stays cut: the simulated load is the caller's."""
+    source = (Path(__file__).parent.parent / "app" / "services" / "gpus.py").read_text()
+    imported = {
+        node.module for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)
+    }
+    assert not {"app.services.jobs", "app.services.registry"} & imported
+    assert all(not g.processes for g in GpuMonitor(simulate=2).snapshot().gpus)

@@ -11,24 +11,117 @@ import pytest
 from trainer import schema
 from trainer.events import RunRecorder
 
+RANK = {"global_rank": 0, "local_rank": 0, "host": "h", "pid": 4242, "device": "cuda:0",
+        "batch_size": 2, "oversample_foreground_percent": 0.33,
+        "sigusr1_handler": True}  # fmt: skip
+# One complete record per kind, with every key the trainer writes (DESIGN §3).
+EXAMPLES: dict[schema.Kind, dict] = {
+    schema.Kind.RUN_STARTED: dict(
+        dataset="Dataset004_Demo",
+        configuration="3d_fullres",
+        fold="0",
+        num_epochs=10,
+        iterations_per_epoch=250,
+        world_size=1,
+        launcher="single",
+        host="h",
+        argv=["nnui-train"],
+    ),
+    schema.Kind.TOPOLOGY: dict(ranks=[RANK]),
+    schema.Kind.EPOCH_ENDED: dict(
+        epoch=3,
+        train_loss=0.5,
+        val_loss=None,
+        dice_per_class=[0.5, None],
+        mean_fg_dice=0.5,
+        ema_fg_dice=0.4,
+        lr=0.01,
+        epoch_time_s=2.0,
+        iterations_per_s=125.0,
+        data_wait_s=0.1,
+        nan_loss=True,
+    ),
+    schema.Kind.CHECKPOINT_SAVED: dict(checkpoint="latest", path="/r/c", epoch=3, write_time_s=1),
+    schema.Kind.STOP_REQUESTED: dict(epoch=-1, ranks=[0, 1]),
+    schema.Kind.STOPPED: dict(epoch=3, reason="SIGUSR1"),
+    schema.Kind.VALIDATION_FINISHED: dict(mean_fg_dice=0.7, dice_per_class=[0.7], num_cases=2),
+    schema.Kind.FINISHED: dict(epoch=9),
+    schema.Kind.FAILED: dict(message="boom", traceback="Traceback ...", epoch=None),
+}
+
+
+def test_every_kind_has_its_rules_and_an_example() -> None:
+    assert set(schema.REQUIRED_KEYS) == set(schema.OPTIONAL_KEYS) == set(schema.Kind)
+    assert set(EXAMPLES) == schema.ALL_KINDS
+
 
 @pytest.mark.parametrize("kind", sorted(schema.ALL_KINDS))
-def test_every_kind_round_trips(kind: str) -> None:
-    line = schema.encode_event(kind, t=1.5, epoch=3, dice_per_class=[0.5, None])
+def test_every_kind_round_trips(kind: schema.Kind) -> None:
+    line = schema.encode_event(kind, t=1.5, **EXAMPLES[kind])
     assert line.endswith("\n") and line.count("\n") == 1
     record = schema.decode_event(line)
-    assert record == {
-        "v": schema.SCHEMA_VERSION,
-        "t": 1.5,
-        "kind": kind,
-        "epoch": 3,
-        "dice_per_class": [0.5, None],
-    }
+    assert record == {"v": schema.SCHEMA_VERSION, "t": 1.5, "kind": kind, **EXAMPLES[kind]}
+    assert schema.validate_event(record) is None
 
 
-@pytest.mark.parametrize("line", ["", "{", '{"kind": 3}', "[1, 2]", '{"v":1,"t":1,"kind":"epo'])
-def test_torn_or_foreign_lines_decode_to_none(line: str) -> None:
-    assert schema.decode_event(line) is None
+@pytest.mark.parametrize(
+    ("kind", "key"),
+    [(k, key) for k in sorted(schema.Kind) for key in sorted(schema.REQUIRED_KEYS[k])],
+)
+def test_a_missing_required_key_is_named(kind: schema.Kind, key: str) -> None:
+    record = {"v": 1, "t": 1.0, "kind": kind, **EXAMPLES[kind]}
+    del record[key]
+    assert schema.validate_event(record) == f"{kind}: {key!r} is missing"
+
+
+WRONG_VALUES = [
+    (schema.Kind.EPOCH_ENDED, "epoch", None), (schema.Kind.EPOCH_ENDED, "epoch", "abc"),
+    (schema.Kind.EPOCH_ENDED, "epoch", math.inf), (schema.Kind.EPOCH_ENDED, "epoch", True),
+    (schema.Kind.EPOCH_ENDED, "epoch", -1), (schema.Kind.EPOCH_ENDED, "epoch", 2**40),
+    (schema.Kind.EPOCH_ENDED, "epoch", 1.0), (schema.Kind.EPOCH_ENDED, "lr", math.nan),
+    (schema.Kind.EPOCH_ENDED, "dice_per_class", [0.5, "x"]),
+    (schema.Kind.EPOCH_ENDED, "nan_loss", 0),
+    (schema.Kind.TOPOLOGY, "ranks", "all"), (schema.Kind.TOPOLOGY, "ranks", []),
+    (schema.Kind.TOPOLOGY, "ranks", [{**RANK, "pid": -1}]),
+    (schema.Kind.TOPOLOGY, "ranks", [{**RANK, "pid": 0}]),
+    (schema.Kind.TOPOLOGY, "ranks", [{**RANK, "pid": True}]),
+    (schema.Kind.TOPOLOGY, "ranks", [{**RANK, "pid": "12"}]),
+    (schema.Kind.TOPOLOGY, "ranks", [RANK, {"global_rank": 1}]),
+    (schema.Kind.TOPOLOGY, "ranks", [{**RANK, "host": 3}]),
+    (schema.Kind.RUN_STARTED, "num_epochs", "10"), (schema.Kind.RUN_STARTED, "world_size", 0),
+    (schema.Kind.CHECKPOINT_SAVED, "checkpoint", "newest"),
+    (schema.Kind.STOP_REQUESTED, "ranks", "all"), (schema.Kind.FAILED, "message", None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "key", "value"), WRONG_VALUES)
+def test_a_wrong_type_is_refused_with_its_reason(kind: schema.Kind, key: str, value) -> None:
+    record = {"v": 1, "t": 1.0, "kind": kind, **EXAMPLES[kind], key: value}
+    reason = schema.validate_event(record)
+    assert reason is not None and reason.startswith(f"{kind}: {key!r} must be")
+
+
+@pytest.mark.parametrize(
+    "record",
+    [[1, 2], "x", None, {"t": 1}, {"kind": "finished"}, {"t": "later", "kind": "finished"},
+     {"t": True, "kind": "finished"}, {"t": math.inf, "kind": "x"}, {"t": 1, "kind": 3},
+     {"t": 1, "kind": "finished", "v": "1"}],
+)  # fmt: skip
+def test_every_record_needs_a_time_and_a_kind(record) -> None:
+    assert schema.validate_event(record) is not None
+
+
+def test_unknown_kinds_and_keys_are_valid() -> None:
+    assert schema.validate_event({"t": 1, "kind": "running_loss", "loss": "x"}) is None
+    assert schema.validate_event({"t": 1, "kind": "finished", "future": [None]}) is None
+
+
+def test_kinds_and_states_are_enums_that_read_as_their_strings() -> None:
+    assert schema.Kind.TOPOLOGY == "topology" and f"{schema.Kind.TOPOLOGY}" == "topology"
+    assert schema.Kind("epoch_ended") is schema.Kind.EPOCH_ENDED
+    assert json.dumps([schema.State.LOST]) == '["lost"]' and str(schema.State.QUEUED) == "queued"
+    assert "running" in schema.ACTIVE_STATES and "lost" in schema.ENDED_STATES
+    assert schema.TERMINAL_STATES < schema.ENDED_STATES
 
 
 def test_status_round_trip_and_unknown_keys(tmp_path: Path) -> None:

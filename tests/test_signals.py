@@ -336,8 +336,10 @@ def test_real_kill_escalates_to_sigkill_after_grace(env: dict) -> None:
     registry, job = _launch("per_gpu", ["0"], ["--epoch-time", "0.2", "--ignore-term"])
     tracker = JobTracker(registry)
     assert wait_until(lambda: _view(tracker, job.job_id).topology is not None, 15)
+    # The supervisor records the worker once it sees the topology (looking never writes).
+    roles = {"supervisor", "trainer", "worker"}
+    assert wait_until(lambda: {p.role for p in registry.get(job.job_id).processes} == roles, 15)
     j = registry.get(job.job_id)
-    assert {p.role for p in j.processes} == {"supervisor", "trainer", "worker"}
     assert [i.pid for i in plan_kill(j)] == [j.process("trainer").pid]  # not the supervisor
     records = kill(registry.get(job.job_id), registry, grace_s=0.5)
     assert [r.signal for r in records] == ["SIGTERM", "SIGKILL"], records

@@ -4,7 +4,10 @@ lines, bounded memory."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
+
+import pytest
 
 from app.services.tail import JsonlTail, TextTail
 from trainer.schema import encode_event
@@ -40,11 +43,11 @@ def test_partial_last_line_waits_for_its_newline(tmp_path: Path) -> None:
     tail = JsonlTail(tmp_path / "events.jsonl")
     line = epoch(5)
     append(tail.path, line[:10])
-    assert tail.poll() == [] and tail.malformed == 0
+    assert tail.poll() == [] and tail.num_invalid == 0
     append(tail.path, line[10:-1])
     assert tail.poll() == []
     append(tail.path, "\n")
-    assert [r["epoch"] for r in tail.poll()] == [5] and tail.malformed == 0
+    assert [r["epoch"] for r in tail.poll()] == [5] and tail.num_invalid == 0
 
 
 def test_truncation_restarts_from_zero(tmp_path: Path) -> None:
@@ -83,14 +86,15 @@ def test_malformed_lines_are_counted_and_kept_bounded(tmp_path: Path) -> None:
     garbage = "".join(f"garbage {i}\n" for i in range(50))
     append(tail.path, epoch(0) + garbage + '{"no_kind": 1}\n' + "\n" + epoch(1))
     assert [r["epoch"] for r in tail.poll()] == [0, 1]
-    assert tail.malformed == 51
-    assert len(tail.malformed_samples) == 20 and tail.malformed_samples[-1] == '{"no_kind": 1}'
+    assert tail.num_invalid == 51
+    assert len(tail.invalid_samples) == 20
+    assert tail.invalid_samples[-1] == """'t' is missing: {"no_kind": 1}"""
 
 
 def test_invalid_utf8_is_malformed_not_fatal(tmp_path: Path) -> None:
     tail = JsonlTail(tmp_path / "events.jsonl")
     append(tail.path, b"\xff\xfe\n" + epoch(0).encode())
-    assert [r["epoch"] for r in tail.poll()] == [0] and tail.malformed == 1
+    assert [r["epoch"] for r in tail.poll()] == [0] and tail.num_invalid == 1
 
 
 def test_memory_is_bounded_however_long_the_run(tmp_path: Path) -> None:
@@ -119,3 +123,74 @@ def test_text_tail_on_a_huge_file_reads_only_its_end(tmp_path: Path) -> None:
     tail.poll()
     assert list(tail.lines)[-1] == "line 199999" and tail.offset == path.stat().st_size
     assert all(line.startswith("line ") for line in tail.lines)
+
+
+def test_a_torn_line_does_not_swallow_the_next_record(tmp_path: Path) -> None:
+    """A writer died mid-line; the next one appended a whole record right after the tear."""
+    tail = JsonlTail(tmp_path / "events.jsonl")
+    topology = encode_event("topology", t=2.0, ranks=[{"global_rank": 0, "pid": 4242}])
+    append(tail.path, epoch(0) + epoch(1)[:25])
+    assert [r["epoch"] for r in tail.poll()] == [0]  # the torn line waits for its newline
+    append(tail.path, topology + epoch(2))
+    records = tail.poll()
+    assert [r["kind"] for r in records] == ["topology", "epoch_ended"]
+    assert records[0]["ranks"][0]["pid"] == 4242 and tail.num_invalid == 1
+
+
+def test_a_torn_line_read_in_one_go_is_counted_and_the_record_after_it_read(
+    tmp_path: Path,
+) -> None:
+    tail = JsonlTail(tmp_path / "events.jsonl")
+    torn = '{"v":1,"t":3.0,"kind":"topology","ranks":[{"pid":7,"global_rank":0}'
+    append(tail.path, torn + epoch(4) + "garbage, then {not json}\n" + epoch(5))
+    assert [r["epoch"] for r in tail.poll()] == [4, 5]
+    assert tail.num_invalid == 2
+
+
+BAD_RECORDS = [
+    ('{"v":1,"t":1,"kind":"epoch_ended","epoch":null}', "'epoch' must be"),
+    ('{"v":1,"t":1,"kind":"epoch_ended","epoch":"abc"}', "'epoch' must be"),
+    ('{"v":1,"t":1,"kind":"epoch_ended","epoch":1e400}', "'epoch' must be"),
+    ('{"v":1,"t":1,"kind":"epoch_ended","epoch":true}', "'epoch' must be"),
+    ('{"v":1,"t":1,"kind":"epoch_ended","epoch":1,"train_loss":"low"}', "'train_loss'"),
+    ('{"v":1,"t":1,"kind":"topology","ranks":[{"pid":-1}]}', "'ranks' must be"),
+    ('{"v":1,"t":1,"kind":"topology","ranks":[{"pid":0}]}', "'ranks' must be"),
+    ('{"v":1,"t":1,"kind":"topology","ranks":"all"}', "'ranks' must be"),
+    ('{"v":1,"t":"later","kind":"finished"}', "'t' must be a finite number"),
+    ('{"v":1,"t":NaN,"kind":"finished"}', "'t' must be a finite number"),
+    ('{"v":1,"t":1,"kind":"run_started"}', "'num_epochs' is missing"),
+    ("[" * 100_000, "nested too deep"),
+    ("1" * 5000, "not JSON"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("line", "reason"), BAD_RECORDS, ids=[r[1] for r in BAD_RECORDS])
+def test_an_invalid_record_costs_only_itself(tmp_path: Path, line: str, reason: str) -> None:
+    tail = JsonlTail(tmp_path / "events.jsonl")
+    append(tail.path, epoch(0) + line + "\n" + epoch(1))
+    assert [r["epoch"] for r in tail.poll()] == [0, 1]
+    assert tail.num_invalid == 1 and reason in tail.last_invalid_reason
+
+
+def test_unknown_kinds_are_valid_and_passed_on(tmp_path: Path) -> None:
+    tail = JsonlTail(tmp_path / "events.jsonl")
+    append(tail.path, encode_event("running_loss", t=1.0, loss=0.3))
+    assert [r["kind"] for r in tail.poll()] == ["running_loss"] and tail.num_invalid == 0
+
+
+@pytest.mark.parametrize("what", ["directory", "fifo", "parent is a file"])
+def test_something_else_in_place_of_the_file_reads_as_missing(tmp_path: Path, what: str) -> None:
+    path = tmp_path / "events.jsonl"
+    if what == "directory":
+        path.mkdir()
+    elif what == "fifo":
+        os.mkfifo(path)  # opening it for reading must not block the reader
+    else:
+        path.write_text("x")
+        path = path / "events.jsonl"
+    tail = JsonlTail(path)
+    results: list[list] = []
+    reader = threading.Thread(target=lambda: results.append(tail.poll()), daemon=True)
+    reader.start()
+    reader.join(timeout=30)  # a safety net only: a blocked open would hang the suite
+    assert results == [[]] and not tail.exists and tail.num_invalid == 0

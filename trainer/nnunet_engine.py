@@ -14,7 +14,7 @@ entry with the arguments it is given, after three things nnU-Net's console scrip
 
 from trainer import stop
 
-stop.install()  # before anything slow
+stop.install_at_start()  # before anything slow
 
 import os  # noqa: E402
 import sys  # noqa: E402

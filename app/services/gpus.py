@@ -128,7 +128,8 @@ class GpuMonitor:
         """`backend` is the pynvml module or a test double with the same functions.
 
         `simulated_load` (simulate mode only) returns {gpu index: [(pid, name), ...]} for
-        nnui's own running jobs, so utilisation and processes follow what was launched.
+        nnui's own running jobs, so utilisation and processes follow what was launched;
+        without it the simulated GPUs are idle.
         """
         self.simulate = simulate
         if visible_devices is FROM_ENV:
@@ -281,15 +282,10 @@ class GpuMonitor:
             return None, None, None
 
     def _simulated(self) -> tuple[GpuSnapshot, ...]:
-        if self.simulated_load is None:
-            # Default: nnui's own registry, so a demo machine shows its jobs as load.
-            from app.services.jobs import simulated_gpu_load
-            from app.services.registry import Registry
-
-            registry = Registry()
-            self.simulated_load = lambda: simulated_gpu_load(registry)
+        # The load comes from the caller (nnui's own jobs, see jobs.simulated_gpu_load):
+        # this module reads GPUs and never the job registry, so nothing here imports jobs.
         try:
-            load = self.simulated_load()
+            load = self.simulated_load() if self.simulated_load is not None else {}
         except Exception as error:  # a reading, never a crash
             log.debug("simulated load failed: %s", error)
             load = {}

@@ -1,8 +1,8 @@
 """What the UI shows about each job: registry + run folder + live processes, incrementally.
 
-`JobTracker.refresh()` keeps one tail per job file, so a refresh reads only appended
-bytes. It also finishes what the app promised: it records worker create_times the first
-time a topology appears and delivers a stop that was queued before the workers were up.
+`JobTracker.refresh()` keeps one reader per job file, so a refresh reads only appended
+bytes. It only reads: it never writes the registry and never signals (DESIGN §4) — the
+job's supervisor records the workers and delivers a stop queued before they were up.
 """
 
 from __future__ import annotations
@@ -15,22 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from app.services.gpus import GpuMonitor, MachineSnapshot
+from app.services.job_events import EventBatch, JobEvents, Scope
+from app.services.procs import job_alive, proc_info
 from app.services.registry import Job, Registry
-from app.services.signals import (
-    job_alive,
-    local_ranks,
-    plan_stop,
-    proc_info,
-    remember_workers,
-    send_stop,
-)
-from app.services.tail import JsonlTail, TextTail
-from trainer.schema import EVENTS_FILE, Kind
+from app.services.tail import TextTail
+from trainer.schema import ACTIVE_STATES, Kind, State
 
 STALL_MIN_S = 60.0
-CLOCK_SLACK_S = 0.5
 RECENT_EPOCHS = 5
 CONSOLE_LINES = 40
+MAX_HISTORY_EPOCHS = 20000
 
 
 @dataclass(frozen=True)
@@ -48,7 +42,7 @@ class EpochPoint:
 @dataclass(frozen=True)
 class JobView:
     job: Job
-    state: str  # starting|running|stopping|stopped|finished|failed|lost|queued
+    state: State
     epoch: int | None  # epochs completed (last epoch_ended index + 1)
     num_epochs: int | None
     train_loss: float | None
@@ -64,19 +58,18 @@ class JobView:
     exit_code: int | None
     mean_epoch_time_s: float | None = None
     last_event_t: float | None = None
+    num_invalid_events: int = 0  # lines of events.jsonl skipped as invalid (never fatal)
+    invalid_event_reason: str | None = None  # why the last one was skipped
 
 
 def _num(value: Any) -> float:
     """JSON null (the trainer writes NaN as null) -> NaN, so curves keep their x positions."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
+    return math.nan if value is None else float(value)  # validated: a finite number or null
 
 
 def _point(record: dict[str, Any]) -> EpochPoint:
     return EpochPoint(
-        epoch=int(record.get("epoch", 0)),
+        epoch=record["epoch"],
         train_loss=_num(record.get("train_loss")),
         val_loss=_num(record.get("val_loss")),
         mean_fg_dice=_num(record.get("mean_fg_dice")),
@@ -95,80 +88,83 @@ def _finite(value: float) -> float | None:
 class _RunState:
     """Everything parsed from one job's events.jsonl so far (bounded)."""
 
-    events: JsonlTail
+    events: JobEvents
     console: TextTail
     history: dict[int, EpochPoint] = field(default_factory=dict)
     num_epochs: int | None = None
-    topology: dict | None = None
-    last_kind: str | None = None  # last lifecycle event of THIS job (t >= job start)
+    last_kind: str | None = None  # last lifecycle event of THIS job's run
     stop_requested: bool = False
     last_event_t: float | None = None
     nan_epoch: int | None = None
-    mine: bool = False  # this job's run_started has been seen
 
-    def absorb(self, job: Job, records: list[dict[str, Any]]) -> None:
-        for record in records:
-            t = _num(record.get("t"))
-            kind = record.get("kind")
-            if job.ended_at is not None and t > job.ended_at + CLOCK_SLACK_S:
+    @property
+    def topology(self) -> dict | None:
+        return self.events.topology
+
+    def absorb(self, batch: EventBatch) -> None:
+        if batch.reset:
+            self.history.clear()
+            self.num_epochs, self.last_kind, self.stop_requested = None, None, False
+            self.nan_epoch, self.last_event_t = None, None
+        for scope, record in batch.records:
+            if scope is Scope.LATER:
                 continue  # a later run (a resume) in the same folder: that job's view shows it
-            # The folder may hold earlier runs (resume appends): only events from this job's
-            # own run_started on describe this job; the earlier ones are history.
-            if kind == Kind.RUN_STARTED and not t < job.created_at - CLOCK_SLACK_S:
-                self.mine = True
-                self.topology, self.last_kind, self.stop_requested = None, None, False
-            mine = self.mine
-            if kind == Kind.EPOCH_ENDED:
-                point = _point(record)
-                self.history[point.epoch] = point
-                if len(self.history) > 20000:
-                    self.history.pop(min(self.history))
-                if mine and not (math.isfinite(point.train_loss) and math.isfinite(point.val_loss)):
-                    self.nan_epoch = point.epoch
-            if kind == Kind.RUN_STARTED and isinstance(record.get("num_epochs"), int):
-                self.num_epochs = record["num_epochs"]
-            if not mine:
-                continue
-            self.last_event_t = t
-            if kind == Kind.TOPOLOGY:
-                self.topology = record
-            elif kind == Kind.STOP_REQUESTED:
-                self.stop_requested = True
-            if kind in (Kind.RUN_STARTED, Kind.STOPPED, Kind.FINISHED, Kind.FAILED):
-                self.last_kind = kind
-            elif kind == Kind.EPOCH_ENDED and self.last_kind is None:
-                self.last_kind = Kind.RUN_STARTED
+            # Earlier runs in the folder are history: their epochs still draw the curve.
+            self._absorb_history(scope, record)
+            if scope is Scope.MINE:
+                self._absorb_mine(record)
+
+    def _absorb_history(self, scope: Scope, record: dict[str, Any]) -> None:
+        kind = record["kind"]
+        if kind == Kind.RUN_STARTED:
+            self.num_epochs = record["num_epochs"]
+        elif kind == Kind.EPOCH_ENDED:
+            point = _point(record)
+            self.history[point.epoch] = point
+            if len(self.history) > MAX_HISTORY_EPOCHS:
+                self.history.pop(min(self.history))
+            finite = math.isfinite(point.train_loss) and math.isfinite(point.val_loss)
+            if scope is Scope.MINE and not finite:
+                self.nan_epoch = point.epoch
+
+    def _absorb_mine(self, record: dict[str, Any]) -> None:
+        kind = record["kind"]
+        self.last_event_t = record["t"]
+        if kind == Kind.RUN_STARTED:
+            self.last_kind, self.stop_requested = None, False
+        elif kind == Kind.STOP_REQUESTED:
+            self.stop_requested = True
+        if kind in (Kind.RUN_STARTED, Kind.STOPPED, Kind.FINISHED, Kind.FAILED):
+            self.last_kind = kind
+        elif kind == Kind.EPOCH_ENDED and self.last_kind is None:
+            self.last_kind = Kind.RUN_STARTED
 
 
-def derive_state(job: Job, run: _RunState, alive: bool) -> str:
+_ENDING = {Kind.STOPPED: State.STOPPED, Kind.FINISHED: State.FINISHED, Kind.FAILED: State.FAILED}
+
+
+def derive_state(job: Job, run: _RunState, alive: bool) -> State:
+    ending = _ENDING.get(run.last_kind) if run.last_kind else None
+    if job.killed_at is not None and (job.exit_code is not None or not alive):
+        return State.KILLED  # killed by the user, whatever exit code the kill caused
     if job.exit_code is not None:
-        if run.last_kind == Kind.FINISHED:
-            return "finished"
-        if run.last_kind == Kind.STOPPED or job.note == "stopped before it started":
-            return "stopped"
-        if job.exit_code != 0 or run.last_kind == Kind.FAILED:
-            return "failed"
-        return "finished"
+        if ending in (State.FINISHED, State.STOPPED):
+            return ending
+        if job.note == "stopped before it started":
+            return State.STOPPED
+        return State.FAILED if job.exit_code != 0 or ending else State.FINISHED
     if not alive:
-        if run.last_kind in (Kind.STOPPED, Kind.FINISHED):
-            return "stopped" if run.last_kind == Kind.STOPPED else "finished"
-        if run.last_kind == Kind.FAILED:
-            return "failed"
-        return "lost"
-    if run.last_kind == Kind.STOPPED:
-        return "stopped"
-    if run.last_kind == Kind.FINISHED:
-        return "finished"
-    if run.last_kind == Kind.FAILED:
-        return "failed"
+        return ending or State.LOST
+    if ending is not None:
+        return ending
     if job.after and not job.process("trainer"):
-        return "stopping" if job.queued_stop else "queued"
+        return State.STOPPING if job.queued_stop else State.QUEUED
     stop_sent = any(s.signal == "SIGUSR1" and s.result == "sent" for s in job.signals)
     if run.stop_requested or stop_sent or job.queued_stop:
-        return "stopping"
+        return State.STOPPING
     if run.topology is not None or (run.history and run.last_event_t):
-        return "running"
-    return "starting"
+        return State.RUNNING
+    return State.STARTING
 
 
 def simulated_gpu_load(registry: Registry) -> dict[int, list[tuple[int, str]]]:
@@ -196,18 +192,9 @@ class JobTracker:
     def _run(self, job: Job) -> _RunState:
         run = self._runs.get(job.job_id)
         if run is None:
-            folder = Path(job.run_dir)
-            run = _RunState(JsonlTail(folder / EVENTS_FILE), TextTail(Path(job.console_path)))
+            run = _RunState(JobEvents(job.run_dir), TextTail(Path(job.console_path)))
             self._runs[job.job_id] = run
-        while True:
-            records = run.events.poll()
-            if run.events.reset:
-                run.history.clear()
-                run.topology, run.last_kind, run.stop_requested = None, None, False
-                run.mine, run.nan_epoch, run.last_event_t = False, None, None
-            run.absorb(job, records)
-            if not run.events.more:
-                break
+        run.absorb(run.events.poll(job))
         while True:
             run.console.poll()
             if not run.console.more:
@@ -215,32 +202,16 @@ class JobTracker:
         return run
 
     def refresh(self, snapshot: MachineSnapshot | None = None) -> list[JobView]:
+        """Views of every job. Reads only: no registry write, no signal (DESIGN §4)."""
         if snapshot is None and self.gpu_monitor is not None:
             snapshot = self.gpu_monitor.snapshot()
         views = []
         for job in self.registry.list():
             run = self._run(job)
             alive = job.exit_code is None and job_alive(job, proc_info)
-            if alive and run.topology is not None:
-                job = self._follow_topology(job, run)
             views.append(self._view(job, run, alive, snapshot))
         self.views = views
         return views
-
-    def _follow_topology(self, job: Job, run: _RunState) -> Job:
-        recorded = {p.pid for p in job.processes if p.role == "worker"}
-        if recorded != {r["pid"] for r in local_ranks(run.topology)}:
-            job = remember_workers(job, run.topology, self.registry)
-        if job.queued_stop:
-            plan = plan_stop(job, run.topology, self._last_epoch(run))
-            if plan.ok:
-                send_stop(plan, job, self.registry)
-                job = self.registry.get(job.job_id)
-        return job
-
-    @staticmethod
-    def _last_epoch(run: _RunState) -> int | None:
-        return max(run.history) if run.history else None
 
     def _view(
         self, job: Job, run: _RunState, alive: bool, snapshot: MachineSnapshot | None
@@ -252,8 +223,12 @@ class JobTracker:
         mean_epoch_s = statistics.fmean(recent) if recent else None
         done = last.epoch + 1 if last else (0 if run.num_epochs else None)
         eta = None
-        active = state in ("running", "starting", "stopping", "queued")
-        if active and mean_epoch_s is not None and run.num_epochs is not None and done is not None:
+        if (
+            state in ACTIVE_STATES
+            and mean_epoch_s is not None
+            and run.num_epochs is not None
+            and done is not None
+        ):
             eta = max(0, run.num_epochs - done) * mean_epoch_s
         alerts = self._alerts(job, run, state, mean_epoch_s, snapshot)
         console = tuple(run.console.lines)[-CONSOLE_LINES:]
@@ -275,26 +250,32 @@ class JobTracker:
             exit_code=job.exit_code,
             mean_epoch_time_s=mean_epoch_s,
             last_event_t=run.last_event_t,
+            num_invalid_events=run.events.num_invalid,
+            invalid_event_reason=run.events.tail.last_invalid_reason,
         )
 
     def _alerts(
         self,
         job: Job,
         run: _RunState,
-        state: str,
+        state: State,
         mean_epoch_s: float | None,
         snapshot: MachineSnapshot | None,
     ) -> tuple[str, ...]:
         alerts = []
         if run.nan_epoch is not None:
             alerts.append(f"NaN loss at epoch {run.nan_epoch}")
-        if state == "running" and run.last_event_t is not None and mean_epoch_s is not None:
+        if state == State.RUNNING and run.last_event_t is not None and mean_epoch_s is not None:
             quiet_s = time.time() - run.last_event_t
             if quiet_s > max(3 * mean_epoch_s, STALL_MIN_S):
                 alerts.append(f"stalled: no event for {quiet_s:.0f} s")
-        if run.events.malformed:
-            alerts.append(f"{run.events.malformed} malformed event lines")
-        if snapshot is not None and not snapshot.simulated and state in ("running", "starting"):
+        if run.events.num_invalid:
+            alerts.append(f"{run.events.num_invalid} invalid event lines skipped")
+        if (
+            snapshot is not None
+            and not snapshot.simulated
+            and state in (State.RUNNING, State.STARTING)
+        ):
             for gpu in job.gpus:
                 reading = snapshot.gpu(gpu) if gpu.isdigit() else None
                 if reading is not None and reading.other_users:
@@ -304,7 +285,7 @@ class JobTracker:
     def cross_validation_eta_s(self, views: list[JobView]) -> float | None:
         """Time until every active job is done: queued chains add up, parallel ones overlap."""
         by_id = {v.job.job_id: v for v in views}
-        active = [v for v in views if v.state in ("starting", "running", "stopping", "queued")]
+        active = [v for v in views if v.state in ACTIVE_STATES]
         if not active:
             return None
         known = [v.mean_epoch_time_s for v in views if v.mean_epoch_time_s]

@@ -11,18 +11,16 @@ recorded trainer that carries it). A registry record alone proves nothing.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psutil
 
-from app.services.procs import WALL_CLOCK_TOLERANCE_S, ProcInfo, proc_info, record_alive
+from app.services import job_events
+from app.services.procs import ProcInfo, proc_info, record_alive
 from app.services.registry import Job
 from app.services.signals import job_members, local_ranks, topology_ranks
-from trainer.schema import EVENTS_FILE, Kind
 
 ROLES = ("supervisor", "launcher", "spawn parent", "trainer", "rank", "loader worker", "other")
 
@@ -47,27 +45,7 @@ def _descendants(pid: int) -> list[int]:
 
 def latest_topology(job: Job) -> dict[str, Any] | None:
     """The newest topology event of THIS job's run (a resumed folder holds older ones)."""
-    try:
-        lines = (Path(job.run_dir) / EVENTS_FILE).read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    found = None
-    for line in lines:
-        if '"topology"' not in line:
-            continue
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
-            continue  # a torn last line, or garbage
-        t = record.get("t", 0) if isinstance(record, dict) else None
-        if not isinstance(t, (int, float)) or isinstance(t, bool):
-            continue  # not a record, or no usable time
-        if record.get("kind") != Kind.TOPOLOGY or t < job.created_at - WALL_CLOCK_TOLERANCE_S:
-            continue
-        if job.ended_at is not None and t > job.ended_at + WALL_CLOCK_TOLERANCE_S:
-            continue
-        found = record
-    return found
+    return job_events.latest_topology(job)
 
 
 def label_tree(

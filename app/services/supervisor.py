@@ -2,7 +2,9 @@
 
 The small parent of every training nnui starts: waits for an earlier job when asked (folds
 queued on one GPU), starts the trainer as its child, records the trainer's pid and start
-time (ticks since boot), then its exit code and end time, in the registry. It ignores SIGUSR1 and
+time (ticks since boot), then its exit code and end time, in the registry. While the
+trainer runs it watches the run's topology: it records the workers and delivers a stop
+queued before they were up (RunWatch) — the only place that does. It ignores SIGUSR1 and
 SIGHUP: it is never a stop target and outlives an SSH hang-up. (The trainer inherits the
 ignored SIGUSR1 until it installs its own handler, so an early stop cannot kill it.)
 Its stdout/stderr are the job's console.log, which the trainer inherits.
@@ -16,19 +18,22 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from app.services.job_events import JobEvents
 from app.services.registry import Job, ProcessRecord, Registry
 from app.services.signals import (
+    ProcInfo,
     job_alive,
+    local_ranks,
     plan_stop,
     proc_info,
     process_identity,
     remember_workers,
     send_stop,
 )
-from app.services.tail import JsonlTail
-from trainer.schema import EVENTS_FILE, Kind
 
 log = logging.getLogger("nnui.supervisor")
 
@@ -68,41 +73,72 @@ def wait_for(registry: Registry, job_id: str, after: str) -> bool:
         time.sleep(POLL_S)
 
 
-def wait_delivering_queued_stop(
-    registry: Registry, job_id: str, trainer: subprocess.Popen[bytes]
-) -> int:
-    """Wait for the trainer; meanwhile deliver a stop asked before the workers were up.
+class RunWatch:
+    """The supervisor's eye on its job's run, for the job's whole life (DESIGN §4).
 
-    (A running nnui does the same; this covers a headless `nnui stop` with no nnui open.)
+    Each step reads what the trainer appended to events.jsonl (the validated reader, this
+    job's events only). When a topology appears it records each local worker's pid with
+    its identity (start ticks) in the registry, so later checks can tell a reused pid; and
+    it delivers a stop that was queued before the workers were up. Nobody else does either:
+    looking at a job (the TUI, `nnui status`) never writes or signals.
     """
-    events: JsonlTail | None = None
-    topology = None
-    mine = False
+
+    def __init__(
+        self,
+        registry: Registry,
+        job_id: str,
+        proc_lookup: Callable[[int], ProcInfo | None] = proc_info,
+    ) -> None:
+        self.registry = registry
+        self.job_id = job_id
+        self.proc_lookup = proc_lookup
+        self.events: JobEvents | None = None
+
+    def step(self) -> None:
+        try:
+            job = self.registry.get(self.job_id)
+        except KeyError:
+            return
+        if self.events is None:
+            self.events = JobEvents(job.run_dir)
+        self.events.poll(job)
+        topology = self.events.topology
+        if topology is None:
+            return
+        job = self._remember_workers(job, topology)
+        if job.queued_stop:
+            self._deliver_queued_stop(job, topology)
+
+    def _remember_workers(self, job: Job, topology: dict[str, Any]) -> Job:
+        recorded = {p.pid for p in job.processes if p.role == "worker"}
+        if {r["pid"] for r in local_ranks(topology)} <= recorded:
+            return job
+        return remember_workers(job, topology, self.registry, self.proc_lookup)
+
+    def _deliver_queued_stop(self, job: Job, topology: dict[str, Any]) -> None:
+        plan = plan_stop(job, topology, None, self.proc_lookup)
+        if not plan.ok:
+            return  # e.g. the handler is not installed yet: try again next step
+        if plan.already_signalled:
+            self.registry.update(self.job_id, queued_stop=False)
+            return
+        records = send_stop(plan, job, self.registry)
+        if any(r.result == "sent" for r in records):
+            _say("delivered the queued stop (SIGUSR1 to the workers)")
+
+
+def wait_watching_run(registry: Registry, job_id: str, trainer: subprocess.Popen[bytes]) -> int:
+    """Wait for the trainer's exit code; meanwhile watch its run (RunWatch)."""
+    watch = RunWatch(registry, job_id)
     while True:
         try:
             return trainer.wait(timeout=POLL_S)
         except subprocess.TimeoutExpired:
             pass
         try:
-            job = registry.get(job_id)
-        except KeyError:
-            continue
-        if not job.queued_stop:
-            continue
-        if events is None:
-            events = JsonlTail(Path(job.run_dir) / EVENTS_FILE)
-        for record in events.poll():
-            kind = record.get("kind")
-            if kind == Kind.RUN_STARTED and record.get("t", 0) >= job.created_at - 0.5:
-                mine = True  # earlier runs in this folder (before a resume) do not count
-            elif kind == Kind.TOPOLOGY and mine:
-                topology = record
-        if topology is not None:
-            job = remember_workers(job, topology, registry)
-            plan = plan_stop(job, topology, None)
-            if plan.ok:
-                send_stop(plan, job, registry)
-                _say("delivered the queued stop (SIGUSR1 to the workers)")
+            watch.step()
+        except OSError as error:  # a full or vanished disk must not cost the exit code
+            log.warning("watching the run failed: %s", error)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ticks, create_time = process_identity(trainer.pid)
     record = ProcessRecord(trainer.pid, create_time or time.time(), "trainer", None, ticks)
     registry.add_process(job_id, record)
-    code = wait_delivering_queued_stop(registry, job_id, trainer)
+    code = wait_watching_run(registry, job_id, trainer)
     _say(f"trainer exited with code {code}")
     registry.update(job_id, exit_code=code, ended_at=time.time())
     return 0

@@ -1,7 +1,9 @@
 """Incremental reading of growing files by byte offset (events.jsonl, console.log).
 
 Each poll reads only the bytes appended since the last one and parses complete lines
-only; a torn last line waits for its newline. A file that shrank or was replaced (new
+only; a torn last line waits for its newline. A line that still does not parse once its
+newline came is counted as invalid, and a complete record glued to its end (a writer died
+mid-line, the next one appended) is still read. A file that shrank or was replaced (new
 inode) is read again from the start and `.reset` says so. A missing file means "waiting".
 Memory stays bounded however long the run: records and lines live in deques.
 """
@@ -9,16 +11,21 @@ Memory stays bounded however long the run: records and lines live in deques.
 from __future__ import annotations
 
 import os
+import re
+import stat as stat_module
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from trainer.schema import decode_event
+from trainer.schema import parse_event
 
 READ_LIMIT_BYTES = 16 << 20  # per poll; `.more` says the file has more to read
 TEXT_BACKLOG_BYTES = 256 << 10  # a text tail opened on a big file starts this far from the end
 MAX_PARTIAL_BYTES = 1 << 20  # a "line" longer than this without a newline is cut
-MAX_MALFORMED_SAMPLES = 20
+MAX_INVALID_SAMPLES = 20
+MAX_SAMPLE_BYTES = 200
+MAX_RESYNC_TRIES = 32  # candidate record starts tried in one torn line
+_RECORD_START = re.compile(rb'\{\s*"v"\s*:')
 
 
 class _ByteTail:
@@ -37,9 +44,8 @@ class _ByteTail:
     def _new_lines(self) -> list[bytes]:
         self.reset = False
         self.more = False
-        try:
-            handle = open(self.path, "rb")  # noqa: SIM115 - closed below
-        except FileNotFoundError:
+        handle = _open_regular(self.path)
+        if handle is None:  # missing, a directory, a pipe, no permission: nothing to read
             if self.exists:
                 self._restart()
             self.exists = False
@@ -79,30 +85,83 @@ class _ByteTail:
         self.reset = True
 
 
+def _open_regular(path: Path) -> BinaryIO | None:
+    """The file opened for reading, or None when it is not a readable regular file (a FIFO
+    in its place must not block the reader: O_NONBLOCK, then the type is checked)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    if not stat_module.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return os.fdopen(fd, "rb")
+
+
 class JsonlTail(_ByteTail):
+    """The one reader of events.jsonl: only valid records come out (schema.parse_event);
+    every line that is not one is skipped and counted in `num_invalid`, with its reason."""
+
     def __init__(self, path: Path, max_records: int = 20000) -> None:
         super().__init__(path)
         self.records: deque[dict[str, Any]] = deque(maxlen=max_records)
-        self.malformed = 0
-        self.malformed_samples: deque[str] = deque(maxlen=MAX_MALFORMED_SAMPLES)
+        self.num_invalid = 0
+        self.invalid_samples: deque[str] = deque(maxlen=MAX_INVALID_SAMPLES)
 
     def poll(self) -> list[dict[str, Any]]:
-        """New complete records since the last poll (also appended to `.records`)."""
+        """New valid records since the last poll (also appended to `.records`)."""
         lines = self._new_lines()
         if self.reset:
             self.records.clear()
+            self.num_invalid = 0
+            self.invalid_samples.clear()
         new = []
         for raw in lines:
             if not raw.strip():
                 continue
-            record = decode_event(raw)
+            record, reason = parse_event(raw)
             if record is None:
-                self.malformed += 1
-                self.malformed_samples.append(raw[:500].decode(errors="replace"))
-                continue
-            new.append(record)
+                self._count_invalid(raw, reason or "invalid")
+                # A writer that died mid-line left a torn line that the next writer's first
+                # record was appended to: resync on that record rather than lose it.
+                record = _record_after_torn_line(raw)
+            if record is not None:
+                new.append(record)
         self.records.extend(new)
         return new
+
+    def _count_invalid(self, raw: bytes, reason: str) -> None:
+        self.num_invalid += 1
+        line = raw[:MAX_SAMPLE_BYTES].decode(errors="replace")
+        self.invalid_samples.append(f"{reason}: {line}")
+
+    @property
+    def last_invalid_reason(self) -> str | None:
+        return self.invalid_samples[-1] if self.invalid_samples else None
+
+
+def _record_after_torn_line(raw: bytes) -> dict[str, Any] | None:
+    """The valid event that ends `raw` after a torn start, if there is one.
+
+    Every record is one JSON object, so the only suffix that parses whole is a complete
+    record. Candidates are tried at each `{` (those opening `{"v"`, how encode_event starts
+    a record, first), a bounded number of them: a long garbage line costs little.
+    """
+    likely = [m.start() for m in _RECORD_START.finditer(raw, 1)]
+    starts = dict.fromkeys(likely[:MAX_RESYNC_TRIES] + _object_starts(raw))
+    for start in list(starts)[:MAX_RESYNC_TRIES]:
+        record, _ = parse_event(raw[start:])
+        if record is not None:
+            return record
+    return None
+
+
+def _object_starts(raw: bytes) -> list[int]:
+    found, index = [], raw.find(b"{", 1)
+    while index != -1 and len(found) < MAX_RESYNC_TRIES:
+        found.append(index)
+        index = raw.find(b"{", index + 1)
+    return found
 
 
 class TextTail(_ByteTail):

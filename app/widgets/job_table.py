@@ -6,7 +6,7 @@ Renders `JobView`s it is given. Space toggles a job in the multi-selection used 
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rich.text import Text
 from textual.binding import Binding, BindingType
@@ -14,6 +14,11 @@ from textual.widgets import DataTable
 from textual.widgets.data_table import CellDoesNotExist
 
 from app.widgets.formatting import bar, fmt_duration_s, fmt_or_na
+from trainer.schema import State
+
+if TYPE_CHECKING:
+    from app.services.jobs import JobView
+    from app.services.registry import Job
 
 # (key, label): keys stay stable so cells can be updated by name.
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -33,15 +38,16 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("alerts", "alerts"),
 )
 
-STATE_STYLES = {
-    "starting": "cyan",
-    "queued": "cyan",
-    "running": "bold green",
-    "stopping": "bold yellow",
-    "stopped": "yellow",
-    "finished": "bold blue",
-    "failed": "bold red",
-    "lost": "bold magenta",
+STATE_STYLES: dict[str, str] = {
+    State.STARTING: "cyan",
+    State.QUEUED: "cyan",
+    State.RUNNING: "bold green",
+    State.STOPPING: "bold yellow",
+    State.STOPPED: "yellow",
+    State.FINISHED: "bold blue",
+    State.FAILED: "bold red",
+    State.LOST: "bold magenta",
+    State.KILLED: "magenta",
 }
 
 
@@ -51,7 +57,7 @@ def _loss(value: float | None) -> str:
     return fmt_or_na(value, "{:.4f}")
 
 
-def where_text(job: Any) -> str:
+def where_text(job: Job) -> str:
     if not job.gpus:
         return "cpu"
     label = ",".join(job.gpus)
@@ -65,7 +71,9 @@ def short_dataset(name: str) -> str:
     return name.removeprefix("Dataset")[:20]
 
 
-def row_cells(view: Any, selected: bool, after_fold: str | None = None) -> dict[str, Text | str]:
+def row_cells(
+    view: JobView, selected: bool, after_fold: str | None = None
+) -> dict[str, Text | str]:
     """The text of every cell of one job's row."""
     job = view.job
     state = view.state
@@ -112,14 +120,14 @@ class JobTable(DataTable):
         super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
         self.selected: set[str] = set()
         self._cells: dict[str, dict[str, str]] = {}
-        self._views: dict[str, Any] = {}
+        self._views: dict[str, JobView] = {}
         self.num_cell_updates = 0  # for the benchmark and tests: proves "only on change"
 
     def on_mount(self) -> None:
         for key, label in COLUMNS:
             self.add_column(label, key=key)
 
-    def show(self, views: list[Any]) -> None:
+    def show(self, views: list[JobView]) -> None:
         wanted = {view.job.job_id: view for view in views}
         folds = {job_id: view.job.fold for job_id, view in wanted.items()}
         for job_id in [j for j in self._cells if j not in wanted]:
