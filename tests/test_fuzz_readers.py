@@ -53,6 +53,7 @@ def _valid_record(rng: random.Random, kind: Kind, t: float) -> dict:
         Kind.CHECKPOINT_SAVED: dict(checkpoint="latest", path="/x", epoch=3),
         Kind.STOP_REQUESTED: dict(epoch=rng.randint(-1, 9), ranks=[0]),
         Kind.STOPPED: dict(epoch=2, reason="SIGUSR1"),
+        Kind.VALIDATION_STARTED: dict(epoch=9, num_cases=2),
         Kind.VALIDATION_FINISHED: dict(mean_fg_dice=0.7, dice_per_class=[0.7], num_cases=2),
         Kind.FINISHED: dict(epoch=9),
         Kind.FAILED: dict(message="boom", traceback=""),

@@ -237,6 +237,7 @@ REQUIRED_KEYS: dict[Kind, dict[str, Check]] = {
     Kind.CHECKPOINT_SAVED: {"checkpoint": CHECKPOINT},
     Kind.STOP_REQUESTED: {},
     Kind.STOPPED: {},
+    Kind.VALIDATION_STARTED: {},
     Kind.VALIDATION_FINISHED: {},
     Kind.FINISHED: {},
     Kind.FAILED: {},
@@ -264,6 +265,7 @@ OPTIONAL_KEYS: dict[Kind, dict[str, Check]] = {
     Kind.CHECKPOINT_SAVED: {"path": TEXT, "epoch": EPOCH_INDEX, "write_time_s": NUMBER},
     Kind.STOP_REQUESTED: {"epoch": EPOCH_INDEX, "ranks": RANK_INDICES},
     Kind.STOPPED: {"epoch": EPOCH_INDEX, "reason": TEXT},
+    Kind.VALIDATION_STARTED: {"epoch": EPOCH_INDEX, "num_cases": COUNT},
     Kind.VALIDATION_FINISHED: {
         "mean_fg_dice": METRIC,
         "dice_per_class": METRICS,
