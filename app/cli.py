@@ -22,14 +22,11 @@ from app.services.registry import Job, Registry
 from app.services.signals import kill as kill_job
 from app.services.signals import kill_plan, plan_stop, send_stop
 from trainer.schema import (
-    DEFAULT_PLANS,
-    DEFAULT_TRAINER,
     ENDED_STATES,
     DatasetNotFound,
     Roots,
     find_dataset,
     resolve_roots,
-    run_dir,
 )
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3
@@ -246,9 +243,11 @@ def _launch_plans(
     try:
         used = launcher.effective_roots(request, roots)
         dataset_name = find_dataset(used.preprocessed, request.dataset)
-        batch = catalog.plans_batch_size(used, dataset_name, request.configuration)
-    except DatasetNotFound:
-        batch = None  # check_request reports the missing dataset
+        who = launcher.identity(request)
+        plans_file = who.engine.plans_file(who.plans)
+        batch = catalog.plans_batch_size(used, dataset_name, request.configuration, plans_file)
+    except (DatasetNotFound, ValueError):
+        batch = None  # check_request reports the missing dataset or the unknown engine
     checks = launcher.check_request(request, roots, batch, snapshot, registry)
     for warning in checks.warnings:
         print(f"warning: {warning}", file=sys.stderr)
@@ -297,6 +296,7 @@ def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
         simulated=simulated,
         continue_training=options.continue_training,
         sequential=options.sequential,
+        engine=options.engine,
     )
     snapshot = None if options.cpu else _snapshot(options)
     return _launch_plans(request, roots_of(options), registry, snapshot, options.dry_run)
@@ -315,8 +315,7 @@ def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:
     request = launcher.resume_request(view.job)  # in the job's own roots, not the current ones
     folder = launcher.effective_roots(request, roots_of(options))
     expected = Path(view.job.run_dir)
-    planned = run_dir(folder.results, view.job.dataset, view.job.configuration, view.job.fold,
-                      *_identity(request.trainer_args))  # fmt: skip
+    planned = launcher.request_run_dir(request, folder, view.job.dataset, view.job.fold)
     if planned != expected:
         return error(
             f"cannot resume {view.job.job_id}: it would train in {planned}, not in its own run "
@@ -327,14 +326,6 @@ def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:
     real_gpus = request.device == "cuda" and not request.simulated
     snapshot = _snapshot(argparse.Namespace(simulate_gpus=None)) if real_gpus else None
     return _launch_plans(request, roots_of(options), registry, snapshot)
-
-
-def _identity(trainer_args: list[str]) -> tuple[str, str]:
-    """(trainer, plans) named by the trainer flags: they choose the run folder."""
-    return (
-        launcher.flag_value(trainer_args, "-tr", DEFAULT_TRAINER),
-        launcher.flag_value(trainer_args, "-p", DEFAULT_PLANS),
-    )
 
 
 def cmd_kill(options: argparse.Namespace, registry: Registry) -> int:

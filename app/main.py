@@ -14,6 +14,8 @@ import argparse
 import logging
 import sys
 
+from app.services.engines import ENGINES, NNUI
+
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3
 
 EPILOG = """exit codes: 0 ok, 1 refused by a safety check (reason printed),
@@ -79,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--gpus", default="", help="comma list of GPU indices, e.g. 0,1")
     launch.add_argument("--ddp", choices=("spawn", "torchrun"), help="one fold on all --gpus")
     launch.add_argument("--sequential", action="store_true", help="folds on a GPU in turn")
+    launch.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=NNUI,
+        help="nnui (nnui's trainer, default) or nnunet (the installed nnU-Net v2 with nnui's "
+        "stop and events: nnUNetv2_train -tr nnUNetTrainer_nnui)",
+    )
     launch.add_argument("--cpu", action="store_true", help="run on CPU (no GPU needed)")
     launch.add_argument("--c", dest="continue_training", action="store_true", help="resume")
     launch.add_argument("--dry-run", action="store_true", help="print the commands only")

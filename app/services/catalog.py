@@ -34,15 +34,12 @@ class DatasetInfo:
         return next((c for c in self.configurations if c.name == name), None)
 
 
-def _plans_file(folder: Path, plans: str) -> Path | None:
-    # Only nnui's own plans file: nnU-Net's nnUNetPlans.json in the same folder is not ours.
-    path = folder / plans_file_name(plans)
-    return path if path.is_file() else None
-
-
-def read_configurations(folder: Path, plans: str = DEFAULT_PLANS) -> tuple[ConfigurationInfo, ...]:
-    path = _plans_file(folder, plans)
-    if path is None:
+def read_configurations(
+    folder: Path, plans_file: str = plans_file_name(DEFAULT_PLANS)
+) -> tuple[ConfigurationInfo, ...]:
+    """Configurations of one plans file (nnui's by default; nnU-Net's for its engine)."""
+    path = folder / plans_file
+    if not path.is_file():
         return ()
     try:
         data: dict[str, Any] = json.loads(path.read_text())
@@ -79,21 +76,28 @@ def _fold_states(results_dataset: Path) -> dict[tuple[str, str], str]:
     return states
 
 
-def list_datasets(roots: Roots, plans: str = DEFAULT_PLANS) -> list[DatasetInfo]:
+def list_datasets(
+    roots: Roots, plans_file: str = plans_file_name(DEFAULT_PLANS)
+) -> list[DatasetInfo]:
     infos = []
     for name in dataset_names(roots.preprocessed):
         infos.append(
             DatasetInfo(
                 name=name,
-                configurations=read_configurations(roots.preprocessed / name, plans),
+                configurations=read_configurations(roots.preprocessed / name, plans_file),
                 results=_fold_states(roots.results / name),
             )
         )
     return infos
 
 
-def plans_batch_size(roots: Roots, dataset_name: str, configuration: str) -> int | None:
-    for config in read_configurations(roots.preprocessed / dataset_name):
+def plans_batch_size(
+    roots: Roots,
+    dataset_name: str,
+    configuration: str,
+    plans_file: str = plans_file_name(DEFAULT_PLANS),
+) -> int | None:
+    for config in read_configurations(roots.preprocessed / dataset_name, plans_file):
         if config.name == configuration:
             return config.batch_size
     return None

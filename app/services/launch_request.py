@@ -13,8 +13,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.services import claims
+from app.services import claims, engines
 from app.services.claims import ClaimRefused
+from app.services.engines import ENGINES, NNUI, NNUNET_MISSING, Engine, engine
 from app.services.gpus import MachineSnapshot
 from app.services.registry import Job, Registry, valid_pid
 from app.services.signals import job_alive, proc_info
@@ -28,7 +29,6 @@ from trainer.schema import (
     Roots,
     find_dataset,
     is_legacy_identifier,
-    plans_file_name,
     read_status,
     run_dir,
 )
@@ -50,6 +50,7 @@ class LaunchRequest:
     sequential: bool = False  # several folds on one GPU (or one group) run one after another
     trainer_entry: tuple[str, ...] = field(default=())  # default: ("-m", "trainer")
     roots: Roots | None = None  # a resume: the job's own roots, whatever the caller's are
+    engine: str = NNUI  # "nnui" (nnui's trainer) | "nnunet" (the real nnU-Net, engines.py)
 
 
 @dataclass
@@ -69,6 +70,31 @@ def flag_value(args: list[str], flag: str, default: str) -> str:
         elif arg.startswith(flag + "="):
             value = arg[len(flag) + 1 :]
     return value
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a request trains: its engine, the -tr it runs, the trainer name of its run
+    folder (a nnU-Net wrapper trains in its base's folder) and its plans identifier."""
+
+    engine: Engine
+    trainer: str
+    folder_trainer: str
+    plans: str
+
+
+def identity(request: LaunchRequest) -> Identity:
+    chosen = engine(request.engine)
+    trainer = chosen.trainer_arg(flag_value(request.trainer_args, "-tr", chosen.default_trainer))
+    plans = flag_value(request.trainer_args, "-p", chosen.default_plans)
+    return Identity(chosen, trainer, chosen.folder_trainer(trainer), plans)
+
+
+def request_run_dir(request: LaunchRequest, roots: Roots, dataset_name: str, fold: str) -> Path:
+    who = identity(request)
+    return run_dir(
+        roots.results, dataset_name, request.configuration, fold, who.folder_trainer, who.plans
+    )
 
 
 def effective_roots(request: LaunchRequest, roots: Roots) -> Roots:
@@ -101,7 +127,7 @@ def resume_request(job: Job) -> LaunchRequest:
     args = [a for a in job.trainer_args if a != "--c"]
     # A job of nnui 0.1 ran under nnU-Net's names without saying so: name its folder's.
     trainer, plans, _ = [*Path(job.run_dir).parent.name.split("__"), "", "", ""][:3]
-    if is_legacy_identifier(trainer, plans):
+    if job.engine == NNUI and is_legacy_identifier(trainer, plans):
         if flag_value(args, "-tr", DEFAULT_TRAINER) != trainer:
             args += ["-tr", trainer]
         if flag_value(args, "-p", DEFAULT_PLANS) != plans:
@@ -118,13 +144,14 @@ def resume_request(job: Job) -> LaunchRequest:
         simulated=job.simulated,
         continue_training=True,
         roots=job_roots(job),
+        engine=job.engine,
     )
 
 
-def configuration_names(dataset_folder: Path, plans: str) -> list[str] | None:
+def configuration_names(dataset_folder: Path, plans_file: str) -> list[str] | None:
     """Configurations in the plans file (stock cascade ones included); None: no plans file."""
     try:
-        data = json.loads((dataset_folder / plans_file_name(plans)).read_text())
+        data = json.loads((dataset_folder / plans_file).read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError, RecursionError):
@@ -143,16 +170,24 @@ def check_arguments(request: LaunchRequest, roots: Roots) -> list[str]:
             errors.append(f"fold {fold!r} is not one of {', '.join(FOLDS)}")
     if len(set(request.folds)) != len(request.folds):
         errors.append("a fold is listed twice")
+    if request.engine not in ENGINES:
+        return [*errors, f"unknown engine {request.engine!r} (one of {', '.join(ENGINES)})"]
+    if request.engine != NNUI and not engines.nnunet_available():
+        return [*errors, NNUNET_MISSING]
     try:
         dataset_name = find_dataset(roots.preprocessed, request.dataset)
     except DatasetNotFound as error:
         return [*errors, str(error)]
-    plans = flag_value(request.trainer_args, "-p", DEFAULT_PLANS)
-    names = configuration_names(roots.preprocessed / dataset_name, plans)
+    who = identity(request)
+    plans = who.plans
+    names = configuration_names(roots.preprocessed / dataset_name, who.engine.plans_file(plans))
     if names is None:
+        how = f"nnui-preprocess {dataset_name}"
+        if request.engine != NNUI:
+            how = f"nnUNetv2_plan_and_preprocess -d {dataset_name}"
         errors.append(
-            f"{dataset_name} has no plans {plans}.json in {roots.preprocessed / dataset_name}: "
-            f"preprocess it first (nnui-preprocess {dataset_name})"
+            f"{dataset_name} has no plans {who.engine.plans_file(plans)} in "
+            f"{roots.preprocessed / dataset_name}: preprocess it first ({how})"
         )
     elif request.configuration not in names:
         known = ", ".join(names) or "none"
@@ -205,6 +240,11 @@ def check_request(
     checks.usage_errors = check_arguments(request, roots)
     checks.errors.extend(checks.usage_errors)
     if checks.usage_errors:
+        return checks
+    if request.mode not in engine(request.engine).modes:
+        checks.errors.append(
+            f"nnU-Net trains DDP groups with -num_gpus only: use --ddp spawn, not {request.mode}"
+        )
         return checks
     if request.mode != "per_gpu":
         size = _group_size(request)
@@ -291,7 +331,7 @@ def folder_problem(
         return claimed, False
     status = read_status(folder)
     if status is None:
-        return None, False
+        return _nnunet_folder_problem(folder, fold, continue_training)
     state = status.state if isinstance(status.state, str) else "unknown"
     pids = [p for p in status.pids if valid_pid(p)] if isinstance(status.pids, list) else []
     if state not in TERMINAL_STATES and any(_pid_alive(p) for p in pids):
@@ -308,6 +348,24 @@ def folder_problem(
     ), True
 
 
+def _nnunet_folder_problem(
+    folder: Path, fold: str, continue_training: bool
+) -> tuple[str | None, bool]:
+    """A fold folder of a stock nnU-Net run (its checkpoints, no nnui status.json)."""
+    if continue_training:
+        return None, False
+    if (folder / "checkpoint_final.pth").is_file():
+        return (
+            f"fold {fold} already finished training in {folder}; move that folder to train it again"
+        ), False
+    if any(folder.glob("checkpoint_*.pth")):
+        return (
+            f"fold {fold} has an earlier nnU-Net run in {folder}: continue it with --c "
+            "(nnui resume, or launch with --c) or move its folder away"
+        ), True
+    return None, False
+
+
 def _fold_checks(
     request: LaunchRequest,
     roots: Roots,
@@ -315,11 +373,9 @@ def _fold_checks(
     registry: Registry | None,
     checks: LaunchChecks,
 ) -> None:
-    trainer = flag_value(request.trainer_args, "-tr", DEFAULT_TRAINER)
-    plans = flag_value(request.trainer_args, "-p", DEFAULT_PLANS)
     running_jobs = _running_jobs(registry, dataset_name, request.configuration)
     for fold in request.folds:
-        folder = run_dir(roots.results, dataset_name, request.configuration, fold, trainer, plans)
+        folder = request_run_dir(request, roots, dataset_name, fold)
         try:
             problem, resumable = folder_problem(
                 folder, fold, request.continue_training, running_jobs

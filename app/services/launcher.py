@@ -21,9 +21,11 @@ from pathlib import Path
 import app
 from app.services import claims
 from app.services.claims import ClaimRefused
+from app.services.engines import NNUI, NNUNET
 from app.services.gpus import MachineSnapshot
 from app.services.launch_request import (
     MODES,
+    Identity,
     LaunchChecks,
     LaunchRequest,
     _assignments,
@@ -34,26 +36,43 @@ from app.services.launch_request import (
     effective_roots,
     flag_value,
     folder_problem,
+    identity,
     job_roots,
+    request_run_dir,
     resume_request,
 )
 from app.services.registry import Job, ProcessRecord, Registry, new_job_id
 from app.services.signals import process_identity
 from trainer.schema import (
     CONSOLE_FILE,
-    DEFAULT_PLANS,
-    DEFAULT_TRAINER,
     JOB_ID_ENV,
+    NNUNET_EXT_DIR,
+    NNUNET_EXT_ENV,
     ROOT_ENVS,
     Roots,
     find_dataset,
-    run_dir,
 )
 
 __all__ = [  # the request side lives in launch_request.py; re-exported as launcher.*
-    "MODES", "ClaimRefused", "LaunchChecks", "LaunchPlan", "LaunchRequest", "check_arguments",
-    "check_request", "configuration_names", "effective_roots", "flag_value", "folder_problem",
-    "job_roots", "plan_launch", "preview", "reap_children", "resume_request", "start",
+    "MODES",
+    "ClaimRefused",
+    "LaunchChecks",
+    "LaunchPlan",
+    "LaunchRequest",
+    "check_arguments",
+    "check_request",
+    "configuration_names",
+    "effective_roots",
+    "flag_value",
+    "folder_problem",
+    "identity",
+    "job_roots",
+    "plan_launch",
+    "preview",
+    "reap_children",
+    "request_run_dir",
+    "resume_request",
+    "start",
 ]  # fmt: skip
 
 # Supervisors started by this process; polled so they never linger as zombies under nnui.
@@ -82,6 +101,7 @@ class LaunchPlan:
     simulated: bool = False
     trainer_args: tuple[str, ...] = ()
     continue_training: bool = False
+    engine: str = NNUI
 
 
 def trainer_entry(request: LaunchRequest) -> list[str]:
@@ -110,35 +130,20 @@ def plan_launch(
     roots = effective_roots(request, roots)
     dataset_name = find_dataset(roots.preprocessed, request.dataset)
     assignments, _ = _assignments(request)
-    trainer = flag_value(request.trainer_args, "-tr", DEFAULT_TRAINER)
-    plans_name = flag_value(request.trainer_args, "-p", DEFAULT_PLANS)
+    who = identity(request)
     device = "cpu" if request.simulated else request.device
     job_mode = "single" if request.mode == "per_gpu" else request.mode
     plans: list[LaunchPlan] = []
     last_on: dict[tuple[str, ...], str] = {}
     for fold, gpus in assignments:
         job_id = new_job_id(fold)
-        folder = run_dir(
-            roots.results, dataset_name, request.configuration, fold, trainer, plans_name
-        )
-        args = [dataset_name, request.configuration, fold, "-device", device]
-        args += list(request.trainer_args)
-        if request.continue_training and "--c" not in args:
-            args.append("--c")
-        entry = trainer_entry(request)
-        size = len(gpus)
-        if job_mode == "spawn":
-            argv = [sys.executable, *entry, *args, "-num_gpus", str(size)]
-        elif job_mode == "torchrun":
-            argv = [
-                sys.executable, *torchrun_entry(), "--standalone",
-                f"--nproc_per_node={size}", *entry, *args,
-            ]  # fmt: skip
-        else:
-            argv = [sys.executable, *entry, *args]
+        folder = request_run_dir(request, roots, dataset_name, fold)
+        argv = _argv(request, who, dataset_name, fold, device, job_mode, len(gpus))
         env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", JOB_ID_ENV: job_id}
         # The trainer finds the same roots as nnui, whichever way nnui was given them.
         env.update({ROOT_ENVS[name]: str(getattr(roots, name)) for name in ROOT_ENVS})
+        if who.engine.name == NNUNET:
+            env[NNUNET_EXT_ENV] = _with_ext_dir(os.environ.get(NNUNET_EXT_ENV))
         if device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         key = tuple(gpus) if gpus else ("cpu", fold)
@@ -161,9 +166,51 @@ def plan_launch(
                 simulated=request.simulated,
                 trainer_args=tuple(request.trainer_args),
                 continue_training=request.continue_training,
+                engine=who.engine.name,
             )
         )
     return plans, []
+
+
+def _argv(
+    request: LaunchRequest, who: Identity, dataset: str, fold: str, device: str, mode: str,
+    size: int,
+) -> list[str]:  # fmt: skip
+    """The trainer's argv list (never a shell string) for one fold."""
+    args = [dataset, request.configuration, fold]
+    user_args = list(request.trainer_args)
+    entry = trainer_entry(request)
+    if who.engine.name == NNUNET:  # nnU-Net's own names for the identifiers, ours forced
+        args += ["-tr", who.trainer, "-p", who.plans]
+        user_args = _without_flags(user_args, ("-tr", "-p"))
+        entry = list(request.trainer_entry) or list(who.engine.entry)
+    args += ["-device", device, *user_args]
+    if request.continue_training and "--c" not in args:
+        args.append("--c")
+    if mode == "spawn":
+        return [sys.executable, *entry, *args, "-num_gpus", str(size)]
+    if mode == "torchrun":
+        return [sys.executable, *torchrun_entry(), "--standalone", f"--nproc_per_node={size}",
+                *entry, *args]  # fmt: skip
+    return [sys.executable, *entry, *args]
+
+
+def _without_flags(args: list[str], flags: tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for word in args:
+        if skip:
+            skip = False
+        elif word in flags:
+            skip = True
+        elif not any(word.startswith(f + "=") for f in flags):
+            out.append(word)
+    return out
+
+
+def _with_ext_dir(current: str | None) -> str:
+    folders = [p for p in (current or "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys([str(NNUNET_EXT_DIR), *folders]))
 
 
 def preview(plan: LaunchPlan) -> str:
@@ -226,6 +273,7 @@ def _register_and_start(plan: LaunchPlan, registry: Registry) -> Job:
         after=plan.after,
         trainer_args=list(plan.trainer_args),
         continue_training=plan.continue_training,
+        engine=plan.engine,
     )
     registry.add(job)
     env = {**_without_launcher_leftovers(os.environ), **plan.env, "PYTHONPATH": _python_path()}

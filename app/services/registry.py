@@ -99,6 +99,7 @@ class Job:
     continue_training: bool = False
     note: str | None = None  # e.g. "stopped before it started"
     killed_at: float | None = None  # `nnui kill` began (the job ends "killed", not "lost")
+    engine: str = "nnui"  # "nnui" | "nnunet" (the real nnU-Net through nnui's extension)
 
     def process(self, role: str) -> ProcessRecord | None:
         return next((p for p in self.processes if p.role == role), None)
@@ -217,6 +218,7 @@ _CHECKS: dict[type, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "continue_training": _BOOL,
         "note": (_optional(lambda v: isinstance(v, str)), "a string or null"),
         "killed_at": (_optional(_is_time), "a finite number or null"),
+        "engine": (lambda v: v in ("nnui", "nnunet"), "nnui or nnunet"),
     },
 }
 
