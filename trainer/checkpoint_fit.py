@@ -37,11 +37,15 @@ def _check_rng(name: str, tensors: dict[str, Any], states: dict[str, Any]) -> No
 
 def _check_optimizer_refs(name: str, tensors: dict[str, Any], skeleton: dict[str, Any]) -> None:
     for param_id, fields in skeleton["state"].items():
-        if not param_id.isdigit() or not isinstance(fields, dict):
+        if not (param_id.isascii() and param_id.isdigit()) or not isinstance(fields, dict):
             raise CheckpointError(f"{name}: malformed optimizer state")
         for spec in fields.values():
-            ok = isinstance(spec, dict) and len(spec) == 1 and ("value" in spec or (
-                "tensor" in spec and spec["tensor"] in tensors))  # fmt: skip
+            ref = spec.get("tensor") if isinstance(spec, dict) else None
+            ok = (
+                isinstance(spec, dict)
+                and len(spec) == 1
+                and ("value" in spec or (isinstance(ref, str) and ref in tensors))
+            )
             if not ok:
                 raise CheckpointError(f"{name}: optimizer state refers to a missing tensor")
 
@@ -55,12 +59,17 @@ def check_resumable(name: str, tensors: dict[str, Any], metadata: dict[str, Any]
         raise CheckpointError(f"{name}: malformed scaler state")
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _same_kind(stored: Any, live: Any) -> bool:
+    """A stored optimizer setting of the live one's kind; numbers finite and within float32
+    (the optimizers' kernels turn them into tensors of the parameters' dtype)."""
     number = (int, float)
     if isinstance(live, bool) or isinstance(stored, bool):
         return type(stored) is type(live)
     if isinstance(live, number):
-        return isinstance(stored, number)
+        return isinstance(stored, number) and abs(stored) <= FLOAT32_MAX  # False for NaN, inf
     if isinstance(live, (list, tuple)):
         return isinstance(stored, (list, tuple)) and len(stored) == len(live)
     return type(stored) is type(live)
@@ -77,13 +86,14 @@ def check_fits(
         raise CheckpointError(f"{name}: weights of another network")
     for key, tensor in live.items():
         if stored[key].shape != tensor.shape or stored[key].dtype != tensor.dtype:
-            raise CheckpointError(f"{name}: weight {key} has shape {list(stored[key].shape)}")
+            found = f"{str(stored[key].dtype).removeprefix('torch.')} {list(stored[key].shape)}"
+            raise CheckpointError(f"{name}: weight {key} is {found}, this network's is not")
     skeleton, groups = metadata["optimizer"], optimizer.state_dict()["param_groups"]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if len(skeleton["param_groups"]) != len(groups):
         raise CheckpointError(f"{name}: optimizer of another kind")
     for saved, group in zip(skeleton["param_groups"], groups, strict=True):
-        if saved.keys() != group.keys() or list(saved["params"]) != list(group["params"]):
+        if saved.keys() != group.keys() or saved["params"] != group["params"]:
             raise CheckpointError(f"{name}: optimizer of another kind")
         if not all(_same_kind(saved[k], v) for k, v in group.items()):
             raise CheckpointError(f"{name}: malformed optimizer settings")
