@@ -484,3 +484,11 @@ def test_stale_temporary_files_of_dead_writers_are_removed_and_nothing_else(
     assert all((tmp_path / name).exists() for name in kept)
     assert not any((tmp_path / name).exists() for name in stale)
     assert remove_stale_tmp(tmp_path / "missing") == []
+
+
+@pytest.mark.parametrize("value", ["abc", float("nan"), float("inf"), [1], True, 10**400])
+def test_ema_that_is_not_a_number_is_refused(tmp_path: Path, value) -> None:
+    write(tmp_path, "best", 2)
+    latest = write(tmp_path, "latest", 4)
+    _rewrite(latest, change_meta=lambda m: m.update(ema_fg_dice=value))
+    assert checkpoint.find_resume(tmp_path).kind == "best"

@@ -105,8 +105,9 @@ def check_identity(info: CheckpointInfo, expected: dict[str, str]) -> None:
     for key, value in expected.items():
         stored = _stored_identity(info.metadata, key)
         if stored != value:
+            shown = repr(stored[:80] if isinstance(stored, str) else stored)[:80]
             raise IdentityMismatch(
-                f"{info.path} belongs to {key}={str(stored)[:80]!r}, this run has {value!r}; "
+                f"{info.path} belongs to {key}={shown}, this run has {value!r}; "
                 "use another results folder or remove the checkpoint"
             )
 
@@ -120,6 +121,17 @@ def check_schedule(info: CheckpointInfo, num_epochs: int) -> None:
         )
 
 
+_skips_told: set[tuple[str, str]] = set()
+
+
+def _warn_skipped(path: Path, error: CheckpointError) -> None:
+    """One line per refused file and reason, also when the CLI and then the worker (the
+    same process, without a launcher) each look at the run folder."""
+    if (str(path), str(error)) not in _skips_told:
+        _skips_told.add((str(path), str(error)))
+        log.warning("skipping invalid checkpoint %s", error)
+
+
 def _candidates(run_dir: Path) -> list[CheckpointInfo]:
     """Checkpoints whose header is sound, newest stored epoch first (RESUME_ORDER on ties)."""
     found = []
@@ -130,7 +142,7 @@ def _candidates(run_dir: Path) -> list[CheckpointInfo]:
         try:
             metadata = read_header(path).metadata
         except CheckpointError as error:
-            log.warning("skipping invalid checkpoint %s", error)
+            _warn_skipped(path, error)
             continue
         found.append(CheckpointInfo(path, kind, metadata["epoch_next"], metadata))
     return sorted(found, key=lambda info: -info.epoch_next)  # stable: ties keep RESUME_ORDER
@@ -151,7 +163,7 @@ def _first_valid(
         try:
             info, payload = check(candidate)
         except CheckpointError as error:
-            log.warning("skipping invalid checkpoint %s", error)
+            _warn_skipped(candidate.path, error)
             continue
         if expected_identity is not None:
             check_identity(info, expected_identity)

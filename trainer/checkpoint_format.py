@@ -18,6 +18,7 @@ import logging
 import os
 import stat
 import struct
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,10 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_tensor_table(name: str, tensors: dict[str, Any]) -> int:
     """Every entry well formed, sizes consistent, the data contiguous; returns its length."""
     spans = []
@@ -176,6 +181,11 @@ def check_metadata(name: str, metadata: dict[str, Any]) -> None:
         raise CheckpointError(
             f"{name}: epoch {epoch_next} is beyond its own schedule of {num_epochs} epochs"
         )
+    for key in ("ema_fg_dice", "best_ema"):  # the loop computes with them
+        value = metadata.get(key)
+        finite = _is_number(value) and abs(value) <= sys.float_info.max  # no NaN, inf, 10**400
+        if value is not None and not finite:
+            raise CheckpointError(f"{name}: {key} {str(value)[:40]!r} is not a number")
     history = metadata.get("history", {})
     if not isinstance(history, dict) or not all(
         isinstance(v, list) and len(v) == epoch_next for v in history.values()

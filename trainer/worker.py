@@ -73,8 +73,7 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
     from trainer.splits import fold_cases, load_or_create_splits
 
     device = launch.device_for(topology, config.device_type)
-    if topology.is_main:
-        _remove_stale_tmp(Path(config.run_dir))
+    _remove_stale_tmp(config, topology)
     dataset_dir = Path(config.preprocessed_dataset_dir)
     plans = load_plans(dataset_dir, config.plans_name)
     cplan = plans.configuration(config.configuration)
@@ -128,10 +127,13 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
     return 0
 
 
-def _remove_stale_tmp(run_dir: Path) -> None:
+def _remove_stale_tmp(config: TrainConfig, topology: Any) -> None:
+    """Rank 0, before writing anything: what a killed write left in the run folder."""
     from trainer.run_folder import remove_stale_tmp
 
-    removed = remove_stale_tmp(run_dir)
+    if not topology.is_main:
+        return
+    removed = remove_stale_tmp(Path(config.run_dir))
     if removed:
         log.info("removed %d temporary file(s) of an interrupted write: %s", len(removed),
                  ", ".join(removed))  # fmt: skip
@@ -257,10 +259,11 @@ def _pick_resume(config: TrainConfig, trainee: Any) -> Loaded | None:
     def fits(name: str, tensors: dict[str, Any], metadata: dict[str, Any]) -> None:
         check_fits(name, tensors, metadata, trainee.raw_model, trainee.optimizer)
 
+    if not config.resume_checkpoint:  # the CLI found none valid (and said so): neither will we
+        return None
     found = checkpoint.load_resume(Path(config.run_dir), config.identity(), config.num_epochs, fits)
-    if found is None:
-        if config.resume_checkpoint:  # the CLI saw one; the deeper checks refused them all
-            log.warning("--c: no usable checkpoint in %s, starting fresh", config.run_dir)
+    if found is None:  # the CLI saw one; the torch-side checks refused them all
+        log.warning("--c: no usable checkpoint in %s, starting fresh", config.run_dir)
         return None
     return found.tensors, found.info.metadata, str(found.info.path)
 
