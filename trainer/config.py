@@ -115,4 +115,5 @@ class TrainConfig:
             "configuration": self.configuration,
             "plans_name": self.plans_name,
             "plans_identity": self.plans_identity,
+            "fold": self.fold,  # a copied checkpoint of fold 1 must not continue fold 3
         }

@@ -7,6 +7,7 @@ lines only; status.json is replaced atomically.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
@@ -21,6 +22,8 @@ from trainer.schema import (
     atomic_write_text,
     encode_event,
 )
+
+log = logging.getLogger("trainer")
 
 
 def finite_or_none(value: float | None) -> float | None:
@@ -58,8 +61,16 @@ class RunRecorder:
         atomic_write_text(self.run_dir / STATUS_FILE, self._status.to_json())
 
     def failed(self, message: str, traceback_text: str, epoch: int | None = None) -> None:
-        self.event(Kind.FAILED, message=message, traceback=traceback_text, epoch=epoch)
-        self.status(State.FAILED, message=message)
+        """Record a failure; on a full disk the record itself may fail, which must not turn
+        the one-line failure into a traceback (the exit code still tells)."""
+        try:
+            self.event(Kind.FAILED, message=message, traceback=traceback_text, epoch=epoch)
+        except OSError as error:
+            log.warning("could not record the failure in %s: %s", EVENTS_FILE, error)
+        try:
+            self.status(State.FAILED, message=message)
+        except OSError as error:
+            log.warning("could not record the failure in %s: %s", STATUS_FILE, error)
 
     def close(self) -> None:
         if self._handle is not None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,8 @@ def _is_id_list(value: object) -> bool:
 
 
 def validate_splits(splits: object, path: Path) -> list[dict[str, list[str]]]:
-    """The splits if they are a non-empty list of {"train": [ids], "val": [ids]}."""
+    """The splits if they are a non-empty list of {"train": [ids], "val": [ids]} folds, each
+    without duplicate ids and validating on no case it trains on."""
     if (
         not isinstance(splits, list)
         or not splits
@@ -37,7 +39,29 @@ def validate_splits(splits: object, path: Path) -> list[dict[str, list[str]]]:
             f"{path} is not a list of {{'train': [case ids], 'val': [case ids]}} folds; "
             "delete it to recreate it"
         )
+    for fold, entry in enumerate(splits):
+        _check_fold(fold, entry, path)
     return splits
+
+
+def _check_fold(fold: int, entry: dict[str, list[str]], path: Path) -> None:
+    for part in ("train", "val"):
+        duplicates = sorted(c for c, n in Counter(entry[part]).items() if n > 1)
+        if duplicates:
+            raise SplitsError(
+                f"fold {fold} of {path} lists {part} cases twice: {duplicates[:5]}; "
+                "fix it or delete it to recreate it"
+            )
+    train, val = set(entry["train"]), set(entry["val"])
+    # A one-case dataset trains and validates on its case: what create_splits writes.
+    if train == val and len(train) == 1:
+        return
+    overlap = sorted(train & val)
+    if overlap:
+        raise SplitsError(
+            f"fold {fold} of {path} validates on cases it trains on: {overlap[:5]}; "
+            "fix it or delete it to recreate it"
+        )
 
 
 def create_splits(

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,7 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
     from trainer.splits import fold_cases, load_or_create_splits
 
     device = launch.device_for(topology, config.device_type)
+    _remove_stale_tmp(config, topology)
     dataset_dir = Path(config.preprocessed_dataset_dir)
     plans = load_plans(dataset_dir, config.plans_name)
     cplan = plans.configuration(config.configuration)
@@ -123,6 +125,18 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
     recorder.status(State.FINISHED, epoch=state.epoch_next)
     log.info("finished")
     return 0
+
+
+def _remove_stale_tmp(config: TrainConfig, topology: Any) -> None:
+    """Rank 0, before writing anything: what a killed write left in the run folder."""
+    from trainer.run_folder import remove_stale_tmp
+
+    if not topology.is_main:
+        return
+    removed = remove_stale_tmp(Path(config.run_dir))
+    if removed:
+        log.info("removed %d temporary file(s) of an interrupted write: %s", len(removed),
+                 ", ".join(removed))  # fmt: skip
 
 
 def _record_start(config: TrainConfig, topology: Any, recorder: RunRecorder, device: Any,
@@ -207,74 +221,106 @@ def _wrap(config: TrainConfig, topology: Any, trainee: Any) -> None:
     trainee.model = model
 
 
-def _load_on_main(path: Path | None, topology: Any) -> tuple[dict, dict] | None:
-    """Rank 0 reads the checkpoint and hands it to every rank (other nodes may lack the file).
+Loaded = tuple[dict[str, Any], dict[str, Any], str]  # tensors, metadata, path
 
-    Returns (tensors, metadata), or None when rank 0 has nothing to resume from.
-    """
+
+def _load_on_main(pick: Callable[[], Loaded | None], topology: Any) -> Loaded | None:
+    """Rank 0 picks and reads the checkpoint and hands it to every rank (other nodes may lack
+    the file). None: rank 0 has nothing to resume from. A refusal (CheckpointError,
+    IdentityMismatch, BeyondSchedule) fails every rank together."""
     from trainer import checkpoint, distributed
 
-    loaded, error = None, None
-    if topology.is_main and path is not None:
-        try:
-            loaded = checkpoint.load(path)
-        except checkpoint.CheckpointError as exc:
-            error = str(exc)
     if topology.world_size == 1:
-        if error:
-            raise checkpoint.CheckpointError(error)
-        return loaded
+        return pick()
+    loaded, error = None, None
+    if topology.is_main:
+        try:
+            loaded = pick()
+        except ValueError as exc:
+            error = str(exc)
     # One small message first, so every rank fails (or skips) together.
     header = distributed.broadcast_object(
-        {"error": error, "metadata": loaded[1] if loaded else None}
-    )
+        {"error": error, "metadata": loaded[1] if loaded else None,
+         "path": loaded[2] if loaded else None}
+    )  # fmt: skip
     if header["error"]:
         raise checkpoint.CheckpointError(f"rank 0 could not load the checkpoint: {header['error']}")
     if header["metadata"] is None:
         return None
     tensors = distributed.broadcast_tensors(loaded[0] if loaded else None)
-    return tensors, header["metadata"]
+    return tensors, header["metadata"], header["path"]
+
+
+def _pick_resume(config: TrainConfig, trainee: Any) -> Loaded | None:
+    """The newest checkpoint that is intact, of this run and fits the live objects."""
+    from trainer import checkpoint
+    from trainer.checkpoint_fit import check_fits
+
+    def fits(name: str, tensors: dict[str, Any], metadata: dict[str, Any]) -> None:
+        check_fits(name, tensors, metadata, trainee.raw_model, trainee.optimizer)
+
+    if not config.resume_checkpoint:  # the CLI found none valid (and said so): neither will we
+        return None
+    found = checkpoint.load_resume(Path(config.run_dir), config.identity(), config.num_epochs, fits)
+    if found is None:  # the CLI saw one; the torch-side checks refused them all
+        log.warning("--c: no usable checkpoint in %s, starting fresh", config.run_dir)
+        return None
+    return found.tensors, found.info.metadata, str(found.info.path)
+
+
+def _apply(tensors: dict, metadata: dict, path: str, trainee: Any, resume: bool) -> None:
+    """checkpoint.apply; the checks before it make a failure here a bug, said in one line."""
+    from trainer import checkpoint
+
+    try:
+        if resume:
+            checkpoint.apply(
+                tensors, metadata, trainee.raw_model, trainee.optimizer, trainee.scaler,
+                restore_rng_state=True,
+            )  # fmt: skip
+        else:
+            checkpoint.apply(tensors, metadata, trainee.raw_model)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as error:
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise checkpoint.CheckpointError(f"{Path(path).name} does not load: {first_line}") from None
 
 
 def _restore(config: TrainConfig, topology: Any, trainee: Any, recorder: RunRecorder) -> Any:
     """LoopState to start from: fresh, a resumed checkpoint, or the one --val validates.
 
-    Rank 0's choice counts (it found the checkpoint in resolve_config); every rank loads
-    the very same tensors and metadata, so weights, optimizer momentum, history, EMA and
-    RNG states agree across ranks and nodes.
+    Rank 0 chooses (the newest checkpoint that passes every check, as the CLI did) and
+    every rank loads the very same tensors and metadata, so weights, optimizer momentum,
+    history, EMA and RNG states agree across ranks and nodes.
     """
     from trainer import checkpoint
     from trainer.loop import History, LoopState
 
     if config.validation_only:
         path = Path(config.run_dir) / checkpoint_file("best" if config.val_best else "final")
-        loaded = _load_on_main(path, topology)
+        loaded = _load_on_main(lambda: (*checkpoint.load(path), str(path)), topology)
         assert loaded is not None
-        tensors, metadata = loaded
-        checkpoint.apply(tensors, metadata, trainee.raw_model)
+        tensors, metadata, _ = loaded
+        _apply(tensors, metadata, str(path), trainee, resume=False)
         # Progress of a --val run is that of the training it validates.
-        trained_epochs = metadata.get("config", {}).get("num_epochs", config.num_epochs)
+        config_meta = metadata.get("config")
+        trained_epochs = (config_meta if isinstance(config_meta, dict) else {}).get(
+            "num_epochs", config.num_epochs
+        )
         recorder.status(num_epochs=trained_epochs, epoch=metadata["epoch_next"])
         return LoopState(epoch_next=metadata["epoch_next"])
     if not config.continue_training:
         return LoopState()
-    resume = Path(config.resume_checkpoint) if config.resume_checkpoint else None
-    loaded = _load_on_main(resume, topology)
+    loaded = _load_on_main(lambda: _pick_resume(config, trainee), topology)
     if loaded is None:
         return LoopState()
-    tensors, metadata = loaded
-    checkpoint.apply(
-        tensors, metadata, trainee.raw_model, trainee.optimizer, trainee.scaler,
-        restore_rng_state=True,
-    )  # fmt: skip
-    kind = metadata.get("kind")
+    tensors, metadata, path = loaded
+    _apply(tensors, metadata, path, trainee, resume=True)
     if topology.is_main:
-        log.info("continuing from %s at epoch %d", Path(config.resume_checkpoint or "").name,
-                 metadata["epoch_next"])  # fmt: skip
+        log.info("continuing from %s at epoch %d", Path(path).name, metadata["epoch_next"])
     return LoopState(
         epoch_next=metadata["epoch_next"], ema=metadata.get("ema_fg_dice"),
         best_ema=metadata.get("best_ema"), history=History.from_dict(metadata.get("history", {})),
-        last_checkpoint=config.resume_checkpoint, resumed_kind=kind,
+        last_checkpoint=path, resumed_kind=metadata.get("kind"),
     )  # fmt: skip
 
 
