@@ -1,0 +1,12 @@
+"""What the inference CLIs share: one-line argument errors (exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + error
+        sys.stderr.write(f"error: {message} (see {self.prog} --help)\n")
+        raise SystemExit(2)
