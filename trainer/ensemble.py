@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from trainer.data.image_io import SUPPORTED_ENDINGS
-from trainer.inference.cli import OneLineParser
+from trainer.inference.cli import OneLineParser, one_line
 from trainer.inference.export import (
     PROBABILITIES_KEY,
     RawPrediction,
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         num = ensemble([Path(f) for f in args.i], Path(args.o), args.save_probabilities)
     except EnsembleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"error: {exc.strerror or exc}: {exc.filename or ''}", file=sys.stderr)

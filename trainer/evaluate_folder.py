@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from trainer.data.image_io import SUPPORTED_ENDINGS, ImageReadError, file_ending, read_image
-from trainer.inference.cli import OneLineParser
+from trainer.inference.cli import OneLineParser, one_line
 from trainer.schema import SUMMARY_FILE, atomic_write_text
 
 METRICS = ("Dice", "FN", "FP", "IoU", "TN", "TP", "n_pred", "n_ref")
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = evaluate_folders(Path(args.ref), Path(args.pred), args.l, args.chill)
         write_summary(summary, output)
     except EvaluationError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"error: {exc.strerror or exc}: {exc.filename or ''}", file=sys.stderr)

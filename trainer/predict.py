@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.inference.cli import OneLineParser
+from trainer.inference.cli import OneLineParser, one_line
 from trainer.schema import CHECKPOINT_KINDS, DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
 
 log = logging.getLogger("trainer.predict")
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except ValueError as exc:  # InputError, DatasetNotFound, plans and checkpoint checks
-        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.write(f"error: {one_line(exc)}\n")
         return 2
     except OSError as exc:  # a full or read-only output disk
         sys.stderr.write(f"error: {exc.strerror or exc}: {exc.filename or ''}\n")
