@@ -247,3 +247,51 @@ def test_ensemble_refuses_mismatching_folders(env, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and message in err, err
         assert not out.exists()
+
+
+def test_demo_held_out_cases_predict_then_evaluate(env, tmp_path, capsys):
+    """The README flow after training: nnui-demo-data's imagesTs -> nnui-predict ->
+    nnui-evaluate against labelsTs (labels from the dataset's dataset.json)."""
+    from trainer.data.raw import open_raw_dataset
+    from trainer.demo import DEMO_DATASET, make_case
+    from trainer.demo import main as demo_main
+    from trainer.evaluate_folder import main as evaluate_main
+
+    raw = tmp_path / "raw"
+    assert demo_main(["--cases", "2", "--test-cases", "2", "--out", str(raw),
+                      "--shape-scale", "0.3"]) == 0  # fmt: skip
+    dataset = raw / DEMO_DATASET
+    test_ids = ["demo_002", "demo_003"]
+    assert sorted(p.name for p in (dataset / "imagesTs").iterdir()) == [
+        f"{c}_0000.nii.gz" for c in test_ids
+    ]
+    assert sorted(p.name for p in (dataset / "labelsTs").iterdir()) == [
+        f"{c}.nii.gz" for c in test_ids
+    ]
+    image = np.asarray(nib.load(str(dataset / "imagesTs" / "demo_003_0000.nii.gz")).dataobj)
+    np.testing.assert_array_equal(image.transpose(2, 1, 0), make_case(0, 3, 0.3)[0])
+    assert len(open_raw_dataset(dataset).cases) == 2  # imagesTs is not training data
+    assert demo_main(["--test-cases", "-1", "--out", str(raw)]) == 2
+
+    out = tmp_path / "pred"
+    assert predict(env, out, "-f", "0", "--disable_tta", images=dataset / "imagesTs") == 0
+    assert evaluate_main([str(dataset / "labelsTs"), str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [Path(c["prediction_file"]).name for c in summary["metric_per_case"]] == [
+        f"{c}.nii.gz" for c in test_ids
+    ]
+    assert sorted(summary["mean"]) == ["1", "2"]
+
+
+@pytest.mark.parametrize(
+    "module", ["trainer.predict", "trainer.ensemble", "trainer.evaluate_folder"]
+)
+def test_help_exits_zero_with_usage(module):
+    import subprocess
+    import sys
+
+    code = f"import sys; from {module} import main; sys.argv = ['x', '--help']; sys.exit(main())"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout.lower()
