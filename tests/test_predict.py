@@ -196,6 +196,7 @@ def _bad_inputs(root: Path, env) -> dict[str, tuple[list[str], Path, str]]:
         "bad part id": (["-f", "0", "-num_parts", "2", "-part_id", "2"], good, "-part_id"),
         "bad step size": (["-f", "0", "-step_size", "0"], good, "-step_size"),
         "unknown configuration": (["-f", "0", "-c", "3d_lowres"], good, "3d_lowres"),
+        "bad postprocessing file": (["-f", "0", "--postprocess", str(root)], good, "--postprocess"),
     }
 
 
@@ -229,6 +230,20 @@ def test_an_image_broken_after_its_header_leaves_only_whole_files(env, tmp_path,
     assert err.startswith("error: ") and "\n" not in err and "b_0000.nii" in err
     assert sorted(p.name for p in out.iterdir()) == ["a.nii.gz", PREDICTION_INFO_FILE]
     assert nib.load(str(out / "a.nii.gz")).shape == whole.shape
+
+
+def test_postprocess_keeps_the_largest_component_of_the_chosen_labels(env, tmp_path):
+    from trainer.inference.postprocess import keep_largest_component
+
+    pp_file = tmp_path / "pp.json"
+    pp_file.write_text(json.dumps({"largest_component_labels": [1, 2]}))
+    plain, post = tmp_path / "plain", tmp_path / "post"
+    assert predict(env, plain, "-f", "0", "--disable_tta") == 0
+    assert predict(env, post, "-f", "0", "--disable_tta", "--postprocess", str(pp_file)) == 0
+    for case in CASES:
+        before = np.asarray(nib.load(str(plain / f"{case}.nii.gz")).dataobj)
+        after = np.asarray(nib.load(str(post / f"{case}.nii.gz")).dataobj)
+        np.testing.assert_array_equal(after, keep_largest_component(before, [1, 2]))
 
 
 def test_ensemble_refuses_mismatching_folders(env, tmp_path, capsys):
@@ -284,7 +299,13 @@ def test_demo_held_out_cases_predict_then_evaluate(env, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "module", ["trainer.predict", "trainer.ensemble", "trainer.evaluate_folder"]
+    "module",
+    [
+        "trainer.predict",
+        "trainer.ensemble",
+        "trainer.evaluate_folder",
+        "trainer.best_configuration",
+    ],
 )
 def test_help_exits_zero_with_usage(module):
     import subprocess

@@ -18,12 +18,14 @@ from typing import Any
 import numpy as np
 
 from trainer.data.image_io import SUPPORTED_ENDINGS
+from trainer.inference.cases import InputError
 from trainer.inference.cli import OneLineParser, one_line
 from trainer.inference.export import (
     PROBABILITIES_KEY,
     RawPrediction,
     write_prediction,
 )
+from trainer.inference.postprocess import keep_largest_component, read_postprocessing
 from trainer.predict import PREDICTION_INFO_FILE
 from trainer.schema import atomic_write_text
 
@@ -108,6 +110,7 @@ def ensemble(
     out_dir: Path,
     save_probabilities: bool = False,
     progress: Callable[[str], None] = print,
+    largest_component_labels: tuple[int, ...] = (),
 ) -> int:
     case_ids, labels = plan_ensemble(folders, out_dir)
     values = np.asarray(sorted(labels.values()))
@@ -118,6 +121,8 @@ def ensemble(
         started = time.perf_counter()
         probs = mean_probabilities([folder / f"{case_id}.npz" for folder in folders])
         seg = values[np.argmax(probs, axis=0)].astype(np.uint8 if values.max() < 256 else np.uint16)
+        if largest_component_labels:
+            seg = keep_largest_component(seg, largest_component_labels)
         reference, ending = _segmentation_file(folders[0], case_id)
         prediction = RawPrediction(seg, probs if save_probabilities else None)
         write_prediction(out_dir, case_id, prediction, reference, ending)
@@ -133,13 +138,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-i", nargs="+", required=True, help="prediction folders (>= 2)")
     parser.add_argument("-o", required=True, help="output folder")
     parser.add_argument("--save_probabilities", action="store_true", help="also write CASE.npz")
+    parser.add_argument(
+        "--postprocess",
+        default=None,
+        metavar="FILE",
+        help="postprocessing.json of nnui-find-best-configuration",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
     try:
-        num = ensemble([Path(f) for f in args.i], Path(args.o), args.save_probabilities)
-    except EnsembleError as exc:
+        largest = tuple(read_postprocessing(Path(args.postprocess))) if args.postprocess else ()
+        folders = [Path(f) for f in args.i]
+        num = ensemble(folders, Path(args.o), args.save_probabilities, print, largest)
+    except (EnsembleError, InputError) as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:

@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-step_size", type=float, default=0.5, help="window step, fraction of patch")
     p.add_argument("--disable_tta", action="store_true", help="no mirroring (8x faster in 3d)")
     p.add_argument("--save_probabilities", action="store_true", help="also write CASE.npz")
+    p.add_argument(
+        "--postprocess",
+        default=None,
+        metavar="FILE",
+        help="postprocessing.json of nnui-find-best-configuration",
+    )
     p.add_argument("--continue_prediction", action="store_true", help="skip finished cases")
     p.add_argument("-device", default="cuda", choices=DEVICES)
     p.add_argument("-num_parts", type=int, default=1, help="split the cases into N parts")
@@ -71,6 +77,7 @@ class Resolved:
     num_skipped: int
     out_dir: Path
     fallback_spacing: tuple[float, ...] | None
+    largest_component_labels: tuple[int, ...] = ()  # from --postprocess
 
 
 def checkpoint_kind(name: str) -> str:
@@ -121,6 +128,11 @@ def resolve(args: argparse.Namespace) -> Resolved:
             "convert the images to .nii.gz or .npy"
         )
     check_headers(todo)
+    largest: tuple[int, ...] = ()
+    if args.postprocess:  # a bad file is refused before any work
+        from trainer.inference.postprocess import read_postprocessing
+
+        largest = tuple(read_postprocessing(Path(args.postprocess)))
     return Resolved(
         plans,
         cplan,
@@ -130,6 +142,7 @@ def resolve(args: argparse.Namespace) -> Resolved:
         len(cases) - len(todo),
         out_dir,
         _fallback_spacing(roots.preprocessed / name),
+        largest,
     )
 
 
@@ -254,6 +267,7 @@ def run(args: argparse.Namespace, progress=print) -> int:
         not args.disable_tta,
         args.save_probabilities,
         resolved.fallback_spacing,
+        resolved.largest_component_labels,
     )
     started = time.perf_counter()
     num = predict_cases(

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from trainer.inference.cases import InputCase
-from trainer.inference.export import to_raw_geometry, write_prediction
+from trainer.inference.export import RawPrediction, to_raw_geometry, write_prediction
 from trainer.inference.prepare import PreparedCase, prepare_case
 from trainer.inference.sliding import predict_probabilities
 from trainer.plans import ConfigurationPlan, Plans
@@ -30,6 +30,7 @@ class PredictSettings:
     mirror: bool = True
     save_probabilities: bool = False
     fallback_spacing: tuple[float, ...] | None = None
+    largest_component_labels: tuple[int, ...] = ()  # --postprocess
 
 
 def build_models(
@@ -124,6 +125,13 @@ def _export(
     prediction = to_raw_geometry(
         probs, prepared.properties, label_values, keep_probabilities=settings.save_probabilities
     )
+    if settings.largest_component_labels:
+        from trainer.inference.postprocess import keep_largest_component
+
+        segmentation = keep_largest_component(
+            prediction.segmentation, settings.largest_component_labels
+        )
+        prediction = RawPrediction(segmentation, prediction.probabilities)
     case = prepared.case
     write_prediction(settings.out_dir, case.case_id, prediction, case.image_files[0], case.ending)
     props = prepared.properties
