@@ -248,17 +248,17 @@ def run(args: argparse.Namespace, progress=print) -> int:
 
     resolved = resolve(args)
     device = _device(args.device)
+    if resolved.num_skipped:
+        progress(f"--continue_prediction: {resolved.num_skipped} case(s) already done")
+    if not resolved.cases:
+        progress("nothing to predict")
+        return 0
     weights = _load_weights(resolved.checkpoints)
     try:
         models = build_models(resolved.plans, resolved.cplan, weights, device)
     except RuntimeError as exc:  # tensors of another network shape
         raise ValueError(f"the checkpoints do not fit the plans' network: {exc}") from None
     del weights
-    if resolved.num_skipped:
-        progress(f"--continue_prediction: {resolved.num_skipped} case(s) already done")
-    if not resolved.cases:
-        progress("nothing to predict")
-        return 0
     resolved.out_dir.mkdir(parents=True, exist_ok=True)
     _write_info(resolved, args)
     settings = PredictSettings(
