@@ -20,6 +20,7 @@ from trainer.schema import resolve_roots
 
 DEMO_DATASET = "Dataset900_NnuiDemo"
 DEFAULT_NUM_CASES = 20
+DEFAULT_NUM_TEST_CASES = 4  # held out in imagesTs/labelsTs: predict -> evaluate end to end
 LABELS = {"background": 0, "organ": 1, "lesion": 2}
 
 log = logging.getLogger(__name__)
@@ -80,20 +81,34 @@ def make_case(
 
 
 def make_demo_dataset(
-    out_root: Path, num_cases: int = DEFAULT_NUM_CASES, seed: int = 0, shape_scale: float = 1.0
+    out_root: Path,
+    num_cases: int = DEFAULT_NUM_CASES,
+    seed: int = 0,
+    shape_scale: float = 1.0,
+    num_test_cases: int = 0,
 ) -> Path:
-    """Write Dataset900_NnuiDemo under out_root (raw format); returns the dataset folder."""
+    """Write Dataset900_NnuiDemo under out_root (raw format); returns the dataset folder.
+
+    Training cases are demo_000.. in imagesTr/labelsTr; the num_test_cases held-out cases
+    continue the numbering (other anatomy, never trained on) in imagesTs/labelsTs.
+    """
     if num_cases < 1:
         raise ValueError("num_cases must be >= 1; set --cases to a positive number")
+    if num_test_cases < 0:
+        raise ValueError("num_test_cases must be >= 0; set --test-cases to 0 or more")
     dataset_dir = Path(out_root) / DEMO_DATASET
-    (dataset_dir / "imagesTr").mkdir(parents=True, exist_ok=True)
-    (dataset_dir / "labelsTr").mkdir(parents=True, exist_ok=True)
-    for index in range(num_cases):
-        case_id = f"demo_{index:03d}"
-        image, label, spacing = make_case(seed, index, shape_scale)
-        write_nifti(dataset_dir / "imagesTr" / f"{case_id}_0000.nii.gz", image, spacing)
-        write_nifti(dataset_dir / "labelsTr" / f"{case_id}.nii.gz", label, spacing)
-        log.info("wrote %s shape %s spacing %s", case_id, image.shape, spacing)
+    splits = [("Tr", range(num_cases))]
+    if num_test_cases:
+        splits.append(("Ts", range(num_cases, num_cases + num_test_cases)))
+    for suffix, indices in splits:
+        (dataset_dir / f"images{suffix}").mkdir(parents=True, exist_ok=True)
+        (dataset_dir / f"labels{suffix}").mkdir(parents=True, exist_ok=True)
+        for index in indices:
+            case_id = f"demo_{index:03d}"
+            image, label, spacing = make_case(seed, index, shape_scale)
+            write_nifti(dataset_dir / f"images{suffix}" / f"{case_id}_0000.nii.gz", image, spacing)
+            write_nifti(dataset_dir / f"labels{suffix}" / f"{case_id}.nii.gz", label, spacing)
+            log.info("wrote %s shape %s spacing %s", case_id, image.shape, spacing)
     dataset_json = {
         "name": "NnuiDemo",
         "description": f"synthetic MRI-like demo, {num_cases} cases, seed {seed}",
@@ -114,18 +129,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", default=None, help="raw root (default: $nnUNet_raw or ./nnui_data/raw)"
     )
+    parser.add_argument(
+        "--test-cases",
+        type=int,
+        default=DEFAULT_NUM_TEST_CASES,
+        help=f"held-out cases in imagesTs/labelsTs (default {DEFAULT_NUM_TEST_CASES})",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shape-scale", type=float, default=1.0, help="scale case shapes (tests)")
     args = parser.parse_args(argv)
     if args.cases < 1:
         print("error: --cases must be >= 1", file=sys.stderr)
         return 2
+    if args.test_cases < 0:
+        print("error: --test-cases must be >= 0", file=sys.stderr)
+        return 2
     if not 0.05 <= args.shape_scale <= 4.0:
         print("error: --shape-scale must be within 0.05-4", file=sys.stderr)
         return 2
     out_root = resolve_roots(raw=args.out).raw
-    dataset_dir = make_demo_dataset(out_root, args.cases, args.seed, args.shape_scale)
-    print(f"wrote {args.cases} cases to {dataset_dir}")
+    dataset_dir = make_demo_dataset(
+        out_root, args.cases, args.seed, args.shape_scale, args.test_cases
+    )
+    print(f"wrote {args.cases} training and {args.test_cases} test cases to {dataset_dir}")
     print(f"next: nnui-preprocess 900 --raw {out_root}")
     return 0
 

@@ -70,3 +70,68 @@ def write_nifti(path: Path, data_zyx: np.ndarray, spacing_zyx: tuple[float, ...]
     image = nib.Nifti1Image(np.ascontiguousarray(data_zyx.transpose(2, 1, 0)), affine)
     image.header.set_zooms((spacing_zyx[2], spacing_zyx[1], spacing_zyx[0]))
     nib.save(image, str(path))
+
+
+def image_shape(path: Path) -> tuple[int, ...]:
+    """The (Z, Y, X) shape from the file's header only (cheap: no voxel data is read).
+
+    Lets the inference CLIs refuse an unreadable file or mismatching channels before they
+    write anything.
+    """
+    ending = file_ending(path)
+    try:
+        if ending in (".nii.gz", ".nii"):
+            import nibabel as nib
+
+            shape = tuple(int(n) for n in nib.load(str(path)).shape)
+        elif ending == ".npy":
+            shape = tuple(int(n) for n in np.load(path, mmap_mode="r", allow_pickle=False).shape)
+        elif ending == ".npz":
+            with np.load(path, allow_pickle=False) as archive:
+                keys = list(archive.keys())
+                shape = tuple(archive["data" if "data" in keys else keys[0]].shape)
+        else:
+            raise ImageReadError(f"{path}: unsupported file type {ending!r}")
+    except ImageReadError:
+        raise
+    except Exception as exc:  # nibabel/numpy raise many types for broken files
+        raise ImageReadError(f"cannot read {path}: {exc}") from exc
+    if len(shape) != 3:
+        raise ImageReadError(f"{path}: expected a 3D image, got shape {shape}")
+    return shape[::-1] if ending in (".nii.gz", ".nii") else shape
+
+
+def encode_like(data_zyx: np.ndarray, reference: Path, ending: str) -> bytes:
+    """The bytes of a file holding data_zyx in the format `ending`, with the geometry of
+    the image `reference` (for NIfTI: its header, affine, qform/sform and orientation).
+
+    The caller writes them atomically. `.npy`/`.npz` carry no geometry (npz key `data`).
+    """
+    import io
+
+    data_zyx = np.ascontiguousarray(data_zyx)
+    if ending in (".nii.gz", ".nii"):
+        import gzip
+
+        import nibabel as nib
+
+        source = nib.load(str(reference))
+        header = source.header.copy()
+        header.set_data_dtype(data_zyx.dtype)
+        header.set_slope_inter(1.0, 0.0)  # labels are stored as they are, never scaled
+        image = nib.Nifti1Image(data_zyx.transpose(2, 1, 0), source.affine, header)
+        qform, qcode = source.get_qform(coded=True)
+        sform, scode = source.get_sform(coded=True)
+        image.set_qform(qform if qform is not None else source.affine, int(qcode or 0))
+        image.set_sform(sform if sform is not None else source.affine, int(scode or 0))
+        raw = image.to_bytes()
+        # nibabel's own default level for .nii.gz.
+        return gzip.compress(raw, compresslevel=1) if ending == ".nii.gz" else raw
+    buffer = io.BytesIO()
+    if ending == ".npy":
+        np.save(buffer, data_zyx, allow_pickle=False)
+    elif ending == ".npz":
+        np.savez_compressed(buffer, data=data_zyx)
+    else:
+        raise ImageReadError(f"cannot write {ending!r} files")
+    return buffer.getvalue()

@@ -1,0 +1,77 @@
+"""The sliding window of nnui-predict: window coverage, exact mirroring TTA, fold means."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from trainer.inference.sliding import (
+    mirror_combinations,
+    predict_probabilities,
+    sliding_window_probabilities,
+)
+
+
+class Positional(torch.nn.Module):
+    """Logits that depend on position (not flip-equivariant): TTA changes the result."""
+
+    def __init__(self, num_classes: int, ndim: int):
+        super().__init__()
+        self.conv = (torch.nn.Conv3d if ndim == 3 else torch.nn.Conv2d)(1, num_classes, 1)
+        self.ndim = ndim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spatial = x.shape[2:]
+        ramp = torch.linspace(0, 1, spatial[-1]).view(*([1] * (1 + self.ndim)), -1)
+        return self.conv(x) + ramp * torch.arange(self.conv.out_channels).view(
+            1, -1, *[1] * self.ndim
+        )
+
+
+def test_mirror_combinations_are_every_subset_of_the_axes():
+    assert mirror_combinations(3, True) == [(), (2,), (3,), (4,), (2, 3), (2, 4), (3, 4), (2, 3, 4)]
+    assert mirror_combinations(2, True) == [(), (2,), (3,), (2, 3)]
+    assert mirror_combinations(3, False) == [()]
+
+
+def test_one_window_tta_equals_the_mean_of_the_unflipped_mirrored_predictions():
+    torch.manual_seed(0)
+    model = Positional(3, 3).eval()
+    x = torch.randn(1, 1, 4, 6, 8)
+    with torch.inference_mode():
+        got = sliding_window_probabilities([model], x, (4, 6, 8), 3, mirror=True)
+        logits = [
+            torch.flip(model(torch.flip(x, axes)), axes) if axes else model(x)
+            for axes in mirror_combinations(3, True)
+        ]
+        expected = torch.softmax(torch.stack(logits).mean(0), dim=1)
+        plain = sliding_window_probabilities([model], x, (4, 6, 8), 3, mirror=False)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(plain, got)  # the ramp is not symmetric: TTA did something
+
+
+def test_pointwise_model_gives_its_softmax_everywhere_whatever_the_windows():
+    """Overlapping Gaussian-weighted windows (odd sizes, padding) of a model that looks at
+    one voxel only must reproduce its softmax exactly: weights normalise to 1 everywhere."""
+    torch.manual_seed(1)
+    conv = torch.nn.Conv3d(2, 3, 1).eval()
+    data = torch.randn(2, 13, 9, 21)
+    for patch, step in itertools.product([(4, 8, 8), (8, 16, 16)], [0.5, 0.3, 1.0]):
+        got = predict_probabilities([conv], data.numpy(), patch, 3, torch.device("cpu"), step)
+        with torch.inference_mode():
+            expected = torch.softmax(conv(data[None]), dim=1)[0]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_folds_average_probabilities_not_logits():
+    torch.manual_seed(2)
+    models = [torch.nn.Conv2d(1, 2, 1).eval() for _ in range(2)]
+    data = torch.randn(1, 3, 10, 12)  # 2d: the 3 slices are predicted one by one
+    both = predict_probabilities(models, data.numpy(), (8, 8), 2, torch.device("cpu"), mirror=False)
+    single = [
+        predict_probabilities([m], data.numpy(), (8, 8), 2, torch.device("cpu"), mirror=False)
+        for m in models
+    ]
+    torch.testing.assert_close(both, (single[0] + single[1]) / 2, rtol=1e-5, atol=1e-6)
+    assert both.shape == (2, 3, 10, 12)

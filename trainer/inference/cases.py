@@ -1,0 +1,98 @@
+"""The input folder of a prediction: `CASE_CCCC<ending>` files, one per channel.
+
+Everything here reads headers only, so every mistake (an empty folder, a missing or extra
+channel, an unreadable file, channels of different shapes) is found before anything is
+written. Each is an `InputError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.data.image_io import SUPPORTED_ENDINGS, ImageReadError, image_shape
+
+
+class InputError(ValueError):
+    """A user mistake in the inputs of a command (one line; the CLI exits 2)."""
+
+
+@dataclass(frozen=True)
+class InputCase:
+    case_id: str
+    image_files: tuple[Path, ...]  # one per channel, in channel order
+    ending: str  # of channel 0: the output is written in the same format
+
+
+_CHANNEL_FILE = re.compile(r"^(?P<case>.+)_(?P<channel>\d{4})$")
+
+
+def _split_name(name: str) -> tuple[str, int, str] | None:
+    """`case_0001.nii.gz` -> ('case', 1, '.nii.gz'); None for other files."""
+    for ending in SUPPORTED_ENDINGS:
+        if name.endswith(ending):
+            match = _CHANNEL_FILE.match(name[: -len(ending)])
+            if match:
+                return match["case"], int(match["channel"]), ending
+    return None
+
+
+def list_input_cases(in_dir: Path, num_channels: int) -> list[InputCase]:
+    """Cases of `in_dir`, sorted by id, each with exactly channels 0..num_channels-1."""
+    in_dir = Path(in_dir)
+    if not in_dir.is_dir():
+        raise InputError(f"input folder {in_dir} does not exist")
+    found: dict[str, dict[int, Path]] = {}
+    for entry in sorted(os.scandir(in_dir), key=lambda e: e.name):
+        parsed = _split_name(entry.name) if entry.is_file() else None
+        if parsed is not None:
+            case_id, channel, _ = parsed
+            found.setdefault(case_id, {})[channel] = Path(entry.path)
+    if not found:
+        endings = ", ".join(SUPPORTED_ENDINGS)
+        raise InputError(f"{in_dir} holds no images named CASE_0000<ending> ({endings})")
+    cases = []
+    expected = list(range(num_channels))
+    for case_id in sorted(found):
+        channels = found[case_id]
+        missing = [c for c in expected if c not in channels]
+        extra = sorted(set(channels) - set(expected))
+        if missing:
+            names = ", ".join(f"{case_id}_{c:04d}" for c in missing)
+            raise InputError(
+                f"case {case_id}: channel file {names} is missing in {in_dir} (the model "
+                f"takes {num_channels} channel(s))"
+            )
+        if extra:
+            raise InputError(
+                f"case {case_id} has {len(channels)} channel files but the model takes "
+                f"{num_channels} (extra: {', '.join(f'{c:04d}' for c in extra)})"
+            )
+        files = tuple(channels[c] for c in expected)
+        cases.append(InputCase(case_id, files, _split_name(files[0].name)[2]))
+    return cases
+
+
+def check_headers(cases: list[InputCase]) -> None:
+    """Every file readable as a 3D image, and all channels of a case of one shape."""
+    for case in cases:
+        try:
+            shapes = [image_shape(path) for path in case.image_files]
+        except ImageReadError as exc:
+            raise InputError(str(exc)) from None
+        for path, shape in zip(case.image_files, shapes, strict=True):
+            if shape != shapes[0]:
+                raise InputError(
+                    f"{path}: shape {list(shape)} differs from channel 0's {list(shapes[0])}"
+                )
+
+
+def select_part(cases: list, num_parts: int, part_id: int) -> list:
+    """Part `part_id` of `num_parts`: every case belongs to exactly one part."""
+    if num_parts < 1:
+        raise InputError(f"-num_parts must be >= 1, got {num_parts}")
+    if not 0 <= part_id < num_parts:
+        raise InputError(f"-part_id must be within 0-{num_parts - 1}, got {part_id}")
+    return cases[part_id::num_parts]

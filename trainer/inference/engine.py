@@ -1,0 +1,141 @@
+"""Streams the cases of a prediction: case i+1 is read and preprocessed in a thread while
+case i is predicted, and case i-1 is exported and written in another. At most three cases
+are in memory whatever the folder size; every output file is written atomically.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.inference.cases import InputCase
+from trainer.inference.export import RawPrediction, to_raw_geometry, write_prediction
+from trainer.inference.prepare import PreparedCase, prepare_case
+from trainer.inference.sliding import predict_probabilities
+from trainer.plans import ConfigurationPlan, Plans
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PredictSettings:
+    out_dir: Path
+    step_size: float = 0.5
+    mirror: bool = True
+    save_probabilities: bool = False
+    fallback_spacing: tuple[float, ...] | None = None
+    largest_component_labels: tuple[int, ...] = ()  # --postprocess
+
+
+def build_models(
+    plans: Plans, cplan: ConfigurationPlan, weights: Sequence[dict], device: torch.device
+) -> list[torch.nn.Module]:
+    """One evaluation-mode network per fold from `model.*` tensors (checkpoint.load)."""
+    from trainer.model import build_network
+
+    models = []
+    for tensors in weights:
+        model = build_network(
+            cplan.network,
+            plans.num_input_channels,
+            plans.num_classes,
+            cplan.ndim,
+            deep_supervision=False,
+            recompute_norm=False,
+        )
+        state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+        model.load_state_dict(state)
+        models.append(model.to(device).eval())
+    return models
+
+
+def output_path(out_dir: Path, case: InputCase) -> Path:
+    return Path(out_dir) / f"{case.case_id}{case.ending}"
+
+
+def predict_cases(
+    cases: Sequence[InputCase],
+    plans: Plans,
+    cplan: ConfigurationPlan,
+    models: Sequence[torch.nn.Module],
+    device: torch.device,
+    settings: PredictSettings,
+    progress: Callable[[str], None] = log.info,
+) -> int:
+    """Predict and write every case in order; returns the number written. The first error
+    (of reading, predicting or writing) is raised once the threads are idle."""
+    total = len(cases)
+    label_values = sorted(plans.labels.values())
+    with (
+        ThreadPoolExecutor(1, "nnui-read") as reader,
+        ThreadPoolExecutor(1, "nnui-write") as writer,
+    ):
+
+        def read(i: int) -> Future:
+            return reader.submit(prepare_case, cases[i], plans, cplan, settings.fallback_spacing)
+
+        next_case = read(0) if cases else None
+        pending_write: Future | None = None
+        try:
+            for i in range(total):
+                started = time.perf_counter()
+                prepared: PreparedCase = next_case.result()
+                next_case = read(i + 1) if i + 1 < total else None
+                probs = predict_probabilities(
+                    models,
+                    prepared.data,
+                    cplan.patch_size,
+                    plans.num_classes,
+                    device,
+                    settings.step_size,
+                    settings.mirror,
+                ).cpu()
+                if pending_write is not None:
+                    pending_write.result()  # at most one case waits to be written
+                pending_write = writer.submit(
+                    _export, prepared, probs, label_values, settings, started, i, total, progress
+                )
+                del prepared, probs
+            if pending_write is not None:
+                pending_write.result()
+        except BaseException:
+            for future in (next_case, pending_write):
+                if future is not None:
+                    future.cancel()
+            raise
+    return total
+
+
+def _export(
+    prepared: PreparedCase,
+    probs: torch.Tensor,
+    label_values: list[int],
+    settings: PredictSettings,
+    started: float,
+    index: int,
+    total: int,
+    progress: Callable[[str], None],
+) -> None:
+    prediction = to_raw_geometry(
+        probs, prepared.properties, label_values, keep_probabilities=settings.save_probabilities
+    )
+    if settings.largest_component_labels:
+        from trainer.inference.postprocess import keep_largest_component
+
+        segmentation = keep_largest_component(
+            prediction.segmentation, settings.largest_component_labels
+        )
+        prediction = RawPrediction(segmentation, prediction.probabilities)
+    case = prepared.case
+    write_prediction(settings.out_dir, case.case_id, prediction, case.image_files[0], case.ending)
+    props = prepared.properties
+    progress(
+        f"[predict {index + 1}/{total}] {case.case_id} shape {props['shape_before_cropping']} "
+        f"-> {props['shape_after_resampling']} {time.perf_counter() - started:.1f} s"
+    )

@@ -1,0 +1,103 @@
+"""Predictions back to the raw geometry, and their files (written atomically).
+
+`to_raw_geometry` undoes preprocessing for any case whose properties follow CASE.json
+(nnui-preprocess writes them; `prepare.prepare_case` returns the same): probabilities are
+resampled linearly to the cropped shape (a convex combination, so they still sum to 1),
+pasted into the full image (background outside the crop) and turned into dataset.json's
+label values by argmax. Final validation and nnui-predict share it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer.data.case_ops import resample_image
+from trainer.data.image_io import encode_like
+from trainer.schema import atomic_write_bytes
+
+PROBABILITIES_KEY = "probabilities"
+
+
+@dataclass(frozen=True)
+class RawPrediction:
+    segmentation: np.ndarray  # (Z, Y, X) label values, the raw image's shape
+    probabilities: np.ndarray | None  # (K, Z, Y, X) float32, or None when not asked for
+
+
+def label_dtype(label_values: Sequence[int]) -> np.dtype:
+    return np.dtype(np.uint8 if max(label_values) < 256 else np.uint16)
+
+
+def to_raw_geometry(
+    probabilities: Any,
+    properties: dict[str, Any],
+    label_values: Sequence[int],
+    keep_probabilities: bool = False,
+) -> RawPrediction:
+    """Segmentation (and probabilities) in the raw image's shape.
+
+    probabilities: (K, *shape_after_resampling), numpy or torch; class k is the k-th of
+    the sorted label values.
+    """
+    probs = _as_numpy(probabilities)
+    cropped_shape = tuple(int(n) for n in properties["shape_after_cropping_and_before_resampling"])
+    full_shape = tuple(int(n) for n in properties["shape_before_cropping"])
+    bbox = properties["bbox_used_for_cropping"]
+    if tuple(probs.shape[1:]) != cropped_shape:
+        probs = resample_image(probs, cropped_shape, order=1)
+    region = tuple(slice(lo, hi) for lo, hi in bbox)
+    values = np.asarray(sorted(int(v) for v in label_values))
+    segmentation = np.zeros(full_shape, dtype=label_dtype(values))
+    segmentation[region] = values[np.argmax(probs, axis=0)]
+    full = None
+    if keep_probabilities:
+        full = np.zeros((probs.shape[0], *full_shape), dtype=np.float32)
+        full[0] = 1.0  # outside the crop: background for sure (it was all zero)
+        full[(slice(None), *region)] = probs
+    return RawPrediction(segmentation, full)
+
+
+def _as_numpy(array: Any) -> np.ndarray:
+    if hasattr(array, "detach"):
+        array = array.detach().float().cpu().numpy()
+    return np.asarray(array, dtype=np.float32)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """atomic_write_bytes, and its tmp file removed when the write fails half-way."""
+    path = Path(path)
+    try:
+        atomic_write_bytes(path, data)
+    except BaseException:
+        path.with_name(f".{path.name}.{os.getpid()}.tmp").unlink(missing_ok=True)
+        raise
+
+
+def probabilities_bytes(probabilities: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **{PROBABILITIES_KEY: probabilities.astype(np.float32)})
+    return buffer.getvalue()
+
+
+def write_prediction(
+    out_dir: Path, case_id: str, prediction: RawPrediction, reference: Path, ending: str
+) -> list[Path]:
+    """`CASE<ending>` with the geometry of `reference` (a raw image of the case), and
+    `CASE.npz` when the prediction has probabilities. The segmentation goes last: its
+    presence says the case is complete (--continue_prediction)."""
+    written = []
+    if prediction.probabilities is not None:
+        npz = Path(out_dir) / f"{case_id}.npz"
+        write_atomic(npz, probabilities_bytes(prediction.probabilities))
+        written.append(npz)
+    seg_path = Path(out_dir) / f"{case_id}{ending}"
+    write_atomic(seg_path, encode_like(prediction.segmentation, reference, ending))
+    written.append(seg_path)
+    return written

@@ -1,0 +1,141 @@
+"""Gaussian sliding window over whole cases, mirroring TTA, probabilities averaged over folds.
+
+Windows and Gaussian weights are final validation's (`trainer.evaluate.window_starts`,
+`gaussian_importance`). Test-time mirroring flips over every combination of the spatial
+axes the training mirrored (all of them, as nnU-Net's default): 8 passes in 3d, 4 in 2d.
+Each fold's weighted logits become softmax probabilities, then the folds are averaged, so
+predicting folds together equals the mean of predicting them one by one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trainer.evaluate import gaussian_importance, window_starts
+
+# Voxels of input per forward pass: several windows per batch are much faster on CPU
+# (batch 1 conv3d takes a slow path) and keep a GPU busy; the cap bounds activations.
+VOXELS_PER_BATCH = 1 << 21
+MAX_WINDOWS_PER_BATCH = 8
+
+
+def mirror_combinations(ndim: int, enabled: bool) -> list[tuple[int, ...]]:
+    """Flip axes of (N, C, *spatial) tensors: () first, then every non-empty combination."""
+    axes = [2 + a for a in range(ndim)] if enabled else []
+    combos: list[tuple[int, ...]] = [()]
+    for r in range(1, len(axes) + 1):
+        combos += list(itertools.combinations(axes, r))
+    return combos
+
+
+def _windows(spatial: Sequence[int], patch: Sequence[int], step_size: float) -> list[tuple]:
+    starts = [window_starts(s, p, step_size) for s, p in zip(spatial, patch, strict=True)]
+    return [
+        tuple(slice(c, c + p) for c, p in zip(corner, patch, strict=True))
+        for corner in itertools.product(*starts)
+    ]
+
+
+def _pad_to_patch(images: torch.Tensor, patch: Sequence[int]) -> tuple[torch.Tensor, tuple]:
+    """Zero-pad (N, C, *spatial) to at least the patch; returns (padded, crop back)."""
+    spatial = tuple(images.shape[2:])
+    pad = [max(0, p - s) for p, s in zip(patch, spatial, strict=True)]
+    crop = tuple(slice(a // 2, a // 2 + s) for a, s in zip(pad, spatial, strict=True))
+    if not any(pad):
+        return images, crop
+    pairs: list[int] = []
+    for amount in reversed(pad):  # F.pad takes the last axis first
+        pairs += [amount // 2, amount - amount // 2]
+    return F.pad(images, pairs), crop
+
+
+def _flip(x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+    return torch.flip(x, axes) if axes else x
+
+
+def _fold_logits(model, images, windows, weights, combos, num_classes, batch, autocast):
+    """Gaussian-weighted sums of window logits (N, K, *padded) for one fold, averaged over
+    the mirror combinations. Windows and flips share batches, so every forward pass is full
+    even when a small case has few windows."""
+    logits = torch.zeros((images.shape[0], num_classes, *images.shape[2:]), device=images.device)
+    # Per item the tensor is (C, *spatial): flip axes shift by one.
+    items = [
+        (n, w, tuple(a - 1 for a in axes))
+        for w in windows
+        for n in range(images.shape[0])
+        for axes in combos
+    ]
+    weights = weights / len(combos)
+    for i in range(0, len(items), batch):
+        group = items[i : i + batch]
+        x = torch.stack([_flip(images[(n, slice(None), *w)], axes) for n, w, axes in group])
+        with autocast():
+            out = model(x)
+        out = out[0] if isinstance(out, (list, tuple)) else out
+        for j, (n, w, axes) in enumerate(group):
+            logits[(n, slice(None), *w)] += _flip(out[j].float(), axes) * weights
+    return logits
+
+
+def sliding_window_probabilities(
+    models: Sequence[torch.nn.Module],
+    images: torch.Tensor,
+    patch: Sequence[int],
+    num_classes: int,
+    step_size: float = 0.5,
+    mirror: bool = True,
+) -> torch.Tensor:
+    """Fold-averaged softmax (N, K, *spatial) for images (N, C, *spatial) on one device."""
+    images, crop = _pad_to_patch(images, patch)
+    windows = _windows(tuple(images.shape[2:]), patch, step_size)
+    weights = gaussian_importance(patch, images.device)
+    norm = torch.zeros(tuple(images.shape[2:]), device=images.device)
+    for w in windows:
+        norm[w] += weights
+    combos = mirror_combinations(len(patch), mirror)
+    batch = max(1, min(MAX_WINDOWS_PER_BATCH, VOXELS_PER_BATCH // int(np.prod(patch))))
+    autocast = _autocast_for(images.device)
+    total = None
+    for model in models:
+        logits = _fold_logits(model, images, windows, weights, combos, num_classes, batch, autocast)
+        logits /= norm
+        probs = torch.softmax(logits, dim=1)
+        del logits
+        total = probs if total is None else total.add_(probs)
+    assert total is not None, "at least one model"
+    total /= len(models)
+    return total[(slice(None), slice(None), *crop)]
+
+
+def _autocast_for(device: torch.device):
+    """Mixed precision on CUDA (as nnU-Net's predictor); exact float32 elsewhere."""
+    if device.type == "cuda":
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return lambda: torch.autocast("cuda", dtype=dtype)
+    return lambda: torch.autocast(device.type, enabled=False)
+
+
+@torch.inference_mode()
+def predict_probabilities(
+    models: Sequence[torch.nn.Module],
+    data: np.ndarray,
+    patch: Sequence[int],
+    num_classes: int,
+    device: torch.device,
+    step_size: float = 0.5,
+    mirror: bool = True,
+) -> torch.Tensor:
+    """Softmax (K, z, y, x) for one preprocessed case (C, z, y, x); 2d predicts slices."""
+    volume = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(device)
+    if len(patch) == 3:
+        return sliding_window_probabilities(
+            models, volume[None], patch, num_classes, step_size, mirror
+        )[0]
+    slices = volume.permute(1, 0, 2, 3)  # (z, C, y, x): the slices are a batch of images
+    probs = sliding_window_probabilities(models, slices, patch, num_classes, step_size, mirror)
+    return probs.permute(1, 0, 2, 3)

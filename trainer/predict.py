@@ -1,0 +1,308 @@
+"""`nnui-predict -i IN -o OUT -d DATASET -c CONFIGURATION [-f 0 1 2 3 4]` (also
+`python -m trainer.predict`): segment raw images with trained folds.
+
+Every input is checked before anything is written (one `error: ...` line, exit 2): the
+folder and its cases (headers only), the checkpoints (header and plans identity), the
+device. Then the cases stream through trainer.inference.engine. The output folder gets
+`CASE<ending>` in each input's own format and geometry, `CASE.npz` with
+--save_probabilities, and `nnui_prediction.json` (what was predicted how, for
+nnui-ensemble).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.inference.cli import OneLineParser, one_line
+from trainer.schema import CHECKPOINT_KINDS, DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
+
+log = logging.getLogger("trainer.predict")
+PREDICTION_INFO_FILE = "nnui_prediction.json"
+DEVICES = ("cuda", "cpu", "mps")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="nnui-predict", description="Segment raw images with trained folds.")
+    p.add_argument("-i", dest="input", required=True, help="folder of CASE_0000<ending> images")
+    p.add_argument("-o", dest="output", required=True, help="output folder (not the input)")
+    p.add_argument("-d", dest="dataset", required=True, help="dataset id or DatasetNNN_Name")
+    p.add_argument("-c", dest="configuration", required=True, help="e.g. 3d_fullres or 2d")
+    p.add_argument(
+        "-f",
+        dest="folds",
+        nargs="+",
+        default=["0", "1", "2", "3", "4"],
+        help="folds to average (default 0 1 2 3 4), or all",
+    )
+    p.add_argument("-tr", dest="trainer", default=DEFAULT_TRAINER)
+    p.add_argument("-p", dest="plans", default=DEFAULT_PLANS)
+    p.add_argument(
+        "-chk",
+        dest="checkpoint",
+        default="checkpoint_final",
+        help="checkpoint_final (default), checkpoint_best or checkpoint_latest",
+    )
+    p.add_argument("-step_size", type=float, default=0.5, help="window step, fraction of patch")
+    p.add_argument("--disable_tta", action="store_true", help="no mirroring (8x faster in 3d)")
+    p.add_argument("--save_probabilities", action="store_true", help="also write CASE.npz")
+    p.add_argument(
+        "--postprocess",
+        default=None,
+        metavar="FILE",
+        help="postprocessing.json of nnui-find-best-configuration",
+    )
+    p.add_argument("--continue_prediction", action="store_true", help="skip finished cases")
+    p.add_argument("-device", default="cuda", choices=DEVICES)
+    p.add_argument("-num_parts", type=int, default=1, help="split the cases into N parts")
+    p.add_argument("-part_id", type=int, default=0, help="which part this process predicts")
+    p.add_argument("--preprocessed", default=None, help="default $nnUNet_preprocessed")
+    p.add_argument("--results", default=None, help="default $nnUNet_results")
+    return p
+
+
+@dataclass(frozen=True)
+class Resolved:
+    plans: Any
+    cplan: Any
+    dataset_name: str
+    checkpoints: dict[str, Path]  # fold -> file
+    cases: list  # InputCase, this part's, not yet done
+    num_skipped: int
+    out_dir: Path
+    fallback_spacing: tuple[float, ...] | None
+    largest_component_labels: tuple[int, ...] = ()  # from --postprocess
+
+
+def checkpoint_kind(name: str) -> str:
+    """`checkpoint_final` (also with .safetensors) -> `final`; pickles are refused."""
+    stem = name.removesuffix(".safetensors")
+    if stem.endswith(".pth"):
+        raise ValueError(
+            f"-chk {name}: nnui reads safetensors checkpoints only (a .pth is a "
+            "pickle that can run code when loaded); pass checkpoint_final"
+        )
+    kind = stem.removeprefix("checkpoint_")
+    if kind not in CHECKPOINT_KINDS:
+        raise ValueError(
+            f"-chk {name}: choose checkpoint_final, checkpoint_best or checkpoint_latest"
+        )
+    return kind
+
+
+def resolve(args: argparse.Namespace) -> Resolved:
+    """Every check that needs no voxel data; ValueError with a one-line message."""
+    from trainer import schema
+    from trainer.inference.cases import check_headers, list_input_cases, select_part
+    from trainer.plans import load_plans
+
+    in_dir, out_dir = Path(args.input).absolute(), Path(args.output).absolute()
+    if in_dir.resolve() == out_dir.resolve():
+        raise ValueError(f"-o {args.output} is the input folder: choose another output folder")
+    if not 0 < args.step_size <= 1:
+        raise ValueError(f"-step_size must be within (0, 1], got {args.step_size}")
+    roots = schema.resolve_roots(preprocessed=args.preprocessed, results=args.results)
+    name = schema.find_dataset(roots.preprocessed, args.dataset)
+    try:
+        plans = load_plans(roots.preprocessed / name, args.plans)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from None
+    cplan = plans.configuration(args.configuration)
+    checkpoints = _checkpoints(args, roots.results, name, plans)
+    cases = list_input_cases(in_dir, plans.num_input_channels)
+    cases = select_part(cases, args.num_parts, args.part_id)
+    todo = cases
+    if args.continue_prediction:
+        from trainer.inference.engine import output_path
+
+        todo = [c for c in cases if not _done(out_dir, c, args.save_probabilities, output_path)]
+    if args.save_probabilities and any(c.ending == ".npz" for c in todo):
+        raise ValueError(
+            "--save_probabilities with .npz images: both would be CASE.npz; "
+            "convert the images to .nii.gz or .npy"
+        )
+    check_headers(todo)
+    largest: tuple[int, ...] = ()
+    if args.postprocess:  # a bad file is refused before any work
+        from trainer.inference.postprocess import read_postprocessing
+
+        largest = tuple(read_postprocessing(Path(args.postprocess)))
+    return Resolved(
+        plans,
+        cplan,
+        name,
+        checkpoints,
+        todo,
+        len(cases) - len(todo),
+        out_dir,
+        _fallback_spacing(roots.preprocessed / name),
+        largest,
+    )
+
+
+def _done(out_dir: Path, case: Any, with_probabilities: bool, output_path: Any) -> bool:
+    if not output_path(out_dir, case).is_file():
+        return False
+    return not with_probabilities or (out_dir / f"{case.case_id}.npz").is_file()
+
+
+def _fallback_spacing(dataset_dir: Path) -> tuple[float, ...] | None:
+    """dataset.json's `spacing` (z, y, x) for .npy/.npz images, as in training."""
+    try:
+        spacing = json.loads((dataset_dir / "dataset.json").read_text()).get("spacing")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return tuple(float(s) for s in spacing) if spacing else None
+
+
+def _checkpoints(args: argparse.Namespace, results: Path, name: str, plans: Any) -> dict:
+    """fold -> checkpoint path, each complete and trained with these very plans."""
+    from trainer import checkpoint, schema
+
+    kind = checkpoint_kind(args.checkpoint)
+    folds = list(dict.fromkeys(args.folds))
+    for fold in folds:
+        if fold not in FOLDS:
+            raise ValueError(f"-f {fold}: folds are 0-4 or all")
+    expected = {
+        "dataset_name": name,
+        "configuration": args.configuration,
+        "plans_name": args.plans,
+        "plans_identity": plans.identity_of(args.configuration),
+    }
+    found = {}
+    for fold in folds:
+        run = schema.run_dir(results, name, args.configuration, fold, args.trainer, args.plans)
+        path = run / schema.checkpoint_file(kind)
+        if not path.is_file():
+            raise ValueError(
+                f"fold {fold} has no {path.name} in {run}: train it first "
+                f"(nnui-train {args.dataset} {args.configuration} {fold}) or "
+                "leave it out of -f"
+            )
+        try:
+            metadata = checkpoint.read_metadata(path)
+        except checkpoint.CheckpointError as exc:
+            raise ValueError(f"fold {fold}: {exc}") from None
+        stored = metadata.get("identity") if isinstance(metadata.get("identity"), dict) else {}
+        for key, value in expected.items():
+            if stored.get(key) != value:
+                raise ValueError(
+                    f"fold {fold}: {path} was trained with another {key} "
+                    f"({str(stored.get(key))[:16]!r}, these plans give "
+                    f"{value[:16]!r}); predict with the plans it was trained "
+                    "with, or train it again"
+                )
+        found[fold] = path
+    return found
+
+
+def _device(name: str) -> Any:
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("CUDA is not available on this machine; pass -device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("MPS is not available on this machine; pass -device cpu")
+    return torch.device(name)
+
+
+def _load_weights(checkpoints: dict[str, Path]) -> list[dict]:
+    from trainer import checkpoint
+
+    weights = []
+    for fold, path in checkpoints.items():
+        try:
+            tensors, _ = checkpoint.load(path)
+        except checkpoint.CheckpointError as exc:
+            raise ValueError(f"fold {fold}: {exc}") from None
+        weights.append({k: v for k, v in tensors.items() if k.startswith("model.")})
+    return weights
+
+
+def _write_info(resolved: Resolved, args: argparse.Namespace) -> None:
+    from trainer.schema import atomic_write_text
+
+    info = {
+        "dataset": resolved.dataset_name,
+        "configuration": args.configuration,
+        "trainer": args.trainer,
+        "plans": args.plans,
+        "folds": list(resolved.checkpoints),
+        "checkpoint": checkpoint_kind(args.checkpoint),
+        "step_size": args.step_size,
+        "tta": not args.disable_tta,
+        "labels": resolved.plans.labels,
+    }
+    atomic_write_text(resolved.out_dir / PREDICTION_INFO_FILE, json.dumps(info, indent=1) + "\n")
+
+
+def run(args: argparse.Namespace, progress=print) -> int:
+    from trainer.inference.engine import PredictSettings, build_models, predict_cases
+
+    resolved = resolve(args)
+    device = _device(args.device)
+    if resolved.num_skipped:
+        progress(f"--continue_prediction: {resolved.num_skipped} case(s) already done")
+    if not resolved.cases:
+        progress("nothing to predict")
+        return 0
+    weights = _load_weights(resolved.checkpoints)
+    try:
+        models = build_models(resolved.plans, resolved.cplan, weights, device)
+    except RuntimeError as exc:  # tensors of another network shape
+        raise ValueError(f"the checkpoints do not fit the plans' network: {exc}") from None
+    del weights
+    resolved.out_dir.mkdir(parents=True, exist_ok=True)
+    _write_info(resolved, args)
+    settings = PredictSettings(
+        resolved.out_dir,
+        args.step_size,
+        not args.disable_tta,
+        args.save_probabilities,
+        resolved.fallback_spacing,
+        resolved.largest_component_labels,
+    )
+    started = time.perf_counter()
+    num = predict_cases(
+        resolved.cases,
+        resolved.plans,
+        resolved.cplan,
+        models,
+        device,
+        settings,
+        lambda line: progress(line, flush=True),
+    )
+    progress(
+        f"predicted {num} case(s) with {len(models)} fold(s) in "
+        f"{time.perf_counter() - started:.1f} s -> {resolved.out_dir}"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    try:
+        return run(args)
+    except ValueError as exc:  # InputError, DatasetNotFound, plans and checkpoint checks
+        sys.stderr.write(f"error: {one_line(exc)}\n")
+        return 2
+    except OSError as exc:  # a full or read-only output disk
+        sys.stderr.write(f"error: {exc.strerror or exc}: {exc.filename or ''}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
