@@ -355,15 +355,17 @@ def test_stop_refusal_says_why_and_how_to_restart(tmp_path: Path) -> None:
     rows = [_row(100, ("900", "3d_fullres", "0", "-tr", "nnUNetTrainerNoMirroring", "-p",
                        "nnUNetResEncUNetLPlans", "-num_gpus", "2"), time.time() - 60)]  # fmt: skip
     (run,) = watch_only_runs([results], procs=rows)
-    refusal = stop_refusal(run, sigcgt_usr1=False)
-    assert "no SIGUSR1 handler" in refusal.reason and "/proc/100/status" in refusal.reason
+    refusal = stop_refusal(run, sigcgt_mask=0x4002)  # SIGINT and SIGTERM caught, not USR1
+    assert "no SIGUSR1 handler (SigCgt 0000000000004002 in /proc/100/status lacks bit 0x200)" in (
+        refusal.reason
+    )
     assert restart_command(run) == (
         f"nnUNet_extTrainer={NNUNET_EXT_DIR} nnUNetv2_train 900 3d_fullres 0 -tr "
         "nnUNetTrainerNoMirroring_nnui -p nnUNetResEncUNetLPlans -num_gpus 2 --c"
     )
     assert any(restart_command(run) in hint for hint in refusal.hints)
     assert any("--engine nnunet" in hint for hint in refusal.hints)
-    caught = stop_refusal(run, sigcgt_usr1=True)
+    caught = stop_refusal(run, sigcgt_mask=0x200)
     assert "never signals it" in caught.reason and "kill -USR1 100" in caught.hints[0]
 
 

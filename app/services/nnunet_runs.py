@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import shlex
+import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,7 @@ from app.services.nnunet_log import (
     read_schedule,
     sorted_logs,
 )
-from app.services.procs import ProcRow, descendants, process_table, read_sigcgt_usr1, user_name
+from app.services.procs import ProcRow, descendants, process_table, read_sigcgt_mask, user_name
 from trainer.schema import (
     JOB_ID_ENV,
     NNUI_NNUNET_TRAINER,
@@ -450,16 +451,21 @@ class StopRefusal:
     hints: tuple[str, ...]
 
 
-def stop_refusal(run: WatchOnlyRun, sigcgt_usr1: bool | None = None) -> StopRefusal:
-    """Why nnui does not stop this run (it is never signalled), read fresh from SigCgt."""
-    handler = read_sigcgt_usr1(run.pid) if sigcgt_usr1 is None else sigcgt_usr1
+_USR1_BIT = 1 << (signal.SIGUSR1 - 1)
+
+
+def stop_refusal(run: WatchOnlyRun, sigcgt_mask: int | None = None) -> StopRefusal:
+    """Why nnui does not stop this run (it is never signalled); SigCgt is read fresh."""
+    mask = read_sigcgt_mask(run.pid) if sigcgt_mask is None else sigcgt_mask
+    handler = None if mask is None else bool(mask & _USR1_BIT)
     who = f"pid {run.pid} of user {run.owner}"
     status = f"/proc/{run.pid}/status"
     if handler is False:
         reason = (
             f"watch-only: nnui did not start this nnU-Net run ({who}); it has no SIGUSR1 "
-            f"handler (SigCgt in {status} lacks SIGUSR1), so stock nnU-Net would die of the "
-            f"signal and lose the epochs since its last checkpoint; nothing sent"
+            f"handler (SigCgt {mask:016x} in {status} lacks bit {_USR1_BIT:#x}), so stock "
+            f"nnU-Net would die of the signal and lose the epochs since its last checkpoint; "
+            f"nothing sent"
         )
         hints = (
             "to stop it gracefully in the future, end it and continue it with nnui's "

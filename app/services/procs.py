@@ -265,8 +265,8 @@ def read_cwd(pid: int) -> str | None:
         return None
 
 
-def read_sigcgt_usr1(pid: int) -> bool | None:
-    """Does the pid catch SIGUSR1 (SigCgt bit of /proc/PID/status)? None when unreadable.
+def read_sigcgt_mask(pid: int) -> int | None:
+    """The SigCgt mask of /proc/PID/status (bit N-1 set: signal N is caught), or None.
 
     /proc/PID/status is world-readable, so this works for another user's process too.
     """
@@ -277,9 +277,19 @@ def read_sigcgt_usr1(pid: int) -> bool | None:
             text = handle.read()
     except OSError:
         return None
-    if "SigCgt:" not in text:
-        return None
-    return _sigcgt_has(text, signal.SIGUSR1)
+    for line in text.splitlines():
+        if line.startswith("SigCgt:"):
+            try:
+                return int(line.split()[1], 16)
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
+def read_sigcgt_usr1(pid: int) -> bool | None:
+    """Does the pid catch SIGUSR1 (its SigCgt bit)? None when unreadable."""
+    mask = read_sigcgt_mask(pid)
+    return None if mask is None else bool(mask & (1 << (signal.SIGUSR1 - 1)))
 
 
 def _read_row(pid: int) -> ProcRow | None:
