@@ -18,6 +18,8 @@ from app.services import catalog, launcher
 from app.services.claims import ClaimRefused
 from app.services.gpus import GpuMonitor, MachineSnapshot
 from app.services.jobs import JobTracker, JobView, simulated_gpu_load
+from app.services.nnunet_runs import RUN_ID_PREFIX, WatchOnlyRun, is_train_cmdline, stop_refusal
+from app.services.procs import proc_info
 from app.services.registry import Job, Registry
 from app.services.signals import kill as kill_job
 from app.services.signals import kill_plan, plan_stop, send_stop
@@ -104,7 +106,63 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "run_dir": job.run_dir,
         "created_at": job.created_at,
         "ended_at": job.ended_at,
+        "watch_only": view.watch_only,
     }
+
+
+def watch_only_dict(view: JobView) -> dict[str, Any]:
+    """A watch-only row: the job keys (state, epoch, losses, ETA ...) plus what only an
+    nnU-Net run nnui did not start has (owner, pids, trainer, per-class Dice, its log)."""
+    run = view.watch
+    assert run is not None
+    row = view_dict(view)
+    row.update(
+        {
+            "watch_only": True,
+            "owner": run.owner,
+            "uid": run.uid,
+            "pid": run.pid,
+            "pids": list(run.pids),
+            "worker_pids": [run.pid],
+            "trainer": run.trainer,
+            "plans": run.plans,
+            "gpu_source": run.gpu_source,
+            "phase": run.phase,
+            "num_epochs_source": run.num_epochs_source,
+            "dice_per_class": list(run.dice_per_class),
+            "lr": run.lr,
+            "epoch_time_s": run.epoch_time_s,
+            "median_epoch_time_s": run.median_epoch_time_s,
+            "final_dice": run.final_dice,
+            "sigusr1_handler": run.sigusr1_handler,
+            "environ_readable": run.environ_readable,
+            "log_path": run.log_path,
+        }
+    )
+    return row
+
+
+def watch_only_table(views: list[JobView]) -> str:
+    header = ("ID", "OWNER", "DATASET", "CONFIG", "FOLD", "TRAINER", "GPUS", "EPOCH", "TRAIN",
+              "VAL", "DICE(EMA)", "EPOCH-TIME", "ETA")  # fmt: skip
+    rows = [header]
+    for v in views:
+        run = v.watch
+        assert run is not None
+        gpus = ",".join(run.gpus) or ("cpu" if run.args.device == "cpu" else "n/a")
+        epoch = "n/a" if v.epoch is None else f"{v.epoch}/{v.num_epochs or '?'}"
+        rows.append(
+            (
+                run.run_id, run.owner, run.dataset, run.configuration, run.fold, run.trainer,
+                gpus, epoch, _f(v.train_loss), _f(v.val_loss), _f(v.ema_dice, "{:.3f}"),
+                _f(run.median_epoch_time_s, "{:.1f} s"), fmt_duration(v.eta_s),
+            )
+        )  # fmt: skip
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
+    lines = ["watch-only nnU-Net runs (not started by nnui; never signalled by nnui):"]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+              for r in rows]  # fmt: skip
+    return "\n".join(lines)
 
 
 def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
@@ -153,19 +211,34 @@ def _json_safe(value: Any) -> Any:
 # ---- commands --------------------------------------------------------------------------
 
 
+def _watch_only_views(options: argparse.Namespace, tracker: JobTracker) -> list[JobView]:
+    """nnU-Net runs nnui did not start, under the results root (after tracker.refresh())."""
+    roots = [roots_of(options).results]
+    views = tracker.refresh_watch_only(roots)
+    unknown = [v for v in views if v.watch and not v.watch.gpus and v.job.device == "cuda"]
+    if unknown and options.simulate_gpus is None:  # NVML's process lists say which GPU
+        views = tracker.refresh_watch_only(roots, snapshot=_snapshot(options))
+    return views
+
+
 def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
     tracker = JobTracker(registry)
     views = tracker.refresh()
     if not options.all:
         cutoff = time.time() - RECENT_S
         views = [v for v in views if v.job.ended_at is None or v.job.ended_at >= cutoff]
+    watched = _watch_only_views(options, tracker)
     if options.json:
-        print(json.dumps([_json_safe(view_dict(v)) for v in views], indent=1))
+        rows = [view_dict(v) for v in views] + [watch_only_dict(v) for v in watched]
+        print(json.dumps([_json_safe(row) for row in rows], indent=1))
         return EXIT_OK
-    if not views:
+    if not views and not watched:
         print("no jobs")
         return EXIT_OK
-    print(status_table(views, tracker.cross_validation_eta_s(views)))
+    if views:
+        print(status_table(views, tracker.cross_validation_eta_s(views)))
+    if watched:
+        print(watch_only_table(watched))
     return EXIT_OK
 
 
@@ -185,10 +258,51 @@ def _confirm(question: str) -> bool:
     return answer in ("y", "yes")
 
 
+def _watch_only_run(
+    options: argparse.Namespace, registry: Registry, text: str
+) -> WatchOnlyRun | None:
+    pid_text = text.removeprefix(RUN_ID_PREFIX)
+    if not pid_text.isdigit():
+        return None
+    tracker = JobTracker(registry)
+    tracker.refresh()
+    views = tracker.refresh_watch_only([roots_of(options).results])
+    return next((v.watch for v in views if v.watch and v.watch.pid == int(pid_text)), None)
+
+
+def _refuse_watch_only(options: argparse.Namespace, registry: Registry, text: str) -> int | None:
+    """Exit code of `nnui stop` for a watch-only run (always refused), None if `text` is none.
+
+    nnui never signals a process it did not start: stock nnU-Net has no SIGUSR1 handler
+    and dies of the signal (the reason proves it from SigCgt)."""
+    run = _watch_only_run(options, registry, text)
+    if run is None:
+        pid_text = text.removeprefix(RUN_ID_PREFIX)
+        info = proc_info(int(pid_text)) if pid_text.isdigit() else None
+        if info is None or not is_train_cmdline(info.cmdline):
+            return None
+        return error(  # an nnU-Net training whose log is not (yet) under the results root
+            f"refused to stop {text}: pid {info.pid} is an nnU-Net training nnui did not start "
+            f"(watch-only); nnui never signals it; nothing sent",
+            EXIT_REFUSED,
+        )
+    refusal = stop_refusal(run)
+    code = error(f"refused to stop {run.run_id}: {refusal.reason}", EXIT_REFUSED)
+    for hint in refusal.hints:
+        print(hint, file=sys.stderr)
+    return code
+
+
 def cmd_stop(options: argparse.Namespace, registry: Registry) -> int:
+    if options.job.startswith(RUN_ID_PREFIX):
+        code = _refuse_watch_only(options, registry, options.job)
+        if code is None:
+            return error(f"no watch-only nnU-Net run {options.job!r} (see nnui status)", EXIT_USAGE)
+        return code
     view, problem = _view_of(registry, options.job)
     if view is None:
-        return error(problem or "unknown job", EXIT_USAGE)
+        code = _refuse_watch_only(options, registry, options.job)  # a bare pid
+        return error(problem or "unknown job", EXIT_USAGE) if code is None else code
     job = view.job
     if view.state in ENDED_STATES:
         print(f"nothing to do: job {job.job_id} is {view.state}")

@@ -1,7 +1,9 @@
 """What the UI shows about each job: registry + run folder + live processes, incrementally.
 
 `JobTracker.refresh()` keeps one reader per job file, so a refresh reads only appended
-bytes. It only reads: it never writes the registry and never signals (DESIGN §4) — the
+bytes. `JobTracker.refresh_watch_only()` adds the nnU-Net runs nnui did not start
+(nnunet_runs.py) as views with `watch_only=True`: never stopped, resumed or killed.
+It only reads: it never writes the registry and never signals (DESIGN §4) — the
 job's supervisor records the workers and delivers a stop queued before they were up.
 """
 
@@ -16,8 +18,10 @@ from typing import Any
 
 from app.services.gpus import GpuMonitor, MachineSnapshot
 from app.services.job_events import EventBatch, JobEvents, Scope
-from app.services.procs import job_alive, proc_info
-from app.services.registry import Job, Registry
+from app.services.nnunet_log import EpochStats
+from app.services.nnunet_runs import NnunetRunWatcher, WatchOnlyRun
+from app.services.procs import ProcRow, job_alive, proc_info
+from app.services.registry import Job, ProcessRecord, Registry
 from app.services.tail import TextTail
 from trainer.schema import ACTIVE_STATES, Kind, State
 
@@ -60,6 +64,8 @@ class JobView:
     last_event_t: float | None = None
     num_invalid_events: int = 0  # lines of events.jsonl skipped as invalid (never fatal)
     invalid_event_reason: str | None = None  # why the last one was skipped
+    watch_only: bool = False  # an nnU-Net run nnui did not start (`watch`): no actions
+    watch: WatchOnlyRun | None = None  # owner, pids, trainer, per-class Dice, log path
 
 
 def _num(value: Any) -> float:
@@ -182,12 +188,72 @@ def simulated_gpu_load(registry: Registry) -> dict[int, list[tuple[int, str]]]:
     return load
 
 
+def _watch_point(stats: EpochStats) -> EpochPoint:
+    return EpochPoint(
+        epoch=stats.epoch, train_loss=stats.train_loss, val_loss=stats.val_loss,
+        mean_fg_dice=stats.mean_fg_dice, ema_fg_dice=stats.ema_fg_dice, lr=stats.lr,
+        epoch_time_s=stats.epoch_time_s, iterations_per_s=math.nan,
+    )  # fmt: skip
+
+
+def watch_only_view(run: WatchOnlyRun, console_tail: tuple[str, ...] = ()) -> JobView:
+    """A watch-only run as a job row: a Job built from its process (never in the registry;
+    its job_id is the run id `nnunet:<pid>`, its run_dir the fold folder, its console the
+    nnU-Net training log)."""
+    args = run.args
+    job = Job(
+        job_id=run.run_id, created_at=run.start_time or 0.0, dataset=run.dataset,
+        configuration=args.configuration, fold=args.fold,
+        mode="spawn" if args.num_gpus > 1 else "single", device=args.device,
+        gpus=list(run.gpus), simulated=False, argv=list(run.cmdline), env={},
+        run_dir=run.fold_dir, console_path=run.log_path,
+        processes=[ProcessRecord(run.pid, run.start_time or 0.0, "trainer", None,
+                                 run.start_ticks)],
+    )  # fmt: skip
+    it_per_s = None
+    if run.iterations_per_epoch and run.epoch_time_s:
+        it_per_s = run.iterations_per_epoch / run.epoch_time_s
+    return JobView(
+        job=job, state=State.STARTING if run.phase == "starting" else State.RUNNING,
+        epoch=run.epoch, num_epochs=run.num_epochs, train_loss=run.train_loss,
+        val_loss=run.val_loss, mean_dice=run.mean_fg_dice, ema_dice=run.ema_fg_dice,
+        it_per_s=it_per_s, eta_s=run.eta_s, alerts=(), topology=None,
+        history=tuple(_watch_point(s) for s in run.history), console_tail=console_tail,
+        exit_code=None, mean_epoch_time_s=run.median_epoch_time_s,
+        last_event_t=run.log_mtime, watch_only=True, watch=run,
+    )  # fmt: skip
+
+
 class JobTracker:
     def __init__(self, registry: Registry, gpu_monitor: GpuMonitor | None = None) -> None:
         self.registry = registry
         self.gpu_monitor = gpu_monitor
         self._runs: dict[str, _RunState] = {}
         self.views: list[JobView] = []
+        self._watcher = NnunetRunWatcher()
+        self._watch_consoles: dict[str, TextTail] = {}
+        self.watch_only: list[JobView] = []
+
+    def refresh_watch_only(
+        self,
+        results_roots: list[Path],
+        snapshot: MachineSnapshot | None = None,
+        procs: list[ProcRow] | None = None,
+    ) -> list[JobView]:
+        """Views of the nnU-Net runs nnui did not start (call after refresh(): the folders
+        of nnui's own active jobs are left out). Reads only, like refresh()."""
+        active = [v.job.run_dir for v in self.views if v.state in ACTIVE_STATES]
+        runs = self._watcher.refresh(results_roots, procs, snapshot, exclude_dirs=active)
+        consoles = {}
+        for run in runs:
+            tail = self._watch_consoles.get(run.log_path) or TextTail(Path(run.log_path))
+            tail.poll()
+            consoles[run.log_path] = tail
+        self._watch_consoles = consoles
+        self.watch_only = [
+            watch_only_view(r, tuple(consoles[r.log_path].lines)[-CONSOLE_LINES:]) for r in runs
+        ]
+        return self.watch_only
 
     def _run(self, job: Job) -> _RunState:
         run = self._runs.get(job.job_id)

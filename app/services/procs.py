@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 
@@ -210,3 +211,146 @@ def record_alive(
 def job_alive(job: Job, proc_lookup: Callable[[int], ProcInfo | None] = proc_info) -> bool:
     """Any recorded process of the job (supervisor, trainer, worker) still the same and alive."""
     return any(record_alive(p, proc_lookup) for p in job.processes)
+
+
+# ---- the process table (watch-only discovery of runs nnui did not start) -----------------
+
+
+@dataclass(frozen=True)
+class ProcRow:
+    """One live process as the watch-only discovery sees it.
+
+    `environ` and `sigcgt_usr1` are read only for the rows `process_table(detail=...)` asks
+    for (the kernel lets us read another user's environ: never, so None there).
+    """
+
+    pid: int
+    ppid: int
+    uid: int
+    start_ticks: int | None
+    cmdline: tuple[str, ...]
+    environ: dict[str, str] | None = None  # None: not read, or not readable (another user)
+    sigcgt_usr1: bool | None = None  # None: not read, or /proc/PID/status unreadable
+    cwd: str | None = None  # None: not read, or not readable (another user's)
+
+    @property
+    def start_time(self) -> float | None:
+        return None if self.start_ticks is None else ticks_to_wall_s(self.start_ticks)
+
+
+def read_environ(pid: int) -> dict[str, str] | None:
+    """The start environment of a pid, or None when it cannot be read (another user's)."""
+    if not valid_pid(pid):
+        return None
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return None
+    found = {}
+    for item in data.split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if sep:
+            found[name.decode(errors="replace")] = value.decode(errors="replace")
+    return found
+
+
+def read_cwd(pid: int) -> str | None:
+    """The working directory of a pid (own processes only), or None."""
+    if not valid_pid(pid):
+        return None
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None
+
+
+def read_sigcgt_mask(pid: int) -> int | None:
+    """The SigCgt mask of /proc/PID/status (bit N-1 set: signal N is caught), or None.
+
+    /proc/PID/status is world-readable, so this works for another user's process too.
+    """
+    if not valid_pid(pid):
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            text = handle.read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("SigCgt:"):
+            try:
+                return int(line.split()[1], 16)
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
+def read_sigcgt_usr1(pid: int) -> bool | None:
+    """Does the pid catch SIGUSR1 (its SigCgt bit)? None when unreadable."""
+    mask = read_sigcgt_mask(pid)
+    return None if mask is None else bool(mask & (1 << (signal.SIGUSR1 - 1)))
+
+
+def _read_row(pid: int) -> ProcRow | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            raw = handle.read()
+        uid = os.stat(f"/proc/{pid}").st_uid
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        ppid, ticks = int(fields[1]), int(fields[19])
+    except (OSError, ValueError, IndexError):  # gone meanwhile, or a kernel thread
+        return None
+    args = tuple(a.decode(errors="replace") for a in raw.split(b"\0") if a)
+    return ProcRow(pid=pid, ppid=ppid, uid=uid, start_ticks=ticks, cmdline=args)
+
+
+def process_table(detail: Callable[[tuple[str, ...]], bool] | None = None) -> list[ProcRow]:
+    """Every live process (pid, ppid, uid, start ticks, argv) from /proc, read-only.
+
+    For the rows whose argv `detail` accepts, the environ and cwd (own uid only) and the
+    SigCgt bit are read too. Processes that exit while the table is read are simply absent.
+    """
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    rows = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        row = _read_row(int(name))
+        if row is None or not row.cmdline:
+            continue
+        if detail is not None and detail(row.cmdline):
+            row = replace(
+                row, environ=read_environ(row.pid), sigcgt_usr1=read_sigcgt_usr1(row.pid),
+                cwd=read_cwd(row.pid),
+            )  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def descendants(rows: list[ProcRow], pid: int) -> list[int]:
+    """Pids below `pid` in the table's parent links (children, grandchildren, ...)."""
+    children: dict[int, list[int]] = {}
+    for row in rows:
+        children.setdefault(row.ppid, []).append(row.pid)
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        if child in found or child == pid:
+            continue
+        found.append(child)
+        todo.extend(children.get(child, []))
+    return sorted(found)
+
+
+def user_name(uid: int) -> str:
+    """The login name of a uid (the uid as text when it has none here)."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
