@@ -238,7 +238,7 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
             config.identity(),
         )
     elif config.continue_training:
-        info = checkpoint.find_resume(run_dir, config.identity())
+        info = checkpoint.find_resume(run_dir, config.identity(), config.num_epochs)
         if info is None:
             log.warning("--c: no valid checkpoint in %s, starting fresh", run_dir)
         else:
@@ -268,16 +268,31 @@ def _check_shared_tree(run_dir: Path, trainer: str, plans: str, continuing: bool
         )
 
 
+_created_folders: list[Path] = []  # made by _check_writable: removed again by a refusal
+
+
 def _check_writable(run_dir: Path) -> None:
     """The run folder exists and accepts files (else one line now, not a traceback later)."""
+    missing = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        _created_folders[:] = missing
     except OSError as error:
         raise UsageError(f"cannot create the run folder {run_dir}: {error.strerror or error}; "
                          "pass a writable --results or set nnUNet_results") from error  # fmt: skip
     if not os.access(run_dir, os.W_OK | os.X_OK):
         raise UsageError(f"the run folder {run_dir} is not writable; pass a writable --results "
                          "or set nnUNet_results")  # fmt: skip
+
+
+def _remove_created_if_empty() -> None:
+    """A run refused after its folder was made leaves no empty fold_* folder behind."""
+    for folder in _created_folders:  # deepest first
+        try:
+            folder.rmdir()  # only when empty: anything written in it stays
+        except OSError:
+            break
+    _created_folders.clear()
 
 
 def _check_cases_and_fold(data_dir: Path, dataset_dir: Path, fold: str) -> None:
@@ -359,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return launch.run_distributed(worker, config.to_dict(), config.num_gpus, config.device_type)
     except ValueError as error:  # raised before any rank starts: a user mistake
+        _remove_created_if_empty()
         sys.stderr.write(f"error: {error}\n")
         return 2
 

@@ -6,6 +6,7 @@ must stay cheap (no torch, no numpy).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import math
@@ -387,11 +388,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # e.g. a full disk: no half file left, the old one stays
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     try:
         folder = os.open(path.parent, os.O_RDONLY)
     except OSError:
