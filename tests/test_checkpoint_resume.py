@@ -33,8 +33,8 @@ def train_argv(preprocessed: Path, results: Path, *extra: str) -> list[str]:
 def demo_identity(preprocessed: Path, **changes: str) -> dict[str, str]:
     from trainer.plans import load_plans
 
-    plans = load_plans(preprocessed / DATASET, "nnUNetPlans")
-    identity = {"dataset_name": DATASET, "configuration": "2d", "plans_name": "nnUNetPlans",
+    plans = load_plans(preprocessed / DATASET, schema.DEFAULT_PLANS)
+    identity = {"dataset_name": DATASET, "configuration": "2d", "plans_name": schema.DEFAULT_PLANS,
                 "plans_identity": plans.identity_of("2d"), "fold": "0"}  # fmt: skip
     return {**identity, **changes}
 

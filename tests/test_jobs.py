@@ -232,7 +232,9 @@ def test_one_bad_record_costs_only_itself(tmp_path: Path, bad: str) -> None:
     assert views["broken"].topology["ranks"][0]["pid"] == 1
     assert views["broken"].num_invalid_events == 1
     assert "1 invalid event lines skipped" in views["broken"].alerts
-    assert (views["fine"].state, views["fine"].epoch, views["fine"].alerts) == ("running", 1, ())
+    assert (views["fine"].state, views["fine"].epoch) == ("running", 1)
+    # (T is fixed at import: on a slow run a "stalled" alert may come up, never this one.)
+    assert not any("invalid" in alert for alert in views["fine"].alerts)
 
 
 def test_a_torn_line_before_the_topology_does_not_hide_it(tmp_path: Path) -> None:

