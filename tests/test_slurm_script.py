@@ -68,7 +68,7 @@ def _bash_n(text: str, tmp_path: Path) -> None:
              "partition": "debug", "account": "lab", "cpus_per_task": 2, "rdzv_port": 29999},
             ["#SBATCH --signal=B:USR1@45", "--nproc_per_node=2", "-device cpu",
              "#SBATCH --partition=debug", "#SBATCH --account=lab", "#SBATCH --cpus-per-task=2",
-             '"--rdzv_endpoint=$NNUI_HEAD:29999"', '[ "$count" -ge 2 ]'],
+             '"--rdzv_endpoint=$NNUI_HEAD:29999"', '[ "$caught" -ge 2 ]'],
             ["--gpus-per-node", "-device cuda"],
         ),
         (
@@ -296,3 +296,63 @@ def test_script_exits_with_the_step_code(fake_cluster, tmp_path) -> None:
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 3, stderr
     assert not (tmp_path / "w0").exists()
+
+
+# ---- the nnU-Net engine: one node, nnUNetv2_train with nnui's extension trainer ----------
+
+FAKE_NNUNET = r"""
+import os, signal, sys, time
+out = os.environ["FAKE_OUT"]
+open(os.path.join(out, "torchrun.pid"), "w").write(str(os.getpid()))
+time.sleep(1.5)  # catches USR1 only after a start-up delay, as a real trainer
+signal.signal(signal.SIGUSR1, lambda *a: (open(os.path.join(out, "w0"), "a").write("usr1\n"),
+                                           os._exit(0)))
+time.sleep(60)
+sys.exit(1)
+"""
+
+
+def test_nnunet_script_runs_the_extension_trainer_on_one_node() -> None:
+    spec = replace(SPEC, engine="nnunet", nodes=1, gpus_per_node=2,
+                   trainer_args=("-tr", "nnUNetTrainerNoMirroring", "--epochs", "5"),
+                   env={"nnUNet_extTrainer": "/ext"})  # fmt: skip
+    text = slurm.render_script(spec)
+    assert "-m trainer.nnunet_engine" in text and "torch.distributed.run" not in text
+    assert "-tr nnUNetTrainerNoMirroring_nnui -p nnUNetPlans --c -device cuda" in text
+    assert "--epochs 5 -num_gpus 2" in text and "export nnUNet_extTrainer=/ext" in text
+    assert 'pgrep -P "$torchrun_pid"' in text  # -num_gpus: the ranks are its children
+    with pytest.raises(ValueError, match="one node"):
+        slurm.render_script(replace(spec, nodes=2))
+
+
+def test_usr1_reaches_a_single_gpu_nnunet_trainer_itself(tmp_path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "srun": '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
+        "scontrol": '#!/bin/bash\ncase "$*" in *hostnames*) echo localhost ;; '
+        "*step*) echo 'StepId=1.0 State=RUNNING' ;; esac\n",
+        "python": f"#!/bin/bash\nexec {sys.executable} {tmp_path / 'fake_nnunet.py'}\n",
+    }
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "fake_nnunet.py").write_text(FAKE_NNUNET)
+    spec = replace(SPEC, engine="nnunet", nodes=1, gpus_per_node=1, python=str(bin_dir / "python"))
+    script = tmp_path / "job.sbatch"
+    script.write_text(slurm.render_script(spec))
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_OUT=str(tmp_path),
+               SLURM_JOB_ID="1", SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost")  # fmt: skip
+    proc = subprocess.Popen(["bash", str(script)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_file(tmp_path / "torchrun.pid")
+        proc.send_signal(signal.SIGUSR1)  # before the trainer catches it: kept, then sent
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        pid = int((tmp_path / "torchrun.pid").read_text())
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr
+    assert (tmp_path / "w0").read_text() == "usr1\n"

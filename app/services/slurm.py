@@ -36,12 +36,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.services.engines import ENGINES, NNUI, NNUNET, engine
 from trainer.schema import (
-    DEFAULT_PLANS,
     FOLDS,
+    NNUNET_EXT_DIR,
+    NNUNET_EXT_ENV,
     ROOT_ENVS,
     find_dataset,
-    plans_file_name,
     resolve_roots,
 )
 
@@ -77,6 +78,7 @@ class JobSpec:
     rdzv_port: int = 29500
     trainer_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)  # exported at the top of the script
+    engine: str = NNUI  # "nnunet": the real nnU-Net with nnui's extension, one node
 
     @property
     def nproc_per_node(self) -> int:
@@ -108,6 +110,12 @@ class JobSpec:
             )
         if self.cpus_per_task is not None and self.cpus_per_task < 1:
             raise ValueError(f"--cpus-per-task must be >= 1, got {self.cpus_per_task}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == NNUNET and self.nodes != 1:
+            raise ValueError(
+                "nnU-Net trains on one node (-num_gpus): use --nodes 1 with --engine nnunet"
+            )
         for flag in ("-num_gpus", "--c", "-device"):
             if flag in self.trainer_args:
                 raise ValueError(
@@ -141,6 +149,8 @@ def _sbatch_header(spec: JobSpec) -> list[str]:
 def trainer_command(spec: JobSpec) -> list[str]:
     """The per-node torchrun command line; $-variables are expanded on each node."""
     device = "cuda" if spec.gpus_per_node > 0 else "cpu"
+    if spec.engine == NNUNET:
+        return nnunet_command(spec, device)
     return [
         spec.python, "-m", "torch.distributed.run",
         "--nnodes=$SLURM_NNODES",
@@ -153,6 +163,23 @@ def trainer_command(spec: JobSpec) -> list[str]:
     ]  # fmt: skip
 
 
+def nnunet_command(spec: JobSpec, device: str) -> list[str]:
+    """nnU-Net's nnUNetv2_train entry with nnui's extension trainer (-num_gpus for >1 GPU)."""
+    chosen = engine(NNUNET)
+    trainer = chosen.trainer_arg(_trainer_flag(spec.trainer_args, "-tr") or chosen.default_trainer)
+    plans = _trainer_flag(spec.trainer_args, "-p") or chosen.default_plans
+    rest = list(spec.trainer_args)
+    for flag in ("-tr", "-p"):
+        while flag in rest:
+            at = rest.index(flag)
+            del rest[at : at + 2]
+    extra = ["-num_gpus", str(spec.nproc_per_node)] if spec.nproc_per_node > 1 else []
+    return [
+        spec.python, "-m", "trainer.nnunet_engine", spec.dataset, spec.configuration,
+        spec.fold, "-tr", trainer, "-p", plans, "--c", "-device", device, *rest, *extra,
+    ]  # fmt: skip
+
+
 def _quote_keep_vars(word: str) -> str:
     """Shell-quote a word but let $NAME references expand (double quotes)."""
     if "$" in word:
@@ -161,7 +188,9 @@ def _quote_keep_vars(word: str) -> str:
 
 
 # One wrapper per node (an srun task): starts torchrun with USR1 ignored and passes USR1 on
-# to torchrun's workers only, once each of them catches it.
+# to torchrun's workers only, once each of them catches it. (For the nnU-Net engine the
+# "torchrun" is nnU-Net's process: itself the worker on one GPU, its ranks' parent with
+# -num_gpus; __KIDS__ names the workers.)
 _NODE_STEP = r"""set -u
 stop=0
 trap 'stop=1' USR1
@@ -174,17 +203,14 @@ catches_usr1() {  # SigCgt bit 10 (SIGUSR1) of a pid
   [ -n "$mask" ] && (( (16#$mask >> 9) & 1 ))
 }
 forward_usr1() {  # returns 0 once every worker got it
-  local kid count=0 pending=0
-  for kid in $(pgrep -P "$torchrun_pid"); do
-    count=$((count + 1))
-    case "$sent" in *" $kid "*) continue ;; esac
+  local kid caught=0
+  for kid in $(__KIDS__); do
+    case "$sent" in *" $kid "*) caught=$((caught + 1)); continue ;; esac
     if catches_usr1 "$kid"; then
-      kill -USR1 "$kid" 2>/dev/null && sent="$sent$kid "
-    else
-      pending=1
+      kill -USR1 "$kid" 2>/dev/null && sent="$sent$kid " && caught=$((caught + 1))
     fi
   done
-  [ "$count" -ge __NPROC__ ] && [ "$pending" = 0 ]
+  [ "$caught" -ge __NPROC__ ]
 }
 while kill -0 "$torchrun_pid" 2>/dev/null; do
   if [ "$stop" = 1 ]; then
@@ -231,8 +257,12 @@ exit "$rc"
 def render_script(spec: JobSpec) -> str:
     spec.validate()
     torchrun = " ".join(_quote_keep_vars(word) for word in trainer_command(spec))
-    node_step = _NODE_STEP.replace("__TORCHRUN__", torchrun).replace(
-        "__NPROC__", str(spec.nproc_per_node)
+    single_nnunet = spec.engine == NNUNET and spec.nproc_per_node == 1
+    kids = 'echo "$torchrun_pid"' if single_nnunet else 'pgrep -P "$torchrun_pid"'
+    node_step = (
+        _NODE_STEP.replace("__TORCHRUN__", torchrun)
+        .replace("__NPROC__", str(spec.nproc_per_node))
+        .replace("__KIDS__", kids)
     )
     exports = [f"export {name}={shlex.quote(value)}" for name, value in sorted(spec.env.items())]
     body = _BATCH_BODY.replace("__NODE_STEP__", node_step).replace("__PORT__", str(spec.rdzv_port))
@@ -280,8 +310,9 @@ def check_preprocessed(spec: JobSpec) -> None:
         name = find_dataset(root, spec.dataset)
     except ValueError as error:
         raise UsageError(f"{error}{hint}") from None
-    plans_name = _trainer_flag(spec.trainer_args, "-p") or DEFAULT_PLANS
-    plans_path = root / name / plans_file_name(plans_name)
+    chosen = engine(spec.engine)
+    plans_name = _trainer_flag(spec.trainer_args, "-p") or chosen.default_plans
+    plans_path = root / name / chosen.plans_file(plans_name)
     try:
         configurations = json.loads(plans_path.read_text()).get("configurations", {})
     except (OSError, ValueError, AttributeError):
@@ -325,6 +356,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="nnui_slurm", help="folder for the script and job logs")
     p.add_argument("--submit", action="store_true", help="also submit it with sbatch")
     p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=NNUI,
+        help="nnui (torchrun, N nodes) or nnunet (nnUNetv2_train -tr nnUNetTrainer_nnui, 1 node)",
+    )
+    p.add_argument(
         "--no-check",
         action="store_true",
         help="do not check that the dataset and configuration are preprocessed here "
@@ -341,6 +378,8 @@ def spec_from_args(argv: list[str]) -> tuple[JobSpec, bool]:
         ours, trainer_args = argv, ()
     args = _parser().parse_args(ours)
     env = {name: os.environ[name] for name in ROOT_ENVS.values() if os.environ.get(name)}
+    if args.engine == NNUNET:
+        env[NNUNET_EXT_ENV] = str(NNUNET_EXT_DIR)
     spec = JobSpec(
         dataset=args.dataset,
         configuration=args.configuration,
@@ -358,6 +397,7 @@ def spec_from_args(argv: list[str]) -> tuple[JobSpec, bool]:
         rdzv_port=args.rdzv_port,
         trainer_args=trainer_args,
         env=env,
+        engine=args.engine,
     )
     spec.validate()
     if not args.no_check:
