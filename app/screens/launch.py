@@ -9,13 +9,13 @@ from typing import Any, ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.binding import Binding, BindingType
+from textual.binding import BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Checkbox, Footer, Input, RadioButton, RadioSet, Static
 
-from app.screens import actions
+from app.screens import actions, keys
 from app.services import catalog, launcher
 from app.widgets.dataset_picker import DatasetPicker
 from app.widgets.fold_board import CPU_COLUMN, FoldBoard
@@ -27,13 +27,7 @@ def board_columns(snapshot: Any) -> list[str]:
 
 
 class LaunchScreen(Screen):
-    BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("escape", "cancel", "Back", id="launch-back"),
-        Binding("g", "go", "Go: start", id="launch-go"),
-        Binding("m", "toggle_launcher", "spawn/torchrun", id="launch-ddp"),
-        Binding("c", "toggle_resume", "Resume --c", id="launch-resume"),
-        Binding("f", "focus_flags", "Trainer flags", id="launch-flags"),
-    ]
+    BINDINGS: ClassVar[list[BindingType]] = list(keys.LAUNCH)
 
     def __init__(self) -> None:
         super().__init__(id="launch")
