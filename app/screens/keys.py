@@ -33,10 +33,15 @@ DETAIL_ACTIONS = [
     Binding("k", "kill", "Kill", id="detail-kill"),
 ]
 
+# The keys that move focus into or out of the flags field are priority bindings: they run
+# when the app takes the key, in key order, so every later key goes to the widget that has
+# focus after them (app/widgets/key_order.py). The launch screen enables each one only where
+# it applies (LaunchScreen.check_action): `f` types an f inside the field.
 LAUNCH = [
-    Binding("escape", "cancel", "Back", id="launch-back"),
+    Binding("escape", "cancel", "Back", id="launch-back", priority=True),
     Binding("g", "go", "Go: start", id="launch-go"),
     Binding("m", "toggle_launcher", "spawn/torchrun", id="launch-ddp"),
     Binding("c", "toggle_resume", "Resume --c", id="launch-resume"),
-    Binding("f", "focus_flags", "Trainer flags", id="launch-flags"),
+    Binding("f", "focus_flags", "Trainer flags", id="launch-flags", priority=True),
+    Binding("enter", "leave_flags", "Done", id="launch-flags-done", priority=True),
 ]

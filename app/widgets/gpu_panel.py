@@ -102,16 +102,19 @@ class GpuPanel(Vertical):
         self._banner_text: str | None = None
         self._indices: tuple[int, ...] | None = None
         self._cards: dict[int, GpuCard] = {}  # the cards mounted (or being mounted) now
+        self._banner = Static(id="gpu-banner")
+        self._cards_box = Vertical(id="gpu-cards")
 
     def compose(self) -> ComposeResult:
-        yield Static(id="gpu-banner")
-        yield Vertical(id="gpu-cards")
+        yield self._banner
+        yield self._cards_box
 
     async def _replace_cards(self, new: list[GpuCard]) -> None:
         # The old cards (same ids) must be gone before the new ones mount.
-        cards = self.query_one("#gpu-cards", Vertical)
-        await cards.remove_children()
-        await cards.mount_all(new)
+        if not self.is_attached:
+            return
+        await self._cards_box.remove_children()
+        await self._cards_box.mount_all(new)
 
     def banner_for(self, snapshot: Any) -> Text:
         text = Text()
@@ -131,9 +134,8 @@ class GpuPanel(Vertical):
         banner = self.banner_for(snapshot)
         if banner.plain != self._banner_text:
             self._banner_text = banner.plain
-            widget = self.query_one("#gpu-banner", Static)
-            widget.update(banner)
-            widget.display = bool(banner.plain)
+            self._banner.update(banner)
+            self._banner.display = bool(banner.plain)
         indices = tuple(gpu.index for gpu in snapshot.gpus)
         if indices != self._indices:
             self._indices = indices
