@@ -41,6 +41,7 @@ class LaunchScreen(Screen):
         self._generation = 0
         self.planned_generation = -1  # tests wait until it catches up with _generation
         self._go_pending = False  # g pressed while the checks were still running
+        self.num_refused = 0  # g refused by the checks (tests wait for it)
         self._inputs: tuple | None = None  # what the newest plan was made from
         self._ready = False  # data messages can arrive before the widgets are composed
         self._machine_key: tuple | None = None
@@ -277,6 +278,7 @@ class LaunchScreen(Screen):
             return
         self._go_pending = False
         if self.problems or not self.plans:
+            self.num_refused += 1
             self.notify(
                 "Cannot start: " + "; ".join(self.problems or ["nothing"]), severity="error"
             )
