@@ -161,7 +161,16 @@ class NnuiApp(App):
 
         self._in_thread("jobs", read)
 
+    @property
+    def drawing(self) -> bool:
+        """False once shutdown began: the screens' widgets are being taken apart, so data
+        that arrives now (a thread finishing late on a busy machine) is dropped, never drawn
+        into a half-removed screen."""
+        return self.is_running
+
     def on_machine_read(self, message: MachineRead) -> None:
+        if not self.drawing:
+            return
         self.num_machine_messages += 1
         self.snapshot = message.snapshot
         for screen in self.screen_stack:
@@ -170,6 +179,8 @@ class NnuiApp(App):
                 show(message.snapshot)
 
     def on_jobs_read(self, message: JobsRead) -> None:
+        if not self.drawing:
+            return
         self.num_jobs_messages += 1
         self.views = message.views
         self.cv_eta_s = message.cv_eta_s
@@ -190,7 +201,7 @@ class NnuiApp(App):
             except Exception as error:  # shown to the user, never a crash of the UI
                 log.exception("background action failed")
                 result = error
-            self.call_from_thread(done, result)
+            self.call_from_thread(lambda: done(result) if self.drawing else None)
 
         self.run_worker(run, thread=True, group="actions", exit_on_error=False)
 

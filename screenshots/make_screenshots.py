@@ -82,9 +82,19 @@ def end_job_processes(state_dir: Path) -> None:
         signals.kill(job, registry, grace_s=3.0)
 
 
+def _holds(condition) -> bool:
+    from textual.css.query import NoMatches
+
+    try:
+        return bool(condition())
+    except NoMatches:  # not mounted yet
+        return False
+
+
 async def until(condition, pilot, timeout_s: float) -> bool:
+    """Until `condition()` holds; `timeout_s` only guards against a hang."""
     deadline = time.monotonic() + timeout_s
-    while not condition():
+    while not _holds(condition):
         if time.monotonic() > deadline:
             return False
         await pilot.pause(0.1)
@@ -93,15 +103,19 @@ async def until(condition, pilot, timeout_s: float) -> bool:
 
 async def drive(app, flags: str, min_epochs: int, timeout_s: float) -> None:
     async with app.run_test(size=SIZE) as pilot:
-        await until(lambda: app.snapshot is not None, pilot, 10)
+        await until(lambda: app.snapshot is not None, pilot, 60)
+        await until(lambda: app.screen.id == "dashboard" and app.screen.is_mounted, pilot, 60)
         await pilot.press("l")
+        await until(lambda: app.screen.id == "launch" and app.screen.is_mounted, pilot, 60)
         screen = app.screen
-        await until(lambda: screen.query_one("#picker").choices, pilot, 10)
+        await until(lambda: screen.query_one("#picker").choices, pilot, 60)
         # fold 0 -> GPU 0; fold 1 -> GPU 1; fold 2 -> GPUs 2+3 (DDP); fold 3 -> GPU 0 after 0
         await pilot.press("space", "down", "right", "space", "down", "right", "space")
         await pilot.press("right", "space", "down", "left", "left", "left", "space")
         await pilot.press("f", *flags, "enter")
-        await until(lambda: screen.planned_generation == screen._generation, pilot, 20)
+        await until(lambda: screen.query_one("#flags").value == flags, pilot, 60)
+        await until(lambda: len(screen.query_one("#board").model.assignments) == 4, pilot, 60)
+        await until(screen.plan_is_current, pilot, 60)
         if screen.problems:
             raise RuntimeError(f"launch refused: {screen.problems}")
         app.save_screenshot("fold_board.svg", str(OUT))
@@ -113,22 +127,23 @@ async def drive(app, flags: str, min_epochs: int, timeout_s: float) -> None:
 
         if not await until(trained, pilot, timeout_s):
             log.warning("runs slower than expected: %s", [(v.state, v.epoch) for v in app.views])
-        await pilot.pause(1.5)
+        table = app.screen.query_one("#jobs")
+        await until(lambda: table.row_count == len(app.views), pilot, 60)
         app.save_screenshot("dashboard.svg", str(OUT))
 
         # The DDP job: its process tree shows supervisor, launcher and both ranks.
-        table = app.screen.query_one("#jobs")
         order = [v.job.job_id for v in app.views]
         ddp = next(v for v in app.views if v.job.fold == "2")
         table.move_cursor(row=order.index(ddp.job.job_id))
         await pilot.press("enter")
-        await pilot.pause(3.0)  # the process tree refreshes every 2 s
+        await until(lambda: app.screen.id == "job-detail" and app.screen.is_mounted, pilot, 60)
+        tree = app.screen.query_one("#tree")
+        await until(lambda: "rank 1" in (tree._shown or ""), pilot, 60)  # both ranks drawn
         app.save_screenshot("job_detail.svg", str(OUT))
         await pilot.press("escape")
-        await pilot.pause(0.3)
+        await until(lambda: app.screen.id == "dashboard", pilot, 60)
         await pilot.press("s")
-        await until(lambda: app.screen.id == "stop-confirm", pilot, 10)
-        await pilot.pause(0.3)
+        await until(lambda: app.screen.id == "stop-confirm" and app.screen.is_mounted, pilot, 60)
         app.save_screenshot("stop_confirm.svg", str(OUT))
         await pilot.press("n")
 

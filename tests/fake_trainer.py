@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank_dir is not None:
         rank_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(rank_dir / f"rank_{rank}.json", json.dumps(me))
-        deadline = time.time() + 30
+        deadline = time.time() + 120  # a hang guard: the other ranks are starting
         while (
             rank == 0 and len(list(rank_dir.glob("rank_*.json"))) < world and time.time() < deadline
         ):
@@ -255,8 +255,14 @@ def fake_env(tmp: Path) -> dict[str, str]:
     }
 
 
-def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
+MIN_SAFETY_NET_S = 60.0
+
+
+def wait_until(predicate, timeout_s: float = 120.0, interval_s: float = 0.05) -> bool:
+    """Poll `predicate` until it holds; `timeout_s` is only a hang guard (generous: the
+    suite runs on busy machines), never a statement about speed, so a shorter one is
+    raised to MIN_SAFETY_NET_S."""
+    deadline = time.monotonic() + max(timeout_s, MIN_SAFETY_NET_S)
     while time.monotonic() < deadline:
         if predicate():
             return True

@@ -137,7 +137,9 @@ def of_kind(evs: list[dict], kind: str) -> list[dict]:
     return [e for e in evs if e["kind"] == kind]
 
 
-def wait_events(folder: Path, kind: str, count: int, proc: subprocess.Popen, timeout_s=180):
+def wait_events(folder: Path, kind: str, count: int, proc: subprocess.Popen, timeout_s=300):
+    """Until `count` events of `kind` exist (or the process ended); the timeout only
+    guards against a hang on a busy machine."""
     deadline = time.monotonic() + timeout_s
     while True:
         found = of_kind(events(folder), kind)
@@ -148,7 +150,7 @@ def wait_events(folder: Path, kind: str, count: int, proc: subprocess.Popen, tim
         time.sleep(0.1)
 
 
-def finish(proc: subprocess.Popen, timeout_s: float = 300) -> int:
+def finish(proc: subprocess.Popen, timeout_s: float = 600) -> int:
     return proc.wait(timeout=timeout_s)
 
 

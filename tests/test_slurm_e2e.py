@@ -92,7 +92,8 @@ def _job_log(spec: slurm.JobSpec) -> str:
     return "\n".join(p.read_text() for p in sorted(spec.output_dir.glob("*.out")))
 
 
-def _wait_for_epoch(cluster, job_id: int, folder: Path, spec, timeout_s: float = 240) -> None:
+def _wait_for_epoch(cluster, job_id: int, folder: Path, spec, timeout_s: float = 600) -> None:
+    """Until the first epoch is recorded; `timeout_s` only guards against a hang."""
     deadline = time.monotonic() + timeout_s
     while not _kinds(folder, "epoch_ended"):
         state = cluster.job(job_id).get("JobState")
@@ -135,11 +136,10 @@ def test_signal_before_time_limit_stops_gracefully(cluster, demo_preprocessed, t
     spec = _spec(demo_preprocessed, tmp_path, epochs=5000, time_limit="00:02:00", signal_lead_s=90)
     script = slurm.write_script(spec)
     job = cluster.submit(script)
-    started = time.monotonic()
-    info = cluster.wait_job(job, timeout_s=240)
+    info = cluster.wait_job(job, timeout_s=600)  # a hang guard, not a speed check
     log = _job_log(spec)
+    # COMPLETED, not TIMEOUT: the signal stopped it before SLURM's limit would have killed it.
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log
-    assert time.monotonic() - started < 120
     folder = _folder(tmp_path)
     assert _kinds(folder, "stopped"), log
     assert not _kinds(folder, "finished")

@@ -8,14 +8,23 @@ from pathlib import Path
 
 import pytest
 from test_gpus import FakeNvml, monitor
-from test_tui_fixtures import DATASET, make_roots, tui_app, use_fake_trainer, wait_for
+from test_tui_fixtures import (
+    DATASET,
+    burst,
+    make_roots,
+    screen_of,
+    tui_app,
+    use_fake_trainer,
+    wait_for,
+)
 
+from app.screens.dashboard import DashboardScreen
 from app.screens.launch import LaunchScreen
 from app.services.jobs import JobTracker
 from app.services.procs import proc_info
 from app.services.registry import Job, ProcessRecord, Registry
 from app.tui import Services, TuiConfig, make_app
-from app.widgets.fold_board import BoardModel, RequestSpec
+from app.widgets.fold_board import BoardModel, FoldBoard, RequestSpec
 from trainer.schema import Status, atomic_write_text, run_dir
 
 SPEC_CASES = [
@@ -73,15 +82,28 @@ def test_toggle_twice_removes_the_assignment() -> None:
 async def open_board(app, pilot) -> LaunchScreen:
     # The board's columns come from the first GPU reading.
     await wait_for(lambda: app.snapshot is not None, pilot)
+    await screen_of(app, pilot, DashboardScreen)
     await pilot.press("l")
-    await wait_for(lambda: isinstance(app.screen, LaunchScreen), pilot)
-    screen = app.screen
+    screen = await screen_of(app, pilot, LaunchScreen)
     await wait_for(lambda: screen.query_one("#picker").choices, pilot)
     return screen
 
 
-async def settled(screen: LaunchScreen, pilot) -> None:
-    await wait_for(lambda: screen.planned_generation == screen._generation, pilot)
+async def settled(screen: LaunchScreen, pilot, assignments: dict | None = None) -> None:
+    """The board holds `assignments` (the keys were handled) and the checks and preview
+    shown were made from what the widgets hold now."""
+    board = screen.query_one(FoldBoard)
+    if assignments is not None:
+        await wait_for(lambda: board.model.assignments == assignments, pilot)
+    await wait_for(screen.plan_is_current, pilot)
+
+
+async def refused_go(screen: LaunchScreen, pilot) -> None:
+    """g on a board with problems: refused, nothing started, still on the board."""
+    refused = screen.num_refused
+    await pilot.press("g")
+    await wait_for(lambda: screen.num_refused == refused + 1, pilot)
+    assert screen.app.screen is screen
 
 
 # (plans batch size, GPUs in fold 0's group, launcher key presses, expected problem or
@@ -107,7 +129,10 @@ async def test_launch_board_checks_ddp_groups_and_previews(
         for _ in range(group):
             await pilot.press("space", "right")
         await pilot.press(*keys)
-        await settled(screen, pilot)
+        launcher = "torchrun" if keys == ["m"] else "spawn"
+        board = screen.query_one(FoldBoard)
+        await wait_for(lambda: board.model.ddp_launcher == launcher, pilot)
+        await settled(screen, pilot, {"0": [str(g) for g in range(group)]})
         if problem is None:
             assert screen.problems == []
             assert len(screen.plans) == 1
@@ -117,8 +142,7 @@ async def test_launch_board_checks_ddp_groups_and_previews(
         else:
             assert any(problem in p for p in screen.problems), screen.problems
             assert screen.plans == []
-            await pilot.press("g")  # refused: still on the board
-            assert isinstance(app.screen, LaunchScreen)
+            await refused_go(screen, pilot)
 
 
 async def test_launch_board_queues_folds_on_one_gpu_and_passes_trainer_flags(
@@ -130,7 +154,9 @@ async def test_launch_board_queues_folds_on_one_gpu_and_passes_trainer_flags(
     async with app.run_test(size=(150, 48)) as pilot:
         screen = await open_board(app, pilot)
         await pilot.press("space", "down", "space", "f", *"--epochs 3", "enter")
-        await settled(screen, pilot)
+        flags = screen.query_one("#flags")
+        await wait_for(lambda: flags.value == "--epochs 3", pilot)
+        await settled(screen, pilot, {"0": ["0"], "1": ["0"]})
         assert screen.problems == []
         assert [p.fold for p in screen.plans] == ["0", "1"]
         assert screen.plans[1].after == screen.plans[0].job_id
@@ -147,7 +173,7 @@ async def test_launch_board_click_toggles_a_cell(tmp_path: Path, monkeypatch) ->
         board = screen.query_one("#board")
         # Row 2 of the content (fold 1), second GPU column; +1/+1 for border and padding.
         await pilot.click(board, offset=(1 + 1 + 10 + 9 + 4, 1 + 2))
-        assert board.model.assignments == {"1": ["1"]}
+        await wait_for(lambda: board.model.assignments == {"1": ["1"]}, pilot)
 
 
 def _registered_running_job(roots, state: Path, fold: str) -> str:
@@ -177,17 +203,16 @@ async def test_launch_board_refuses_a_fold_that_is_already_running(
     async with app.run_test(size=(150, 48)) as pilot:
         screen = await open_board(app, pilot)
         await pilot.press("space")  # fold 0 on GPU 0
-        await settled(screen, pilot)
+        await settled(screen, pilot, {"0": ["0"]})
         assert any("fold 0 is already running" in p for p in screen.problems), screen.problems
         assert screen.plans == []
         checks = screen.query_one("#launch-checks").render().plain
         assert "fold 0 is already running" in checks
-        await pilot.press("g")  # refused: nothing started, still on the board
-        assert isinstance(app.screen, LaunchScreen)
+        await refused_go(screen, pilot)
         assert len(Registry(state).list()) == 1
         # Another fold is fine.
         await pilot.press("space", "down", "space")
-        await settled(screen, pilot)
+        await settled(screen, pilot, {"1": ["0"]})
         assert screen.problems == [] and [p.fold for p in screen.plans] == ["1"]
 
 
@@ -202,12 +227,12 @@ async def test_launch_board_offers_resume_for_a_stopped_fold(tmp_path: Path, mon
     async with app.run_test(size=(150, 48)) as pilot:
         screen = await open_board(app, pilot)
         await pilot.press("space")
-        await settled(screen, pilot)
+        await settled(screen, pilot, {"0": ["0"]})
         assert screen.resumable == ["0"] and screen.plans == []
         assert "press c (resume --c)" in screen.query_one("#launch-checks").render().plain
         await pilot.press("c")
-        await wait_for(lambda: screen.plans and screen.planned_generation == screen._generation,
-                       pilot)  # fmt: skip
+        await wait_for(lambda: screen.query_one("#resume").value, pilot)
+        await settled(screen, pilot)
         assert screen.problems == [] and "--c" in screen.plans[0].argv
 
 
@@ -224,7 +249,7 @@ async def test_launch_board_warns_about_busy_gpus_and_other_users(
     async with app.run_test(size=(150, 48)) as pilot:
         screen = await open_board(app, pilot)
         await pilot.press("right", "space")  # fold 0 on GPU 1
-        await settled(screen, pilot)
+        await settled(screen, pilot, {"0": ["1"]})
         assert screen.problems == [] and screen.plans[0].gpus == ["1"]
         assert any("GPU 1 is busy" in w for w in screen.warnings), screen.warnings
         assert "GPU 1 is used by alice" in screen.warnings
@@ -239,6 +264,39 @@ async def test_escape_in_the_flags_field_returns_to_the_board(tmp_path: Path, mo
     async with app.run_test(size=(150, 48)) as pilot:
         screen = await open_board(app, pilot)
         await pilot.press("space", "f", *"--epochs 3", "escape")
-        assert app.screen is screen  # still on the board, the typed flags kept
+        board, flags = screen.query_one(FoldBoard), screen.query_one("#flags")
+        await wait_for(lambda: screen.focused is board, pilot)
+        assert app.screen is screen and flags.value == "--epochs 3"  # the typed flags kept
         await pilot.press("escape")
-        assert app.screen is not screen
+        await screen_of(app, pilot, DashboardScreen)
+
+
+# Keys queued all at once (a busy machine, a fast typist) act in the order pressed, each on
+# the widget that had focus when it was pressed: `g` right after enter starts the launch and
+# is never typed into the flags field; characters right after `f` land in the field.
+BURSTS = [
+    (["space", "f", *"--epochs 3", "enter", "g"], "--epochs 3"),
+    (["space", "f", *"--epochs 34", "backspace", "enter", "g"], "--epochs 3"),
+    (["space", "f", *"--epochs 3", "escape", "g"], "--epochs 3"),
+]
+
+
+@pytest.mark.parametrize(("keys", "flags"), BURSTS)
+async def test_keys_in_one_burst_act_in_order_on_the_widget_focused_then(
+    tmp_path: Path, monkeypatch, keys: list[str], flags: str
+) -> None:
+    roots = make_roots(tmp_path)
+    state = tmp_path / "state"
+    use_fake_trainer(monkeypatch, roots, state)
+    app = tui_app(roots, state)
+    # Nothing is started for real: the launch is recorded (the plan holds the exact argv).
+    started: list = []
+    monkeypatch.setattr("app.screens.actions.start_plans", lambda app, plans: started.extend(plans))
+    async with app.run_test(size=(150, 48)) as pilot:
+        screen = await open_board(app, pilot)
+        burst(app, *keys)
+        await wait_for(lambda: started or screen.query_one("#flags").value.endswith("g"), pilot)
+        assert screen.query_one("#flags").value == flags
+        assert [p.fold for p in started] == ["0"]
+        assert started[0].argv[-len(flags.split()) :] == flags.split(), started[0].argv
+        await screen_of(app, pilot, DashboardScreen)

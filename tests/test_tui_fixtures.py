@@ -11,7 +11,11 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from textual import events
+from textual.css.query import NoMatches
+from textual.keys import _character_to_key
 
 from app.tui import NnuiApp, TuiConfig, make_app
 from trainer.schema import (
@@ -28,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FAKE_TRAINER = ROOT / "tests" / "fake_trainer.py"
 DATASET = "Dataset004_Demo"
 T0 = 1_780_000_000.0  # a fixed "now" for frozen folders
+S = TypeVar("S")
 
 
 def make_roots(tmp_path: Path, batch_size: int = 2) -> Roots:
@@ -61,13 +66,46 @@ def tui_app(roots: Roots, state_dir: Path, **config: Any) -> NnuiApp:
     return make_app(TuiConfig(roots=roots, state_dir=state_dir, **config))
 
 
-async def wait_for(condition: Callable[[], bool], pilot: Any, timeout_s: float = 30.0) -> None:
+# Only a safety net against a hang: every wait ends when its condition holds, however busy
+# the machine is. Never an assertion about speed.
+SAFETY_NET_S = 120.0
+
+
+def _holds(condition: Callable[[], Any]) -> bool:
+    try:
+        return bool(condition())
+    except NoMatches:  # the widget it looks at is not mounted yet
+        return False
+
+
+async def wait_for(
+    condition: Callable[[], Any], pilot: Any, timeout_s: float = SAFETY_NET_S
+) -> None:
+    """Let the app run until `condition()` holds (a query of a widget that is not mounted
+    yet counts as "not yet")."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while not condition():
+    while not _holds(condition):
         if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
+            raise AssertionError(f"condition not reached within the {timeout_s:.0f} s safety net")
         await pilot.pause(0.05)
+
+
+async def screen_of(app: Any, pilot: Any, kind: type[S]) -> S:
+    """The active screen once it is a mounted `kind` (composed, on_mount run)."""
+    await wait_for(lambda: isinstance(app.screen, kind) and app.screen.is_mounted, pilot)
+    return app.screen
+
+
+def burst(app: Any, *keys: str) -> None:
+    """Queue key presses all at once, before the app handles the first: what a fast typist
+    or a busy machine delivers (Pilot.press lets the app idle between keys)."""
+    for key in keys:
+        name = _character_to_key(key) if len(key) == 1 and not key.isalnum() else key
+        char = key if len(key) == 1 else {"space": " "}.get(key)
+        event = events.Key(name, char)
+        event.set_sender(app)
+        app.post_message(event)
 
 
 def end_job_processes(state_dir: Path) -> None:

@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_tui_fixtures import make_roots, tui_app, wait_for, write_frozen_runs
+from test_tui_fixtures import make_roots, screen_of, tui_app, wait_for, write_frozen_runs
+
+from app.screens.dashboard import DashboardScreen
+from app.screens.job_detail import JobDetailScreen
+from app.widgets.curves import CurvesPanel
+from app.widgets.gpu_panel import GpuCard
+from app.widgets.job_table import JobTable
 
 SIZE = (140, 42)
 
@@ -20,17 +26,32 @@ def frozen_app(tmp_path: Path):
     return tui_app(roots, state, gpu_interval_s=60, jobs_interval_s=60, procs_interval_s=60)
 
 
+def _drawn(screen: DashboardScreen) -> bool:
+    """Every job has its row and every GPU card its text (what the shot must show)."""
+    cards = list(screen.query(GpuCard))
+    rows = screen.query_one(JobTable).row_count
+    return rows == 3 and len(cards) == 2 and all(c._last_text for c in cards)
+
+
 def loaded(app):
     async def run_before(pilot) -> None:
         await wait_for(lambda: len(app.views) == 3 and app.snapshot is not None, pilot)
-        await pilot.pause(0.2)
+        screen = await screen_of(app, pilot, DashboardScreen)
+        await wait_for(lambda: _drawn(screen), pilot)
 
     return run_before
 
 
 def test_dashboard_snapshot(tmp_path: Path, snap_compare) -> None:
     app = frozen_app(tmp_path)
-    assert snap_compare(app, terminal_size=SIZE, run_before=loaded(app), press=["down", "down"])
+
+    async def run_before(pilot) -> None:
+        await loaded(app)(pilot)
+        await pilot.press("down", "down")
+        summary = app.screen.query_one("#job-summary")
+        await wait_for(lambda: app.views[2].job.job_id in str(summary.render()), pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
 def test_job_detail_overlay_snapshot(tmp_path: Path, snap_compare) -> None:
@@ -39,6 +60,8 @@ def test_job_detail_overlay_snapshot(tmp_path: Path, snap_compare) -> None:
     async def run_before(pilot) -> None:
         await loaded(app)(pilot)
         await pilot.press("enter", "o")
-        await pilot.pause(0.3)
+        detail = await screen_of(app, pilot, JobDetailScreen)
+        curves = detail.query_one(CurvesPanel)
+        await wait_for(lambda: detail.overlay and len(curves._key or ()) == 3, pilot)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)

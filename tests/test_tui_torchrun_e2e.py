@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from test_tui_board import open_board, settled
-from test_tui_fixtures import kill_started_jobs, wait_for
+from test_tui_fixtures import kill_started_jobs, screen_of, wait_for
 
 from app.screens.confirm import LaunchConfirmScreen, StopConfirmScreen
 from app.screens.dashboard import DashboardScreen
@@ -35,6 +35,7 @@ from trainer.schema import EVENTS_FILE, Roots
 
 pytestmark = pytest.mark.slow
 
+TRAINING_SAFETY_NET_S = 300  # real trainings on a shared box: a hang guard only
 FLAGS = "--epochs 50 --iterations-per-epoch 2 --val-iterations 1"
 RECORDING_TORCHRUN = """\
     import os, signal, sys
@@ -112,15 +113,17 @@ async def _launch_ddp(app: Any, pilot: Any, torchrun: bool) -> str:
     if torchrun:
         await pilot.press("m")
     await pilot.press("f", *FLAGS, "enter")
-    await settled(screen, pilot)
-    await wait_for(lambda: screen.plans and screen.planned_generation == screen._generation, pilot)
+    await wait_for(lambda: screen.query_one("#flags").value == FLAGS, pilot)
+    launcher = "torchrun" if torchrun else "spawn"
+    await wait_for(lambda: screen.query_one("#board").model.ddp_launcher == launcher, pilot)
+    await settled(screen, pilot, {"0": ["0", "1"]})
     assert screen.problems == [], screen.problems
     plan = screen.plans[0]
     assert plan.mode == ("torchrun" if torchrun else "spawn")
     assert ("--nproc_per_node=2" in plan.argv) is torchrun
     job_id = plan.job_id
     await pilot.press("g")
-    await wait_for(lambda: isinstance(app.screen, DashboardScreen), pilot)
+    await screen_of(app, pilot, DashboardScreen)
     return job_id
 
 
@@ -130,31 +133,30 @@ async def _stop_after_first_epoch(app: Any, pilot: Any, setup: dict, job_id: str
     await wait_for(
         lambda: (v := app.view_of(job_id)) is not None and v.topology and (v.epoch or 0) >= 1,
         pilot,
-        timeout_s=240,
+        timeout_s=TRAINING_SAFETY_NET_S,
     )
     topology = app.view_of(job_id).topology
     rank_pids = sorted(r["pid"] for r in topology["ranks"])
     assert len(rank_pids) == 2
     # The job detail shows the verified process tree, labelled by role.
     await pilot.press("enter")
-    await wait_for(lambda: isinstance(app.screen, JobDetailScreen), pilot)
-    tree = app.screen.query_one(ProcessTree)
+    tree = (await screen_of(app, pilot, JobDetailScreen)).query_one(ProcessTree)
     launcher = "torchrun" if registry.get(job_id).mode == "torchrun" else "spawn parent"
     labels = ("supervisor", launcher, "rank 0 (cpu)", "rank 1 (cpu)")
-    await wait_for(lambda: all(x in (tree._shown or "") for x in labels), pilot, timeout_s=10)
+    await wait_for(lambda: all(x in (tree._shown or "") for x in labels), pilot)
     for pid in rank_pids:
         assert str(pid) in tree._shown
     await pilot.press("escape")
-    await wait_for(lambda: isinstance(app.screen, DashboardScreen), pilot)
+    await screen_of(app, pilot, DashboardScreen)
     await pilot.press("s")
-    await wait_for(lambda: isinstance(app.screen, StopConfirmScreen), pilot, timeout_s=20)
-    text = app.screen.query_one("#stop-plan").render().plain
+    text = (await screen_of(app, pilot, StopConfirmScreen)).query_one("#stop-plan").render().plain
     assert all(f"pid {pid}" in text for pid in rank_pids), text
     await pilot.press("y")
-    await wait_for(lambda: registry.get(job_id).exit_code is not None, pilot, timeout_s=180)
+    ended = lambda: registry.get(job_id).exit_code is not None  # noqa: E731
+    await wait_for(ended, pilot, timeout_s=TRAINING_SAFETY_NET_S)
     job = registry.get(job_id)
     assert job.exit_code == 0, (job.exit_code, Path(job.console_path).read_text()[-3000:])
-    await wait_for(lambda: not any(_alive(p) for p in rank_pids), pilot, timeout_s=20)
+    await wait_for(lambda: not any(_alive(p) for p in rank_pids), pilot)
     # SIGUSR1 went to the two ranks and to nothing else (not torchrun, not the spawn parent).
     sent = sorted(s.pid for s in job.signals if s.signal == "SIGUSR1" and s.result == "sent")
     assert sent == rank_pids and job.process("trainer").pid not in sent
@@ -172,7 +174,7 @@ async def _stop_after_first_epoch(app: Any, pilot: Any, setup: dict, job_id: str
     assert [e["epoch"] for e in _of_job(job, "epoch_ended")][-1] == epoch
     console = Path(job.console_path).read_text()
     assert "trainer exited with code 0" in console
-    await wait_for(lambda: app.view_of(job_id).state == "stopped", pilot, timeout_s=10)
+    await wait_for(lambda: app.view_of(job_id).state == "stopped", pilot)
     return {"job": job, "epoch": epoch, "rank_pids": rank_pids}
 
 
@@ -189,18 +191,20 @@ async def test_torchrun_job_stops_from_the_tui_and_resumes(setup: dict) -> None:
 
         # r: resume with --c on the same GPUs, in the same mode.
         await pilot.press("r")
-        await wait_for(lambda: isinstance(app.screen, LaunchConfirmScreen), pilot, timeout_s=20)
+        await screen_of(app, pilot, LaunchConfirmScreen)
         await pilot.press("y")
         registry = Registry(setup["state"])
-        await wait_for(lambda: len(registry.list()) == 2, pilot, timeout_s=20)
+        await wait_for(lambda: len(registry.list()) == 2, pilot)
         resumed = next(j for j in registry.list() if j.job_id != job_id)
         assert (resumed.mode, resumed.gpus, resumed.fold) == ("torchrun", ["0", "1"], "0")
         assert "--c" in resumed.argv
-        await wait_for(lambda: _of_job(resumed, "epoch_ended"), pilot, timeout_s=240)
+        first = lambda: _of_job(resumed, "epoch_ended")  # noqa: E731
+        await wait_for(first, pilot, timeout_s=TRAINING_SAFETY_NET_S)
         assert len(_of_job(resumed, "run_started")) == 1
         assert len([e for e in _events(resumed) if e["kind"] == "run_started"]) == 2
         assert _of_job(resumed, "epoch_ended")[0]["epoch"] == epoch + 1
-        await wait_for(lambda: (app.view_of(resumed.job_id).epoch or 0) >= epoch + 2, pilot)
+        second = lambda: (app.view_of(resumed.job_id).epoch or 0) >= epoch + 2  # noqa: E731
+        await wait_for(second, pilot, timeout_s=TRAINING_SAFETY_NET_S)
 
     # The headless twin says the same.
     env = {**os.environ, "NNUI_STATE_DIR": str(setup["state"])}

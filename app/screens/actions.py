@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from app.screens.confirm import KillConfirmScreen, LaunchConfirmScreen, StopConfirmScreen
 from app.services import catalog, launcher, signals
 
 NOTHING_TO_STOP = frozenset({"stopped", "finished", "failed", "lost"})
@@ -69,8 +70,6 @@ def _report_error(app: Any, result: Any) -> bool:
 
 
 def stop_jobs(app: Any, job_ids: Sequence[str]) -> None:
-    from app.screens.confirm import StopConfirmScreen
-
     views = _views(app, job_ids)
     if not views:
         return
@@ -111,8 +110,6 @@ def stops_sent(app: Any, result: Any) -> None:
 
 
 def kill_jobs(app: Any, job_ids: Sequence[str]) -> None:
-    from app.screens.confirm import KillConfirmScreen
-
     views = [v for v in _views(app, job_ids) if v.state not in NOTHING_TO_STOP]
     if not views:
         app.notify("Nothing to kill: the selected jobs are not running", severity="warning")
@@ -153,12 +150,6 @@ def batch_size_of(roots: Any, dataset: str, configuration: str) -> int | None:
     return None
 
 
-def open_launch(app: Any) -> None:
-    from app.screens.launch import LaunchScreen
-
-    app.push_screen(LaunchScreen())
-
-
 def start_plans(app: Any, plans: Sequence[Any]) -> None:
     def work() -> list[str]:
         return [launcher.start(plan, app.services.registry).job_id for plan in plans]
@@ -172,8 +163,6 @@ def start_plans(app: Any, plans: Sequence[Any]) -> None:
 
 
 def resume_jobs(app: Any, job_ids: Sequence[str]) -> None:
-    from app.screens.confirm import LaunchConfirmScreen
-
     views = _views(app, job_ids)
     if not views:
         return

@@ -126,6 +126,7 @@ class KillConfirmScreen(ModalScreen[bool]):
     def __init__(self, choices: Sequence[Any]) -> None:
         super().__init__(id="kill-confirm")
         self.choices = list(choices)
+        self.num_refused = 0  # entries that were not the word (tests wait for it)
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
@@ -142,6 +143,7 @@ class KillConfirmScreen(ModalScreen[bool]):
         if event.value.strip() == KILL_WORD:
             self.dismiss(True)
         else:
+            self.num_refused += 1
             self.notify(f'Type exactly "{KILL_WORD}" to kill, or escape', severity="warning")
 
     def action_cancel(self) -> None:

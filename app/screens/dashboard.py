@@ -10,49 +10,21 @@ from typing import Any
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.binding import Binding, BindingsMap
+from textual.binding import BindingsMap
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Static
 
 from app.screens import actions
+from app.screens.help import HelpScreen
+from app.screens.job_detail import JobDetailScreen
+from app.screens.job_summary import summary_text
+from app.screens.keys import ACTION_IDS, DASHBOARD_ACTIONS, DASHBOARD_NAV
+from app.screens.launch import LaunchScreen
 from app.widgets.formatting import fmt_duration_s
 from app.widgets.gpu_panel import GpuPanel
 from app.widgets.job_table import JobTable
 
-NAV_BINDINGS = [
-    Binding("enter", "detail", "Detail", id="detail"),
-    Binding("question_mark", "help", "Help", key_display="?", id="help"),
-    Binding("q", "quit", "Quit (jobs keep running)", id="quit"),
-]
-ACTION_BINDINGS = [
-    Binding("l", "launch", "Launch", id="launch"),
-    Binding("s", "stop", "Stop", id="stop"),
-    Binding("r", "resume", "Resume", id="resume"),
-    Binding("k", "kill", "Kill", id="kill"),
-]
-ACTION_IDS = frozenset(b.id for b in ACTION_BINDINGS)
-FAILED_TAIL_LINES = 4
-
-
-def summary_text(view: Any | None) -> Text:
-    """One or a few lines about the highlighted job (exit code and console of a failure)."""
-    if view is None:
-        return Text("No jobs yet. Press l to launch folds (? for help).", style="dim")
-    job = view.job
-    text = Text()
-    # Separating spaces end the previous span (SVG renderers drop a span's leading spaces).
-    text.append(f"{job.job_id}  ", style="bold")
-    text.append(f"{job.dataset} {job.configuration} fold {job.fold}  {view.state}  ")
-    if view.exit_code:
-        text.append(f"exit code {view.exit_code}  ", style="bold red")
-    if job.queued_stop:
-        text.append("stop queued (sent when the ranks report their topology)  ", style="yellow")
-    if view.alerts:
-        text.append("⚠ " + "; ".join(view.alerts), style="bold red")
-    if view.state in ("failed", "lost") and view.console_tail:
-        for line in list(view.console_tail)[-FAILED_TAIL_LINES:]:
-            text.append("\n  │ " + line.rstrip("\n"), style="red")
-    return text
+__all__ = ["ACTION_IDS", "DashboardScreen", "cv_text", "summary_text"]
 
 
 def cv_text(views: list[Any], cv_eta_s: float | None) -> Text:
@@ -68,7 +40,7 @@ class DashboardScreen(Screen):
         super().__init__(id="dashboard")
         self.readonly = readonly
         # Bindings per instance: a read-only dashboard has no action bindings at all.
-        self._bindings = BindingsMap(NAV_BINDINGS + ([] if readonly else ACTION_BINDINGS))
+        self._bindings = BindingsMap(DASHBOARD_NAV + ([] if readonly else DASHBOARD_ACTIONS))
         self._alerts_seen: set[tuple[str, str]] = set()
         self._states_seen: dict[str, str] = {}
         self._summary: str | None = None
@@ -150,13 +122,9 @@ class DashboardScreen(Screen):
         if job_id is None:
             self.notify("No job selected", severity="warning")
             return
-        from app.screens.job_detail import JobDetailScreen
-
         self.app.push_screen(JobDetailScreen(job_id))
 
     def action_help(self) -> None:
-        from app.screens.help import HelpScreen
-
         self.app.push_screen(HelpScreen(self.readonly))
 
     def action_quit(self) -> None:
@@ -169,7 +137,7 @@ class DashboardScreen(Screen):
 
     def action_launch(self) -> None:
         if self._allowed():
-            actions.open_launch(self.app)
+            self.app.push_screen(LaunchScreen())
 
     def action_stop(self) -> None:
         if self._allowed():

@@ -11,7 +11,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from app.screens import dashboard, job_detail, launch
+from app.screens import keys
 
 
 def _section(text: Text, title: str, bindings: list[Binding]) -> None:
@@ -26,20 +26,20 @@ def help_text(readonly: bool) -> Text:
     text = Text()
     if readonly:
         text.append("READ-ONLY: launch, stop, resume and kill are not bound.\n", style="bold")
-    dash = dashboard.NAV_BINDINGS + ([] if readonly else dashboard.ACTION_BINDINGS)
+    dash = keys.DASHBOARD_NAV + ([] if readonly else keys.DASHBOARD_ACTIONS)
     dash_extra = [
         Binding("space", "", "select / unselect a job (stop several at once)"),
         Binding("up/down", "", "move in the jobs table"),
         Binding("ctrl+p", "", "command palette (every action by name)"),
     ]
     _section(text, "Dashboard", dash + dash_extra)
-    detail = job_detail.NAV_BINDINGS + ([] if readonly else job_detail.ACTION_BINDINGS)
+    detail = keys.DETAIL_NAV + ([] if readonly else keys.DETAIL_ACTIONS)
     _section(text, "Job detail", detail)
     if not readonly:
         board = [
             Binding("arrows", "", "move on the fold board"),
             Binding("space", "", "put a fold on a GPU / take it off (click works too)"),
-            *launch.LaunchScreen.BINDINGS,
+            *keys.LAUNCH,
         ]
         _section(text, "Launch", board)
     text.append("\nNotes\n", style="bold underline")

@@ -8,27 +8,18 @@ from typing import Any
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.binding import Binding, BindingsMap
+from textual.binding import BindingsMap
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from app.screens import actions
-from app.screens.dashboard import summary_text
+from app.screens.help import HelpScreen
+from app.screens.job_summary import summary_text
+from app.screens.keys import DETAIL_ACTIONS, DETAIL_NAV
 from app.widgets.curves import CurvesPanel
 from app.widgets.log_tail import LogTail
 from app.widgets.process_tree import ProcessTree
-
-NAV_BINDINGS = [
-    Binding("escape", "back", "Back", id="detail-back"),
-    Binding("o", "overlay", "All folds", id="detail-overlay"),
-    Binding("question_mark", "help", "Help", key_display="?", id="detail-help"),
-]
-ACTION_BINDINGS = [
-    Binding("s", "stop", "Stop", id="detail-stop"),
-    Binding("r", "resume", "Resume", id="detail-resume"),
-    Binding("k", "kill", "Kill", id="detail-kill"),
-]
 
 
 def fold_histories(views: list[Any], job: Any, overlay: bool) -> dict[str, tuple[Any, ...]]:
@@ -57,7 +48,7 @@ class JobDetailScreen(Screen):
 
     def compose(self) -> ComposeResult:
         readonly = self.app.config.readonly
-        self._bindings = BindingsMap(NAV_BINDINGS + ([] if readonly else ACTION_BINDINGS))
+        self._bindings = BindingsMap(DETAIL_NAV + ([] if readonly else DETAIL_ACTIONS))
         yield Static(id="detail-header")
         yield CurvesPanel(id="curves")
         with Horizontal(id="detail-bottom"):
@@ -121,8 +112,6 @@ class JobDetailScreen(Screen):
         self.show_jobs(self.app.views, self.app.cv_eta_s)
 
     def action_help(self) -> None:
-        from app.screens.help import HelpScreen
-
         self.app.push_screen(HelpScreen(self.app.config.readonly))
 
     def action_stop(self) -> None:

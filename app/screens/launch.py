@@ -9,16 +9,17 @@ from typing import Any, ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.binding import Binding, BindingType
+from textual.binding import BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Checkbox, Footer, Input, RadioButton, RadioSet, Static
 
-from app.screens import actions
+from app.screens import actions, keys
 from app.services import catalog, launcher
 from app.widgets.dataset_picker import DatasetPicker
 from app.widgets.fold_board import CPU_COLUMN, FoldBoard
+from app.widgets.key_order import OrderedInput
 
 
 def board_columns(snapshot: Any) -> list[str]:
@@ -27,13 +28,7 @@ def board_columns(snapshot: Any) -> list[str]:
 
 
 class LaunchScreen(Screen):
-    BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("escape", "cancel", "Back", id="launch-back"),
-        Binding("g", "go", "Go: start", id="launch-go"),
-        Binding("m", "toggle_launcher", "spawn/torchrun", id="launch-ddp"),
-        Binding("c", "toggle_resume", "Resume --c", id="launch-resume"),
-        Binding("f", "focus_flags", "Trainer flags", id="launch-flags"),
-    ]
+    BINDINGS: ClassVar[list[BindingType]] = list(keys.LAUNCH)
 
     def __init__(self) -> None:
         super().__init__(id="launch")
@@ -46,6 +41,7 @@ class LaunchScreen(Screen):
         self._generation = 0
         self.planned_generation = -1  # tests wait until it catches up with _generation
         self._go_pending = False  # g pressed while the checks were still running
+        self.num_refused = 0  # g refused by the checks (tests wait for it)
         self._inputs: tuple | None = None  # what the newest plan was made from
         self._ready = False  # data messages can arrive before the widgets are composed
         self._machine_key: tuple | None = None
@@ -64,7 +60,7 @@ class LaunchScreen(Screen):
                     yield RadioButton("DDP via -num_gpus (spawn)", value=True, id="spawn")
                     yield RadioButton("DDP via torchrun", id="torchrun")
                 yield Checkbox("resume (--c)", id="resume")
-                yield Input(placeholder="trainer flags, e.g. --epochs 3", id="flags")
+                yield OrderedInput(placeholder="trainer flags, e.g. --epochs 3", id="flags")
         yield Static(id="launch-checks")
         with VerticalScroll(id="launch-preview-box"):
             yield Static(id="launch-preview")
@@ -76,7 +72,7 @@ class LaunchScreen(Screen):
         self.query_one(FoldBoard).border_subtitle = "■ alone or queued · D DDP group"
         self.query_one("#picker").border_title = "dataset and configuration"
         self.query_one("#launch-preview-box").border_title = "exact commands (env + argv)"
-        self.query_one(FoldBoard).focus()
+        self.set_focus(self.query_one(FoldBoard))  # at once: keys pressed next go to it
         self.app.run_in_thread(lambda: catalog.list_datasets(self.app.config.roots), self._got)
         self.recompute()
 
@@ -119,8 +115,8 @@ class LaunchScreen(Screen):
     def on_input_changed(self, event: Input.Changed) -> None:
         self.recompute()
 
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        self.query_one(FoldBoard).focus()
+    def on_descendant_focus(self) -> None:
+        self.refresh_bindings()  # f / enter change meaning with the focus (check_action)
 
     def on_radio_set_changed(self, event: RadioSet.Changed) -> None:
         self.query_one(FoldBoard).set_ddp_launcher(event.pressed.id or "spawn")
@@ -206,7 +202,7 @@ class LaunchScreen(Screen):
         self._show()
         self.post_message(self.Planned())
         if self._go_pending:
-            self.action_go()
+            self._go()
 
     def _show(self) -> None:
         checks = Text()
@@ -234,14 +230,45 @@ class LaunchScreen(Screen):
 
     # ---- actions ----------------------------------------------------------------------
 
+    def _in_flags(self) -> bool:
+        return self.is_mounted and self.focused is self.query_one("#flags", Input)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "leave_flags":
+            return self._in_flags()
+        if action == "focus_flags":
+            return not self._in_flags()
+        return True
+
+    def _focus_now(self, widget: Any) -> None:
+        """Focus moves at once (Widget.focus() would wait a tick), so the next key, already
+        on its way, is forwarded to the widget that has focus after this one."""
+        self.set_focus(widget)
+        self.refresh_bindings()
+
+    def plan_is_current(self) -> bool:
+        """The checks and preview shown were made from what the widgets hold now."""
+        return self.planned_generation == self._generation and self._inputs == self.requests()
+
     def action_cancel(self) -> None:
         # Escape while typing flags leaves the field, not the board (nothing typed is lost).
-        if isinstance(self.focused, Input):
-            self.query_one(FoldBoard).focus()
+        if self._in_flags():
+            self._focus_now(self.query_one(FoldBoard))
             return
         self.app.pop_screen()
 
+    def action_leave_flags(self) -> None:
+        self._focus_now(self.query_one(FoldBoard))
+
     def action_go(self) -> None:
+        # Keys pressed before g can still be waiting in the field's or the board's queue (a
+        # busy machine): start once both have handled them, from what they then hold.
+        flags, board = self.query_one("#flags", Input), self.query_one(FoldBoard)
+        flags.call_later(board.call_later, self._go)
+
+    def _go(self) -> None:
+        if not self.is_mounted or self.app.screen is not self:
+            return
         if self._inputs != self.requests():
             self.recompute()  # input whose change message has not arrived yet (fast typing)
         if self.planned_generation != self._generation:
@@ -251,6 +278,7 @@ class LaunchScreen(Screen):
             return
         self._go_pending = False
         if self.problems or not self.plans:
+            self.num_refused += 1
             self.notify(
                 "Cannot start: " + "; ".join(self.problems or ["nothing"]), severity="error"
             )
@@ -267,4 +295,4 @@ class LaunchScreen(Screen):
         box.value = not box.value
 
     def action_focus_flags(self) -> None:
-        self.query_one("#flags", Input).focus()
+        self._focus_now(self.query_one("#flags", Input))

@@ -18,6 +18,7 @@ from textual.message import Message
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from app.widgets.key_order import KeysOnArrival
 from trainer.schema import FOLDS
 
 CPU_COLUMN = "cpu"
@@ -95,8 +96,9 @@ class BoardModel:
         return problems
 
 
-class FoldBoard(Widget, can_focus=True):
-    """Keyboard-first grid; click a cell to toggle it too."""
+class FoldBoard(KeysOnArrival, Widget, can_focus=True):
+    """Keyboard-first grid; click a cell to toggle it too. Its keys act on arrival
+    (`KeysOnArrival`): an arrow or space pressed just before `f` still moves or toggles."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("up", "move(-1, 0)", "Up", show=False, id="board-up"),

@@ -63,12 +63,25 @@ class GpuCard(Horizontal):
         self.index = index
         self._last_text: str | None = None
         self._last_spark: str | None = None
+        self._latest: tuple[Any, list[float]] | None = None  # kept until the card is composed
+        self._composed = False
 
     def compose(self) -> ComposeResult:
         yield Static(classes="gpu-text")
         yield Static(classes="gpu-spark")
 
+    def on_mount(self) -> None:
+        # Children exist from here on; a reading that came earlier is drawn now.
+        self._composed = True
+        if self._latest is not None:
+            self.show(*self._latest)
+
     def show(self, gpu: Any, history: list[float]) -> None:
+        """Draw this reading, now or once the card's own widgets are mounted (a busy machine
+        can deliver a reading between the card's mount and its compose)."""
+        self._latest = (gpu, history)
+        if not self._composed:
+            return
         text = gpu_lines(gpu)
         if text.plain != self._last_text:
             self._last_text = text.plain
@@ -88,10 +101,20 @@ class GpuPanel(Vertical):
         self._history: dict[int, deque[float]] = {}
         self._banner_text: str | None = None
         self._indices: tuple[int, ...] | None = None
+        self._cards: dict[int, GpuCard] = {}  # the cards mounted (or being mounted) now
+        self._banner = Static(id="gpu-banner")
+        self._cards_box = Vertical(id="gpu-cards")
 
     def compose(self) -> ComposeResult:
-        yield Static(id="gpu-banner")
-        yield Vertical(id="gpu-cards")
+        yield self._banner
+        yield self._cards_box
+
+    async def _replace_cards(self, new: list[GpuCard]) -> None:
+        # The old cards (same ids) must be gone before the new ones mount.
+        if not self.is_attached:
+            return
+        await self._cards_box.remove_children()
+        await self._cards_box.mount_all(new)
 
     def banner_for(self, snapshot: Any) -> Text:
         text = Text()
@@ -111,24 +134,17 @@ class GpuPanel(Vertical):
         banner = self.banner_for(snapshot)
         if banner.plain != self._banner_text:
             self._banner_text = banner.plain
-            widget = self.query_one("#gpu-banner", Static)
-            widget.update(banner)
-            widget.display = bool(banner.plain)
+            self._banner.update(banner)
+            self._banner.display = bool(banner.plain)
         indices = tuple(gpu.index for gpu in snapshot.gpus)
-        cards = self.query_one("#gpu-cards", Vertical)
         if indices != self._indices:
             self._indices = indices
-            cards.remove_children()
-            cards.mount_all([GpuCard(i) for i in indices])
-            # Cards mount on the next tick; show them once they exist.
-            self.call_after_refresh(self._show_cards, snapshot)
-            return
-        self._show_cards(snapshot)
-
-    def _show_cards(self, snapshot: Any) -> None:
+            self._cards = {i: GpuCard(i) for i in indices}
+            self.call_later(self._replace_cards, list(self._cards.values()))
+        # The cards draw what they are given once they are composed (GpuCard.show).
         for gpu in snapshot.gpus:
             history = self._history.setdefault(gpu.index, deque(maxlen=HISTORY_POINTS))
             history.append(float(gpu.utilization_percent or 0))
-            for card in self.query(GpuCard):
-                if card.index == gpu.index:
-                    card.show(gpu, list(history))
+            card = self._cards.get(gpu.index)
+            if card is not None:
+                card.show(gpu, list(history))
