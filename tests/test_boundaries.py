@@ -5,6 +5,7 @@ a cycle hidden in a function is the same tangle, only deferred)."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -83,14 +84,8 @@ def test_importing_does_not_pull_heavy_modules(module: str, absent: list[str]) -
 
 # ---- import cycles --------------------------------------------------------------------
 
-# TEMPORARY: cycles being cut in other branches of issue 16 (item 10). The lead empties this
-# after merging them; any cycle not listed here fails the test.
-CYCLES_BEING_CUT_ELSEWHERE: frozenset[frozenset[str]] = frozenset(
-    {
-        frozenset({"app.services.gpus", "app.services.jobs"}),
-        frozenset({"trainer.distributed", "trainer.launch"}),
-    }
-)
+# Every import cycle fails the test (the four of issue 16 are cut).
+CYCLES_BEING_CUT_ELSEWHERE: frozenset[frozenset[str]] = frozenset()
 CYCLE_PACKAGES = ("app", "trainer")
 
 
@@ -223,3 +218,35 @@ def test_graph_counts_function_level_and_relative_imports_not_type_checking(
 def test_no_import_cycles_in_app_and_trainer() -> None:
     cycles = [c for c in import_cycles(import_graph()) if c not in CYCLES_BEING_CUT_ELSEWHERE]
     assert cycles == [], "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
+
+
+# ---- one owner per outside system ------------------------------------------------------
+
+# (pattern in the code, the only modules of app/ and trainer/ that may use it, why)
+OWNERS = [
+    (re.compile(r"\bPopen\("), {"app/services/launcher.py", "app/services/supervisor.py"},
+     "jobs are started by the launcher and run under their supervisor"),
+    (re.compile(r"open\([^)]*[\"']/proc/|Path\([\"']/proc"),
+     {"app/services/procs.py", "trainer/run_folder.py"},
+     "/proc: procs in the app; the trainer (no app imports) only asks if a tmp writer lives"),
+    (re.compile(r"\bpthread_sigmask\(|SIG_IGN"), {"trainer/stop.py", "app/services/supervisor.py"},
+     "signal masks and dispositions: trainer.stop (the supervisor ignores USR1/HUP itself)"),
+    (re.compile(r"\bimport pynvml|\bfrom pynvml"), {"app/services/gpus.py"}, "NVML: gpus only"),
+    (re.compile(r"\bimport blosc2|\bfrom blosc2"), {"trainer/data/blosc_io.py"}, "blosc2"),
+    (re.compile(r"\bimport safetensors|\bfrom safetensors"),
+     {"trainer/checkpoint.py", "trainer/checkpoint_format.py", "trainer/predict.py",
+      "trainer/inference/engine.py"}, "safetensors"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("pattern", "owners", "why"), OWNERS, ids=[o[2][:30] for o in OWNERS])
+def test_one_owner_per_outside_system(pattern, owners, why) -> None:
+    users = set()
+    for package in ("app", "trainer"):
+        for path in (ROOT / package).rglob("*.py"):
+            code = "\n".join(
+                line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")
+            )
+            if pattern.search(code):
+                users.add(str(path.relative_to(ROOT)))
+    assert users <= owners, f"{why}: also used in {sorted(users - owners)}"
