@@ -203,6 +203,27 @@ def test_load_plans_errors(tmp_path):
         load_plans(tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("config", "key", "value", "message"),
+    [
+        ("2d", "patch_size", [0, 32], "patch_size [0, 32] must be 2 or 3 sizes >= 1"),
+        ("3d_fullres", "patch_size", [-16, 32, 32], "must be 2 or 3 sizes >= 1"),
+        ("3d_fullres", "patch_size", [16, 32], "strides do not match a 2d patch"),
+        ("3d_fullres", "patch_size", [17, 32, 32], "not a multiple of the network's"),
+        ("2d", "batch_size", 0, "batch_size 0 must be >= 1"),
+        ("2d", "spacing", [1.0, 0.0, 1.0], "must be 3 positive numbers"),
+    ],
+)
+def test_hand_edited_plans_no_training_could_use_are_refused(tmp_path, config, key, value, message):
+    plans = plan_experiment(FINGERPRINT, DATASET_JSON, "Dataset900_NnuiDemo")
+    content = json.loads(plans_to_json(plans))
+    content["configurations"][config][key] = value
+    plans_file(tmp_path).write_text(json.dumps(content))
+    with pytest.raises(ValueError, match="not a valid plans file") as error:
+        load_plans(tmp_path)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
 IDS = [f"case_{i:02d}" for i in range(12)]
 
 

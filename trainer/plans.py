@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,31 @@ def _configuration_to_dict(c: ConfigurationPlan) -> dict:
 
 
 def _configuration_from_dict(name: str, d: dict) -> ConfigurationPlan:
+    return _checked(_configuration_plan(name, d))
+
+
+def _checked(c: ConfigurationPlan) -> ConfigurationPlan:
+    """ValueError (one line) for a hand-edited plan no training could run with."""
+    where = f"configuration {c.name!r}"
+    if len(c.patch_size) not in (2, 3) or any(v < 1 for v in c.patch_size):
+        raise ValueError(f"{where}: patch_size {list(c.patch_size)} must be 2 or 3 sizes >= 1")
+    if c.batch_size < 1:
+        raise ValueError(f"{where}: batch_size {c.batch_size} must be >= 1")
+    if len(c.spacing) != 3 or not all(math.isfinite(v) and v > 0 for v in c.spacing):
+        raise ValueError(f"{where}: spacing {list(c.spacing)} must be 3 positive numbers")
+    strides = c.network.strides
+    if not strides or any(len(s) != len(c.patch_size) for s in strides):
+        raise ValueError(f"{where}: the network's strides do not match a {c.ndim}d patch")
+    divisor = c.network.pooling_divisor
+    if any(v % d for v, d in zip(c.patch_size, divisor, strict=True)):
+        raise ValueError(
+            f"{where}: patch_size {list(c.patch_size)} is not a multiple of the network's "
+            f"downsampling {list(divisor)}"
+        )
+    return c
+
+
+def _configuration_plan(name: str, d: dict) -> ConfigurationPlan:
     return ConfigurationPlan(
         name=name,
         data_identifier=d["data_identifier"],
