@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from app.screens.confirm import stop_text
-from app.services.gpus import GpuProcess
+from app.services.gpus import GpuProcess, GpuSnapshot, MachineSnapshot
 from app.services.proctree import label_tree
 from app.widgets.curves import epoch_ticks, series
 from app.widgets.formatting import bar, fmt_duration_s
@@ -16,24 +16,19 @@ from app.widgets.job_table import row_cells
 from app.widgets.process_tree import tree_text
 
 
-@dataclass(frozen=True)
-class Gpu:
-    index: int = 0
-    name: str = "NVIDIA H100 80GB HBM3"
-    uuid: str = "GPU-8f3a1c2d-1111-2222-3333-444455556666"
-    memory_used_bytes: int | None = 40 * 2**30
-    memory_total_bytes: int | None = 80 * 2**30
-    utilization_percent: int | None = 87
-    temperature_c: int | None = 61
-    power_w: float | None = 312.4
-    processes: tuple = ()
+def Gpu(**changes) -> GpuSnapshot:
+    """The service's own snapshot type (widgets are typed by it), with test defaults."""
+    reading = dict(index=0, name="NVIDIA H100 80GB HBM3",
+                   uuid="GPU-8f3a1c2d-1111-2222-3333-444455556666",
+                   memory_used_bytes=40 * 2**30, memory_total_bytes=80 * 2**30,
+                   utilization_percent=87, temperature_c=61, power_w=312.4,
+                   processes=())  # fmt: skip
+    return GpuSnapshot(**{**reading, **changes})
 
 
-@dataclass(frozen=True)
-class Machine:
-    gpus: tuple = ()
-    simulated: bool = False
-    driver_problem: str | None = None
+def Machine(**changes) -> MachineSnapshot:
+    fields = dict(gpus=(), simulated=False, driver_problem=None, taken_at=0.0)
+    return MachineSnapshot(**{**fields, **changes})
 
 
 GPU_CASES = [

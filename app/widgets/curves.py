@@ -15,6 +15,8 @@ from textual.app import ComposeResult
 from textual.containers import Grid
 from textual_plotext import PlotextPlot
 
+from app.services.jobs import EpochPoint
+
 # (plot id, title, y label, [(series label, field)])
 PLOTS: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...] = (
     ("plot-loss", "loss", "loss", (("train", "train_loss"), ("val", "val_loss"))),
@@ -37,7 +39,7 @@ def epoch_ticks(epochs: Sequence[int]) -> list[int]:
     return ticks
 
 
-def series(history: Sequence[Any], field: str) -> tuple[list[int], list[float]]:
+def series(history: Sequence[EpochPoint], field: str) -> tuple[list[int], list[float]]:
     """Epochs and values of one field, dropping NaN/inf (plotext cannot draw them)."""
     xs, ys = [], []
     for point in history:
@@ -59,7 +61,7 @@ class CurvesPanel(Grid):
         for plot_id, *_ in PLOTS:
             yield PlotextPlot(id=plot_id, classes="curve")
 
-    def show(self, histories: Mapping[str, Sequence[Any]]) -> None:
+    def show(self, histories: Mapping[str, Sequence[EpochPoint]]) -> None:
         key = tuple((label, len(h), h[-1] if h else None) for label, h in histories.items())
         if key == self._key:
             return
@@ -74,7 +76,7 @@ class CurvesPanel(Grid):
         title: str,
         ylabel: str,
         fields: tuple[tuple[str, str], ...],
-        histories: Mapping[str, Sequence[Any]],
+        histories: Mapping[str, Sequence[EpochPoint]],
     ) -> None:
         plt = plot.plt
         plt.clear_data()

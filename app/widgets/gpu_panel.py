@@ -14,6 +14,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Static
 
+from app.services.gpus import GpuSnapshot, MachineSnapshot
 from app.widgets.formatting import NA, bar, fmt_gib, fmt_mib, fmt_or_na, short_uuid
 
 HISTORY_POINTS = 24
@@ -29,7 +30,7 @@ def sparkline(values: list[float], width: int = HISTORY_POINTS) -> str:
     return "".join(cells).rjust(width, " ")
 
 
-def gpu_lines(gpu: Any) -> Text:
+def gpu_lines(gpu: GpuSnapshot) -> Text:
     """The text of one GPU card (a pure function of the snapshot, so it is easy to diff)."""
     used, total = gpu.memory_used_bytes, gpu.memory_total_bytes
     fraction = used / total if used is not None and total else None
@@ -63,7 +64,9 @@ class GpuCard(Horizontal):
         self.index = index
         self._last_text: str | None = None
         self._last_spark: str | None = None
-        self._latest: tuple[Any, list[float]] | None = None  # kept until the card is composed
+        self._latest: tuple[GpuSnapshot, list[float]] | None = (
+            None  # kept until the card is composed
+        )
         self._composed = False
 
     def compose(self) -> ComposeResult:
@@ -76,7 +79,7 @@ class GpuCard(Horizontal):
         if self._latest is not None:
             self.show(*self._latest)
 
-    def show(self, gpu: Any, history: list[float]) -> None:
+    def show(self, gpu: GpuSnapshot, history: list[float]) -> None:
         """Draw this reading, now or once the card's own widgets are mounted (a busy machine
         can deliver a reading between the card's mount and its compose)."""
         self._latest = (gpu, history)
@@ -116,7 +119,7 @@ class GpuPanel(Vertical):
         await self._cards_box.remove_children()
         await self._cards_box.mount_all(new)
 
-    def banner_for(self, snapshot: Any) -> Text:
+    def banner_for(self, snapshot: MachineSnapshot) -> Text:
         text = Text()
         if snapshot.simulated:
             text.append(" SIMULATED ", style="bold black on magenta")
@@ -130,7 +133,7 @@ class GpuPanel(Vertical):
             text.append(f"No GPUs visible: jobs run on CPU  CPU slots: {self.cpu_slots}")
         return text
 
-    def update_snapshot(self, snapshot: Any) -> None:
+    def update_snapshot(self, snapshot: MachineSnapshot) -> None:
         banner = self.banner_for(snapshot)
         if banner.plain != self._banner_text:
             self._banner_text = banner.plain
