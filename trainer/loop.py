@@ -205,6 +205,130 @@ def record_stop(
         log.info("stopped; continue with --c")
 
 
+@dataclass(frozen=True)
+class EpochMetrics:
+    """One epoch's numbers, summed over ranks, before they enter the history and events."""
+
+    lr: float
+    train_loss: float
+    val_loss: float
+    dice: list[float]
+    mean_dice: float
+    train_time_s: float
+    data_wait_s: float
+
+
+def _set_lr(trainee: Trainee, lr: float) -> None:
+    for group in trainee.optimizer.param_groups:
+        group["lr"] = lr
+
+
+def _train_and_validate(
+    config: TrainConfig,
+    trainee: Trainee,
+    epoch: int,
+    train_batches: Iterator[Any],
+    val_batches: Iterator[Any],
+    started: float,
+    world_size: int,
+) -> EpochMetrics:
+    """One epoch's steps and validation; losses and Dice all-reduced in one collective."""
+    waited_s = getattr(train_batches, "wait_s", 0.0)  # a PatchLoader counts its waits
+    lr = poly_lr(config.initial_lr, epoch, config.num_epochs)
+    _set_lr(trainee, lr)
+    train_sum = train_iterations(
+        trainee, train_batches, config.iterations_per_epoch, config.grad_clip_norm
+    )
+    train_time_s = time.perf_counter() - started
+    data_wait_s = getattr(train_batches, "wait_s", 0.0) - waited_s
+    val_stats = validation_iterations(trainee, val_batches, config.val_iterations)
+    totals = (
+        distributed.all_reduce_sum(torch.cat((train_sum.double().reshape(1), val_stats)))
+        .cpu()
+        .tolist()
+    )
+    k = trainee.num_classes - 1
+    dice = pseudo_dice(totals[2 : 2 + k], totals[2 + k : 2 + 2 * k], totals[2 + 2 * k :])
+    return EpochMetrics(
+        lr=lr,
+        train_loss=totals[0] / (config.iterations_per_epoch * world_size),
+        val_loss=totals[1] / (config.val_iterations * world_size),
+        dice=dice,
+        mean_dice=nanmean(dice),
+        train_time_s=train_time_s,
+        data_wait_s=data_wait_s,
+    )
+
+
+def _update_ema(state: LoopState, mean_dice: float) -> None:
+    # An epoch whose Dice is undefined (no foreground anywhere) leaves the EMA as it was.
+    if not math.isnan(mean_dice):
+        state.ema = (
+            mean_dice
+            if state.ema is None
+            else EMA_OLD_WEIGHT * state.ema + (1 - EMA_OLD_WEIGHT) * mean_dice
+        )
+
+
+def _append_history(state: LoopState, m: EpochMetrics, epoch_time_s: float) -> None:
+    h = state.history
+    h.train_loss.append(m.train_loss)
+    h.val_loss.append(m.val_loss)
+    h.dice_per_class.append([finite_or_none(d) for d in m.dice])
+    h.mean_fg_dice.append(finite_or_none(m.mean_dice))
+    h.ema_fg_dice.append(state.ema)
+    h.lr.append(m.lr)
+    h.epoch_time_s.append(epoch_time_s)
+
+
+def _report_epoch(
+    config: TrainConfig,
+    state: LoopState,
+    epoch: int,
+    m: EpochMetrics,
+    epoch_time_s: float,
+    recorder: RunRecorder,
+) -> None:
+    """epoch_ended event, status and log line (history already holds this epoch)."""
+    h = state.history
+    recorder.event(
+        Kind.EPOCH_ENDED,
+        epoch=epoch,
+        train_loss=m.train_loss,
+        val_loss=m.val_loss,
+        dice_per_class=h.dice_per_class[-1],
+        mean_fg_dice=h.mean_fg_dice[-1],
+        ema_fg_dice=state.ema,
+        lr=m.lr,
+        epoch_time_s=round(epoch_time_s, 4),
+        iterations_per_s=round(config.iterations_per_epoch / max(m.train_time_s, 1e-9), 4),
+        # Of the training time, how long the step waited for data (0 = loading hidden).
+        data_wait_s=round(m.data_wait_s, 4),
+        # Losses are written as null when not finite; this flag keeps the alarm explicit.
+        nan_loss=not (math.isfinite(m.train_loss) and math.isfinite(m.val_loss)),
+    )
+    recorder.status(epoch=state.epoch_next)
+    log.info(
+        "epoch %d/%d lr %.6f train_loss %.4f val_loss %.4f pseudo_dice %s ema %.4f "
+        "epoch_time %.2f s",
+        epoch,
+        config.num_epochs,
+        m.lr,
+        m.train_loss,
+        m.val_loss,
+        [round(d, 4) for d in m.dice],
+        state.ema if state.ema is not None else math.nan,
+        epoch_time_s,
+    )
+
+
+def _save_if_best(state: LoopState, checkpointer: Checkpointer) -> None:
+    if state.ema is not None and (state.best_ema is None or state.ema > state.best_ema):
+        state.best_ema = state.ema
+        log.info("new best EMA pseudo Dice %.4f", state.ema)
+        checkpointer.save("best", state)
+
+
 def run_epochs(
     config: TrainConfig,
     trainee: Trainee,
@@ -221,75 +345,15 @@ def run_epochs(
     for epoch in range(state.epoch_next, config.num_epochs):
         stop.install()  # again each epoch: torch.compile's start-up may replace it
         started = time.perf_counter()
-        waited_s = getattr(train_batches, "wait_s", 0.0)  # a PatchLoader counts its waits
-        lr = poly_lr(config.initial_lr, epoch, config.num_epochs)
-        for group in trainee.optimizer.param_groups:
-            group["lr"] = lr
-        train_sum = train_iterations(
-            trainee, train_batches, config.iterations_per_epoch, config.grad_clip_norm
+        metrics = _train_and_validate(
+            config, trainee, epoch, train_batches, val_batches, started, world_size
         )
-        train_time_s = time.perf_counter() - started
-        data_wait_s = getattr(train_batches, "wait_s", 0.0) - waited_s
-        val_stats = validation_iterations(trainee, val_batches, config.val_iterations)
-        totals = (
-            distributed.all_reduce_sum(torch.cat((train_sum.double().reshape(1), val_stats)))
-            .cpu()
-            .tolist()
-        )
-        k = trainee.num_classes - 1
-        train_loss = totals[0] / (config.iterations_per_epoch * world_size)
-        val_loss = totals[1] / (config.val_iterations * world_size)
-        dice = pseudo_dice(totals[2 : 2 + k], totals[2 + k : 2 + 2 * k], totals[2 + 2 * k :])
-        mean_dice = nanmean(dice)
-        if not math.isnan(mean_dice):
-            state.ema = (
-                mean_dice
-                if state.ema is None
-                else EMA_OLD_WEIGHT * state.ema + (1 - EMA_OLD_WEIGHT) * mean_dice
-            )
+        _update_ema(state, metrics.mean_dice)
         epoch_time_s = time.perf_counter() - started
-        h = state.history
-        h.train_loss.append(train_loss)
-        h.val_loss.append(val_loss)
-        h.dice_per_class.append([finite_or_none(d) for d in dice])
-        h.mean_fg_dice.append(finite_or_none(mean_dice))
-        h.ema_fg_dice.append(state.ema)
-        h.lr.append(lr)
-        h.epoch_time_s.append(epoch_time_s)
+        _append_history(state, metrics, epoch_time_s)
         state.epoch_next = epoch + 1
-        recorder.event(
-            Kind.EPOCH_ENDED,
-            epoch=epoch,
-            train_loss=train_loss,
-            val_loss=val_loss,
-            dice_per_class=h.dice_per_class[-1],
-            mean_fg_dice=h.mean_fg_dice[-1],
-            ema_fg_dice=state.ema,
-            lr=lr,
-            epoch_time_s=round(epoch_time_s, 4),
-            iterations_per_s=round(config.iterations_per_epoch / max(train_time_s, 1e-9), 4),
-            # Of the training time, how long the step waited for data (0 = loading hidden).
-            data_wait_s=round(data_wait_s, 4),
-            # Losses are written as null when not finite; this flag keeps the alarm explicit.
-            nan_loss=not (math.isfinite(train_loss) and math.isfinite(val_loss)),
-        )
-        recorder.status(epoch=state.epoch_next)
-        log.info(
-            "epoch %d/%d lr %.6f train_loss %.4f val_loss %.4f pseudo_dice %s ema %.4f "
-            "epoch_time %.2f s",
-            epoch,
-            config.num_epochs,
-            lr,
-            train_loss,
-            val_loss,
-            [round(d, 4) for d in dice],
-            state.ema if state.ema is not None else math.nan,
-            epoch_time_s,
-        )
-        if state.ema is not None and (state.best_ema is None or state.ema > state.best_ema):
-            state.best_ema = state.ema
-            log.info("new best EMA pseudo Dice %.4f", state.ema)
-            checkpointer.save("best", state)
+        _report_epoch(config, state, epoch, metrics, epoch_time_s, recorder)
+        _save_if_best(state, checkpointer)
         if distributed.stop_agreed(stop.requested(), trainee.device):
             record_stop(state, epoch, recorder, checkpointer, write_latest=True)
             return False

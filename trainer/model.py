@@ -92,6 +92,68 @@ def _stage(
     return nn.Sequential(*blocks)
 
 
+def _check_unet_arguments(
+    ndim: int,
+    features_per_stage: Sequence[int],
+    kernel_sizes: Sequence,
+    strides: Sequence,
+    n_conv_per_stage_encoder: Sequence[int],
+    n_conv_per_stage_decoder: Sequence[int],
+) -> None:
+    if ndim not in (2, 3):
+        raise ValueError(f"ndim must be 2 or 3, got {ndim}")
+    num_stages = len(features_per_stage)
+    if not (len(kernel_sizes) == len(strides) == len(n_conv_per_stage_encoder) == num_stages):
+        raise ValueError(
+            "kernel_sizes, strides and n_conv_per_stage_encoder need one entry per stage"
+        )
+    if len(n_conv_per_stage_decoder) != num_stages - 1:
+        raise ValueError("n_conv_per_stage_decoder needs num_stages - 1 entries")
+
+
+def _encoder(
+    ndim: int,
+    in_channels: int,
+    features_per_stage: Sequence[int],
+    kernels: list[tuple[int, ...]],
+    strides: list[tuple[int, ...]],
+    n_conv_per_stage: Sequence[int],
+) -> nn.ModuleList:
+    encoder = nn.ModuleList()
+    channels = in_channels
+    for s, features in enumerate(features_per_stage):
+        encoder.append(
+            _stage(ndim, channels, features, kernels[s], strides[s], n_conv_per_stage[s])
+        )
+        channels = features
+    return encoder
+
+
+def _decoder(
+    ndim: int,
+    num_classes: int,
+    features_per_stage: Sequence[int],
+    kernels: list[tuple[int, ...]],
+    strides: list[tuple[int, ...]],
+    n_conv_per_stage: Sequence[int],
+) -> tuple[nn.ModuleList, nn.ModuleList, nn.ModuleList]:
+    """(upsample, decoder, heads). Built interleaved per level, in this order, because
+    module construction draws from the global RNG: same seed, same initial weights."""
+    upsample, decoder, heads = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
+    num_stages = len(features_per_stage)
+    # Decoder index d refines to the resolution of encoder stage num_stages - 2 - d.
+    for d in range(num_stages - 1):
+        skip = num_stages - 2 - d
+        below, features = features_per_stage[skip + 1], features_per_stage[skip]
+        up_stride = strides[skip + 1]
+        upsample.append(_TRANSP[ndim](below, features, up_stride, up_stride, bias=True))
+        decoder.append(
+            _stage(ndim, 2 * features, features, kernels[skip], (1,) * ndim, n_conv_per_stage[skip])
+        )
+        heads.append(_CONV[ndim](features, num_classes, 1, 1, 0, bias=True))
+    return upsample, decoder, heads
+
+
 class PlainConvUNet(nn.Module):
     def __init__(
         self,
@@ -107,62 +169,24 @@ class PlainConvUNet(nn.Module):
         recompute_norm: bool = True,
     ) -> None:
         super().__init__()
-        if ndim not in (2, 3):
-            raise ValueError(f"ndim must be 2 or 3, got {ndim}")
-        num_stages = len(features_per_stage)
-        if not (len(kernel_sizes) == len(strides) == len(n_conv_per_stage_encoder) == num_stages):
-            raise ValueError(
-                "kernel_sizes, strides and n_conv_per_stage_encoder need one entry per stage"
-            )
-        if len(n_conv_per_stage_decoder) != num_stages - 1:
-            raise ValueError("n_conv_per_stage_decoder needs num_stages - 1 entries")
+        _check_unet_arguments(
+            ndim,
+            features_per_stage,
+            kernel_sizes,
+            strides,
+            n_conv_per_stage_encoder,
+            n_conv_per_stage_decoder,
+        )
         kernels = [_as_tuple(k, ndim) for k in kernel_sizes]
         stride_list = [_as_tuple(s, ndim) for s in strides]
         self.deep_supervision = deep_supervision
         self.recompute_norm = recompute_norm
-        self.encoder = nn.ModuleList()
-        channels = in_channels
-        for s in range(num_stages):
-            self.encoder.append(
-                _stage(
-                    ndim,
-                    channels,
-                    features_per_stage[s],
-                    kernels[s],
-                    stride_list[s],
-                    n_conv_per_stage_encoder[s],
-                )
-            )
-            channels = features_per_stage[s]
-        self.upsample = nn.ModuleList()
-        self.decoder = nn.ModuleList()
-        self.heads = nn.ModuleList()
-        # Decoder index d refines to the resolution of encoder stage num_stages - 2 - d.
-        for d in range(num_stages - 1):
-            skip = num_stages - 2 - d
-            below = features_per_stage[skip + 1]
-            self.upsample.append(
-                _TRANSP[ndim](
-                    below,
-                    features_per_stage[skip],
-                    stride_list[skip + 1],
-                    stride_list[skip + 1],
-                    bias=True,
-                )
-            )
-            self.decoder.append(
-                _stage(
-                    ndim,
-                    2 * features_per_stage[skip],
-                    features_per_stage[skip],
-                    kernels[skip],
-                    (1,) * ndim,
-                    n_conv_per_stage_decoder[skip],
-                )
-            )
-            self.heads.append(
-                _CONV[ndim](features_per_stage[skip], num_classes, 1, 1, 0, bias=True)
-            )
+        self.encoder = _encoder(
+            ndim, in_channels, features_per_stage, kernels, stride_list, n_conv_per_stage_encoder
+        )
+        self.upsample, self.decoder, self.heads = _decoder(
+            ndim, num_classes, features_per_stage, kernels, stride_list, n_conv_per_stage_decoder
+        )
         self.apply(_init_weights)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor] | torch.Tensor:

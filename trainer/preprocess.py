@@ -192,6 +192,15 @@ def preprocess_dataset(
         return None
     plans = plan_experiment(fingerprint, raw.dataset_json, name, tuple(configurations), overrides)
     out_dir = Path(preprocessed_root) / name
+    _prepare_output_dir(out_dir, plans, progress)
+    existing = _write_interim_plans(out_dir, plans, dataset, progress)
+    _write_dataset_files(out_dir, raw, fingerprint)
+    configs = _clear_config_folders(out_dir, plans)
+    _preprocess_cases(raw, fingerprint, configs, num_processes, progress)
+    return _write_final_plans(out_dir, plans, existing, [c.case_id for c in raw.cases], progress)
+
+
+def _prepare_output_dir(out_dir: Path, plans: Plans, progress: Callable[[str], None]) -> None:
     _refuse_nnunet_data_folders(out_dir, plans)
     out_dir.mkdir(parents=True, exist_ok=True)
     if nnunet_files(out_dir):
@@ -199,9 +208,14 @@ def preprocess_dataset(
             f"{out_dir} also holds nnU-Net's files: they are left untouched; nnui writes only "
             f"{plans.plans_name}.json, {FINGERPRINT_FILE} and {plans.plans_name}_<config>/ there"
         )
+
+
+def _write_interim_plans(
+    out_dir: Path, plans: Plans, dataset: str, progress: Callable[[str], None]
+) -> dict | None:
+    """Returns the plans.json found before this run (merged into the final one)."""
     # Other configurations already in plans.json stay (same bytes, same identity). While
     # this run works, plans.json lists only them: the requested ones are not complete yet.
-    case_ids = [case.case_id for case in raw.cases]
     existing = read_plans_json(plans_file(out_dir))
     merged, dropped = merge_plans(plans, existing)
     others = {k: v for k, v in merged["configurations"].items() if k not in plans.configurations}
@@ -215,9 +229,17 @@ def preprocess_dataset(
         atomic_write_text(plans_file(out_dir), content_to_json(kept))
     else:
         plans_file(out_dir).unlink(missing_ok=True)  # not complete until written again
+    return existing
+
+
+def _write_dataset_files(out_dir: Path, raw: RawDataset, fingerprint: dict) -> None:
     if not (out_dir / "dataset.json").exists():  # shared with nnU-Net: never replaced
         atomic_write_text(out_dir / "dataset.json", json.dumps(raw.dataset_json, indent=2) + "\n")
     atomic_write_text(out_dir / FINGERPRINT_FILE, json.dumps(fingerprint, indent=1) + "\n")
+
+
+def _clear_config_folders(out_dir: Path, plans: Plans) -> tuple[dict, ...]:
+    """Empty each requested configuration's data folder; returns what the case jobs need."""
     configs = []
     for config in plans.configurations.values():
         folder = out_dir / config.data_identifier
@@ -234,13 +256,21 @@ def preprocess_dataset(
                 "use_mask": config.use_mask_for_norm,
             }
         )
+    return tuple(configs)
+
+
+def _preprocess_cases(
+    raw: RawDataset,
+    fingerprint: dict,
+    configs: tuple[dict, ...],
+    num_processes: int,
+    progress: Callable[[str], None],
+) -> None:
     fg = [
         fingerprint["foreground_intensity_properties_per_channel"][str(c)]
         for c in range(raw.num_channels)
     ]
-    jobs = [
-        (CaseJob(case, raw.labels, raw.fallback_spacing, fg, tuple(configs)),) for case in raw.cases
-    ]
+    jobs = [(CaseJob(case, raw.labels, raw.fallback_spacing, fg, configs),) for case in raw.cases]
     total = len(jobs)
 
     def done(i: int, result: dict) -> None:
@@ -250,6 +280,16 @@ def preprocess_dataset(
         )
 
     _run_all(preprocess_case, jobs, num_processes, done)
+
+
+def _write_final_plans(
+    out_dir: Path,
+    plans: Plans,
+    existing: dict | None,
+    case_ids: list[str],
+    progress: Callable[[str], None],
+) -> Plans:
+    """Splits, then plans.json: written last, it is the completion marker."""
     splits = load_or_create_splits(out_dir, case_ids)
     if len(splits) < NUM_FOLDS:
         progress(f"only {len(case_ids)} cases: {len(splits)} folds instead of {NUM_FOLDS}")

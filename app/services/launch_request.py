@@ -224,6 +224,42 @@ def _group_size(request: LaunchRequest) -> int:
     return max(1, len(request.gpus)) if request.mode != "per_gpu" else 1
 
 
+def _ddp_group_checks(
+    request: LaunchRequest, plans_batch_size: int | None, checks: LaunchChecks
+) -> None:
+    """A DDP group splits one global batch: enough distinct GPUs, and an even split."""
+    size = _group_size(request)
+    if size < 2:
+        checks.errors.append(
+            f"a {request.mode} DDP group needs at least 2 GPUs (on CPU, --gpus 0,1 "
+            "means 2 processes)"
+        )
+    if len(set(request.gpus)) != len(request.gpus):
+        checks.errors.append("a GPU is listed twice in the DDP group")
+    if plans_batch_size is None:
+        return
+    if size > plans_batch_size:
+        checks.errors.append(
+            f"group of {size} GPUs > global batch size {plans_batch_size}: "
+            "each GPU needs at least one sample; use fewer GPUs"
+        )
+    elif plans_batch_size % size:
+        checks.errors.append(
+            f"global batch size {plans_batch_size} is not divisible by {size} GPUs: "
+            "ranks would get unequal batches; pick a group size that divides it"
+        )
+
+
+def _shared_gpu_warnings(request: LaunchRequest, checks: LaunchChecks) -> None:
+    """per_gpu without --sequential: folds given the same GPU train on it at once."""
+    used = [g for g in request.gpus]
+    for gpu in sorted(set(used)):
+        if used.count(gpu) > 1 and len(request.folds) > 1 and request.device == "cuda":
+            checks.warnings.append(
+                f"GPU {gpu} gets {used.count(gpu)} folds at once (add --sequential to queue them)"
+            )
+
+
 def check_request(
     request: LaunchRequest,
     roots: Roots,
@@ -247,35 +283,11 @@ def check_request(
         )
         return checks
     if request.mode != "per_gpu":
-        size = _group_size(request)
-        if size < 2:
-            checks.errors.append(
-                f"a {request.mode} DDP group needs at least 2 GPUs (on CPU, --gpus 0,1 "
-                "means 2 processes)"
-            )
-        if len(set(request.gpus)) != len(request.gpus):
-            checks.errors.append("a GPU is listed twice in the DDP group")
-        if plans_batch_size is not None:
-            if size > plans_batch_size:
-                checks.errors.append(
-                    f"group of {size} GPUs > global batch size {plans_batch_size}: "
-                    "each GPU needs at least one sample; use fewer GPUs"
-                )
-            elif plans_batch_size % size:
-                checks.errors.append(
-                    f"global batch size {plans_batch_size} is not divisible by {size} GPUs: "
-                    "ranks would get unequal batches; pick a group size that divides it"
-                )
+        _ddp_group_checks(request, plans_batch_size, checks)
     _, assignment_errors = _assignments(request)
     checks.errors.extend(assignment_errors)
     if request.mode == "per_gpu" and not request.sequential:
-        used = [g for g in request.gpus]
-        for gpu in sorted(set(used)):
-            if used.count(gpu) > 1 and len(request.folds) > 1 and request.device == "cuda":
-                checks.warnings.append(
-                    f"GPU {gpu} gets {used.count(gpu)} folds at once "
-                    "(add --sequential to queue them)"
-                )
+        _shared_gpu_warnings(request, checks)
     try:
         dataset_name = find_dataset(roots.preprocessed, request.dataset)
     except DatasetNotFound as error:

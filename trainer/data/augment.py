@@ -161,6 +161,130 @@ def _gamma(x: torch.Tensor, gamma: torch.Tensor, dims: tuple[int, ...]) -> torch
     return (out - out_mean) / out_std.clamp_min(1e-7) * std + mean
 
 
+@dataclass(frozen=True)
+class _Draws:
+    """Every random number of one batch, drawn up front in a fixed order (reproducibility).
+
+    u (b, 17): rotation/scale gates, angles, zoom, mirror gates, noise, brightness,
+    contrast, gamma; v (b, 4): blur and low-resolution gates, inverted gamma; per_channel
+    (b, C, 3 + ndim): blur gate and sigmas, low-resolution gate and zoom.
+    """
+
+    u: list[list[float]]
+    v: list[list[float]]
+    per_channel: list[list[list[float]]]
+    noise_generator: torch.Generator
+
+
+def _draw(
+    data: torch.Tensor, generator: torch.Generator, noise_generator: torch.Generator | None
+) -> _Draws:
+    b, channels, ndim = data.shape[0], data.shape[1], data.ndim - 2
+    u = torch.rand(b, 17, generator=generator, dtype=torch.float64).tolist()
+    if noise_generator is None:
+        noise_generator = torch.Generator(device=data.device)
+        noise_generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+    v = torch.rand(b, 4, generator=generator, dtype=torch.float64).tolist()
+    per_channel = torch.rand(b, channels, 3 + ndim, generator=generator, dtype=torch.float64)
+    return _Draws(u, v, per_channel.tolist(), noise_generator)
+
+
+def _rotate_and_scale(
+    data: torch.Tensor,
+    seg: torch.Tensor,
+    u: list[list[float]],
+    config: AugmentConfig,
+    images: list[torch.Tensor],
+    labels: list[torch.Tensor],
+) -> None:
+    """One grid_sample for the samples drawn for rotation or scaling; replaces their
+    entries of images / labels in place."""
+    b, ndim = data.shape[0], data.ndim - 2
+    moved = [i for i in range(b) if u[i][0] < config.p_rotation or u[i][1] < config.p_scale]
+    if not moved:
+        return
+    max_angle = math.radians(config.rotation_deg)
+    angles = torch.tensor(
+        [
+            [(x * 2 - 1) * max_angle if u[i][0] < config.p_rotation else 0.0 for x in u[i][2:5]]
+            for i in moved
+        ],
+        dtype=torch.float64,
+    )
+    if ndim == 3 and config.in_plane_only:
+        angles[:, 1:] = 0.0
+    factors = torch.tensor(
+        [_uniform(u[i][5], config.scale_range) if u[i][1] < config.p_scale else 1.0 for i in moved],
+        dtype=torch.float64,
+    )
+    matrices = _rotation_matrices(angles, ndim) * factors[:, None, None]
+    index = torch.tensor(moved, device=data.device)
+    new_data, new_seg = spatial_transform(data[index], seg[index], matrices)
+    for k, i in enumerate(moved):
+        images[i], labels[i] = new_data[k], new_seg[k]
+
+
+def _blur_channels(
+    x: torch.Tensor, pc: list[list[float]], config: AugmentConfig, ndim: int
+) -> torch.Tensor:
+    picked = [c for c in range(x.shape[0]) if pc[c][0] < config.p_blur_per_channel]
+    if not picked:
+        return x
+    x = x.clone()  # x may be a view of the caller's batch
+    blur_radius = math.ceil(3 * config.blur_sigma[1])
+    for c in picked:
+        sigmas = [_uniform(s, config.blur_sigma) for s in pc[c][1 : 1 + ndim]]
+        x[c] = _gaussian_blur(x[c], sigmas, blur_radius)
+    return x
+
+
+def _low_res_channels(
+    x: torch.Tensor, pc: list[list[float]], config: AugmentConfig, ndim: int
+) -> torch.Tensor:
+    picked = [c for c in range(x.shape[0]) if pc[c][1 + ndim] < config.p_low_res_per_channel]
+    if not picked:
+        return x
+    x = x.clone()  # x may be a view of the caller's batch
+    low_res_axes = tuple(range(1 if ndim == 3 and config.in_plane_only else 0, ndim))
+    for c in picked:
+        zoom = _uniform(pc[c][2 + ndim], config.low_res_scale)
+        x[c] = _low_resolution(x[c], zoom, low_res_axes)
+    return x
+
+
+def _contrast(x: torch.Tensor, factor: float, dims: tuple[int, ...]) -> torch.Tensor:
+    mean = _mean(x, dims)
+    lo, hi = x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True)
+    return torch.minimum(torch.maximum((x - mean) * factor + mean, lo), hi)
+
+
+def _intensities(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig) -> torch.Tensor:
+    """Image-only transforms of sample i (C, *spatial), each if drawn for it, in
+    nnU-Net's order."""
+    ndim = x.ndim - 1
+    dims = tuple(range(1, ndim + 1))  # spatial dims of one channel stack (C, *spatial)
+    ui, vi, pc = draws.u[i], draws.v[i], draws.per_channel[i]
+    if ui[9] < config.p_noise:
+        sigma = math.sqrt(_uniform(ui[10], config.noise_variance))
+        noise = torch.randn(
+            x.shape, generator=draws.noise_generator, device=x.device, dtype=x.dtype
+        )
+        x = x + noise * sigma
+    if vi[0] < config.p_blur:
+        x = _blur_channels(x, pc, config, ndim)
+    if ui[11] < config.p_brightness:
+        x = x * _uniform(ui[12], config.brightness_range)
+    if ui[13] < config.p_contrast:
+        x = _contrast(x, _uniform(ui[14], config.contrast_range), dims)
+    if vi[1] < config.p_low_res:
+        x = _low_res_channels(x, pc, config, ndim)
+    if vi[2] < config.p_gamma_inverted:
+        x = -_gamma(-x, _uniform(vi[3], config.gamma_range), dims)
+    if ui[15] < config.p_gamma:
+        x = _gamma(x, _uniform(ui[16], config.gamma_range), dims)
+    return x
+
+
 def augment_batch(
     data: torch.Tensor,
     seg: torch.Tensor,
@@ -173,80 +297,15 @@ def augment_batch(
     `generator` is a CPU generator for the per-sample parameters; `noise_generator` lives
     on data.device for the noise field (defaults to one seeded from `generator`).
     """
-    b, channels, ndim = data.shape[0], data.shape[1], data.ndim - 2
-    device = data.device
-    u = torch.rand(b, 17, generator=generator, dtype=torch.float64).tolist()
-    if noise_generator is None:
-        noise_generator = torch.Generator(device=device)
-        noise_generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
-    v = torch.rand(b, 4, generator=generator, dtype=torch.float64).tolist()
-    per_channel = torch.rand(b, channels, 3 + ndim, generator=generator, dtype=torch.float64)
-    per_channel = per_channel.tolist()
-    dims = tuple(range(1, ndim + 1))  # spatial dims of one channel stack (C, *spatial)
-    blur_radius = math.ceil(3 * config.blur_sigma[1])
-    low_res_axes = tuple(range(1 if ndim == 3 and config.in_plane_only else 0, ndim))
-
-    # --- rotation and scaling: one grid_sample for the samples that need it
+    ndim = data.ndim - 2
+    draws = _draw(data, generator, noise_generator)
     images, labels = list(data.unbind(0)), list(seg.unbind(0))  # views; stacked at the end
-    moved = [i for i in range(b) if u[i][0] < config.p_rotation or u[i][1] < config.p_scale]
-    if moved:
-        max_angle = math.radians(config.rotation_deg)
-        angles = torch.tensor(
-            [
-                [(x * 2 - 1) * max_angle if u[i][0] < config.p_rotation else 0.0 for x in u[i][2:5]]
-                for i in moved
-            ],
-            dtype=torch.float64,
-        )
-        if ndim == 3 and config.in_plane_only:
-            angles[:, 1:] = 0.0
-        factors = torch.tensor(
-            [
-                _uniform(u[i][5], config.scale_range) if u[i][1] < config.p_scale else 1.0
-                for i in moved
-            ],
-            dtype=torch.float64,
-        )
-        matrices = _rotation_matrices(angles, ndim) * factors[:, None, None]
-        index = torch.tensor(moved, device=device)
-        new_data, new_seg = spatial_transform(data[index], seg[index], matrices)
-        for k, i in enumerate(moved):
-            images[i], labels[i] = new_data[k], new_seg[k]
-
-    # --- intensities (image only), each on the samples (and channels) drawn for it
-    for i in range(b):
-        x, ui, vi, pc = images[i], u[i], v[i], per_channel[i]
-        if ui[9] < config.p_noise:
-            sigma = math.sqrt(_uniform(ui[10], config.noise_variance))
-            noise = torch.randn(x.shape, generator=noise_generator, device=device, dtype=x.dtype)
-            x = x + noise * sigma
-        if vi[0] < config.p_blur:
-            picked = [c for c in range(channels) if pc[c][0] < config.p_blur_per_channel]
-            if picked:
-                x = x.clone()
-                for c in picked:
-                    sigmas = [_uniform(s, config.blur_sigma) for s in pc[c][1 : 1 + ndim]]
-                    x[c] = _gaussian_blur(x[c], sigmas, blur_radius)
-        if ui[11] < config.p_brightness:
-            x = x * _uniform(ui[12], config.brightness_range)
-        if ui[13] < config.p_contrast:
-            factor = _uniform(ui[14], config.contrast_range)
-            mean = _mean(x, dims)
-            lo, hi = x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True)
-            x = torch.minimum(torch.maximum((x - mean) * factor + mean, lo), hi)
-        if vi[1] < config.p_low_res:
-            picked = [c for c in range(channels) if pc[c][1 + ndim] < config.p_low_res_per_channel]
-            if picked:
-                x = x.clone()
-                for c in picked:
-                    zoom = _uniform(pc[c][2 + ndim], config.low_res_scale)
-                    x[c] = _low_resolution(x[c], zoom, low_res_axes)
-        if vi[2] < config.p_gamma_inverted:
-            x = -_gamma(-x, _uniform(vi[3], config.gamma_range), dims)
-        if ui[15] < config.p_gamma:
-            x = _gamma(x, _uniform(ui[16], config.gamma_range), dims)
+    _rotate_and_scale(data, seg, draws.u, config, images, labels)
+    # Samples in order: the noise generator's stream is consumed sample by sample.
+    for i in range(data.shape[0]):
+        x = _intensities(images[i], draws, i, config)
         # --- mirroring last (as nnU-Net): one exact flip per sample
-        flips = [1 + axis for axis in range(ndim) if ui[6 + axis] < config.p_mirror]
+        flips = [1 + axis for axis in range(ndim) if draws.u[i][6 + axis] < config.p_mirror]
         if flips:
             x, labels[i] = x.flip(flips), labels[i].flip(flips)
         images[i] = x

@@ -55,6 +55,71 @@ def augment_seed(seed: int, rank: int, stream: str, iteration: int) -> int:
     return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0] >> 1)
 
 
+def _check_arguments(
+    cases: PreprocessedCases,
+    case_ids: list[str],
+    patch_size: tuple[int, ...],
+    batch_size: int,
+    oversample_share: float,
+    stream: str,
+    worker_mode: str,
+) -> None:
+    """ValueError (or the cases' missing-file error) before any worker starts."""
+    if not case_ids:
+        raise ValueError("PatchLoader needs at least one case id")
+    missing = sorted(set(case_ids) - set(cases.case_ids))
+    if missing:
+        raise ValueError(f"cases not in {cases.folder}: {missing[:5]}")
+    gone = sorted(set(case_ids) & set(cases.missing_case_ids()))
+    if gone:  # a deleted file: fail now with the fix, not later in a worker thread
+        raise cases.missing_error(gone)
+    if len(patch_size) not in (2, 3):
+        raise ValueError(f"patch_size must have 2 or 3 entries, got {patch_size}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if worker_mode not in ("thread", "process"):
+        raise ValueError(f"worker_mode must be 'thread' or 'process', got {worker_mode!r}")
+    forced_slots(batch_size, oversample_share)  # validates the share
+    if stream not in STREAM_IDS:
+        raise ValueError(f"stream must be one of {sorted(STREAM_IDS)}, got {stream!r}")
+
+
+def _default_augment_config(
+    cases: PreprocessedCases, case_id: str, patch_size: tuple[int, ...]
+) -> AugmentConfig:
+    spacing = cases.properties(case_id)["spacing_after_resampling"]
+    aniso = len(patch_size) == 3 and max(spacing) / min(spacing) > ANISO_THRESHOLD
+    # nnU-Net-like: 2D slices rotate freely, 3D patches by up to 30 degrees.
+    degrees = 180.0 if len(patch_size) == 2 else 30.0
+    return AugmentConfig(rotation_deg=degrees, in_plane_only=aniso)
+
+
+def _start_workers(
+    cases: PreprocessedCases, num_workers: int, worker_mode: str, augment_in_worker: bool
+) -> Executor | None:
+    """The background readers: None (read in __next__), threads, or processes."""
+    if num_workers > 0 and worker_mode == "thread":
+        torch.get_num_threads()  # settles this thread's own count before workers start
+        return ThreadPoolExecutor(
+            num_workers,
+            thread_name_prefix="nnui-loader",
+            initializer=_init_loader_thread,
+            initargs=(augment_in_worker,),
+        )
+    if num_workers > 0:
+        # fork (Linux): the child starts with the parent's harmless flag handler and
+        # init_worker ignores SIGUSR1 before anything else; spawn would leave a window
+        # with the default (fatal) action while the child imports.
+        method = "fork" if sys.platform.startswith("linux") else "spawn"
+        return ProcessPoolExecutor(
+            num_workers,
+            mp_context=get_context(method),
+            initializer=init_worker,
+            initargs=(str(cases.folder),),
+        )
+    return None
+
+
 class PatchLoader:
     def __init__(
         self,
@@ -74,23 +139,9 @@ class PatchLoader:
         worker_mode: str = "thread",
         augment_config: AugmentConfig | None = None,
     ):
-        if not case_ids:
-            raise ValueError("PatchLoader needs at least one case id")
-        missing = sorted(set(case_ids) - set(cases.case_ids))
-        if missing:
-            raise ValueError(f"cases not in {cases.folder}: {missing[:5]}")
-        gone = sorted(set(case_ids) & set(cases.missing_case_ids()))
-        if gone:  # a deleted file: fail now with the fix, not later in a worker thread
-            raise cases.missing_error(gone)
-        if len(patch_size) not in (2, 3):
-            raise ValueError(f"patch_size must have 2 or 3 entries, got {patch_size}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if worker_mode not in ("thread", "process"):
-            raise ValueError(f"worker_mode must be 'thread' or 'process', got {worker_mode!r}")
-        forced_slots(batch_size, oversample_share)  # validates the share
-        if stream not in STREAM_IDS:
-            raise ValueError(f"stream must be one of {sorted(STREAM_IDS)}, got {stream!r}")
+        _check_arguments(
+            cases, case_ids, patch_size, batch_size, oversample_share, stream, worker_mode
+        )
         self.cases = cases
         self.spec = BatchSpec(
             tuple(sorted(case_ids)),
@@ -104,11 +155,7 @@ class PatchLoader:
         self.device = torch.device(device)
         self.augment = augment
         if augment_config is None:
-            spacing = cases.properties(self.spec.case_ids[0])["spacing_after_resampling"]
-            aniso = len(patch_size) == 3 and max(spacing) / min(spacing) > ANISO_THRESHOLD
-            # nnU-Net-like: 2D slices rotate freely, 3D patches by up to 30 degrees.
-            degrees = 180.0 if len(patch_size) == 2 else 30.0
-            augment_config = AugmentConfig(rotation_deg=degrees, in_plane_only=aniso)
+            augment_config = _default_augment_config(cases, self.spec.case_ids[0], patch_size)
         self.augment_config = augment_config
         self.prefetch = max(1, int(prefetch))
         self._next_submit = int(start_iteration)
@@ -118,25 +165,7 @@ class PatchLoader:
         self._augment_in_worker = (
             augment and self.device.type == "cpu" and num_workers > 0 and worker_mode == "thread"
         )
-        if num_workers > 0 and worker_mode == "thread":
-            torch.get_num_threads()  # settles this thread's own count before workers start
-            self._executor = ThreadPoolExecutor(
-                num_workers,
-                thread_name_prefix="nnui-loader",
-                initializer=_init_loader_thread,
-                initargs=(self._augment_in_worker,),
-            )
-        elif num_workers > 0:
-            # fork (Linux): the child starts with the parent's harmless flag handler and
-            # init_worker ignores SIGUSR1 before anything else; spawn would leave a window
-            # with the default (fatal) action while the child imports.
-            method = "fork" if sys.platform.startswith("linux") else "spawn"
-            self._executor = ProcessPoolExecutor(
-                num_workers,
-                mp_context=get_context(method),
-                initializer=init_worker,
-                initargs=(str(cases.folder),),
-            )
+        self._executor = _start_workers(cases, num_workers, worker_mode, self._augment_in_worker)
         self._closed = False
         self.wait_s = 0.0  # time __next__ spent blocked on a batch (data starving the step)
 

@@ -121,6 +121,54 @@ def _batch_size(ndim: int, patch: tuple[int, ...], dataset_voxels: float) -> int
     return max(2, min(batch, cap))
 
 
+@dataclass(frozen=True)
+class _DatasetGeometry:
+    """What every configuration plans from: after cropping, resampled to `spacing`."""
+
+    spacing: tuple[float, ...]
+    median_shape: tuple[float, ...]
+    dataset_voxels: float
+
+
+def _dataset_geometry(fingerprint: dict) -> _DatasetGeometry:
+    spacings = np.asarray(fingerprint["spacings"], dtype=np.float64)
+    shapes = np.asarray(fingerprint["shapes_after_crop"], dtype=np.float64)
+    spacing = target_spacing(spacings, shapes)
+    resampled = shapes * spacings / np.asarray(spacing)
+    median_shape = tuple(float(v) for v in np.median(resampled, axis=0))
+    dataset_voxels = float(resampled.prod(axis=1).sum())
+    return _DatasetGeometry(spacing, median_shape, dataset_voxels)
+
+
+def _normalization(
+    fingerprint: dict, channel_names: list[str]
+) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+    """(scheme per channel, use the nonzero mask per channel)."""
+    schemes = tuple(CT if name.upper() == "CT" else ZSCORE for name in channel_names)
+    shrank = fingerprint["median_relative_size_after_cropping"] < 0.75
+    use_mask = tuple(scheme != CT and shrank for scheme in schemes)
+    return schemes, use_mask
+
+
+def _checked_patch(
+    name: str, ndim: int, geometry: _DatasetGeometry, overrides: Overrides
+) -> tuple[tuple[int, ...], NetworkPlan]:
+    """The planned (or overridden) patch and its network; PlanningError with a divisible
+    suggestion when an overridden patch does not fit the network's pooling."""
+    config_spacing = geometry.spacing[-ndim:]
+    config_median = geometry.median_shape[-ndim:]
+    patch = overrides.patch_size.get(name) or plan_patch(config_median, config_spacing)
+    network = plan_network(patch, config_spacing)
+    divisor = network.pooling_divisor
+    if len(patch) != ndim or any(p % d for p, d in zip(patch, divisor, strict=True)):
+        suggestion = tuple(max(d, round(p / d) * d) for p, d in zip(patch, divisor, strict=True))
+        raise PlanningError(
+            f"patch size {list(patch)} for {name} is not divisible by the network's "
+            f"pooling {list(divisor)}; try --patch-size {' '.join(map(str, suggestion))}"
+        )
+    return patch, network
+
+
 def plan_experiment(
     fingerprint: dict,
     dataset_json: dict,
@@ -130,20 +178,11 @@ def plan_experiment(
     plans_name: str = DEFAULT_PLANS,
 ) -> Plans:
     overrides = overrides or Overrides()
-    spacings = np.asarray(fingerprint["spacings"], dtype=np.float64)
-    shapes = np.asarray(fingerprint["shapes_after_crop"], dtype=np.float64)
-    spacing = target_spacing(spacings, shapes)
-    resampled = shapes * spacings / np.asarray(spacing)
-    median_shape = tuple(float(v) for v in np.median(resampled, axis=0))
-    dataset_voxels = float(resampled.prod(axis=1).sum())
-
+    geometry = _dataset_geometry(fingerprint)
     channel_names = [
         dataset_json["channel_names"][k] for k in sorted(dataset_json["channel_names"], key=int)
     ]
-    schemes = tuple(CT if name.upper() == "CT" else ZSCORE for name in channel_names)
-    shrank = fingerprint["median_relative_size_after_cropping"] < 0.75
-    use_mask = tuple(scheme != CT and shrank for scheme in schemes)
-
+    schemes, use_mask = _normalization(fingerprint, channel_names)
     planned = {}
     for name in configurations:
         if name not in CONFIGURATIONS:
@@ -151,30 +190,18 @@ def plan_experiment(
                 f"unknown configuration {name!r}; choose from {', '.join(CONFIGURATIONS)}"
             )
         ndim = 2 if name == "2d" else 3
-        config_spacing = spacing[-ndim:]
-        config_median = median_shape[-ndim:]
-        patch = overrides.patch_size.get(name) or plan_patch(config_median, config_spacing)
-        network = plan_network(patch, config_spacing)
-        divisor = network.pooling_divisor
-        if len(patch) != ndim or any(p % d for p, d in zip(patch, divisor, strict=True)):
-            suggestion = tuple(
-                max(d, round(p / d) * d) for p, d in zip(patch, divisor, strict=True)
-            )
-            raise PlanningError(
-                f"patch size {list(patch)} for {name} is not divisible by the network's "
-                f"pooling {list(divisor)}; try --patch-size {' '.join(map(str, suggestion))}"
-            )
-        batch = overrides.batch_size.get(name) or _batch_size(ndim, patch, dataset_voxels)
+        patch, network = _checked_patch(name, ndim, geometry, overrides)
+        batch = overrides.batch_size.get(name) or _batch_size(ndim, patch, geometry.dataset_voxels)
         planned[name] = ConfigurationPlan(
             name=name,
             data_identifier=f"{plans_name}_{name}",
             patch_size=tuple(int(p) for p in patch),
             batch_size=int(batch),
-            spacing=spacing,
+            spacing=geometry.spacing,
             normalization_schemes=schemes,
             use_mask_for_norm=use_mask,
             network=network,
-            median_image_size=tuple(round(v) for v in median_shape),
+            median_image_size=tuple(round(v) for v in geometry.median_shape),
         )
     plans = Plans(
         dataset_name=dataset_name,
