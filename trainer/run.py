@@ -59,12 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"trainer name (default {DEFAULT_TRAINER}; {LEGACY_TRAINER} only continues a run "
         "made by nnui 0.1)",
     )
-    p.add_argument(
-        "-p",
-        dest="plans",
-        default=DEFAULT_PLANS,
-        help=f"plans identifier (default {DEFAULT_PLANS})",
-    )
+    plans_help = f"plans identifier (default {DEFAULT_PLANS})"
+    p.add_argument("-p", dest="plans", default=DEFAULT_PLANS, help=plans_help)
+    _add_run_flags(p)
+    _add_schedule_flags(p)
+    _add_execution_flags(p)
+    _add_root_flags(p)
+    return p
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """What this run does: continue, validate, start from pretrained weights."""
     p.add_argument(
         "--npz", action="store_true", help="also save softmax probabilities of the final validation"
     )
@@ -82,19 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--val_best", action="store_true", help="with --val: use checkpoint_best")
     p.add_argument(
-        "--val-mirror",
+        "--val_disable_tta",
         dest="val_mirror",
-        action="store_true",
-        help="mirroring test-time augmentation in the final validation",
+        action="store_false",
+        help="no mirroring in the final validation (on by default, as nnU-Net and nnui-predict)",
+    )
+    # nnui <= 0.2 mirrored only with --val-mirror; it is the default now (kept for scripts).
+    p.add_argument("--val-mirror", dest="val_mirror", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "-pretrained_weights",
+        default=None,
+        metavar="FILE",
+        help="start from the tensors of a safetensors file (an nnui checkpoint or a state "
+        "dict) whose name and shape match; not with --c",
     )
     p.add_argument("--disable_checkpointing", action="store_true", help="write no checkpoints")
-    p.add_argument(
-        "-num_gpus",
-        type=int,
-        default=None,
-        help="single-node DDP with N ranks (not under torchrun)",
-    )
-    p.add_argument("-device", default="cuda", help="cuda (default), cpu or mps")
+
+
+def _add_schedule_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=1000, help="number of epochs (default 1000)")
     p.add_argument(
         "--iterations-per-epoch",
@@ -117,6 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seed", type=int, default=12345, help="seed of weights and sampling (default 12345)"
     )
+
+
+def _add_execution_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-num_gpus",
+        type=int,
+        default=None,
+        help="single-node DDP with N ranks (not under torchrun)",
+    )
+    p.add_argument("-device", default="cuda", help="cuda (default), cpu or mps")
     p.add_argument("--compile", action="store_true", help="torch.compile the network")
     p.add_argument(
         "--malloc",
@@ -138,6 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         help="background data-loading workers per rank (default 2)",
     )
+
+
+def _add_root_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--raw",
+        default=None,
+        help="raw root, for the final validation against labelsTr (else $nnUNet_raw, else "
+        "./nnui_data/raw)",
+    )
     p.add_argument(
         "--preprocessed",
         default=None,
@@ -148,25 +177,44 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="results root (else $nnUNet_results, else ./nnui_data/results)",
     )
-    return p
 
 
 def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
     """Validate the inputs against the file system and return a TrainConfig (raises UsageError)."""
-    from trainer import checkpoint, schema
-    from trainer.config import TrainConfig
+    from trainer import launch, schema
 
-    roots = schema.resolve_roots(preprocessed=args.preprocessed, results=args.results)
+    roots = schema.resolve_roots(raw=args.raw, preprocessed=args.preprocessed, results=args.results)
     dataset_name = schema.find_dataset(roots.preprocessed, args.dataset)
     dataset_dir = roots.preprocessed / dataset_name
-    _check_shared_tree(
-        schema.run_dir(
-            roots.results, dataset_name, args.configuration, args.fold, args.trainer, args.plans
-        ),
-        args.trainer,
-        args.plans,
-        continuing=args.continue_training or args.validation_only,
+    run_dir = schema.run_dir(
+        roots.results, dataset_name, args.configuration, args.fold, args.trainer, args.plans
     )
+    continuing = args.continue_training or args.validation_only
+    _check_shared_tree(run_dir, args.trainer, args.plans, continuing)
+    plans, cplan = _load_configuration(dataset_dir, dataset_name, args)
+    data_dir = dataset_dir / cplan.data_identifier
+    config = _make_config(args, argv, dataset_name, dataset_dir, run_dir, plans)
+    _check_cases_and_fold(data_dir, dataset_dir, config.fold)
+    _check_device_and_batch(config, cplan.batch_size)
+    if not launch.is_main_process():
+        # Rank 0 checks and picks the checkpoint and hands it over (other nodes may not
+        # even have the file); nothing is written under results by this process.
+        return config
+    if config.validation_only:
+        _check_validation_checkpoint(config)
+    elif config.continue_training:
+        config = _find_resume_checkpoint(config)
+    elif config.pretrained_weights:
+        from trainer.pretrained import check_pretrained_file
+
+        check_pretrained_file(Path(config.pretrained_weights), plans, cplan)
+    config = _check_raw_data(config, roots.raw / dataset_name, data_dir)
+    _check_writable(Path(config.run_dir))  # last: a refused run leaves no empty folder behind
+    return config
+
+
+def _load_configuration(dataset_dir: Path, dataset_name: str, args: argparse.Namespace):
+    """(plans, configuration plan), the configuration preprocessed (else UsageError)."""
     from trainer.plans import load_plans
 
     try:
@@ -183,16 +231,20 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
             f"configuration {args.configuration} of {dataset_name} is not preprocessed "
             f"({data_dir} is missing); run nnui-preprocess {args.dataset} -c {args.configuration}"
         )
-    config = TrainConfig(
+    return plans, cplan
+
+
+def _make_config(args: argparse.Namespace, argv: list[str], dataset_name: str,
+                 dataset_dir: Path, run_dir: Path, plans: Any) -> Any:  # fmt: skip
+    from trainer.config import TrainConfig
+
+    pretrained = args.pretrained_weights
+    return TrainConfig(
         dataset_name=dataset_name,
         configuration=args.configuration,
         fold=args.fold,
         preprocessed_dataset_dir=str(dataset_dir),
-        run_dir=str(
-            schema.run_dir(
-                roots.results, dataset_name, args.configuration, args.fold, args.trainer, args.plans
-            )
-        ),
+        run_dir=str(run_dir),
         plans_identity=plans.identity_of(args.configuration),
         trainer=args.trainer,
         plans_name=args.plans,
@@ -212,39 +264,54 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
         val_best=args.val_best,
         val_mirror=args.val_mirror,
         disable_checkpointing=args.disable_checkpointing,
+        pretrained_weights=str(Path(pretrained).absolute()) if pretrained else None,
         argv=argv,
     )
-    _check_cases_and_fold(data_dir, dataset_dir, config.fold)
-    _check_device_and_batch(config, cplan.batch_size)
-    from trainer import launch
 
-    if not launch.is_main_process():
-        # Rank 0 checks and picks the checkpoint and hands it over (other nodes may not
-        # even have the file); nothing is written under results by this process.
+
+def _check_raw_data(config: Any, raw_dataset: Path, data_dir: Path) -> Any:
+    """The raw files final validation needs (labelsTr and channel 0 of each validation case),
+    checked now so that a long training does not fail at its end. A --val run refuses
+    without them; a training run says once that it will score in the preprocessed space."""
+    from trainer.final_validation import RawDataMissing, check_raw_cases
+
+    try:
+        check_raw_cases(raw_dataset, data_dir, config.fold, config.npz)
+    except RawDataMissing as error:
+        if config.validation_only:
+            raise UsageError(f"--val: {error}") from error
+        log.warning("warning: %s; final validation will score in the preprocessed space "
+                    "and write no segmentations", error)  # fmt: skip
         return config
+    return config.replace(raw_dataset_dir=str(raw_dataset))
+
+
+def _check_validation_checkpoint(config: Any) -> None:
+    from trainer import checkpoint, schema
+
+    kind = "best" if config.val_best else "final"
+    path = Path(config.run_dir) / schema.checkpoint_file(kind)
+    if not path.exists():
+        hint = " (or drop --val_best)" if config.val_best else ""
+        raise UsageError(f"--val needs {path}; train first{hint}")
+    try:
+        metadata = checkpoint.read_metadata(path)
+    except checkpoint.CheckpointError as error:
+        raise UsageError(f"cannot validate: {error}") from error
+    checkpoint.check_identity(
+        checkpoint.CheckpointInfo(path, kind, metadata["epoch_next"], metadata), config.identity()
+    )
+
+
+def _find_resume_checkpoint(config: Any) -> Any:
+    from trainer import checkpoint
+
     run_dir = Path(config.run_dir)
-    if config.validation_only:
-        kind = "best" if config.val_best else "final"
-        path = run_dir / schema.checkpoint_file(kind)
-        if not path.exists():
-            hint = " (or drop --val_best)" if config.val_best else ""
-            raise UsageError(f"--val needs {path}; train first{hint}")
-        try:
-            metadata = checkpoint.read_metadata(path)
-        except checkpoint.CheckpointError as error:
-            raise UsageError(f"cannot validate: {error}") from error
-        checkpoint.check_identity(
-            checkpoint.CheckpointInfo(path, kind, metadata["epoch_next"], metadata),
-            config.identity(),
-        )
-    elif config.continue_training:
-        info = checkpoint.find_resume(run_dir, config.identity(), config.num_epochs)
-        if info is None:
-            log.warning("--c: no valid checkpoint in %s, starting fresh", run_dir)
-        else:
-            config = config.replace(resume_checkpoint=str(info.path))
-    _check_writable(run_dir)  # last: a refused run leaves no empty folder behind
-    return config
+    info = checkpoint.find_resume(run_dir, config.identity(), config.num_epochs)
+    if info is None:
+        log.warning("--c: no valid checkpoint in %s, starting fresh", run_dir)
+        return config
+    return config.replace(resume_checkpoint=str(info.path))
 
 
 def _check_shared_tree(run_dir: Path, trainer: str, plans: str, continuing: bool) -> None:
