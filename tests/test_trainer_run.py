@@ -74,7 +74,8 @@ def train_argv(demo, results: Path, configuration: str = "2d", *extra: str) -> l
     return [
         "900", configuration, "0", "-device", "cpu", "--epochs", "2",
         "--iterations-per-epoch", "2", "--val-iterations", "1", "--num-workers", "1",
-        "--preprocessed", str(demo.preprocessed), "--results", str(results), *extra,
+        "--raw", str(demo.raw), "--preprocessed", str(demo.preprocessed),
+        "--results", str(results), *extra,
     ]  # fmt: skip
 
 
@@ -338,7 +339,8 @@ def test_full_run_writes_every_file_and_event_and_lines_stay_whole(demo_preproce
     status = schema.read_status(folder)
     assert status.state == "finished" and status.epoch == 2 and status.pids == [proc.pid]
     summary = json.loads((folder / "validation" / "summary.json").read_text())
-    assert summary["num_cases"] == 2 and set(summary["dice_per_class"]) == {"1", "2"}
+    assert len(summary["metric_per_case"]) == 2 and set(summary["mean"]) == {"1", "2"}
+    assert len(list((folder / "validation").glob("*.nii.gz"))) == 2  # in the raw geometry
     config = json.loads((folder / "config.json").read_text())
     assert config["num_epochs"] == 2 and config["configuration"] == "3d_fullres"
     epochs = [e for e in records if e["kind"] == "epoch_ended"]

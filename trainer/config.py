@@ -43,9 +43,16 @@ class TrainConfig:
     continue_training: bool = False
     validation_only: bool = False
     val_best: bool = False
-    val_mirror: bool = False
+    # Mirroring test-time augmentation in the final validation, as nnU-Net's final
+    # validation and nnui-predict's default (--val_disable_tta turns it off).
+    val_mirror: bool = True
     disable_checkpointing: bool = False
     resume_checkpoint: str | None = None
+    # The raw dataset folder (DatasetNNN_Name under nnUNet_raw): final validation writes
+    # segmentations in its geometry and scores them against its labelsTr. None: no raw data
+    # (training runs only; validation then scores in the preprocessed space).
+    raw_dataset_dir: str | None = None
+    pretrained_weights: str | None = None  # -pretrained_weights: a safetensors file
     initial_lr: float = 1e-2
     weight_decay: float = 3e-5
     momentum: float = 0.99
@@ -91,6 +98,12 @@ class TrainConfig:
             )
         if self.val_best and not self.validation_only:
             raise ValueError("--val_best only makes sense with --val")
+        if self.pretrained_weights and (self.continue_training or self.validation_only):
+            flag = "--c" if self.continue_training else "--val"
+            raise ValueError(
+                f"-pretrained_weights starts a new training: it cannot be combined with {flag} "
+                "(continue without -pretrained_weights)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

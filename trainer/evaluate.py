@@ -1,25 +1,20 @@
-"""Final validation: sliding-window prediction on whole cases and `validation/summary.json`.
+"""Sliding-window building blocks: window positions and Gaussian importance weights.
 
 Windows overlap by half a patch; each window's logits are weighted by a Gaussian (sigma =
-1/8 of the patch per axis) so window borders count less. 2d configurations predict slice
-by slice. Dice is computed in the preprocessed space (spacing of the plans).
+1/8 of the patch per axis) so window borders count less. The inference engine
+(trainer.inference.sliding) and hence final validation (trainer.final_validation) use
+them; `sliding_window_logits` is the plain single-model form kept for unit tests.
 """
 
 from __future__ import annotations
 
-import io
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import lru_cache
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from trainer.events import finite_or_none
-from trainer.schema import atomic_write_bytes
 
 
 def window_starts(size: int, patch: int, step_fraction: float = 0.5) -> list[int]:
@@ -114,92 +109,3 @@ def sliding_window_logits(
         crop = tuple(slice(a // 2, a // 2 + s) for a, s in zip(pad, spatial, strict=True))
         logits = logits[(slice(None), slice(None), *crop)]
     return logits
-
-
-def predict_case(
-    model: torch.nn.Module,
-    image: np.ndarray,
-    patch: Sequence[int],
-    num_classes: int,
-    device: torch.device,
-    mirror: bool = False,
-) -> torch.Tensor:
-    """Softmax probabilities (K, Z, Y, X) for a preprocessed case image (C, Z, Y, X)."""
-    volume = torch.from_numpy(np.ascontiguousarray(image, dtype=np.float32)).to(device)
-    if len(patch) == 3:
-        logits = sliding_window_logits(model, volume[None], patch, num_classes, mirror)[0]
-    else:
-        # 2d: the slices along the first spatial axis are a batch of images.
-        slices = volume.permute(1, 0, 2, 3)  # (Z, C, Y, X)
-        logits = sliding_window_logits(model, slices, patch, num_classes, mirror)
-        logits = logits.permute(1, 0, 2, 3)  # (K, Z, Y, X)
-    return torch.softmax(logits, dim=0)
-
-
-def case_dice(
-    prediction: np.ndarray, reference: np.ndarray, labels: Sequence[int]
-) -> dict[str, float | None]:
-    """Dice per foreground label; None when the label is absent from both (undefined)."""
-    result: dict[str, float | None] = {}
-    for label in labels:
-        pred = prediction == label
-        ref = reference == label
-        tp = int(np.logical_and(pred, ref).sum())
-        denominator = int(pred.sum()) + int(ref.sum())
-        result[str(label)] = None if denominator == 0 else 2 * tp / denominator
-    return result
-
-
-def summarize(per_case: list[dict[str, Any]], labels: Sequence[int]) -> dict[str, Any]:
-    """Mean Dice per class over cases (undefined cases skipped) and their foreground mean."""
-    mean_per_class: dict[str, float | None] = {}
-    for label in labels:
-        values = [c["dice"][str(label)] for c in per_case if c["dice"].get(str(label)) is not None]
-        mean_per_class[str(label)] = float(np.mean(values)) if values else None
-    defined = [v for v in mean_per_class.values() if v is not None]
-    return {
-        "num_cases": len(per_case),
-        "dice_per_class": mean_per_class,
-        "mean_fg_dice": finite_or_none(float(np.mean(defined))) if defined else None,
-        "per_case": sorted(per_case, key=lambda c: c["case_id"]),
-    }
-
-
-# Called once per predicted case, in order: (index among this rank's cases, case id,
-# softmax probabilities (K, Z, Y, X) on the prediction device).
-ProbabilitySink = Callable[[int, str, torch.Tensor], None]
-
-
-@torch.inference_mode()
-def validate_cases(
-    model: torch.nn.Module,
-    cases: Any,
-    case_ids: Sequence[str],
-    patch: Sequence[int],
-    num_classes: int,
-    device: torch.device,
-    mirror: bool = False,
-    on_probabilities: ProbabilitySink | None = None,
-) -> list[dict[str, Any]]:
-    """Per-case Dice for this rank's cases; probabilities go to `on_probabilities` (--npz)."""
-    model.eval()
-    labels = list(range(1, num_classes))
-    results = []
-    for index, case_id in enumerate(case_ids):
-        image, seg, _props = cases.load_case(case_id)
-        probs = predict_case(model, np.asarray(image), patch, num_classes, device, mirror)
-        prediction = probs.argmax(0).cpu().numpy()
-        reference = np.maximum(np.asarray(seg)[0], 0)
-        results.append({"case_id": case_id, "dice": case_dice(prediction, reference, labels)})
-        if on_probabilities is not None:
-            on_probabilities(index, case_id, probs)
-    return results
-
-
-def write_probabilities(output_dir: Path, case_id: str, probs: torch.Tensor) -> Path:
-    """CASE.npz with `probabilities` (float32, K x spatial), written atomically."""
-    buffer = io.BytesIO()
-    np.savez_compressed(buffer, probabilities=probs.detach().cpu().float().numpy())
-    path = Path(output_dir) / f"{case_id}.npz"
-    atomic_write_bytes(path, buffer.getvalue())
-    return path

@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from trainer import allocator
-from trainer.config import RECOMPUTE_CHOICES
-from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, LEGACY_TRAINER
+from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER
+from trainer.train_args import build_parser
+
+__all__ = ["UsageError", "build_parser", "main", "resolve_config"]
 
 log = logging.getLogger("trainer.run")
 
@@ -37,136 +39,42 @@ class UsageError(ValueError):
     """A mistake the user fixes with a flag or a command: one line, exit 2."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line instead of usage + error
-        sys.stderr.write(f"error: {message} (see nnui-train --help)\n")
-        raise SystemExit(2)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="nnui-train",
-        description="Train one fold of an nnU-Net-v2-style configuration. "
-        "SIGUSR1 stops gracefully after the current epoch; --c continues exactly.",
-    )
-    p.add_argument("dataset", help="dataset id (4, 004) or name (Dataset004_Hippocampus)")
-    p.add_argument("configuration", help="configuration from the plans, e.g. 2d or 3d_fullres")
-    p.add_argument("fold", help="0-4, or 'all' to train on every case")
-    p.add_argument(
-        "-tr",
-        dest="trainer",
-        default=DEFAULT_TRAINER,
-        help=f"trainer name (default {DEFAULT_TRAINER}; {LEGACY_TRAINER} only continues a run "
-        "made by nnui 0.1)",
-    )
-    p.add_argument(
-        "-p",
-        dest="plans",
-        default=DEFAULT_PLANS,
-        help=f"plans identifier (default {DEFAULT_PLANS})",
-    )
-    p.add_argument(
-        "--npz", action="store_true", help="also save softmax probabilities of the final validation"
-    )
-    p.add_argument(
-        "--c",
-        dest="continue_training",
-        action="store_true",
-        help="continue from the newest valid checkpoint",
-    )
-    p.add_argument(
-        "--val",
-        dest="validation_only",
-        action="store_true",
-        help="only run the final validation (final checkpoint)",
-    )
-    p.add_argument("--val_best", action="store_true", help="with --val: use checkpoint_best")
-    p.add_argument(
-        "--val-mirror",
-        dest="val_mirror",
-        action="store_true",
-        help="mirroring test-time augmentation in the final validation",
-    )
-    p.add_argument("--disable_checkpointing", action="store_true", help="write no checkpoints")
-    p.add_argument(
-        "-num_gpus",
-        type=int,
-        default=None,
-        help="single-node DDP with N ranks (not under torchrun)",
-    )
-    p.add_argument("-device", default="cuda", help="cuda (default), cpu or mps")
-    p.add_argument("--epochs", type=int, default=1000, help="number of epochs (default 1000)")
-    p.add_argument(
-        "--iterations-per-epoch",
-        type=int,
-        default=250,
-        help="training iterations per epoch (default 250)",
-    )
-    p.add_argument(
-        "--val-iterations",
-        type=int,
-        default=50,
-        help="validation iterations per epoch (default 50)",
-    )
-    p.add_argument(
-        "--save-every",
-        type=int,
-        default=50,
-        help="write checkpoint_latest every N epochs (default 50)",
-    )
-    p.add_argument(
-        "--seed", type=int, default=12345, help="seed of weights and sampling (default 12345)"
-    )
-    p.add_argument("--compile", action="store_true", help="torch.compile the network")
-    p.add_argument(
-        "--malloc",
-        choices=allocator.MALLOC_CHOICES,
-        default="auto",
-        help="CPU only: auto = preload tcmalloc or jemalloc when installed (same speed, less "
-        "memory than glibc), glibc = keep glibc's malloc",
-    )
-    p.add_argument(
-        "--recompute-norm",
-        choices=RECOMPUTE_CHOICES,
-        default="auto",
-        help="recompute norm+activation in backward: less than half the activation memory, "
-        "same results, ~6-11%% more time (default auto: on for -device cpu, off on GPUs)",
-    )
-    p.add_argument(
-        "--num-workers",
-        type=int,
-        default=2,
-        help="background data-loading workers per rank (default 2)",
-    )
-    p.add_argument(
-        "--preprocessed",
-        default=None,
-        help="preprocessed root (else $nnUNet_preprocessed, else ./nnui_data/preprocessed)",
-    )
-    p.add_argument(
-        "--results",
-        default=None,
-        help="results root (else $nnUNet_results, else ./nnui_data/results)",
-    )
-    return p
-
-
 def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
     """Validate the inputs against the file system and return a TrainConfig (raises UsageError)."""
-    from trainer import checkpoint, schema
-    from trainer.config import TrainConfig
+    from trainer import launch, schema
 
-    roots = schema.resolve_roots(preprocessed=args.preprocessed, results=args.results)
+    roots = schema.resolve_roots(raw=args.raw, preprocessed=args.preprocessed, results=args.results)
     dataset_name = schema.find_dataset(roots.preprocessed, args.dataset)
     dataset_dir = roots.preprocessed / dataset_name
-    _check_shared_tree(
-        schema.run_dir(
-            roots.results, dataset_name, args.configuration, args.fold, args.trainer, args.plans
-        ),
-        args.trainer,
-        args.plans,
-        continuing=args.continue_training or args.validation_only,
+    run_dir = schema.run_dir(
+        roots.results, dataset_name, args.configuration, args.fold, args.trainer, args.plans
     )
+    continuing = args.continue_training or args.validation_only
+    _check_shared_tree(run_dir, args.trainer, args.plans, continuing)
+    plans, cplan = _load_configuration(dataset_dir, dataset_name, args)
+    data_dir = dataset_dir / cplan.data_identifier
+    config = _make_config(args, argv, dataset_name, dataset_dir, run_dir, plans)
+    _check_cases_and_fold(data_dir, dataset_dir, config.fold)
+    _check_device_and_batch(config, cplan.batch_size)
+    if not launch.is_main_process():
+        # Rank 0 checks and picks the checkpoint and hands it over (other nodes may not
+        # even have the file); nothing is written under results by this process.
+        return config
+    if config.validation_only:
+        _check_validation_checkpoint(config)
+    elif config.continue_training:
+        config = _find_resume_checkpoint(config)
+    elif config.pretrained_weights:
+        from trainer.pretrained import check_pretrained_file
+
+        check_pretrained_file(Path(config.pretrained_weights), plans, cplan)
+    config = _check_raw_data(config, roots.raw / dataset_name, data_dir)
+    _check_writable(Path(config.run_dir))  # last: a refused run leaves no empty folder behind
+    return config
+
+
+def _load_configuration(dataset_dir: Path, dataset_name: str, args: argparse.Namespace):
+    """(plans, configuration plan), the configuration preprocessed (else UsageError)."""
     from trainer.plans import load_plans
 
     try:
@@ -183,16 +91,20 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
             f"configuration {args.configuration} of {dataset_name} is not preprocessed "
             f"({data_dir} is missing); run nnui-preprocess {args.dataset} -c {args.configuration}"
         )
-    config = TrainConfig(
+    return plans, cplan
+
+
+def _make_config(args: argparse.Namespace, argv: list[str], dataset_name: str,
+                 dataset_dir: Path, run_dir: Path, plans: Any) -> Any:  # fmt: skip
+    from trainer.config import TrainConfig
+
+    pretrained = args.pretrained_weights
+    return TrainConfig(
         dataset_name=dataset_name,
         configuration=args.configuration,
         fold=args.fold,
         preprocessed_dataset_dir=str(dataset_dir),
-        run_dir=str(
-            schema.run_dir(
-                roots.results, dataset_name, args.configuration, args.fold, args.trainer, args.plans
-            )
-        ),
+        run_dir=str(run_dir),
         plans_identity=plans.identity_of(args.configuration),
         trainer=args.trainer,
         plans_name=args.plans,
@@ -212,39 +124,54 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
         val_best=args.val_best,
         val_mirror=args.val_mirror,
         disable_checkpointing=args.disable_checkpointing,
+        pretrained_weights=str(Path(pretrained).absolute()) if pretrained else None,
         argv=argv,
     )
-    _check_cases_and_fold(data_dir, dataset_dir, config.fold)
-    _check_device_and_batch(config, cplan.batch_size)
-    from trainer import launch
 
-    if not launch.is_main_process():
-        # Rank 0 checks and picks the checkpoint and hands it over (other nodes may not
-        # even have the file); nothing is written under results by this process.
+
+def _check_raw_data(config: Any, raw_dataset: Path, data_dir: Path) -> Any:
+    """The raw files final validation needs (labelsTr and channel 0 of each validation case),
+    checked now so that a long training does not fail at its end. A --val run refuses
+    without them; a training run says once that it will score in the preprocessed space."""
+    from trainer.final_validation import RawDataMissing, check_raw_cases
+
+    try:
+        check_raw_cases(raw_dataset, data_dir, config.fold, config.npz)
+    except RawDataMissing as error:
+        if config.validation_only:
+            raise UsageError(f"--val: {error}") from error
+        log.warning("warning: %s; final validation will score in the preprocessed space "
+                    "and write no segmentations", error)  # fmt: skip
         return config
+    return config.replace(raw_dataset_dir=str(raw_dataset))
+
+
+def _check_validation_checkpoint(config: Any) -> None:
+    from trainer import checkpoint, schema
+
+    kind = "best" if config.val_best else "final"
+    path = Path(config.run_dir) / schema.checkpoint_file(kind)
+    if not path.exists():
+        hint = " (or drop --val_best)" if config.val_best else ""
+        raise UsageError(f"--val needs {path}; train first{hint}")
+    try:
+        metadata = checkpoint.read_metadata(path)
+    except checkpoint.CheckpointError as error:
+        raise UsageError(f"cannot validate: {error}") from error
+    checkpoint.check_identity(
+        checkpoint.CheckpointInfo(path, kind, metadata["epoch_next"], metadata), config.identity()
+    )
+
+
+def _find_resume_checkpoint(config: Any) -> Any:
+    from trainer import checkpoint
+
     run_dir = Path(config.run_dir)
-    if config.validation_only:
-        kind = "best" if config.val_best else "final"
-        path = run_dir / schema.checkpoint_file(kind)
-        if not path.exists():
-            hint = " (or drop --val_best)" if config.val_best else ""
-            raise UsageError(f"--val needs {path}; train first{hint}")
-        try:
-            metadata = checkpoint.read_metadata(path)
-        except checkpoint.CheckpointError as error:
-            raise UsageError(f"cannot validate: {error}") from error
-        checkpoint.check_identity(
-            checkpoint.CheckpointInfo(path, kind, metadata["epoch_next"], metadata),
-            config.identity(),
-        )
-    elif config.continue_training:
-        info = checkpoint.find_resume(run_dir, config.identity(), config.num_epochs)
-        if info is None:
-            log.warning("--c: no valid checkpoint in %s, starting fresh", run_dir)
-        else:
-            config = config.replace(resume_checkpoint=str(info.path))
-    _check_writable(run_dir)  # last: a refused run leaves no empty folder behind
-    return config
+    info = checkpoint.find_resume(run_dir, config.identity(), config.num_epochs)
+    if info is None:
+        log.warning("--c: no valid checkpoint in %s, starting fresh", run_dir)
+        return config
+    return config.replace(resume_checkpoint=str(info.path))
 
 
 def _check_shared_tree(run_dir: Path, trainer: str, plans: str, continuing: bool) -> None:

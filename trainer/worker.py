@@ -22,8 +22,6 @@ from trainer.config import TrainConfig
 from trainer.events import RunRecorder
 from trainer.schema import (
     CONFIG_FILE,
-    SUMMARY_FILE,
-    VALIDATION_DIR,
     Kind,
     State,
     atomic_write_text,
@@ -120,7 +118,7 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
             checkpointer.save("final", state)
         recorder.status(epoch=state.epoch_next)
 
-    _final_validation(config, topology, trainee, cases, val_ids, cplan, recorder)
+    _final_validation(config, topology, trainee, cases, val_ids, plans, cplan, recorder)
     recorder.event(Kind.FINISHED, epoch=state.epoch_next - 1)
     recorder.status(State.FINISHED, epoch=state.epoch_next)
     log.info("finished")
@@ -309,6 +307,8 @@ def _restore(config: TrainConfig, topology: Any, trainee: Any, recorder: RunReco
         recorder.status(num_epochs=trained_epochs, epoch=metadata["epoch_next"])
         return LoopState(epoch_next=metadata["epoch_next"])
     if not config.continue_training:
+        if config.pretrained_weights:
+            _load_pretrained(config, topology, trainee)
         return LoopState()
     loaded = _load_on_main(lambda: _pick_resume(config, trainee), topology)
     if loaded is None:
@@ -322,6 +322,27 @@ def _restore(config: TrainConfig, topology: Any, trainee: Any, recorder: RunReco
         best_ema=metadata.get("best_ema"), history=History.from_dict(metadata.get("history", {})),
         last_checkpoint=path, resumed_kind=metadata.get("kind"),
     )  # fmt: skip
+
+
+def _load_pretrained(config: TrainConfig, topology: Any, trainee: Any) -> None:
+    """-pretrained_weights: rank 0 reads the file and picks the tensors whose name and shape
+    fit; every rank loads those very tensors (other nodes may lack the file)."""
+    from trainer.pretrained import load_matching
+
+    path = str(config.pretrained_weights)
+
+    def pick() -> Loaded:
+        tensors, report = load_matching(Path(path), trainee.raw_model)
+        return tensors, {"report": report}, path
+
+    loaded = _load_on_main(pick, topology)
+    assert loaded is not None
+    tensors, metadata, _ = loaded
+    trainee.raw_model.load_state_dict(
+        {k: v.to(trainee.device) for k, v in tensors.items()}, strict=False
+    )
+    if topology.is_main:
+        log.info("%s", metadata["report"])
 
 
 def _train(config: TrainConfig, topology: Any, trainee: Any, state: Any, cases: Any,
@@ -350,73 +371,42 @@ def _train(config: TrainConfig, topology: Any, trainee: Any, state: Any, cases: 
 
 
 def _final_validation(config: TrainConfig, topology: Any, trainee: Any, cases: Any,
-                      val_ids: list[str], cplan: Any, recorder: RunRecorder) -> None:  # fmt: skip
-    """Sliding-window Dice on whole cases, split val_ids[rank::W]; rank 0 writes everything.
-
-    With --npz the other ranks send each case's probabilities to rank 0 (float32 tensors
-    on the long-timeout gloo group), which writes CASE.npz atomically.
-    """
-    from trainer import distributed
-    from trainer.evaluate import summarize, validate_cases
+                      val_ids: list[str], plans: Any, cplan: Any,
+                      recorder: RunRecorder) -> None:  # fmt: skip
+    """Whole validation cases, split val_ids[rank::W], written and scored in the raw
+    geometry by rank 0 (trainer.final_validation); `validation_finished` from its summary."""
+    from trainer.final_validation import evaluation_model, validate
 
     recorder.status(State.RUNNING, message="final validation")
-    output_dir = Path(config.run_dir) / VALIDATION_DIR
-    if topology.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    raw_model = trainee.raw_model
-    raw_model.deep_supervision = False  # only the full-resolution head is needed
-    sink = _case_sink(config, topology, val_ids, output_dir)
-    try:
-        mine = validate_cases(
-            raw_model, cases, list(val_ids)[topology.global_rank :: topology.world_size],
-            tuple(cplan.patch_size), trainee.num_classes, trainee.device,
-            mirror=config.val_mirror, on_probabilities=sink,
-        )  # fmt: skip
-    finally:
-        raw_model.deep_supervision = True
-    gathered = distributed.gather_objects(mine, slow=True)
-    if gathered is None:
+    model = evaluation_model(plans, cplan, trainee.raw_model, trainee.device)
+    summary = validate(
+        config, topology, model, cases, val_ids, plans, cplan, trainee.device, stop_notice()
+    )
+    del model
+    if summary is None:
         return
-    summary = summarize([c for part in gathered for c in part], range(1, trainee.num_classes))
-    atomic_write_text(output_dir / SUMMARY_FILE, json.dumps(summary, indent=1))
-    per_class = summary["dice_per_class"]
+    foreground = list(summary["mean"])
+    mean_fg_dice = summary["foreground_mean"]["Dice"]
     recorder.event(
-        Kind.VALIDATION_FINISHED, mean_fg_dice=summary["mean_fg_dice"],
-        dice_per_class=[per_class[str(c)] for c in range(1, trainee.num_classes)],
-        num_cases=summary["num_cases"],
+        Kind.VALIDATION_FINISHED, mean_fg_dice=mean_fg_dice,
+        dice_per_class=[summary["mean"][label]["Dice"] for label in foreground],
+        num_cases=len(summary["metric_per_case"]),
     )  # fmt: skip
     recorder.status(message=None)
-    log.info("final validation: mean foreground Dice %s over %d cases",
-             summary["mean_fg_dice"], summary["num_cases"])  # fmt: skip
+    space = "raw geometry" if config.raw_dataset_dir else "preprocessed space"
+    log.info("final validation (%s, mirroring %s): mean foreground Dice %s over %d cases",
+             space, "on" if config.val_mirror else "off", mean_fg_dice,
+             len(summary["metric_per_case"]))  # fmt: skip
 
 
-def _case_sink(config: TrainConfig, topology: Any, val_ids: list[str], output_dir: Path) -> Any:
-    """Called after each validated case: says once that a SIGUSR1 waits for the validation
-    to finish (there is nothing to resume after it); with --npz, rank 0 writes its own case,
-    then receives the same round's case from every other rank that has one (rank 0 holds
-    the most cases)."""
-    import torch
-
-    from trainer import distributed
-    from trainer.evaluate import write_probabilities
-
-    world = topology.world_size
-    shares = [list(val_ids)[rank::world] for rank in range(world)]
+def stop_notice() -> Callable[[], None]:
+    """Called after each validated case: says once that a SIGUSR1 waits for the final
+    validation to finish (there is nothing to resume after it)."""
     told = []
 
-    def sink(index: int, case_id: str, probs: Any) -> None:
+    def on_case() -> None:
         if stop.requested() and not told:
             told.append(True)
             log.warning("SIGUSR1 received during the final validation: finishing it first")
-        if not config.npz:
-            return
-        if not topology.is_main:
-            distributed.send_to_main(probs.float())
-            return
-        write_probabilities(output_dir, case_id, probs)
-        for rank in range(1, world):
-            if index < len(shares[rank]):
-                received = distributed.recv_from(rank, torch.float32)
-                write_probabilities(output_dir, shares[rank][index], received)
 
-    return sink
+    return on_case

@@ -1,0 +1,281 @@
+"""Final validation in the raw geometry (DESIGN §5, §7): what nnui-predict would write for
+each validation case, scored against the raw dataset's labelsTr.
+
+Each rank predicts its share of the validation cases (val_ids[rank::W]) from the
+preprocessed data with the inference engine's sliding window (Gaussian weights, mirroring
+TTA unless --val_disable_tta), brings the probabilities back to the raw geometry
+(trainer.inference.export) and hands the segmentation (uint8/int32 tensor; the
+probabilities too with --npz) to rank 0, the only writer under results. Rank 0 writes
+`validation/CASE<raw ending>` with channel 0's header and affine (as nnui-predict), scores
+it against `labelsTr/CASE<ending>` and writes `validation/summary.json` in nnU-Net's layout
+(trainer.evaluate_folder), so `nnui-evaluate labelsTr validation --chill` gives the same.
+
+Without the raw dataset (a training run only; the CLI said so at start) the cases are
+scored in the preprocessed space against CASE_seg.b2nd and no segmentation is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("trainer")
+
+
+class RawDataMissing(ValueError):
+    """No raw dataset folder where the roots point (one line)."""
+
+
+# ---- start-up checks (CLI process, rank 0; no voxel is read) ------------------------------
+
+
+def _raw_ending(raw_dataset: Path) -> str:
+    path = raw_dataset / "dataset.json"
+    try:
+        return str(json.loads(path.read_text())["file_ending"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: no readable 'file_ending' ({error})") from None
+
+
+def validation_case_ids(data_dir: Path, fold: str) -> list[str]:
+    from trainer.data.dataset import PreprocessedCases
+    from trainer.splits import fold_cases, load_or_create_splits
+
+    cases = PreprocessedCases(data_dir)
+    splits = load_or_create_splits(data_dir.parent, cases.case_ids, write=False)
+    return fold_cases(splits, fold, cases.case_ids)[1]
+
+
+def check_raw_cases(raw_dataset: Path, data_dir: Path, fold: str, npz: bool) -> None:
+    """The raw label and channel-0 image of every validation case, of the shape the case
+    was preprocessed from. RawDataMissing: no raw dataset folder; ValueError: a folder that
+    does not fit the preprocessed data."""
+    from trainer.data.image_io import ImageReadError, image_shape
+
+    if not (raw_dataset / "dataset.json").is_file():
+        raise RawDataMissing(
+            f"no raw dataset at {raw_dataset} for the final validation against its labelsTr "
+            "(pass --raw or set nnUNet_raw)"
+        )
+    ending = _raw_ending(raw_dataset)
+    if npz and ending == ".npz":
+        raise ValueError(
+            "--npz with .npz raw images: the segmentation and the probabilities would both be "
+            "CASE.npz in validation/; drop --npz"
+        )
+    for case_id in validation_case_ids(data_dir, fold):
+        label = raw_dataset / "labelsTr" / f"{case_id}{ending}"
+        image = raw_dataset / "imagesTr" / f"{case_id}_0000{ending}"
+        properties = json.loads((data_dir / f"{case_id}.json").read_text())
+        expected = [int(n) for n in properties["shape_before_cropping"]]
+        for path in (label, image):
+            try:
+                shape = [int(n) for n in image_shape(path)]
+            except (ImageReadError, OSError) as error:
+                raise ValueError(f"final validation needs {path}: {error}") from None
+            if shape != expected:
+                raise ValueError(
+                    f"{path} has shape {shape} but case {case_id} was preprocessed from "
+                    f"{expected}: the raw data changed; re-run nnui-preprocess"
+                )
+
+
+# ---- the validation (every rank) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the validation reads and writes; raw_dataset None = the preprocessed space."""
+
+    output_dir: Path
+    raw_dataset: Path | None
+    ending: str | None  # of the raw files
+    label_values: list[int]  # sorted, background first
+    foreground: list[int]
+    preprocessed_dir: Path
+
+    def reference(self, case_id: str) -> Path:
+        assert self.raw_dataset is not None
+        return self.raw_dataset / "labelsTr" / f"{case_id}{self.ending}"
+
+    def image(self, case_id: str) -> Path:
+        assert self.raw_dataset is not None
+        return self.raw_dataset / "imagesTr" / f"{case_id}_0000{self.ending}"
+
+
+def make_target(config: Any, plans: Any, preprocessed_dir: Path, is_main: bool) -> Target:
+    """Only rank 0 reads the raw dataset (other nodes may not have it)."""
+    from trainer import distributed
+    from trainer.evaluate_folder import default_labels
+    from trainer.schema import VALIDATION_DIR
+
+    values = sorted(int(v) for v in plans.labels.values())
+    # Under torchrun only rank 0's CLI looked for the raw data: its answer holds for all.
+    raw_dir = distributed.broadcast_object(config.raw_dataset_dir)
+    raw = Path(raw_dir) if raw_dir else None
+    foreground = [v for v in values if v != 0]
+    ending = None
+    if raw is not None and is_main:
+        ending = _raw_ending(raw)
+        foreground = default_labels(raw / "labelsTr")  # what nnui-evaluate takes
+    output = Path(config.run_dir) / VALIDATION_DIR
+    return Target(output, raw, ending, values, foreground, Path(preprocessed_dir))
+
+
+def evaluation_model(plans: Any, cplan: Any, raw_model: Any, device: Any) -> Any:
+    """The network nnui-predict builds from checkpoint_final (deep supervision off, no
+    recomputation, eval mode), with the trained weights: so the validation's numbers are
+    the very numbers a prediction gives."""
+    from trainer.inference.engine import build_models
+
+    weights = {f"model.{k}": v.detach() for k, v in raw_model.state_dict().items()}
+    return build_models(plans, cplan, [weights], device)[0]
+
+
+# (case id, RawPrediction) of this rank's case number `index` -> None
+CaseSink = Callable[[int, str, Any], None]
+
+
+def predict_share(model: Any, cases: Any, case_ids: list[str], cplan: Any, num_classes: int,
+                  device: Any, mirror: bool, target: Target, keep_probabilities: bool,
+                  sink: CaseSink) -> list[list]:  # fmt: skip
+    """Predict this rank's cases in order; each goes to `sink` in the raw geometry. Returns
+    [case id, summary entry] scored in the preprocessed space (only without raw data)."""
+    import numpy as np
+
+    from trainer.evaluate_folder import case_metrics
+    from trainer.inference.export import to_raw_geometry
+    from trainer.inference.sliding import predict_probabilities
+
+    entries = []
+    values = np.asarray(target.label_values)
+    for index, case_id in enumerate(case_ids):
+        image, seg, properties = cases.load_case(case_id)
+        probs = predict_probabilities(
+            [model], np.asarray(image), cplan.patch_size, num_classes, device, mirror=mirror
+        ).cpu()
+        if target.raw_dataset is None:
+            prediction = values[probs.argmax(0).numpy()]
+            reference = np.maximum(np.asarray(seg)[0], 0)
+            entries.append([case_id, {
+                "reference_file": str(target.preprocessed_dir / f"{case_id}_seg.b2nd"),
+                "prediction_file": None,
+                "metrics": case_metrics(reference, prediction, target.foreground),
+            }])  # fmt: skip
+        raw = to_raw_geometry(probs, properties, target.label_values, keep_probabilities)
+        del probs, image, seg
+        sink(index, case_id, raw)
+    return entries
+
+
+class Collector:
+    """Rank 0: writes every case into validation/ and scores it against its raw label, one
+    case in memory at a time. `entries`: (case id, summary entry) of the scored cases."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.entries: list[tuple[str, dict]] = []
+
+    def add(self, case_id: str, prediction: Any) -> None:
+        from trainer.data.image_io import read_image
+        from trainer.evaluate_folder import case_metrics
+        from trainer.inference.export import probabilities_bytes, write_atomic, write_prediction
+
+        target = self.target
+        if target.raw_dataset is None:  # scored where it was predicted; probabilities only
+            if prediction.probabilities is not None:
+                path = target.output_dir / f"{case_id}.npz"
+                write_atomic(path, probabilities_bytes(prediction.probabilities))
+            return
+        assert target.ending is not None
+        write_prediction(target.output_dir, case_id, prediction, target.image(case_id),
+                         target.ending)  # fmt: skip
+        reference = read_image(target.reference(case_id))[0]
+        entry = {
+            "reference_file": str(target.reference(case_id)),
+            "prediction_file": str(target.output_dir / f"{case_id}{target.ending}"),
+            "metrics": case_metrics(reference, prediction.segmentation, target.foreground),
+        }
+        self.entries.append((case_id, entry))
+
+
+def _transfer_dtypes(label_values: list[int]) -> tuple[Any, Any]:
+    """(torch, numpy) dtype a segmentation travels in: gloo sends uint8 and int32, so
+    uint16 label maps travel as int32."""
+    import numpy as np
+    import torch
+
+    return (torch.uint8, np.uint8) if max(label_values) < 256 else (torch.int32, np.int32)
+
+
+def make_sink(topology: Any, shares: list[list[str]], collector: Collector | None,
+              target: Target, npz: bool, on_case: Callable[[], None]) -> CaseSink:  # fmt: skip
+    """Ranks > 0 send each case (segmentation, then probabilities with --npz) to rank 0,
+    which writes its own case of the round, then that round's case of every other rank
+    (rank 0 holds the most cases, so its rounds cover everyone's)."""
+    import torch
+
+    from trainer import distributed
+    from trainer.inference.export import RawPrediction, label_dtype
+
+    raw_mode = target.raw_dataset is not None
+    wire, wire_numpy = _transfer_dtypes(target.label_values)
+    stored = label_dtype(target.label_values)
+
+    def sink(index: int, case_id: str, prediction: Any) -> None:
+        on_case()
+        if not topology.is_main:
+            if raw_mode:
+                segmentation = prediction.segmentation.astype(wire_numpy, copy=False)
+                distributed.send_to_main(torch.from_numpy(segmentation))
+            if npz:
+                distributed.send_to_main(torch.from_numpy(prediction.probabilities))
+            return
+        assert collector is not None
+        collector.add(case_id, prediction)
+        for rank in range(1, len(shares)):
+            if index >= len(shares[rank]):
+                continue
+            segmentation = probabilities = None
+            if raw_mode:
+                segmentation = distributed.recv_from(rank, wire).numpy().astype(stored)
+            if npz:
+                probabilities = distributed.recv_from(rank, torch.float32).numpy()
+            collector.add(shares[rank][index], RawPrediction(segmentation, probabilities))
+
+    return sink
+
+
+def validate(config: Any, topology: Any, model: Any, cases: Any, val_ids: list[str],
+             plans: Any, cplan: Any, device: Any,
+             on_case: Callable[[], None]) -> dict | None:  # fmt: skip
+    """Every rank: predict its share; rank 0: write the files and validation/summary.json.
+    Returns the summary on rank 0, None elsewhere."""
+    from trainer import distributed
+    from trainer.evaluate_folder import summarize, write_summary
+    from trainer.schema import SUMMARY_FILE
+
+    target = make_target(config, plans, cases.folder, topology.is_main)
+    if topology.is_main:
+        target.output_dir.mkdir(parents=True, exist_ok=True)
+    world = topology.world_size
+    shares = [list(val_ids)[rank::world] for rank in range(world)]
+    collector = Collector(target) if topology.is_main else None
+    sink = make_sink(topology, shares, collector, target, config.npz, on_case)
+    mine = predict_share(
+        model, cases, shares[topology.global_rank], cplan, plans.num_classes, device,
+        config.val_mirror, target, config.npz, sink,
+    )  # fmt: skip
+    gathered = distributed.gather_objects(mine, slow=True)  # also: every rank is done
+    if gathered is None:
+        return None
+    assert collector is not None
+    pairs = [*collector.entries, *[tuple(p) for part in gathered for p in part]]
+    per_case = [entry for _, entry in sorted(pairs, key=lambda pair: pair[0])]
+    summary = summarize(per_case, target.foreground)
+    write_summary(summary, target.output_dir / SUMMARY_FILE)
+    return summary
