@@ -226,7 +226,8 @@ def test_two_torchrun_nodes_only_rank0_writes_npz_and_resume(demo_preprocessed, 
     stay empty. --c: only node 0 has the checkpoint; rank 0 hands it to rank 1, and the
     stopped-and-resumed curves equal the uninterrupted ones."""
     epochs = ("--epochs", "4")
-    nodes = _start_two_nodes(procs, demo_preprocessed, tmp_path, "whole", *epochs, "--npz")
+    raw = ("--raw", str(demo_preprocessed.raw))  # final validation in the raw geometry
+    nodes = _start_two_nodes(procs, demo_preprocessed, tmp_path, "whole", *epochs, "--npz", *raw)
     codes = [finish(p) for p in nodes]
     assert codes == [0, 0], procs.log("whole-node0") + procs.log("whole-node1")
     whole = run_folder(tmp_path / "whole0")
@@ -238,7 +239,8 @@ def test_two_torchrun_nodes_only_rank0_writes_npz_and_resume(demo_preprocessed, 
 
     import numpy as np
 
-    case_ids = [c["case_id"] for c in json.loads(summary)["per_case"]]
+    files = [Path(c["prediction_file"]).name for c in json.loads(summary)["metric_per_case"]]
+    case_ids = [name.split(".", 1)[0] for name in files]
     assert len(case_ids) == 2  # one predicted by each rank
     for case_id in case_ids:
         with np.load(whole / schema.VALIDATION_DIR / f"{case_id}.npz") as saved:

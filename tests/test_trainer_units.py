@@ -204,29 +204,3 @@ def test_stop_message_matches_checkpointing(tmp_path, caplog, disable, expected,
             LoopState(epoch_next=1), 0, RunRecorder(tmp_path, False, 2), checkpointer, False
         )
     assert expected in caplog.text and absent not in caplog.text
-
-
-def test_sigusr1_during_final_validation_is_logged_once(tmp_path, caplog) -> None:
-    import logging
-    import signal
-    from types import SimpleNamespace
-
-    from trainer import stop
-    from trainer.worker import _case_sink
-
-    config = SimpleNamespace(npz=False)
-    topology = SimpleNamespace(world_size=1, is_main=True, global_rank=0)
-    sink = _case_sink(config, topology, ["a", "b"], tmp_path)  # type: ignore[arg-type]
-    previous = signal.getsignal(signal.SIGUSR1)
-    stop.install()
-    try:
-        with caplog.at_level(logging.INFO, logger="trainer"):
-            sink(0, "a", None)
-            assert "SIGUSR1" not in caplog.text
-            signal.raise_signal(signal.SIGUSR1)
-            sink(1, "b", None)
-            sink(2, "c", None)
-    finally:
-        stop.clear()
-        signal.signal(signal.SIGUSR1, previous)
-    assert caplog.text.count("finishing it first") == 1

@@ -365,6 +365,18 @@ def load(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, header.metadata
 
 
+def load_plain(path: Path) -> dict[str, Any]:
+    """Every tensor of a plain safetensors file (no nnui metadata); CheckpointError if it
+    cannot be read. This module is the one safetensors user (DESIGN §1)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{Path(path).name}: {error}") from None
+
+
 def _all_finite(tensor: Any) -> bool:
     """NaN and inf survive a float64 sum (one pass, no mask tensor); only a sum that
     overflowed without either needs the exact look."""

@@ -184,13 +184,12 @@ def load_matching(path: Path, model: Any) -> tuple[dict[str, Any], str]:
         tensors, _ = checkpoint.load(path)
         weights = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
     else:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        from trainer import checkpoint
 
         try:
-            weights = {_state_name(k): v for k, v in load_file(str(path)).items()}
-        except (SafetensorError, OSError) as error:
-            raise PretrainedError(f"-pretrained_weights {path.name}: {error}") from None
+            weights = {_state_name(k): v for k, v in checkpoint.load_plain(path).items()}
+        except checkpoint.CheckpointError as error:
+            raise PretrainedError(f"-pretrained_weights {error}") from None
     keep = {k: v.contiguous() for k, v in weights.items() if k in set(found.loaded)}
     for name, tensor in keep.items():  # a NaN weight would only poison the training later
         if tensor.is_floating_point() and not bool(tensor.isfinite().all()):

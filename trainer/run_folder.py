@@ -32,7 +32,8 @@ _TMP_NAMES = {
     "": "|".join(
         re.escape(n) for n in (*map(checkpoint_file, CHECKPOINT_KINDS), STATUS_FILE, CONFIG_FILE)
     ),
-    VALIDATION_DIR: rf"{re.escape(SUMMARY_FILE)}|[^/]+\.npz",
+    # summary, probabilities and the segmentations in the raw files' formats
+    VALIDATION_DIR: rf"{re.escape(SUMMARY_FILE)}|[^/]+\.(?:npz|nii\.gz|nii|npy|nrrd|mha)",
 }
 
 

@@ -100,10 +100,11 @@ def request_run_dir(request: LaunchRequest, roots: Roots, dataset_name: str, fol
 def effective_roots(request: LaunchRequest, roots: Roots) -> Roots:
     """The roots the trainer will use: a resume's own, then trainer flags, then the caller's."""
     base = request.roots or roots
+    raw = flag_value(request.trainer_args, "--raw", "")
     preprocessed = flag_value(request.trainer_args, "--preprocessed", "")
     results = flag_value(request.trainer_args, "--results", "")
     return Roots(
-        raw=base.raw,
+        raw=_root(raw) if raw else base.raw,
         preprocessed=_root(preprocessed) if preprocessed else base.preprocessed,
         results=_root(results) if results else base.results,
     )
