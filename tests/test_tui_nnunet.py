@@ -5,6 +5,7 @@ nnU-Net job planning a resume with the nnU-Net engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -39,7 +40,7 @@ from app.widgets.curves import CurvesPanel
 from app.widgets.dataset_picker import DatasetPicker
 from app.widgets.fold_board import FoldBoard
 from app.widgets.formatting import fmt_duration_s
-from app.widgets.job_table import JobTable
+from app.widgets.job_table import JobTable, row_cells
 from app.widgets.log_tail import LogTail
 from app.widgets.process_tree import ProcessTree
 from trainer.schema import EVENTS_FILE, Kind, Status, atomic_write_text, encode_event, run_dir
@@ -360,3 +361,18 @@ def test_a_resume_checks_the_batch_of_its_own_engines_plans(
         device="cpu", trainer_args=plans_args, simulated=True, engine=engine,
     )  # fmt: skip
     assert actions.batch_size_of(request, roots) == batch
+
+
+@pytest.mark.parametrize(("device", "gpus", "where"), [
+    ("cuda", ("0", "1"), "0,1 (spawn)"), ("cuda", (), "n/a"), ("cpu", (), "cpu"),
+])  # fmt: skip
+def test_a_watch_only_row_says_where_it_runs(
+    tmp_path: Path, device: str, gpus: tuple, where: str
+) -> None:
+    run = watched_run(make_roots(tmp_path))
+    args = TrainArgs(DATASET, "3d_fullres", "1", num_gpus=max(1, len(gpus)), device=device)
+    view = watch_only_view(dataclasses.replace(run, args=args, gpus=gpus))
+    cells = row_cells(view, selected=False)
+    assert cells["where"] == where
+    assert cells["state"].plain == "running watch-only (alice)"
+    assert cells["job"] == f"nnunet:{WATCHED_PID}"

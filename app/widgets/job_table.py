@@ -63,7 +63,8 @@ WATCH_ONLY = "watch-only"
 
 def where_text(job: Job) -> str:
     if not job.gpus:
-        return "cpu" if job.device == "cpu" else "n/a"
+        # A watch-only run on CUDA whose GPUs neither NVML nor its environment told.
+        return "n/a" if getattr(job, "device", "cpu") == "cuda" else "cpu"
     label = ",".join(job.gpus)
     if job.mode in ("spawn", "torchrun"):
         label += f" ({job.mode})"
@@ -85,8 +86,9 @@ def row_cells(
         state = f"failed (exit {view.exit_code})"
     if job.after and view.state in ("starting", "queued"):
         state = f"{view.state} (after fold {after_fold or '?'})"
-    if view.watch_only:
-        state = f"{view.state} {WATCH_ONLY} ({view.watch.owner if view.watch else '?'})"
+    if getattr(view, "watch_only", False):
+        owner = getattr(view.watch, "owner", "?")
+        state = f"{view.state} {WATCH_ONLY} ({owner})"
     if view.epoch is not None and view.num_epochs:
         done = min(view.epoch + 1, view.num_epochs) if view.state == "finished" else view.epoch
         epoch = f"{view.epoch}/{view.num_epochs} {bar(done / view.num_epochs, 6)}"
