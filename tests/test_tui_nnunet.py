@@ -8,11 +8,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_trainer import wait_until
+from test_nnunet_runs import FAKE_NNUNET
+from test_nnunet_runs import _end as end_processes
 from test_tui_board import open_board, settled
 from test_tui_fixtures import (
     DATASET,
@@ -29,11 +33,13 @@ from app.screens.confirm import LaunchConfirmScreen, RefusalScreen
 from app.screens.dashboard import DashboardScreen
 from app.screens.job_detail import JobDetailScreen
 from app.screens.launch import LaunchScreen
+from app.screens.palette import NnuiCommands
 from app.services import engines, launcher, nnunet_runs, signals
 from app.services.gpus import GpuMonitor
 from app.services.jobs import JobTracker, watch_only_view
 from app.services.nnunet_log import EpochStats
 from app.services.nnunet_runs import TrainArgs, WatchOnlyRun
+from app.services.procs import process_start_ticks
 from app.services.registry import Job, ProcessRecord, Registry
 from app.tui import Services, TuiConfig, make_app
 from app.widgets.curves import CurvesPanel
@@ -376,3 +382,58 @@ def test_a_watch_only_row_says_where_it_runs(
     assert cells["where"] == where
     assert cells["state"].plain == "running watch-only (alice)"
     assert cells["job"] == f"nnunet:{WATCHED_PID}"
+
+
+# ---- a hand-started nnUNetv2_train (the stand-in), found through /proc by the app -------
+
+
+async def test_a_hand_started_nnunet_run_is_watch_only_and_s_never_signals_it(
+    tmp_path: Path,
+) -> None:
+    roots = make_roots(tmp_path)
+    ready = tmp_path / "ready"
+    env = {**os.environ, "nnUNet_results": str(roots.results), "FAKE_NNUNET_READY": str(ready)}
+    env.pop("NNUI_JOB_ID", None)
+    argv = [sys.executable, str(FAKE_NNUNET), "900", "2d", "0", "-device", "cpu"]
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids = [process.pid]
+    try:
+        assert wait_until(lambda: ready.exists() and ready.read_text().endswith("\n"), 30)
+        pids = [int(p) for p in ready.read_text().split()]
+        ticks = process_start_ticks(process.pid)
+        app = tui_app(roots, tmp_path / "state")
+        run_id = f"nnunet:{process.pid}"
+        async with app.run_test(size=(170, 48)) as pilot:
+            screen = await dashboard_with_row(app, pilot, run_id)
+            table = screen.query_one(JobTable)
+            assert "watch-only" in table.get_cell(run_id, "state").plain
+            assert table.get_cell(run_id, "where") == "cpu"
+            assert table.get_cell(run_id, "epoch").startswith("2/1000")
+            await pilot.press("s")
+            dialog = await screen_of(app, pilot, RefusalScreen)
+            text = dialog.query_one("#refusal-text").render().plain
+            assert "no SIGUSR1 handler" in text and "-tr nnUNetTrainer_nnui -device cpu --c" in text
+            await pilot.press("n")
+            await screen_of(app, pilot, DashboardScreen)
+        assert process.poll() is None and process_start_ticks(process.pid) == ticks
+    finally:
+        end_processes(pids, argv)
+        process.wait(timeout=10)
+
+
+async def test_the_palette_switches_the_engine_while_the_board_is_open(
+    tmp_path: Path, monkeypatch, nnunet_installed
+) -> None:
+    roots = nnunet_roots(tmp_path)
+    use_fake_trainer(monkeypatch, roots, tmp_path / "state")
+    app = tui_app(roots, tmp_path / "state")
+    async with app.run_test(size=(150, 48)) as pilot:
+        dashboard = await screen_of(app, pilot, DashboardScreen)
+        names = [name for name, _, _ in NnuiCommands(dashboard)._commands()]
+        assert not any(name.startswith("Switch engine") for name in names)
+        screen = await open_board(app, pilot)
+        commands = {name: run for name, _, run in NnuiCommands(screen)._commands()}
+        commands["Switch engine (nnui / nnU-Net)"]()
+        await wait_for(lambda: screen.datasets_engine == engines.NNUNET, pilot)
+        bindings = [b for bs in screen._bindings.key_to_bindings.values() for b in bs]
+        assert any(b.id == "launch-engine" and b.key == "e" for b in bindings)
