@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +111,7 @@ class NnuiApp(App):
             "gpus": threading.Lock(),
             "jobs": threading.Lock(),
         }
+        self._watch_read_at: float | None = None  # monotonic s of the last /proc look
         self.num_machine_messages = 0
         self.num_jobs_messages = 0
         self.sub_title = "read-only" if config.readonly else ""
@@ -156,10 +158,27 @@ class NnuiApp(App):
 
     def poll_jobs(self) -> None:
         def read() -> JobsRead:
-            views = self.services.tracker.refresh(self.snapshot)
-            return JobsRead(views, self.services.tracker.cross_validation_eta_s(views))
+            tracker = self.services.tracker
+            views = tracker.refresh(self.snapshot)
+            eta_s = tracker.cross_validation_eta_s(views)  # nnui's own cross-validation
+            return JobsRead([*views, *self._watch_only(tracker)], eta_s)
 
         self._in_thread("jobs", read)
+
+    def _watch_only(self, tracker: Any) -> list[Any]:
+        """nnU-Net runs nnui did not start (rows marked watch-only). Finding them reads
+        /proc, so it runs at the processes' pace (DESIGN §6: 2 s), in the jobs thread."""
+        refresh = getattr(tracker, "refresh_watch_only", None)
+        if refresh is None:
+            return []
+        now = time.monotonic()
+        due = self._watch_read_at is None or now - self._watch_read_at >= (
+            self.config.procs_interval_s
+        )
+        if due:
+            self._watch_read_at = now
+            return list(refresh([self.config.roots.results], self.snapshot))
+        return list(getattr(tracker, "watch_only", []))
 
     @property
     def drawing(self) -> bool:

@@ -291,12 +291,18 @@ async def test_keys_in_one_burst_act_in_order_on_the_widget_focused_then(
     app = tui_app(roots, state)
     # Nothing is started for real: the launch is recorded (the plan holds the exact argv).
     started: list = []
-    monkeypatch.setattr("app.screens.actions.start_plans", lambda app, plans: started.extend(plans))
+    typed: list[str] = []  # the field's value when the launch started (the screen then closes)
+
+    def start_plans(app, plans) -> None:
+        typed.append(app.screen.query_one("#flags").value)
+        started.extend(plans)
+
+    monkeypatch.setattr("app.screens.actions.start_plans", start_plans)
     async with app.run_test(size=(150, 48)) as pilot:
         screen = await open_board(app, pilot)
         burst(app, *keys)
         await wait_for(lambda: started or screen.query_one("#flags").value.endswith("g"), pilot)
-        assert screen.query_one("#flags").value == flags
+        assert typed == [flags], screen.query_one("#flags").value
         assert [p.fold for p in started] == ["0"]
         assert started[0].argv[-len(flags.split()) :] == flags.split(), started[0].argv
         await screen_of(app, pilot, DashboardScreen)

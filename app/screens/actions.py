@@ -1,15 +1,26 @@
 """The user's actions as flows: plan off the UI thread, confirm on screen, then act off the
 UI thread again. Shared by the dashboard keys, the job detail screen and the palette.
+
+Watch-only rows (nnU-Net runs nnui did not start) are never stopped, resumed or killed:
+s/r/k on them show the refusal's reason and hints (nnunet_runs.stop_refusal) and nothing is
+sent; the other selected jobs go on through their usual flow after it is closed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from app.screens.confirm import KillConfirmScreen, LaunchConfirmScreen, StopConfirmScreen
-from app.services import catalog, launcher, signals
+from app.screens.confirm import (
+    KillConfirmScreen,
+    LaunchConfirmScreen,
+    RefusalScreen,
+    StopConfirmScreen,
+)
+from app.services import catalog, launcher, nnunet_runs, signals
+from trainer.schema import DatasetNotFound, find_dataset
 
 NOTHING_TO_STOP = frozenset({"stopped", "finished", "failed", "lost"})
 ACTIVE = frozenset({"starting", "running", "stopping", "queued"})
@@ -66,13 +77,43 @@ def _report_error(app: Any, result: Any) -> bool:
     return False
 
 
+# ---- watch-only rows: refused with the reason, never signalled ------------------------
+
+
+def refuse_watch_only(
+    app: Any, views: list[Any], title: str, proceed: Callable[[list[Any]], None]
+) -> None:
+    """Show why the watch-only views are left alone, then `proceed` with the others."""
+    watched = [v for v in views if getattr(v, "watch_only", False)]
+    rest = [v for v in views if v not in watched]
+    if not watched:
+        proceed(rest)
+        return
+
+    def closed(_: Any) -> None:
+        if rest:
+            proceed(rest)
+
+    def planned(result: Any) -> None:
+        if not _report_error(app, result):
+            app.push_screen(RefusalScreen(title, result), closed)
+
+    # stop_refusal reads the process's SigCgt from /proc: off the UI thread.
+    app.run_in_thread(lambda: [(v, nnunet_runs.stop_refusal(v.watch)) for v in watched], planned)
+
+
 # ---- stop ---------------------------------------------------------------------------
 
 
 def stop_jobs(app: Any, job_ids: Sequence[str]) -> None:
     views = _views(app, job_ids)
-    if not views:
-        return
+    if views:
+        refuse_watch_only(
+            app, views, "Stop refused: watch-only nnU-Net run", lambda rest: _stop(app, rest)
+        )
+
+
+def _stop(app: Any, views: list[Any]) -> None:
 
     def confirmed(choices: list[StopChoice], ok: bool | None) -> None:
         if ok:
@@ -110,7 +151,15 @@ def stops_sent(app: Any, result: Any) -> None:
 
 
 def kill_jobs(app: Any, job_ids: Sequence[str]) -> None:
-    views = [v for v in _views(app, job_ids) if v.state not in NOTHING_TO_STOP]
+    views = _views(app, job_ids)
+    if views:
+        refuse_watch_only(
+            app, views, "Kill refused: watch-only nnU-Net run", lambda rest: _kill(app, rest)
+        )
+
+
+def _kill(app: Any, views: list[Any]) -> None:
+    views = [v for v in views if v.state not in NOTHING_TO_STOP]
     if not views:
         app.notify("Nothing to kill: the selected jobs are not running", severity="warning")
         return
@@ -141,13 +190,30 @@ def kill_jobs(app: Any, job_ids: Sequence[str]) -> None:
 # ---- launch and resume --------------------------------------------------------------
 
 
-def batch_size_of(roots: Any, dataset: str, configuration: str) -> int | None:
-    for info in catalog.list_datasets(roots):
-        if info.name == dataset:
-            for conf in info.configurations:
-                if conf.name == configuration:
-                    return conf.batch_size
-    return None
+def batch_size_of(request: Any, roots: Any) -> int | None:
+    """The global batch size in the plans file the request trains with (its engine's)."""
+    used = launcher.effective_roots(request, roots)
+    who = launcher.identity(request)
+    try:
+        dataset_name = find_dataset(used.preprocessed, request.dataset)
+    except DatasetNotFound:
+        return None  # the launch checks say so
+    plans_file = who.engine.plans_file(who.plans)
+    return catalog.plans_batch_size(used, dataset_name, request.configuration, plans_file)
+
+
+def resume_plan(app: Any, job: Any) -> tuple[list[Any], list[str]]:
+    """The launch plans that continue a job (`--c`, its engine, GPUs and roots), or why not."""
+    request = launcher.resume_request(job)
+    planned = launcher.request_run_dir(
+        request, launcher.effective_roots(request, app.config.roots), job.dataset, job.fold
+    )
+    if planned != Path(job.run_dir):
+        return [], [f"it would train in {planned}, not in its own run folder {job.run_dir}"]
+    batch = batch_size_of(request, app.config.roots)
+    return launcher.plan_launch(
+        request, app.config.roots, batch, app.snapshot, app.services.registry
+    )
 
 
 def start_plans(app: Any, plans: Sequence[Any]) -> None:
@@ -164,8 +230,13 @@ def start_plans(app: Any, plans: Sequence[Any]) -> None:
 
 def resume_jobs(app: Any, job_ids: Sequence[str]) -> None:
     views = _views(app, job_ids)
-    if not views:
-        return
+    if views:
+        refuse_watch_only(
+            app, views, "Resume refused: watch-only nnU-Net run", lambda rest: _resume(app, rest)
+        )
+
+
+def _resume(app: Any, views: list[Any]) -> None:
     busy = [v.job.job_id for v in views if v.state in ACTIVE]
     if busy:
         app.notify(f"still running, not resumed: {', '.join(busy)}", severity="warning")
@@ -176,14 +247,9 @@ def resume_jobs(app: Any, job_ids: Sequence[str]) -> None:
     def plan() -> tuple[list[Any], list[str]]:
         plans, problems = [], []
         for view in views:
-            job = view.job
-            request = launcher.resume_request(job)
-            batch = batch_size_of(app.config.roots, job.dataset, job.configuration)
-            got, why = launcher.plan_launch(
-                request, app.config.roots, batch, app.snapshot, app.services.registry
-            )
+            got, why = resume_plan(app, view.job)
             plans += got
-            problems += [f"{job.job_id}: {p}" for p in why]
+            problems += [f"{view.job.job_id}: {p}" for p in why]
         return plans, problems
 
     def planned(result: Any) -> None:

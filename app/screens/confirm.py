@@ -1,6 +1,7 @@
 """Confirm dialogs. Stop lists the exact pids, ranks, devices and the epoch at whose end
 the trainer stops (or why nothing is sent / that it is queued). Kill needs the word
-`kill` typed. Launch/resume shows the exact environment and argv of every process.
+`kill` typed. Launch/resume shows the exact environment and argv of every process. A
+refusal (s/r/k on a watch-only nnU-Net run) says why and how, and offers only Close.
 """
 
 from __future__ import annotations
@@ -185,3 +186,48 @@ class LaunchConfirmScreen(ModalScreen[bool]):
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "yes")
+
+
+def refusal_text(refusals: Sequence[tuple[Any, Any]]) -> Text:
+    """(view, nnunet_runs.StopRefusal) pairs: the reason and the hints of each."""
+    text = Text()
+    for i, (view, refusal) in enumerate(refusals):
+        job = view.job
+        if i:
+            text.append("\n\n")
+        text.append(f"{job.job_id}  ", style="bold")
+        text.append(f"{job.dataset} {job.configuration} fold {job.fold}  {view.state}\n")
+        text.append(refusal.reason, style="bold red")
+        for hint in refusal.hints:
+            text.append(f"\n{hint}")
+    return text
+
+
+class RefusalScreen(ModalScreen[None]):
+    """Nothing to confirm: nnui will not act on these jobs, and says why."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("n,escape,enter", "close", "Close", id="close-refusal")
+    ]
+
+    def __init__(self, title: str, refusals: Sequence[tuple[Any, Any]]) -> None:
+        super().__init__(id="refusal")
+        self.title_text = title
+        self.refusals = list(refusals)
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Static(self.title_text, classes="dialog-title danger")
+            with VerticalScroll(classes="dialog-body"):
+                yield Static(refusal_text(self.refusals), id="refusal-text")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Close (n)", id="no")
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(None)

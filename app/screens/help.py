@@ -50,6 +50,10 @@ def help_text(readonly: bool) -> Text:
         "  finishes the epoch, saves checkpoint_latest and exits 0; resume (r) restarts it\n"
         "  with --c on the same GPUs. Kill (k) is SIGTERM then SIGKILL (no checkpoint).\n"
         "  Quitting nnui (q) leaves jobs running; a new nnui re-attaches to them.\n"
+        "  Engine (e on the board): nnui's trainer, or the real nnU-Net with nnui's extension\n"
+        "  trainer (its plans files, -tr nnUNetTrainer_nnui). Rows marked watch-only are\n"
+        "  nnU-Net runs nnui did not start: s, r and k only say why not and how to restart\n"
+        "  them so they can be stopped gracefully.\n"
     )
     return text
 

@@ -1,5 +1,7 @@
 """Job detail: curves (one fold, or all folds of the cross-validation with `o`), the
-console tail and the process tree labelled by role.
+console tail and the process tree labelled by role. A watch-only nnU-Net run shows its
+curves parsed from nnU-Net's training log, that log as the console, and its processes as
+found in /proc (nnui never acts on them).
 """
 
 from __future__ import annotations
@@ -37,6 +39,16 @@ def fold_histories(views: list[Any], job: Any, overlay: bool) -> dict[str, tuple
     return {f"f{fold}": newest[fold].history for fold in sorted(newest)}
 
 
+def watch_only_processes(run: Any) -> Text:
+    text = Text()
+    text.append(f"pid {run.pid:<8d} nnUNetv2_train  ({run.owner})", style="bold")
+    for pid in run.pids:
+        if pid != run.pid:
+            text.append(f"\npid {pid:<8d} worker or rank", style="dim")
+    text.append("\nwatch-only: nnui did not start these and never signals them", style="cyan")
+    return text
+
+
 class JobDetailScreen(Screen):
     def __init__(self, job_id: str) -> None:
         super().__init__(id="job-detail")
@@ -63,6 +75,11 @@ class JobDetailScreen(Screen):
         self.query_one("#console-box").border_title = "console"
         self.query_one("#tree-box").border_title = "processes"
         self.show_jobs(self.app.views, self.app.cv_eta_s)
+        view = self.app.view_of(self.job_id)
+        if view is not None and view.watch is not None:
+            self.query_one("#console-box").border_title = f"nnU-Net log {view.watch.log_path}"
+            self.query_one(ProcessTree).update(watch_only_processes(view.watch))
+            return  # not nnui's job: its processes are the run's, found by the watcher
         self.poll_processes()
         self.set_interval(self.app.config.procs_interval_s, self.poll_processes)
 

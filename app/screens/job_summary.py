@@ -7,7 +7,24 @@ from typing import Any
 
 from rich.text import Text
 
+from app.widgets.formatting import fmt_duration_s
+
 FAILED_TAIL_LINES = 4
+
+
+def watch_only_text(run: Any) -> Text:
+    """What a watch-only row adds: whose run it is, its per-class Dice, pace and log."""
+    text = Text()
+    gpus = ",".join(run.gpus) or ("cpu" if run.args.device == "cpu" else "n/a")
+    text.append(f"watch-only: {run.owner}'s nnU-Net run, not started by nnui ", style="cyan")
+    text.append(f"(pid {run.pid}, -tr {run.trainer} -p {run.plans}, GPUs {gpus})  ")
+    text.append("s/r/k are refused for it\n", style="dim")
+    dice = " ".join(f"{d:.3f}" for d in run.dice_per_class) or "n/a"
+    text.append(f"  Dice per class {dice}  EMA ")
+    text.append("n/a" if run.ema_fg_dice is None else f"{run.ema_fg_dice:.3f}")
+    text.append(f"  median epoch {fmt_duration_s(run.median_epoch_time_s)}")
+    text.append(f"  ETA {fmt_duration_s(run.eta_s)}  log {run.log_path}")
+    return text
 
 
 def summary_text(view: Any | None) -> Text:
@@ -19,6 +36,10 @@ def summary_text(view: Any | None) -> Text:
     # Separating spaces end the previous span (SVG renderers drop a span's leading spaces).
     text.append(f"{job.job_id}  ", style="bold")
     text.append(f"{job.dataset} {job.configuration} fold {job.fold}  {view.state}  ")
+    if getattr(view, "watch", None) is not None:
+        return text + watch_only_text(view.watch)
+    if getattr(job, "engine", "nnui") == "nnunet":
+        text.append("nnU-Net  ", style="cyan")
     if view.exit_code:
         text.append(f"exit code {view.exit_code}  ", style="bold red")
     if job.queued_stop:

@@ -40,6 +40,7 @@ DETAIL_ACTIONS = [
 LAUNCH = [
     Binding("escape", "cancel", "Back", id="launch-back", priority=True),
     Binding("g", "go", "Go: start", id="launch-go"),
+    Binding("e", "toggle_engine", "Engine nnui/nnU-Net", id="launch-engine"),
     Binding("m", "toggle_launcher", "spawn/torchrun", id="launch-ddp"),
     Binding("c", "toggle_resume", "Resume --c", id="launch-resume"),
     Binding("f", "focus_flags", "Trainer flags", id="launch-flags", priority=True),

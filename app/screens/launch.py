@@ -1,5 +1,11 @@
-"""Launch: dataset picker, fold board, DDP launcher choice, trainer flags, the checks with
-their reasons, and the exact environment + argv of every process before anything starts.
+"""Launch: engine (nnui or nnU-Net), dataset picker, fold board, DDP launcher choice,
+trainer flags, the checks with their reasons, and the exact environment + argv of every
+process before anything starts.
+
+`e` switches the engine: with nnU-Net the picker lists nnU-Net's own plans files
+(`nnUNet*Plans*.json`) and the launch runs nnU-Net with nnui's extension trainer. It is
+offered only when nnunetv2 is importable (engines.nnunet_available()); else the board says
+so and `e` does nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from textual.screen import Screen
 from textual.widgets import Checkbox, Footer, Input, RadioButton, RadioSet, Static
 
 from app.screens import actions, keys
-from app.services import catalog, launcher
+from app.services import catalog, engines, launcher
 from app.widgets.dataset_picker import DatasetPicker
 from app.widgets.fold_board import CPU_COLUMN, FoldBoard
 from app.widgets.key_order import OrderedInput
@@ -46,12 +52,15 @@ class LaunchScreen(Screen):
         self._ready = False  # data messages can arrive before the widgets are composed
         self._machine_key: tuple | None = None
         self._jobs_key: tuple | None = None
+        self.engine = engines.NNUI  # engines.NNUI | engines.NNUNET
+        self.datasets_engine: str | None = None  # whose datasets the picker shows now
 
     class Planned(Message):
         """Checks and preview are up to date (tests wait for it)."""
 
     def compose(self) -> ComposeResult:
         yield Static("Launch folds", classes="screen-title")
+        yield Static(self.engine_text(), id="engine-line")
         yield DatasetPicker(id="picker")
         with Horizontal(id="launch-middle"):
             yield FoldBoard(board_columns(self.app.snapshot), id="board")
@@ -70,16 +79,47 @@ class LaunchScreen(Screen):
         self._ready = True
         self.query_one(FoldBoard).border_title = "folds × GPUs"
         self.query_one(FoldBoard).border_subtitle = "■ alone or queued · D DDP group"
-        self.query_one("#picker").border_title = "dataset and configuration"
         self.query_one("#launch-preview-box").border_title = "exact commands (env + argv)"
         self.set_focus(self.query_one(FoldBoard))  # at once: keys pressed next go to it
-        self.app.run_in_thread(lambda: catalog.list_datasets(self.app.config.roots), self._got)
+        self._read_datasets()
         self.recompute()
 
-    def _got(self, datasets: Any) -> None:
+    # ---- the engine and its datasets --------------------------------------------------
+
+    def engine_text(self) -> Text:
+        chosen = engines.engine(self.engine)
+        text = Text()
+        text.append("engine: ", style="bold")
+        text.append(chosen.label, style="bold cyan")
+        if not engines.nnunet_available():
+            text.append(f"   {engines.NNUNET_MISSING_SHORT}", style="yellow")
+            return text
+        other = engines.engine(engines.NNUNET if self.engine == engines.NNUI else engines.NNUI)
+        text.append(f"   (e: switch to {other.label})", style="dim")
+        if self.engine == engines.NNUNET:
+            text.append(f"   trainer {chosen.default_trainer} (nnui's stop and events)", "dim")
+        return text
+
+    def _read_datasets(self) -> None:
+        name, roots = self.engine, self.app.config.roots
+        self.query_one(
+            "#picker"
+        ).border_title = (
+            f"dataset, plans and configuration ({engines.engine(name).label} plans files)"
+        )
+
+        def read() -> list[Any]:
+            return catalog.list_engine_datasets(roots, engines.engine(name))
+
+        self.app.run_in_thread(read, lambda datasets: self._got(name, datasets))
+
+    def _got(self, engine_name: str, datasets: Any) -> None:
+        if engine_name != self.engine or not self.is_mounted:
+            return  # the engine changed meanwhile: its own read is on its way
         if isinstance(datasets, Exception):
             self.notify(f"error: cannot read datasets: {datasets}", severity="error")
             return
+        self.datasets_engine = engine_name
         self.query_one(DatasetPicker).show(datasets)
         self.recompute()
 
@@ -136,12 +176,14 @@ class LaunchScreen(Screen):
         except ValueError as error:
             trainer_args = []
             problems.append(f"trainer flags: {error}")
+        if self.datasets_engine != self.engine:
+            return [], None, [*problems, "reading the datasets ..."]
         if choice is None:
-            problems.append(
-                f"no preprocessed dataset in {self.app.config.roots.preprocessed} "
-                "(nnui-demo-data, then nnui-preprocess)"
-            )
+            problems.append(self._no_dataset())
             return [], None, problems
+        chosen = engines.engine(self.engine)
+        if choice.plans != chosen.default_plans:  # the picker's plans; typed flags win
+            trainer_args = ["-p", choice.plans, *trainer_args]
         simulated = bool(getattr(self.app.snapshot, "simulated", False))
         requests = [
             launcher.LaunchRequest(
@@ -155,10 +197,20 @@ class LaunchScreen(Screen):
                 simulated=simulated,
                 continue_training=self.query_one("#resume", Checkbox).value,
                 sequential=spec.sequential,
+                engine=self.engine,
             )
             for spec in board.model.specs()
         ]
         return requests, choice.batch_size, problems
+
+    def _no_dataset(self) -> str:
+        where = self.app.config.roots.preprocessed
+        if self.engine == engines.NNUNET:
+            return (
+                f"no nnU-Net plans (DatasetXXX/nnUNet*Plans*.json) in {where} "
+                "(nnUNetv2_plan_and_preprocess -d ID)"
+            )
+        return f"no preprocessed dataset in {where} (nnui-demo-data, then nnui-preprocess)"
 
     def recompute(self) -> None:
         if not self._ready:
@@ -289,6 +341,17 @@ class LaunchScreen(Screen):
     def action_toggle_launcher(self) -> None:
         other = "torchrun" if self.query_one(FoldBoard).model.ddp_launcher == "spawn" else "spawn"
         self.query_one(f"#{other}", RadioButton).value = True
+
+    def action_toggle_engine(self) -> None:
+        if not engines.nnunet_available():
+            self.notify(engines.NNUNET_MISSING, severity="warning", timeout=8)
+            return
+        self.engine = engines.NNUNET if self.engine == engines.NNUI else engines.NNUI
+        self.datasets_engine = None  # the other engine's plans files: read them again
+        self.query_one(DatasetPicker).show([])
+        self.query_one("#engine-line", Static).update(self.engine_text())
+        self._read_datasets()
+        self.recompute()
 
     def action_toggle_resume(self) -> None:
         box = self.query_one("#resume", Checkbox)

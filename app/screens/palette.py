@@ -1,5 +1,5 @@
-"""Command palette (ctrl+p): every dashboard action by name. Read-only apps list only
-navigation commands."""
+"""Command palette (ctrl+p): every dashboard action by name, and the fold board's while it
+is open. Read-only apps list only navigation commands."""
 
 from __future__ import annotations
 
@@ -19,22 +19,28 @@ COMMANDS: tuple[tuple[str, str, str, bool], ...] = (
     ("Help", "all keys (?)", "help", False),
     ("Quit", "leave nnui; jobs keep running (q)", "quit", False),
 )
+# The fold board's (screen id "launch"), listed while it is open.
+LAUNCH_COMMANDS: tuple[tuple[str, str, str, bool], ...] = (
+    ("Switch engine (nnui / nnU-Net)", "train with nnui or the real nnU-Net (e)",
+     "toggle_engine", True),
+)  # fmt: skip
 
 
 class NnuiCommands(Provider):
     def _commands(self) -> list[tuple[str, str, Callable[[], Any]]]:
         readonly = getattr(self.app, "config", None) is not None and self.app.config.readonly
+        found = [(c, "dashboard") for c in COMMANDS]
+        if any(screen.id == "launch" for screen in self.app.screen_stack):
+            found += [(c, "launch") for c in LAUNCH_COMMANDS]
         return [
-            (name, help_, partial(self._run, action))
-            for name, help_, action, changes in COMMANDS
+            (name, help_, partial(self._run, screen_id, action))
+            for (name, help_, action, changes), screen_id in found
             if not (readonly and changes)
         ]
 
-    def _run(self, action: str) -> None:
-        from app.screens.dashboard import DashboardScreen
-
+    def _run(self, screen_id: str, action: str) -> None:
         for screen in reversed(self.app.screen_stack):
-            if isinstance(screen, DashboardScreen):
+            if screen.id == screen_id:
                 getattr(screen, f"action_{action}")()
                 return
 

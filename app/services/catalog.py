@@ -11,7 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.schema import DEFAULT_PLANS, Roots, plans_file_name, read_status
+from app.services.engines import NNUI, Engine
+from trainer.schema import (
+    DEFAULT_PLANS,
+    LEGACY_PLANS,
+    LEGACY_PLANS_FILE,
+    Roots,
+    plans_file_name,
+    read_status,
+)
 from trainer.schema import list_datasets as dataset_names
 
 log = logging.getLogger(__name__)
@@ -29,6 +37,7 @@ class DatasetInfo:
     name: str
     configurations: tuple[ConfigurationInfo, ...]
     results: dict[tuple[str, str], str]  # (configuration, fold) -> state from status.json
+    plans: str = DEFAULT_PLANS  # the plans identifier its configurations come from
 
     def configuration(self, name: str) -> ConfigurationInfo | None:
         return next((c for c in self.configurations if c.name == name), None)
@@ -60,13 +69,16 @@ def read_configurations(
     return tuple(result)
 
 
-def _fold_states(results_dataset: Path) -> dict[tuple[str, str], str]:
+def _fold_states(results_dataset: Path, plans: str | None = None) -> dict[tuple[str, str], str]:
+    """(configuration, fold) -> state, of every run folder (of the `plans` ones if given)."""
     states: dict[tuple[str, str], str] = {}
     if not results_dataset.is_dir():
         return states
     for trainer_dir in sorted(results_dataset.iterdir()):
         parts = trainer_dir.name.split("__")
         if len(parts) != 3 or not trainer_dir.is_dir():
+            continue
+        if plans is not None and parts[1] != plans:
             continue
         configuration = parts[2]
         for fold_dir in sorted(trainer_dir.glob("fold_*")):
@@ -88,6 +100,33 @@ def list_datasets(
                 results=_fold_states(roots.results / name),
             )
         )
+    return infos
+
+
+def plans_identifiers(folder: Path, chosen: Engine) -> list[str]:
+    """The plans identifiers of an engine in one preprocessed dataset folder, its default
+    first: nnU-Net's `nnUNet*Plans*.json` (nnUNetPlans, nnUNetResEncUNetLPlans, ...) or
+    nnui's `nnui*Plans*.json` (and nnui 0.1's `plans.json`, whose identifier is nnUNetPlans)."""
+    try:
+        names = {p.stem for p in folder.glob(chosen.plans_glob) if p.is_file()}
+        if chosen.name == NNUI and (folder / LEGACY_PLANS_FILE).is_file():
+            names.add(LEGACY_PLANS)
+    except OSError as error:
+        log.warning("cannot list plans in %s: %s", folder, error)
+        return []
+    return sorted(names, key=lambda name: (name != chosen.default_plans, name))
+
+
+def list_engine_datasets(roots: Roots, chosen: Engine) -> list[DatasetInfo]:
+    """One entry per (dataset, plans) of the engine: what the launch picker lists."""
+    infos = []
+    for name in dataset_names(roots.preprocessed):
+        folder = roots.preprocessed / name
+        for plans in plans_identifiers(folder, chosen):
+            configurations = read_configurations(folder, chosen.plans_file(plans))
+            if configurations:
+                states = _fold_states(roots.results / name, plans)
+                infos.append(DatasetInfo(name, configurations, states, plans))
     return infos
 
 

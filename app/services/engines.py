@@ -29,6 +29,8 @@ class Engine:
     default_plans: str
     entry: tuple[str, ...]  # after sys.executable
     modes: tuple[str, ...]  # launch modes it supports
+    plans_glob: str = "nnui*Plans*.json"  # its plans files in nnUNet_preprocessed/DatasetXXX/
+    label: str = "nnui"  # what the board shows
 
     def plans_file(self, plans: str) -> str:
         return plans_file_name(plans) if self.name == NNUI else f"{plans}.json"
@@ -50,7 +52,8 @@ class Engine:
 NNUI_ENGINE = Engine(NNUI, DEFAULT_TRAINER, DEFAULT_PLANS, ("-m", "trainer"),
                      ("per_gpu", "spawn", "torchrun"))  # fmt: skip
 NNUNET_ENGINE = Engine(NNUNET, NNUI_NNUNET_TRAINER, NNUNET_DEFAULT_PLANS,
-                       ("-m", "trainer.nnunet_engine"), ("per_gpu", "spawn"))  # fmt: skip
+                       ("-m", "trainer.nnunet_engine"), ("per_gpu", "spawn"),
+                       "nnUNet*Plans*.json", "nnU-Net")  # fmt: skip
 
 
 def engine(name: str) -> Engine:
@@ -67,6 +70,8 @@ def nnunet_available() -> bool:
     return importlib.util.find_spec("nnunetv2") is not None
 
 
+# The board's one line when the engine cannot be offered.
+NNUNET_MISSING_SHORT = "nnU-Net engine: nnunetv2 not installed — pip install 'nnui[nnunet]'"
 NNUNET_MISSING = (
     "the nnU-Net engine needs nnunetv2 in this environment: pip install 'nnui[nnunet]' "
     "(or pip install nnunetv2==2.8.1)"

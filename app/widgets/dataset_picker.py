@@ -1,5 +1,7 @@
-"""Dataset picker: preprocessed datasets x configurations with patch size, global batch
-size and the existing result of every fold. Renders `DatasetInfo`s it is given.
+"""Dataset picker: preprocessed datasets x plans x configurations with patch size, global
+batch size and the existing result of every fold. Renders `DatasetInfo`s it is given; the
+highlighted row chooses the dataset, the plans (e.g. nnUNetPlans or nnUNetResEncUNetLPlans)
+and the configuration.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from rich.text import Text
 from textual.message import Message
 from textual.widgets import DataTable
 
-from trainer.schema import FOLDS
+from trainer.schema import DEFAULT_PLANS, FOLDS
 
 RESULT_STYLES = {"finished": "bold blue", "running": "green", "stopped": "yellow", "failed": "red"}
 
@@ -24,6 +26,7 @@ class Choice:
     batch_size: int
     patch_size: tuple[int, ...]
     results: dict[str, str]  # fold -> state
+    plans: str = DEFAULT_PLANS
 
 
 def choices_of(datasets: Sequence[Any]) -> list[Choice]:
@@ -31,14 +34,14 @@ def choices_of(datasets: Sequence[Any]) -> list[Choice]:
     for info in datasets:
         for conf in info.configurations:
             results = {f: s for (c, f), s in info.results.items() if c == conf.name}
-            out.append(
-                Choice(info.name, conf.name, conf.batch_size, tuple(conf.patch_size), results)
-            )
+            plans = getattr(info, "plans", DEFAULT_PLANS)
+            patch = tuple(conf.patch_size)
+            out.append(Choice(info.name, conf.name, conf.batch_size, patch, results, plans))
     return out
 
 
 class DatasetPicker(DataTable):
-    """One row per (dataset, configuration); the highlighted row is the choice."""
+    """One row per (dataset, plans, configuration); the highlighted row is the choice."""
 
     class Chosen(Message):
         def __init__(self, choice: Choice | None) -> None:
@@ -51,6 +54,7 @@ class DatasetPicker(DataTable):
 
     def on_mount(self) -> None:
         self.add_column("dataset", key="dataset")
+        self.add_column("plans", key="plans")
         self.add_column("configuration", key="configuration")
         self.add_column("patch", key="patch")
         self.add_column("batch", key="batch")
@@ -63,6 +67,7 @@ class DatasetPicker(DataTable):
         for i, choice in enumerate(self.choices):
             cells: list[Any] = [
                 choice.dataset,
+                choice.plans,
                 choice.configuration,
                 "x".join(str(s) for s in choice.patch_size),
                 str(choice.batch_size),

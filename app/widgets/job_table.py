@@ -1,6 +1,7 @@
 """Jobs table: one row per job, keyed columns, cells updated only when their text changes.
 
 Renders `JobView`s it is given. Space toggles a job in the multi-selection used by stop.
+nnU-Net runs nnui did not start are rows marked "watch-only" with their owner.
 """
 
 from __future__ import annotations
@@ -57,9 +58,13 @@ def _loss(value: float | None) -> str:
     return fmt_or_na(value, "{:.4f}")
 
 
+WATCH_ONLY = "watch-only"
+
+
 def where_text(job: Job) -> str:
     if not job.gpus:
-        return "cpu"
+        # A watch-only run on CUDA whose GPUs neither NVML nor its environment told.
+        return "n/a" if getattr(job, "device", "cpu") == "cuda" else "cpu"
     label = ",".join(job.gpus)
     if job.mode in ("spawn", "torchrun"):
         label += f" ({job.mode})"
@@ -81,6 +86,9 @@ def row_cells(
         state = f"failed (exit {view.exit_code})"
     if job.after and view.state in ("starting", "queued"):
         state = f"{view.state} (after fold {after_fold or '?'})"
+    if getattr(view, "watch_only", False):
+        owner = getattr(view.watch, "owner", "?")
+        state = f"{view.state} {WATCH_ONLY} ({owner})"
     if view.epoch is not None and view.num_epochs:
         done = min(view.epoch + 1, view.num_epochs) if view.state == "finished" else view.epoch
         epoch = f"{view.epoch}/{view.num_epochs} {bar(done / view.num_epochs, 6)}"
