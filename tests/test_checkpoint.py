@@ -467,6 +467,7 @@ def test_stale_temporary_files_of_dead_writers_are_removed_and_nothing_else(
         f".config.json.{dead}.tmp",
         f"validation/.summary.json.{dead}.tmp",
         f"validation/.case_001.npz.{dead}.tmp",
+        f"validation/.case_001.nii.gz.{dead}.tmp",  # a segmentation of final validation
     ]
     kept = [
         f".checkpoint_best.safetensors.{alive}.tmp",  # its writer may still be at work
@@ -475,7 +476,7 @@ def test_stale_temporary_files_of_dead_writers_are_removed_and_nothing_else(
         f"notes.{dead}.tmp",
         ".checkpoint_latest.safetensors.tmp",
         "checkpoint_latest.safetensors",
-        f"validation/.case_001.nii.gz.{dead}.tmp",
+        f"validation/.case_001.txt.{dead}.tmp",
     ]
     for name in stale + kept:
         (tmp_path / name).write_bytes(b"partial")
