@@ -79,7 +79,7 @@ def test_launch_status_stop_resume(env: dict) -> None:
     assert nnui(env, "kill", resumed).returncode == 2  # needs --yes
     killed = nnui(env, "kill", resumed, "--yes", "--grace", "2")
     assert killed.returncode == 0 and "SIGTERM" in killed.stdout
-    assert wait_until(lambda: status(env)[resumed]["state"] == "failed", 10)
+    assert wait_until(lambda: status(env)[resumed]["state"] == "killed", 10)  # by the user
     assert nnui(env, "kill", resumed, "--yes").returncode == 3
 
 
