@@ -206,9 +206,9 @@ def test_bad_registry_file_is_reported_and_the_others_still_show(env: dict) -> N
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 2 and all("corrupt job file" in w for w in warnings), result.stderr
     assert "Traceback" not in result.stderr
-    assert sorted(p.name for p in registry.jobs_dir.glob("*.corrupt")) == [
-        "1130-120000-f1-bad.json.corrupt", "1130-120000-f2-bad.json.corrupt",
-    ]  # fmt: skip
+    # Looking changes nothing: both files are still there, under their own names.
+    assert not list(registry.jobs_dir.glob("*.corrupt"))
+    assert (registry.jobs_dir / "1130-120000-f2-bad.json").is_file()
     assert nnui(env, "stop", "f0-abc", "--yes").returncode == 3  # the good one still works
 
 

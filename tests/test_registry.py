@@ -60,7 +60,7 @@ def test_corrupt_file_is_set_aside_and_reported(tmp_path: Path, content: str) ->
     registry.add(make_job("good"))
     (registry.jobs_dir / "bad.json").write_text(content)
     assert [j.job_id for j in registry.list()] == ["good"]
-    assert (registry.jobs_dir / "bad.json.corrupt").exists()
+    assert (registry.jobs_dir / "bad.json").read_text() == content  # looking changes nothing
     assert len(registry.problems) == 1 and "bad.json" in registry.problems[0]
     assert [j.job_id for j in registry.list()] == ["good"]  # reported once
 
@@ -164,8 +164,7 @@ def test_bad_job_file_is_set_aside_like_a_corrupt_one(
     registry.add(make_job(GOOD))
     (registry.jobs_dir / "bad.json").write_bytes(content)
     assert [j.job_id for j in registry.list()] == [GOOD]
-    assert (registry.jobs_dir / "bad.json.corrupt").exists()
-    assert not (registry.jobs_dir / "bad.json").exists()
+    assert (registry.jobs_dir / "bad.json").read_bytes() == content  # left as it is
     assert len(registry.problems) == 1, registry.problems
     assert "corrupt job file bad.json" in registry.problems[0]
     assert fragment in registry.problems[0], registry.problems[0]

@@ -5,9 +5,10 @@ Layout: `$NNUI_STATE_DIR` (else `$XDG_STATE_HOME/nnui`, else `~/.local/state/nnu
 see half a job) and every read-modify-write holds `fcntl.flock` on the lock file, so two
 nnui instances and the supervisors never lose each other's updates. A file that does not
 parse, is not UTF-8 or holds a field of the wrong type (a pid "x", 0 or -1, gpus 3, ...) is
-renamed `*.corrupt` and reported in `problems`; it never stops the app and never reaches
-the code that signals processes. A state directory that cannot be used (a file in its
-place, no permission) raises `StateDirError` with a one-line reason.
+set aside: skipped and reported in `problems` (named, with the reason), left as it is on
+disk (looking never changes anything: `nnui status` and the TUI only read); it never stops
+the app and never reaches the code that signals processes. A state directory that cannot be
+used (a file in its place, no permission) raises `StateDirError` with a one-line reason.
 """
 
 from __future__ import annotations
@@ -320,14 +321,11 @@ class Registry:
             return None
 
     def _set_aside(self, path: Path, error: Exception) -> None:
-        target = path.with_name(path.name + ".corrupt")
         reason = " ".join(str(error).split())[:200] or type(error).__name__
-        try:
-            os.replace(path, target)
-            message = f"corrupt job file {path.name} ({reason}); moved to {target.name}"
-        except OSError as move_error:
-            message = f"corrupt job file {path.name} ({reason}); could not move: {move_error}"
-        self._report(message)
+        self._report(
+            f"corrupt job file {path.name} ({reason}); skipped and left as it is: move it away "
+            f"or delete it ({path.parent})"
+        )
 
     def _report(self, message: str) -> None:
         if message not in self.problems:
