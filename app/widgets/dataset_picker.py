@@ -14,6 +14,7 @@ from rich.text import Text
 from textual.message import Message
 from textual.widgets import DataTable
 
+from app.services.catalog import DatasetInfo
 from trainer.schema import DEFAULT_PLANS, FOLDS
 
 RESULT_STYLES = {"finished": "bold blue", "running": "green", "stopped": "yellow", "failed": "red"}
@@ -29,7 +30,7 @@ class Choice:
     plans: str = DEFAULT_PLANS
 
 
-def choices_of(datasets: Sequence[Any]) -> list[Choice]:
+def choices_of(datasets: Sequence[DatasetInfo]) -> list[Choice]:
     out = []
     for info in datasets:
         for conf in info.configurations:
@@ -61,7 +62,7 @@ class DatasetPicker(DataTable):
         for fold in FOLDS:
             self.add_column(f"f{fold}", key=f"fold-{fold}")
 
-    def show(self, datasets: Sequence[Any]) -> None:
+    def show(self, datasets: Sequence[DatasetInfo]) -> None:
         self.clear()
         self.choices = choices_of(datasets)
         for i, choice in enumerate(self.choices):
