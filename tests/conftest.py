@@ -64,3 +64,30 @@ def pytest_collection_modifyitems(config, items) -> None:
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+def make_nnunet_tree(base: Path) -> dict[str, str]:
+    """A tiny demo (6 cases) in nnUNet_raw under `base`, planned and preprocessed (2d) by
+    the real nnU-Net; returns the environment with nnUNet_* and NNUI_STATE_DIR set there.
+    Skips the calling test where nnunetv2 is not installed (make setup installs it)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("nnunetv2", reason="make setup installs nnunetv2 (extra 'nnunet')")
+    from trainer.demo import make_demo_dataset
+
+    env = {
+        **os.environ,
+        "nnUNet_raw": str(base / "raw"),
+        "nnUNet_preprocessed": str(base / "pre"),
+        "nnUNet_results": str(base / "res"),
+        "NNUI_STATE_DIR": str(base / "state"),
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+    }
+    make_demo_dataset(base / "raw", num_cases=6, seed=0, shape_scale=0.4)
+    plan = [str(Path(sys.executable).with_name("nnUNetv2_plan_and_preprocess")), "-d", "900",
+            "-c", "2d", "-np", "1"]  # fmt: skip
+    done = subprocess.run(plan, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return env

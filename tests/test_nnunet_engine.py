@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import make_nnunet_tree
 from fake_trainer import wait_until
 
 from app.services import engines
@@ -29,24 +30,8 @@ SCHEDULE = ["--epochs", "6", "--iterations-per-epoch", "2", "--val-iterations", 
 
 @pytest.fixture(scope="module")
 def nnunet_tree(tmp_path_factory) -> dict:
-    pytest.importorskip("nnunetv2", reason="make setup installs nnunetv2 (extra 'nnunet')")
-    from trainer.demo import make_demo_dataset
-
     base = tmp_path_factory.mktemp("nnunet")
-    env = {
-        **os.environ,
-        "nnUNet_raw": str(base / "raw"),
-        "nnUNet_preprocessed": str(base / "pre"),
-        "nnUNet_results": str(base / "res"),
-        "NNUI_STATE_DIR": str(base / "state"),
-        "PYTHONPATH": str(ROOT),
-    }
-    make_demo_dataset(base / "raw", num_cases=6, seed=0, shape_scale=0.4)
-    plan = [str(Path(sys.executable).with_name("nnUNetv2_plan_and_preprocess")), "-d", "900",
-            "-c", "2d", "-np", "1"]  # fmt: skip
-    done = subprocess.run(plan, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return {"base": base, "env": env}
+    return {"base": base, "env": make_nnunet_tree(base)}
 
 
 def _nnui(tree: dict, *args: str) -> subprocess.CompletedProcess[str]:

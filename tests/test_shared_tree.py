@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import make_nnunet_tree
 
 from trainer.schema import (
     DEFAULT_PLANS,
@@ -50,22 +51,8 @@ def _digests(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory) -> dict:
     """raw + nnU-Net's preprocessed (made by nnU-Net) + an nnU-Net results folder."""
-    pytest.importorskip("nnunetv2", reason="make setup installs nnunetv2 (extra 'nnunet')")
     base = tmp_path_factory.mktemp("shared")
-    env = {
-        **os.environ,
-        "nnUNet_raw": str(base / "raw"),
-        "nnUNet_preprocessed": str(base / "pre"),
-        "nnUNet_results": str(base / "res"),
-        "NNUI_STATE_DIR": str(base / "state"),
-        "PYTHONPATH": str(ROOT),
-    }
-    from trainer.demo import make_demo_dataset
-
-    make_demo_dataset(base / "raw", num_cases=6, seed=0, shape_scale=0.4)
-    argv = [_bin("nnUNetv2_plan_and_preprocess"), "-d", "900", "-c", "2d", "-np", "1"]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    env = make_nnunet_tree(base)
     trainer_dir = base / "res" / DATASET / NNUNET_FOLD
     fold = trainer_dir / "fold_0"
     fold.mkdir(parents=True)

@@ -19,6 +19,7 @@ from app.services.engines import ENGINES, NNUI, NNUNET_MISSING, Engine, engine
 from app.services.gpus import MachineSnapshot
 from app.services.registry import Job, Registry, valid_pid
 from app.services.signals import job_alive, proc_info
+from app.services.trainer_flags import flag_value
 from trainer.schema import (
     DEFAULT_PLANS,
     DEFAULT_TRAINER,
@@ -59,17 +60,6 @@ class LaunchChecks:
     warnings: list[str] = field(default_factory=list)
     resumable_folds: list[str] = field(default_factory=list)  # folds with a stopped run
     usage_errors: list[str] = field(default_factory=list)  # arguments that name nothing
-
-
-def flag_value(args: list[str], flag: str, default: str) -> str:
-    """The value of `flag V` or `flag=V` in trainer flags (the last one wins, as in argparse)."""
-    value = default
-    for index, arg in enumerate(args):
-        if arg == flag and index + 1 < len(args):
-            value = args[index + 1]
-        elif arg.startswith(flag + "="):
-            value = arg[len(flag) + 1 :]
-    return value
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from app.services.launch_request import (
 )
 from app.services.registry import Job, ProcessRecord, Registry, new_job_id
 from app.services.signals import process_identity
+from app.services.trainer_flags import without_flags
 from trainer.schema import (
     CONSOLE_FILE,
     JOB_ID_ENV,
@@ -182,7 +183,7 @@ def _argv(
     entry = trainer_entry(request)
     if who.engine.name == NNUNET:  # nnU-Net's own names for the identifiers, ours forced
         args += ["-tr", who.trainer, "-p", who.plans]
-        user_args = _without_flags(user_args, ("-tr", "-p"))
+        user_args = without_flags(user_args, ("-tr", "-p"))
         entry = list(request.trainer_entry) or list(who.engine.entry)
     args += ["-device", device, *user_args]
     if request.continue_training and "--c" not in args:
@@ -193,19 +194,6 @@ def _argv(
         return [sys.executable, *torchrun_entry(), "--standalone", f"--nproc_per_node={size}",
                 *entry, *args]  # fmt: skip
     return [sys.executable, *entry, *args]
-
-
-def _without_flags(args: list[str], flags: tuple[str, ...]) -> list[str]:
-    out: list[str] = []
-    skip = False
-    for word in args:
-        if skip:
-            skip = False
-        elif word in flags:
-            skip = True
-        elif not any(word.startswith(f + "=") for f in flags):
-            out.append(word)
-    return out
 
 
 def _with_ext_dir(current: str | None) -> str:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.services.engines import ENGINES, NNUI, NNUNET, engine
+from app.services.trainer_flags import flag_value, without_flags
 from trainer.schema import (
     FOLDS,
     NNUNET_EXT_DIR,
@@ -166,13 +167,9 @@ def trainer_command(spec: JobSpec) -> list[str]:
 def nnunet_command(spec: JobSpec, device: str) -> list[str]:
     """nnU-Net's nnUNetv2_train entry with nnui's extension trainer (-num_gpus for >1 GPU)."""
     chosen = engine(NNUNET)
-    trainer = chosen.trainer_arg(_trainer_flag(spec.trainer_args, "-tr") or chosen.default_trainer)
-    plans = _trainer_flag(spec.trainer_args, "-p") or chosen.default_plans
-    rest = list(spec.trainer_args)
-    for flag in ("-tr", "-p"):
-        while flag in rest:
-            at = rest.index(flag)
-            del rest[at : at + 2]
+    trainer = chosen.trainer_arg(flag_value(spec.trainer_args, "-tr") or chosen.default_trainer)
+    plans = flag_value(spec.trainer_args, "-p") or chosen.default_plans
+    rest = without_flags(spec.trainer_args, ("-tr", "-p"))
     extra = ["-num_gpus", str(spec.nproc_per_node)] if spec.nproc_per_node > 1 else []
     return [
         spec.python, "-m", "trainer.nnunet_engine", spec.dataset, spec.configuration,
@@ -286,24 +283,13 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see nnui sbatch --help)")
 
 
-def _trainer_flag(trainer_args: tuple[str, ...], flag: str) -> str | None:
-    """The value of `flag X` / `flag=X` among the trainer's arguments (last one wins)."""
-    value = None
-    for i, word in enumerate(trainer_args):
-        if word == flag and i + 1 < len(trainer_args):
-            value = trainer_args[i + 1]
-        elif word.startswith(flag + "="):
-            value = word[len(flag) + 1 :]
-    return value
-
-
 def check_preprocessed(spec: JobSpec) -> None:
     """ValueError unless the dataset and configuration are preprocessed where the job will
     look (the trainer's --preprocessed, else $nnUNet_preprocessed, else ./nnui_data).
 
     Reads the plans file as plain JSON: the app does not import the trainer's numpy code.
     """
-    preprocessed = _trainer_flag(spec.trainer_args, "--preprocessed")
+    preprocessed = flag_value(spec.trainer_args, "--preprocessed")
     root = resolve_roots(preprocessed=preprocessed).preprocessed
     hint = "; pass --no-check if the data lives only on the cluster"
     try:
@@ -311,7 +297,7 @@ def check_preprocessed(spec: JobSpec) -> None:
     except ValueError as error:
         raise UsageError(f"{error}{hint}") from None
     chosen = engine(spec.engine)
-    plans_name = _trainer_flag(spec.trainer_args, "-p") or chosen.default_plans
+    plans_name = flag_value(spec.trainer_args, "-p") or chosen.default_plans
     plans_path = root / name / chosen.plans_file(plans_name)
     try:
         configurations = json.loads(plans_path.read_text()).get("configurations", {})
