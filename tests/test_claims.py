@@ -15,6 +15,7 @@ from fake_trainer import cleanup_jobs, fake_env, wait_until
 
 from app.services import claims
 from app.services.claims import CLAIM_FILE, ClaimRefused
+from app.services.registry import Registry
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -180,3 +181,20 @@ def test_simultaneous_launches_of_one_fold_let_exactly_one_in(
     assert len(jobs) == 1
     run_dir = Path(json.loads(jobs[0].read_text())["run_dir"])
     assert claims.read(run_dir).job_id == jobs[0].stem
+
+
+def test_a_job_whose_trainer_ended_no_longer_holds_its_fold(env) -> None:
+    """The supervisor drops the claim before it records the exit code, so a resume that
+    waits for the exit code never meets the ended job's claim (its supervisor may still be
+    on its way out)."""
+    argv = [sys.executable, "-m", "app.main", "launch", "4", "2d", "--cpu", "--folds", "0",
+            "--", "--epochs", "1", "--epoch-time", "0.05"]  # fmt: skip
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    job_id, run_dir = done.stdout.split()[0], Path(done.stdout.split()[-1])
+    registry = Registry(Path(env["NNUI_STATE_DIR"]))
+    assert wait_until(lambda: registry.get(job_id).exit_code is not None)
+    assert not (run_dir / claims.CLAIM_FILE).exists()
+    status = subprocess.run([sys.executable, "-m", "app.main", "status", "--json"], env=env,
+                            capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert json.loads(status.stdout)[0]["state"] == "finished"

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from app.services import claims
 from app.services.job_events import JobEvents
 from app.services.registry import Job, ProcessRecord, Registry
 from app.services.signals import (
@@ -168,12 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     job = registry.get(job_id)
     if job.after and not wait_for(registry, job_id, job.after):
         _say("stopped before it started")
+        claims.release(Path(job.run_dir), job_id)
         registry.update(job_id, exit_code=0, ended_at=time.time(), note="stopped before it started")
         return 0
     try:
         trainer = subprocess.Popen(command, stdin=subprocess.DEVNULL)
     except OSError as error:
         _say(f"could not start {command[0]}: {error}")
+        claims.release(Path(job.run_dir), job_id)
         registry.update(job_id, exit_code=127, ended_at=time.time(), note=f"start failed: {error}")
         return 127
     # /proc/PID/stat only: psutil may fail while the child is between fork and exec.
@@ -182,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     registry.add_process(job_id, record)
     code = wait_watching_run(registry, job_id, trainer)
     _say(f"trainer exited with code {code}")
+    # The fold is free once its trainer is gone: drop the claim before the exit code is
+    # recorded, so a resume that waits for the exit code never meets our claim still held.
+    claims.release(Path(job.run_dir), job_id)
     registry.update(job_id, exit_code=code, ended_at=time.time())
     return 0
 
