@@ -235,8 +235,9 @@ def test_start_detaches_and_records_the_exit_code(env: dict) -> None:
     console = Path(done.console_path).read_text()
     assert f"[nnui] job {job.job_id}" in console and "epoch 2 loss" in console
     assert "trainer exited with code 0" in console
+    # The claim went with the trainer: the fold is free for the next run.
     assert sorted(p.name for p in Path(done.run_dir).iterdir()) == [
-        ".nnui_claim", "console.log", "events.jsonl", "status.json",
+        "console.log", "events.jsonl", "status.json",
     ]  # fmt: skip
 
 
