@@ -67,6 +67,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fail-at", type=int, default=None)
     parser.add_argument("--handler-delay", type=float, default=0.0)
     parser.add_argument("--start-delay", type=float, default=0.0)
+    parser.add_argument("--hold-until", default=None, help="wait for this file before starting")
     parser.add_argument("--ignore-term", action="store_true", help="only SIGKILL ends it")
     parser.add_argument("--_rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_world", type=int, default=None, help=argparse.SUPPRESS)
@@ -156,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         start_epoch = previous.epoch if previous else 0
     if options.start_delay:
         time.sleep(options.start_delay)
+    while options.hold_until and not os.path.exists(options.hold_until):
+        time.sleep(0.05)  # the test says when: no topology (no workers) until then
     host = socket.gethostname()
     me = {
         "global_rank": rank, "local_rank": rank, "host": host, "pid": os.getpid(),

@@ -45,7 +45,7 @@ def launched_ids(result: subprocess.CompletedProcess[str]) -> list[str]:
 
 @pytest.mark.slow
 def test_launch_status_stop_resume(env: dict) -> None:
-    flags = ["--", "--epochs", "300", "--epoch-time", "0.1"]
+    flags = ["--", "--epochs", "300", "--epoch-time", "1.0"]  # outlasts a starved test
     result = nnui(env, "launch", "4", "3d_fullres", "--simulate-gpus", "2", "--folds", "0,1",
                   "--gpus", "0,1", *flags)  # fmt: skip
     first, second = launched_ids(result)
@@ -84,13 +84,15 @@ def test_launch_status_stop_resume(env: dict) -> None:
 
 
 def test_ddp_group_and_queued_stop(env: dict) -> None:
+    go = Path(env["NNUI_STATE_DIR"]).parent / "go"  # the trainer starts once this exists
     result = nnui(env, "launch", "4", "3d_fullres", "--simulate-gpus", "2", "--ddp", "spawn",
                   "--gpus", "0,1", "--folds", "2",
-                  "--", "--epochs", "50", "--start-delay", "1.5")  # fmt: skip
+                  "--", "--epochs", "50", "--hold-until", str(go))  # fmt: skip
     (job,) = launched_ids(result)
     stop = nnui(env, "stop", job, "--yes")
     assert stop.returncode == 0 and "queued" in stop.stdout
     assert nnui(env, "stop", job, "--yes").returncode == 3  # already queued
+    go.touch()
     assert wait_until(lambda: status(env)[job]["exit_code"] is not None, 20)
     row = status(env)[job]
     assert row["state"] == "stopped"

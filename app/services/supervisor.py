@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from app.services import claims
+from app.services.claims import ClaimRefused
 from app.services.job_events import JobEvents
 from app.services.registry import Job, ProcessRecord, Registry
 from app.services.signals import (
@@ -142,6 +143,17 @@ def wait_watching_run(registry: Registry, job_id: str, trainer: subprocess.Popen
             log.warning("watching the run failed: %s", error)
 
 
+def _release_claim(job: Job) -> None:
+    """Under the launcher's lock: a launcher still handing the claim over to us finishes
+    first, so the claim is really gone afterwards."""
+    run_dir = Path(job.run_dir)
+    try:
+        with claims.locked(run_dir.parents[2]):  # results/DatasetNNN_Name/T__P__C/fold_F
+            claims.release(run_dir, job.job_id)
+    except (OSError, ClaimRefused, IndexError) as error:
+        log.warning("could not release the claim of %s: %s", run_dir, error)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.services.supervisor")
     parser.add_argument("--job-id", required=True)
@@ -169,14 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     job = registry.get(job_id)
     if job.after and not wait_for(registry, job_id, job.after):
         _say("stopped before it started")
-        claims.release(Path(job.run_dir), job_id)
+        _release_claim(job)
         registry.update(job_id, exit_code=0, ended_at=time.time(), note="stopped before it started")
         return 0
     try:
         trainer = subprocess.Popen(command, stdin=subprocess.DEVNULL)
     except OSError as error:
         _say(f"could not start {command[0]}: {error}")
-        claims.release(Path(job.run_dir), job_id)
+        _release_claim(job)
         registry.update(job_id, exit_code=127, ended_at=time.time(), note=f"start failed: {error}")
         return 127
     # /proc/PID/stat only: psutil may fail while the child is between fork and exec.
@@ -187,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"trainer exited with code {code}")
     # The fold is free once its trainer is gone: drop the claim before the exit code is
     # recorded, so a resume that waits for the exit code never meets our claim still held.
-    claims.release(Path(job.run_dir), job_id)
+    _release_claim(job)
     registry.update(job_id, exit_code=code, ended_at=time.time())
     return 0
 
