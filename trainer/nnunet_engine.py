@@ -19,7 +19,7 @@ stop.install_at_start()  # before anything slow
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from trainer.schema import NNUNET_EXT_DIR, NNUNET_EXT_ENV  # noqa: E402
+from trainer.schema import NNUNET_EXT_ENV, with_nnunet_ext_dir  # noqa: E402
 
 SCHEDULE_FLAGS = {
     "--epochs": "NNUI_EPOCHS",
@@ -49,13 +49,6 @@ def split_schedule_flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:
             raise UsageError(f"{flag} needs a whole number >= 1, got {value!r}")
         env[SCHEDULE_FLAGS[flag]] = str(int(value))
     return rest, env
-
-
-def with_ext_dir(current: str | None) -> str:
-    folders = [p for p in (current or "").split(os.pathsep) if p]
-    if str(NNUNET_EXT_DIR) not in folders:
-        folders.insert(0, str(NNUNET_EXT_DIR))
-    return os.pathsep.join(folders)
 
 
 def let_trainer_search_pass() -> None:
@@ -88,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: {error}\n")
         return 2
     os.environ.update(env)
-    os.environ[NNUNET_EXT_ENV] = with_ext_dir(os.environ.get(NNUNET_EXT_ENV))
+    os.environ[NNUNET_EXT_ENV] = with_nnunet_ext_dir(os.environ.get(NNUNET_EXT_ENV))
     try:
         from nnunetv2.run.run_training import run_training_entry
     except ImportError:

@@ -63,6 +63,12 @@ NNUI_NNUNET_TRAINER = "nnUNetTrainer_nnui"  # nnU-Net's trainer + nnui's stop an
 NNUNET_WRAP_SUFFIX = "_nnui"  # `<AnyTrainer>_nnui` wraps any trainer nnU-Net can find
 
 
+def with_nnunet_ext_dir(current: str | None) -> str:
+    """A `nnUNet_extTrainer` value with nnui's folder first, the user's folders kept."""
+    folders = [p for p in (current or "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys([str(NNUNET_EXT_DIR), *folders]))
+
+
 def plans_file_name(plans_name: str) -> str:
     """nnui's plans file for a plans identifier: `nnuiPlans.json` (0.1's is `plans.json`)."""
     return LEGACY_PLANS_FILE if plans_name == LEGACY_PLANS else f"{plans_name}.json"

@@ -47,11 +47,11 @@ from app.services.trainer_flags import without_flags
 from trainer.schema import (
     CONSOLE_FILE,
     JOB_ID_ENV,
-    NNUNET_EXT_DIR,
     NNUNET_EXT_ENV,
     ROOT_ENVS,
     Roots,
     find_dataset,
+    with_nnunet_ext_dir,
 )
 
 __all__ = [  # the request side lives in launch_request.py; re-exported as launcher.*
@@ -144,7 +144,7 @@ def plan_launch(
         # The trainer finds the same roots as nnui, whichever way nnui was given them.
         env.update({ROOT_ENVS[name]: str(getattr(roots, name)) for name in ROOT_ENVS})
         if who.engine.name == NNUNET:
-            env[NNUNET_EXT_ENV] = _with_ext_dir(os.environ.get(NNUNET_EXT_ENV))
+            env[NNUNET_EXT_ENV] = with_nnunet_ext_dir(os.environ.get(NNUNET_EXT_ENV))
         if device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         key = tuple(gpus) if gpus else ("cpu", fold)
@@ -194,11 +194,6 @@ def _argv(
         return [sys.executable, *torchrun_entry(), "--standalone", f"--nproc_per_node={size}",
                 *entry, *args]  # fmt: skip
     return [sys.executable, *entry, *args]
-
-
-def _with_ext_dir(current: str | None) -> str:
-    folders = [p for p in (current or "").split(os.pathsep) if p]
-    return os.pathsep.join(dict.fromkeys([str(NNUNET_EXT_DIR), *folders]))
 
 
 def preview(plan: LaunchPlan) -> str:

@@ -21,6 +21,7 @@ nnU-Net's public hooks; none of nnU-Net's files is changed and none of its outpu
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -250,8 +251,6 @@ class NnuiHooks:
 
 def _read_summary(path: str) -> dict | None:
     """validation_finished's fields from nnU-Net's summary.json (None when unreadable)."""
-    import json
-
     try:
         with open(path) as handle:
             summary = json.load(handle)
