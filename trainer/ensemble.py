@@ -27,7 +27,7 @@ from trainer.inference.export import (
 )
 from trainer.inference.postprocess import keep_largest_component, read_postprocessing
 from trainer.predict import PREDICTION_INFO_FILE
-from trainer.schema import atomic_write_text
+from trainer.schema import atomic_write_text, refuse_nnunet_output
 
 
 class EnsembleError(ValueError):
@@ -61,6 +61,10 @@ def plan_ensemble(folders: list[Path], out_dir: Path) -> tuple[list[str], dict[s
     """(case ids, labels) after every check."""
     if len(folders) < 2:
         raise EnsembleError("-i needs at least two folders")
+    try:
+        refuse_nnunet_output(out_dir)
+    except ValueError as error:
+        raise EnsembleError(str(error)) from None
     for folder in folders:
         if not folder.is_dir():
             raise EnsembleError(f"{folder} is not a folder")

@@ -105,6 +105,7 @@ def resolve(args: argparse.Namespace) -> Resolved:
     in_dir, out_dir = Path(args.input).absolute(), Path(args.output).absolute()
     if in_dir.resolve() == out_dir.resolve():
         raise ValueError(f"-o {args.output} is the input folder: choose another output folder")
+    schema.refuse_nnunet_output(out_dir)
     if not 0 < args.step_size <= 1:
         raise ValueError(f"-step_size must be within (0, 1], got {args.step_size}")
     roots = schema.resolve_roots(preprocessed=args.preprocessed, results=args.results)

@@ -53,7 +53,19 @@ NNUNET_FILE_PATTERNS = (
     "debug.json",
     "nnUNet*Plans*.json",
     "dataset_fingerprint.json",
+    "predict_from_raw_data_args.json",  # an nnUNetv2_predict output folder
 )
+
+
+def refuse_nnunet_output(folder: Path, flag: str = "-o") -> None:
+    """ValueError (one line) when an output folder holds nnU-Net's files: writing CASE.nii.gz
+    there would replace nnU-Net's own predictions of the same cases."""
+    theirs = nnunet_files(folder)
+    if theirs:
+        raise ValueError(
+            f"{flag} {folder} holds nnU-Net's files ({', '.join(theirs)}): nnui does not "
+            "write there; choose another output folder"
+        )
 
 
 # The nnU-Net engine (DESIGN §4): nnU-Net finds nnui's trainer classes in this folder.
