@@ -12,11 +12,17 @@ PYTEST_ARGS ?=
 
 setup: $(VENV)/.installed
 
+# Each step checks what an interrupted earlier run may have left: a venv without a working
+# pip is made anew, a torch that does not import is installed again over the broken one, and
+# the stamp is written only after the project imports.
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
-	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip --version >/dev/null 2>&1 || python3 -m venv --clear $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --force-reinstall "$(TORCH)"
 	$(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[dev,nnunet]'
+	$(PY) -c "import app.main, trainer.run, textual, blosc2, safetensors, nibabel" 2>/dev/null \
+	  || $(PY) -m pip install -q --force-reinstall $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[dev,nnunet]'
+	$(PY) -c "import app.main, trainer.run, textual, blosc2, safetensors, nibabel"
 	touch $@
 
 demo-data: setup

@@ -38,6 +38,16 @@ def _common(parser: argparse.ArgumentParser, top: bool) -> None:
     group.add_argument("-v", "--verbose", action="store_true", default=False if top else default)
 
 
+def _version() -> str:
+    """The installed distribution's version (a source tree that was never installed: 'dev')."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nnui")
+    except PackageNotFoundError:
+        return "dev (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nnui",
@@ -48,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(parser, top=True)
     parser.add_argument("--readonly", action="store_true", help="TUI: watch only, no action keys")
     parser.add_argument("--no-mouse", action="store_true", help="TUI: disable mouse support")
+    parser.add_argument("--version", action="version", version=f"nnui {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     status = sub.add_parser("status", help="table (or JSON) of the jobs")

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from platformdirs import user_downloads_path
 from textual.app import App
 from textual.message import Message
 
 from app.screens.palette import NnuiCommands
+from app.services import catalog
 from trainer.schema import Roots, resolve_roots
 
 log = logging.getLogger(__name__)
@@ -89,10 +91,13 @@ class MachineRead(Message):
 
 
 class JobsRead(Message):
-    def __init__(self, views: list[Any], cv_eta_s: float | None) -> None:
+    def __init__(
+        self, views: list[Any], cv_eta_s: float | None, first_step: str | None = None
+    ) -> None:
         super().__init__()
         self.views = views
         self.cv_eta_s = cv_eta_s
+        self.first_step = first_step  # what to run first, while there is nothing to train
 
 
 class NnuiApp(App):
@@ -107,6 +112,7 @@ class NnuiApp(App):
         self.snapshot: Any = None
         self.views: list[Any] = []
         self.cv_eta_s: float | None = None
+        self.first_step: str | None = None
         self._busy: dict[str, threading.Lock] = {
             "gpus": threading.Lock(),
             "jobs": threading.Lock(),
@@ -161,9 +167,15 @@ class NnuiApp(App):
             tracker = self.services.tracker
             views = tracker.refresh(self.snapshot)
             eta_s = tracker.cross_validation_eta_s(views)  # nnui's own cross-validation
-            return JobsRead([*views, *self._watch_only(tracker)], eta_s)
+            views = [*views, *self._watch_only(tracker)]
+            return JobsRead(views, eta_s, None if views else self._first_step())
 
         self._in_thread("jobs", read)
+
+    def _first_step(self) -> str | None:
+        """With no jobs and no preprocessed nnui dataset: the command to run first."""
+        roots = self.config.roots
+        return None if catalog.list_datasets(roots) else catalog.first_step(roots)
 
     def _watch_only(self, tracker: Any) -> list[Any]:
         """nnU-Net runs nnui did not start (rows marked watch-only). Finding them reads
@@ -203,6 +215,7 @@ class NnuiApp(App):
         self.num_jobs_messages += 1
         self.views = message.views
         self.cv_eta_s = message.cv_eta_s
+        self.first_step = message.first_step
         for screen in self.screen_stack:
             show = getattr(screen, "show_jobs", None)
             if show is not None:
@@ -210,6 +223,16 @@ class NnuiApp(App):
 
     def view_of(self, job_id: str) -> Any | None:
         return next((v for v in self.views if v.job.job_id == job_id), None)
+
+    def deliver_screenshot(
+        self, filename: str | None = None, path: str | None = None, time_format: str | None = None
+    ) -> str | None:
+        """Textual saves into ~/Downloads; a headless box often has none, and the palette's
+        screenshot then failed. There it goes into the current folder (the toast says where)."""
+        if path is None:
+            downloads = user_downloads_path()
+            path = str(downloads) if downloads.is_dir() else os.getcwd()
+        return super().deliver_screenshot(filename, path, time_format)
 
     def run_in_thread(self, work: Callable[[], Any], done: Callable[[Any], None]) -> None:
         """One-off blocking work (planning a stop, starting a job): result back on the UI."""

@@ -100,7 +100,7 @@ class DashboardScreen(Screen):
             return
         table = self.query_one(JobTable)
         job_id = table.current_job_id
-        text = summary_text(self.app.view_of(job_id) if job_id else None)
+        text = summary_text(self.app.view_of(job_id) if job_id else None, self.app.first_step)
         if text.plain != self._summary:
             self._summary = text.plain
             self.query_one("#job-summary", Static).update(text)

@@ -27,9 +27,12 @@ def watch_only_text(run: Any) -> Text:
     return text
 
 
-def summary_text(view: Any | None) -> Text:
-    """One or a few lines about the highlighted job (exit code and console of a failure)."""
+def summary_text(view: Any | None, first_step: str | None = None) -> Text:
+    """One or a few lines about the highlighted job (exit code and console of a failure);
+    with no job, what to do first (`first_step`: no dataset to train yet)."""
     if view is None:
+        if first_step:
+            return Text(f"No jobs yet. First: {first_step}.", style="bold yellow")
         return Text("No jobs yet. Press l to launch folds (? for help).", style="dim")
     job = view.job
     text = Text()

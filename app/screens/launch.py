@@ -210,7 +210,7 @@ class LaunchScreen(Screen):
                 f"no nnU-Net plans (DatasetXXX/nnUNet*Plans*.json) in {where} "
                 "(nnUNetv2_plan_and_preprocess -d ID)"
             )
-        return f"no preprocessed dataset in {where} (nnui-demo-data, then nnui-preprocess)"
+        return catalog.first_step(self.app.config.roots)
 
     def recompute(self) -> None:
         if not self._ready:

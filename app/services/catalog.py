@@ -88,6 +88,23 @@ def _fold_states(results_dataset: Path, plans: str | None = None) -> dict[tuple[
     return states
 
 
+def first_step(roots: Roots) -> str:
+    """What a user with no preprocessed nnui dataset should run next: the demo data when
+    the raw root holds no dataset, `nnui-preprocess` of the first raw dataset otherwise."""
+    raw = [n for n in dataset_names(roots.raw) if (roots.raw / n / "dataset.json").is_file()]
+    if not raw:
+        return (
+            f"no raw data in {roots.raw}: run nnui-demo-data for a demo dataset, "
+            "or put a DatasetNNN_Name folder (nnU-Net's layout) there"
+        )
+    first_id = raw[0].removeprefix("Dataset").split("_", 1)[0]
+    more = f" (and {len(raw) - 1} more)" if len(raw) > 1 else ""
+    return (
+        f"raw data not preprocessed: {raw[0]}{more} in {roots.raw}; "
+        f"run nnui-preprocess {first_id} -c 2d 3d_fullres"
+    )
+
+
 def list_datasets(
     roots: Roots, plans_file: str = plans_file_name(DEFAULT_PLANS)
 ) -> list[DatasetInfo]:
