@@ -252,8 +252,6 @@ def _view_of(registry: Registry, text: str) -> tuple[JobView | None, str | None]
 
 
 def _confirm(question: str) -> bool:
-    if not sys.stdin.isatty():
-        return True  # scripts: the checks are the safety, not the prompt
     answer = input(f"{question} [y/N] ").strip().lower()
     return answer in ("y", "yes")
 
@@ -325,6 +323,9 @@ def cmd_stop(options: argparse.Namespace, registry: Registry) -> int:
     if plan.already_signalled:
         print("nothing to do: these workers already received the stop; they end after this epoch")
         return EXIT_NOTHING
+    if not options.yes and not sys.stdin.isatty():
+        # A script that forgot --yes must not stop a training nobody confirmed.
+        return error("no terminal to confirm the stop: add --yes to send it", EXIT_USAGE)
     if not options.yes and not _confirm("send the graceful stop?"):
         print("not sent")
         return EXIT_NOTHING

@@ -60,6 +60,9 @@ def test_launch_status_stop_resume(env: dict) -> None:
                  "--gpus", "0", *flags)  # fmt: skip
     assert again.returncode == 1 and "already running" in again.stderr
 
+    unconfirmed = nnui(env, "stop", first)  # no terminal, no --yes: refused, nothing sent
+    assert unconfirmed.returncode == 2 and "add --yes" in unconfirmed.stderr
+    assert status(env)[first]["state"] == "running"
     stop = nnui(env, "stop", first, "--yes")
     assert stop.returncode == 0, stop.stderr
     assert "rank 0" in stop.stdout and "device cpu" in stop.stdout and "pid " in stop.stdout
