@@ -1,0 +1,103 @@
+"""`nnui predict -i IN -o OUT -d D -c C [-f F ...] --gpus 0,1 [-- nnui-predict flags]`: one
+supervised prediction job per GPU, each a part of the cases (app/services/prediction.py).
+
+Every check runs before anything starts: a usage mistake (no cases in IN, OUT = IN, a fold
+without its checkpoint, an unknown GPU) is one `error:` line and exit 2, with no job
+registered; a prediction already writing to OUT is a refusal (exit 1). Jobs are followed
+with `nnui status`, stopped with `nnui stop JOB` (after the current case) and continued
+with `nnui resume JOB` (--continue_prediction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from app.cli import (
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    _confirm,
+    _snapshot,
+    chosen_gpus,
+    error,
+    roots_of,
+)
+from app.services import launcher, prediction
+from app.services.claims import ClaimRefused
+from app.services.launcher import LaunchPlan
+from app.services.registry import Job, Registry
+from app.services.trainer_flags import flag_value
+
+
+def predict_args(options: argparse.Namespace) -> list[str]:
+    """The nnui-predict flags of this command line (named ones first, then after --)."""
+    args: list[str] = []
+    if options.checkpoint:
+        args += ["-chk", options.checkpoint]
+    for name in ("disable_tta", "save_probabilities", "continue_prediction"):
+        if getattr(options, name):
+            args.append(f"--{name}")
+    return [*args, *options.trainer_args]
+
+
+def request_of(options: argparse.Namespace, gpus: list[str]) -> prediction.PredictRequest:
+    simulated = options.simulate_gpus is not None
+    return prediction.PredictRequest(
+        input_dir=Path(options.input),
+        output_dir=Path(options.output),
+        dataset=options.dataset,
+        configuration=options.configuration,
+        folds=tuple(options.folds),
+        gpus=tuple(gpus),
+        device="cpu" if options.cpu or simulated else "cuda",
+        simulated=simulated,
+        predict_args=tuple(predict_args(options)),
+    )
+
+
+def _start(plans: list[LaunchPlan], registry: Registry) -> int:
+    try:
+        jobs = prediction.start_prediction(plans, registry)
+    except ClaimRefused as refused:
+        return error(f"refused to start the prediction: {refused}", EXIT_REFUSED)
+    for job in jobs:
+        gpus = ",".join(job.gpus) or "cpu"
+        part = f"part {(job.part_id or 0) + 1}/{job.num_parts or 1}"
+        print(f"{job.job_id}  predict {part}  gpus {gpus}  -> {job.output_dir}")
+    print("follow: nnui status; stop after the current case: nnui stop JOB")
+    return EXIT_OK
+
+
+def cmd_predict(options: argparse.Namespace, registry: Registry) -> int:
+    gpus, problem = chosen_gpus(options)
+    if problem is not None:
+        return error(problem, EXIT_USAGE)
+    if flag_value(options.trainer_args, "--events") is not None:
+        return error("--events is nnui's own (each job writes to its folder)", EXIT_USAGE)
+    request = request_of(options, gpus)
+    roots = roots_of(options)
+    real_gpus = request.device == "cuda" and not request.simulated
+    snapshot = _snapshot(options) if real_gpus else None
+    checks = prediction.check_prediction(request, roots, registry, snapshot)
+    for warning in checks.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if checks.errors:
+        for problem in checks.errors[1:]:
+            print(f"error: {problem}", file=sys.stderr)
+        return error(checks.errors[0], EXIT_USAGE if checks.usage_errors else EXIT_REFUSED)
+    plans = prediction.plan_prediction(request, roots, registry, checks.dataset_name)
+    if options.dry_run:
+        for plan in plans:
+            print(launcher.preview(plan))
+        return EXIT_OK
+    if checks.warnings and not options.yes and not _confirm("start anyway?"):
+        print("not started")
+        return EXIT_OK
+    return _start(plans, registry)
+
+
+def resume_prediction(job: Job, registry: Registry) -> int:
+    """`nnui resume` of a stopped (or failed) prediction part: the rest of its cases."""
+    return _start([prediction.resume_plan(job, registry)], registry)
