@@ -11,10 +11,11 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.services import catalog, launcher
+from app.services import catalog, launcher, prediction
 from app.services.claims import ClaimRefused
 from app.services.gpus import GpuMonitor, MachineSnapshot
 from app.services.jobs import JobTracker, JobView, simulated_gpu_load
@@ -44,13 +45,11 @@ def roots_of(options: argparse.Namespace) -> Roots:
     return resolve_roots(options.raw, options.preprocessed, options.results)
 
 
-def cmd_predict(options: argparse.Namespace, registry: Registry) -> int:
-    from app.cli_predict import cmd_predict as predict
-
-    return predict(options, registry)
+Handler = Callable[[argparse.Namespace, Registry], int]
 
 
-def run(options: argparse.Namespace) -> int:
+def run(options: argparse.Namespace, more: dict[str, Handler] | None = None) -> int:
+    """The subcommand's handler; `more` adds those of other modules (cli_predict.py)."""
     registry = Registry()
     handlers = {
         "status": cmd_status,
@@ -58,7 +57,7 @@ def run(options: argparse.Namespace) -> int:
         "resume": cmd_resume,
         "kill": cmd_kill,
         "launch": cmd_launch,
-        "predict": cmd_predict,
+        **(more or {}),
     }
     code = handlers[options.command](options, registry)
     for problem in registry.problems:
@@ -458,6 +457,20 @@ def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
     return _launch_plans(request, roots_of(options), registry, snapshot, options.dry_run)
 
 
+def start_predictions(plans: list[launcher.LaunchPlan], registry: Registry) -> int:
+    """Start prediction parts (all or none) and list them."""
+    try:
+        jobs = prediction.start_prediction(plans, registry)
+    except ClaimRefused as refused:
+        return error(f"refused to start the prediction: {refused}", EXIT_REFUSED)
+    for job in jobs:
+        gpus = ",".join(job.gpus) or "cpu"
+        part = f"part {(job.part_id or 0) + 1}/{job.num_parts or 1}"
+        print(f"{job.job_id}  predict {part}  gpus {gpus}  -> {job.output_dir}")
+    print("follow: nnui status; stop after the current case: nnui stop JOB")
+    return EXIT_OK
+
+
 def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:
     view, problem = _view_of(registry, options.job)
     if view is None:
@@ -468,10 +481,8 @@ def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:
     if view.state == "finished":
         print(f"nothing to do: job {view.job.job_id} finished training")
         return EXIT_NOTHING
-    if view.job.kind == PREDICT:
-        from app.cli_predict import resume_prediction
-
-        return resume_prediction(view.job, registry)
+    if view.job.kind == PREDICT:  # the rest of its cases (--continue_prediction)
+        return start_predictions([prediction.resume_plan(view.job, registry)], registry)
     request = launcher.resume_request(view.job)  # in the job's own roots, not the current ones
     folder = launcher.effective_roots(request, roots_of(options))
     expected = Path(view.job.run_dir)

@@ -23,11 +23,10 @@ from app.cli import (
     chosen_gpus,
     error,
     roots_of,
+    start_predictions,
 )
 from app.services import launcher, prediction
-from app.services.claims import ClaimRefused
-from app.services.launcher import LaunchPlan
-from app.services.registry import Job, Registry
+from app.services.registry import Registry
 from app.services.trainer_flags import flag_value
 
 
@@ -57,19 +56,6 @@ def request_of(options: argparse.Namespace, gpus: list[str]) -> prediction.Predi
     )
 
 
-def _start(plans: list[LaunchPlan], registry: Registry) -> int:
-    try:
-        jobs = prediction.start_prediction(plans, registry)
-    except ClaimRefused as refused:
-        return error(f"refused to start the prediction: {refused}", EXIT_REFUSED)
-    for job in jobs:
-        gpus = ",".join(job.gpus) or "cpu"
-        part = f"part {(job.part_id or 0) + 1}/{job.num_parts or 1}"
-        print(f"{job.job_id}  predict {part}  gpus {gpus}  -> {job.output_dir}")
-    print("follow: nnui status; stop after the current case: nnui stop JOB")
-    return EXIT_OK
-
-
 def cmd_predict(options: argparse.Namespace, registry: Registry) -> int:
     gpus, problem = chosen_gpus(options)
     if problem is not None:
@@ -95,9 +81,4 @@ def cmd_predict(options: argparse.Namespace, registry: Registry) -> int:
     if checks.warnings and not options.yes and not _confirm("start anyway?"):
         print("not started")
         return EXIT_OK
-    return _start(plans, registry)
-
-
-def resume_prediction(job: Job, registry: Registry) -> int:
-    """`nnui resume` of a stopped (or failed) prediction part: the rest of its cases."""
-    return _start([prediction.resume_plan(job, registry)], registry)
+    return start_predictions(plans, registry)

@@ -164,8 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         return run_tui(options)
     from app import cli
 
+    more = {}
+    if options.command == "predict":  # its own module (it imports cli)
+        from app.cli_predict import cmd_predict
+
+        more["predict"] = cmd_predict
     try:
-        return cli.run(options)
+        return cli.run(options, more)
     except BrokenPipeError:  # `nnui status | head`
         sys.stderr.close()
         return EXIT_OK

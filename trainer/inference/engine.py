@@ -21,7 +21,9 @@ from trainer.inference.sliding import predict_probabilities
 from trainer.plans import ConfigurationPlan, Plans
 
 log = logging.getLogger(__name__)
-# (case id, 1-based index, number of cases, seconds, the input's shape), once it is written.
+# predict_cases' hooks (a supervised prediction, trainer.prediction_events): should_stop(i)
+# is asked before case i (a graceful stop: the cases begun are written, the rest left);
+# on_case hears (case id, 1-based index, number of cases, seconds, input shape) once written.
 CaseHook = Callable[[str, int, int, float, Sequence[int]], None]
 
 
@@ -73,10 +75,7 @@ def predict_cases(
     on_case: CaseHook | None = None,
 ) -> int:
     """Predict and write every case in order; returns the number written. The first error
-    (of reading, predicting or writing) is raised once the threads are idle.
-
-    `should_stop(num_done)` is asked before each case (a graceful stop: the cases begun are
-    finished and written, the rest left); `on_case` hears of each case once it is written."""
+    (of reading, predicting or writing) is raised once the threads are idle."""
     total = len(cases)
     label_values = sorted(plans.labels.values())
     with (
