@@ -380,6 +380,18 @@ def _snapshot(options: argparse.Namespace) -> MachineSnapshot:
         monitor.close()
 
 
+def report_checks(checks: launcher.LaunchChecks) -> int | None:
+    """Print the warnings and errors of a launch's (or a prediction's) checks; the exit code
+    when there are errors: arguments that name nothing are usage errors, the rest refusals."""
+    for warning in checks.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if not checks.errors:
+        return None
+    for problem in checks.errors[1:]:
+        print(f"error: {problem}", file=sys.stderr)
+    return error(checks.errors[0], EXIT_USAGE if checks.usage_errors else EXIT_REFUSED)
+
+
 def _launch_plans(
     request: launcher.LaunchRequest,
     roots: Roots,
@@ -396,13 +408,9 @@ def _launch_plans(
     except (DatasetNotFound, ValueError):
         batch = None  # check_request reports the missing dataset or the unknown engine
     checks = launcher.check_request(request, roots, batch, snapshot, registry)
-    for warning in checks.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    if checks.errors:
-        for problem in checks.errors[1:]:
-            print(f"error: {problem}", file=sys.stderr)
-        # Arguments that name nothing (fold, dataset, configuration) are usage errors.
-        return error(checks.errors[0], EXIT_USAGE if checks.usage_errors else EXIT_REFUSED)
+    refused = report_checks(checks)
+    if refused is not None:
+        return refused
     plans, problems = launcher.plan_launch(request, roots, batch, snapshot, registry)
     if problems:
         return error(problems[0], EXIT_REFUSED)

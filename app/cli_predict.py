@@ -11,17 +11,16 @@ with `nnui resume JOB` (--continue_prediction).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from app.cli import (
     EXIT_OK,
-    EXIT_REFUSED,
     EXIT_USAGE,
     _confirm,
     _snapshot,
     chosen_gpus,
     error,
+    report_checks,
     roots_of,
     start_predictions,
 )
@@ -67,12 +66,9 @@ def cmd_predict(options: argparse.Namespace, registry: Registry) -> int:
     real_gpus = request.device == "cuda" and not request.simulated
     snapshot = _snapshot(options) if real_gpus else None
     checks = prediction.check_prediction(request, roots, registry, snapshot)
-    for warning in checks.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    if checks.errors:
-        for problem in checks.errors[1:]:
-            print(f"error: {problem}", file=sys.stderr)
-        return error(checks.errors[0], EXIT_USAGE if checks.usage_errors else EXIT_REFUSED)
+    refused = report_checks(checks)
+    if refused is not None:
+        return refused
     plans = prediction.plan_prediction(request, roots, registry, checks.dataset_name)
     if options.dry_run:
         for plan in plans:

@@ -8,12 +8,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from fake_trainer import cleanup_jobs, wait_until
+from test_cli import nnui
+from test_cli import status as rows
 from test_predict import write_checkpoint
 
 from app.services.jobs import JobTracker
@@ -56,22 +57,9 @@ def env(trained, tmp_path):
         cleanup_jobs(tmp_path / "state")
 
 
-def nnui(env: dict, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "app.main", *args], env=env, cwd=ROOT, capture_output=True,
-        text=True, timeout=300, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-
-
 def predict(env: dict, trained: dict, out: Path, *extra: str) -> subprocess.CompletedProcess:
     return nnui(env, "predict", "-i", str(trained["images"]), "-o", str(out), "-d", "900",
                 "-c", "2d", "-f", "0", "--disable_tta", *extra)  # fmt: skip
-
-
-def rows(env: dict) -> dict[str, dict]:
-    result = nnui(env, "status", "--json")
-    assert result.returncode == 0, result.stderr
-    return {row["id"]: row for row in json.loads(result.stdout)}
 
 
 def job_ids(result: subprocess.CompletedProcess[str]) -> list[str]:
