@@ -17,6 +17,7 @@ from test_cli import nnui
 from test_cli import status as rows
 from test_predict import write_checkpoint
 
+from app.services.case_progress import CaseProgress
 from app.services.jobs import JobTracker
 from app.services.registry import PREDICT, Job, Registry
 from trainer import schema
@@ -246,7 +247,18 @@ def test_view_of_a_stopped_prediction_has_cases_speed_and_state(tmp_path) -> Non
     assert view.state == "stopped"
     assert (view.cases_done, view.num_cases) == (4, 5)  # the one skipped counts as done
     assert view.seconds_per_case == pytest.approx(2.0)  # between cases, not the 9 s each
-    assert JobTracker(registry).cross_validation_eta_s([view]) is None
+    assert view.eta_s is None  # ended: nothing left to wait for
+
+
+def test_case_progress_eta_is_cases_left_times_the_pace() -> None:
+    progress = CaseProgress()
+    progress.absorb({"kind": "prediction_started", "t": 0.0, "num_cases": 10, "num_skipped": 2})
+    assert (progress.num_done, progress.num_cases, progress.eta_s()) == (2, 12, None)
+    for index, t in enumerate((5.0, 8.0, 11.0), start=1):
+        progress.absorb({"kind": "case_predicted", "t": t, "case": f"c{index}", "index": index,
+                         "seconds": 4.5})  # fmt: skip
+    assert progress.seconds_per_case == pytest.approx(3.0)
+    assert progress.eta_s() == pytest.approx((12 - 5) * 3.0)
 
 
 def test_the_apps_image_endings_are_the_trainers() -> None:
