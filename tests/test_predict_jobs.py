@@ -265,3 +265,41 @@ def test_the_apps_image_endings_are_the_trainers() -> None:
     from trainer.data.image_io import SUPPORTED_ENDINGS
 
     assert schema.IMAGE_ENDINGS == SUPPORTED_ENDINGS
+
+
+def test_sigusr1_in_process_writes_the_current_case_then_stops_with_events(
+    trained, tmp_path, monkeypatch, capsys
+) -> None:
+    import signal
+
+    from trainer import stop
+    from trainer.inference import engine
+    from trainer.predict import main as predict_main
+
+    real_write = engine.write_prediction
+
+    def write_then_signal(*args, **kwargs):
+        real_write(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGUSR1)  # as `nnui stop` would, during the run
+
+    monkeypatch.setattr(engine, "write_prediction", write_then_signal)
+    out, events_file = tmp_path / "out", tmp_path / "job" / schema.EVENTS_FILE
+    argv = ["-i", str(trained["images"]), "-o", str(out), "-d", "900", "-c", "2d", "-f", "0",
+            "--disable_tta", "-device", "cpu", "--preprocessed", str(trained["demo"].preprocessed),
+            "--results", str(trained["results"]), "--events", str(events_file)]  # fmt: skip
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        assert predict_main(argv) == 0
+    finally:
+        stop.clear()
+        signal.signal(signal.SIGUSR1, previous)
+    records = [json.loads(line) for line in events_file.read_text().splitlines()]
+    assert all(schema.validate_event(r) is None for r in records)
+    kinds = [r["kind"] for r in records]
+    assert kinds[:2] == ["prediction_started", "topology"] and kinds[-1] == "stopped"
+    rank = records[1]["ranks"][0]
+    assert rank["pid"] == os.getpid() and rank["sigusr1_handler"]
+    done = [r["case"] for r in records if r["kind"] == "case_predicted"]
+    assert 1 <= len(done) < len(CASES) and records[-1]["num_done"] == len(done)
+    assert outputs(out) == sorted(f"{c}.nii.gz" for c in done)
+    assert "stopped (SIGUSR1) after" in capsys.readouterr().out
