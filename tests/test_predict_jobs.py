@@ -147,6 +147,9 @@ def _bad_inputs(trained: dict, tmp_path: Path) -> dict[str, tuple[list[str], str
     empty = tmp_path / "empty"
     empty.mkdir()
     images, out = str(trained["images"]), str(tmp_path / "out")
+    theirs = tmp_path / "nnunet_predictions"  # an nnUNetv2_predict output folder
+    theirs.mkdir()
+    (theirs / "predict_from_raw_data_args.json").write_text("{}")
     base = ["-d", "900", "-c", "2d", "--simulate-gpus", "2", "--gpus", "0,1"]
     return {
         "missing input": (["-i", str(tmp_path / "nope"), "-o", out, *base], "does not exist"),
@@ -172,6 +175,7 @@ def _bad_inputs(trained: dict, tmp_path: Path) -> dict[str, tuple[list[str], str
             "GPU 5 does not exist",
         ),
         "no dataset": (["-i", images, "-o", out, "-d", "901", "-c", "2d", "--cpu"], "901"),
+        "nnU-Net's output": (["-i", images, "-o", str(theirs), *base], "nnU-Net's files"),
     }
 
 
@@ -184,6 +188,31 @@ def test_bad_input_is_refused_with_exit_2_and_no_job(env, trained, tmp_path) -> 
         assert "Traceback" not in result.stderr
     assert Registry(Path(env["NNUI_STATE_DIR"])).list() == []
     assert not (tmp_path / "out").exists()
+    assert [p.name for p in (tmp_path / "nnunet_predictions").iterdir()] == [
+        "predict_from_raw_data_args.json"
+    ]
+
+
+def test_a_second_prediction_into_a_busy_folder_is_refused(trained, tmp_path) -> None:
+    from app.services import prediction
+    from app.services.registry import ProcessRecord
+    from app.services.signals import process_identity
+
+    registry = Registry(tmp_path / "state")
+    ticks, created = process_identity(os.getpid())  # a live "supervisor": this test
+    out = tmp_path / "out"
+    record = ProcessRecord(os.getpid(), created or time.time(), "supervisor", None, ticks)
+    registry.add(_job(tmp_path, output_dir=str(out), processes=[record], created_at=0.0))
+    demo = trained["demo"]
+    roots = schema.Roots(demo.raw, demo.preprocessed, trained["results"])
+    request = prediction.PredictRequest(trained["images"], out, "900", "2d", ("0",), ("0",),
+                                        device="cpu", simulated=True)  # fmt: skip
+    checks = prediction.check_prediction(request, roots, registry)
+    assert checks.usage_errors == [] and "j1 is already predicting into" in checks.errors[0]
+    plans = prediction.plan_prediction(request, roots, registry, checks.dataset_name)
+    with pytest.raises(prediction.claims.ClaimRefused, match="already predicting"):
+        prediction.start_prediction(plans, registry)
+    assert [j.job_id for j in registry.list()] == ["j1"]  # nothing of the second started
 
 
 def test_dry_run_prints_one_command_per_part_and_starts_nothing(env, trained, tmp_path):

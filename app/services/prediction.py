@@ -40,7 +40,7 @@ from trainer.schema import (
     Roots,
     checkpoint_file,
     find_dataset,
-    nnunet_files,
+    refuse_nnunet_output,
     run_dir,
 )
 
@@ -83,9 +83,10 @@ def _input_problem(request: PredictRequest) -> str | None:
     out_dir = Path(request.output_dir)
     if out_dir.absolute().resolve() == in_dir.absolute().resolve():
         return f"-o {out_dir} is the input folder: choose another output folder"
-    theirs = nnunet_files(out_dir)
-    if theirs:
-        return f"-o {out_dir} holds nnU-Net's files ({', '.join(theirs)}): choose another folder"
+    try:
+        refuse_nnunet_output(out_dir)  # nnU-Net's predictions there would be replaced
+    except ValueError as refused:
+        return str(refused)
     return None
 
 
