@@ -20,6 +20,7 @@ from test_tui_fixtures import (
 
 from app.screens.confirm import LaunchConfirmScreen, StopConfirmScreen
 from app.screens.dashboard import DashboardScreen
+from app.screens.job_detail import JobDetailScreen
 from app.screens.launch import LaunchScreen
 from app.screens.predict_form import PredictScreen
 from app.services.registry import PREDICT, Registry
@@ -101,5 +102,14 @@ async def test_form_starts_one_part_per_gpu_and_s_stops_one(tmp_path: Path, monk
             await wait_for(lambda: app.view_of(ids[0]).state == "stopped", pilot)
             assert app.view_of(ids[0]).exit_code == 0
             assert app.view_of(ids[1]).state == "running"  # only the chosen part stopped
+
+            await pilot.press("enter")  # its detail: what it predicts into, no epoch curves
+            detail = await screen_of(app, pilot, JobDetailScreen)
+            await wait_for(
+                lambda: (
+                    f"predict -> {d.output_dir}" in str(detail.query_one("#detail-header").render())
+                ),
+                pilot,
+            )
     finally:
         kill_started_jobs(state)
