@@ -11,16 +11,17 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.services import catalog, launcher
+from app.services import catalog, launcher, prediction
 from app.services.claims import ClaimRefused
 from app.services.gpus import GpuMonitor, MachineSnapshot
 from app.services.jobs import JobTracker, JobView, simulated_gpu_load
 from app.services.nnunet_runs import RUN_ID_PREFIX, WatchOnlyRun, is_train_cmdline, stop_refusal
 from app.services.procs import proc_info
-from app.services.registry import Job, Registry
+from app.services.registry import PREDICT, Job, Registry
 from app.services.signals import kill as kill_job
 from app.services.signals import kill_plan, plan_stop, send_stop
 from trainer.schema import (
@@ -44,7 +45,11 @@ def roots_of(options: argparse.Namespace) -> Roots:
     return resolve_roots(options.raw, options.preprocessed, options.results)
 
 
-def run(options: argparse.Namespace) -> int:
+Handler = Callable[[argparse.Namespace, Registry], int]
+
+
+def run(options: argparse.Namespace, more: dict[str, Handler] | None = None) -> int:
+    """The subcommand's handler; `more` adds those of other modules (cli_predict.py)."""
     registry = Registry()
     handlers = {
         "status": cmd_status,
@@ -52,6 +57,7 @@ def run(options: argparse.Namespace) -> int:
         "resume": cmd_resume,
         "kill": cmd_kill,
         "launch": cmd_launch,
+        **(more or {}),
     }
     code = handlers[options.command](options, registry)
     for problem in registry.problems:
@@ -107,7 +113,25 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "created_at": job.created_at,
         "ended_at": job.ended_at,
         "watch_only": view.watch_only,
+        "kind": job.kind,
+        "num_cases": view.num_cases,
+        "cases_done": view.cases_done,
+        "seconds_per_case": view.seconds_per_case,
+        "part_id": job.part_id,
+        "num_parts": job.num_parts,
+        "output_dir": job.output_dir,
     }
+
+
+def progress_cells(view: JobView) -> tuple[str, str, str]:
+    """(MODE, EPOCH, IT/S) cells: a prediction shows its part, cases and s/case there."""
+    job = view.job
+    if job.kind != PREDICT:
+        epoch = "n/a" if view.epoch is None else f"{view.epoch}/{view.num_epochs or '?'}"
+        return job.mode, epoch, _f(view.it_per_s, "{:.1f}")
+    part = f"predict {(job.part_id or 0) + 1}/{job.num_parts or 1}"
+    cases = "n/a" if view.num_cases is None else f"{view.cases_done}/{view.num_cases} cases"
+    return part, cases, _f(view.seconds_per_case, "{:.1f} s/case")
 
 
 def watch_only_dict(view: JobView) -> dict[str, Any]:
@@ -174,12 +198,12 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
         gpus = ",".join(job.gpus) or "cpu"
         if job.simulated:
             gpus += " (sim)"
-        epoch = "n/a" if v.epoch is None else f"{v.epoch}/{v.num_epochs or '?'}"
+        mode, epoch, speed = progress_cells(v)
         rows.append(
             (
-                job.job_id, job.dataset, job.configuration, job.fold, job.mode, gpus, v.state,
+                job.job_id, job.dataset, job.configuration, job.fold, mode, gpus, v.state,
                 epoch, _f(v.train_loss), _f(v.val_loss), _f(v.ema_dice, "{:.3f}"),
-                _f(v.it_per_s, "{:.1f}"), fmt_duration(v.eta_s),
+                speed, fmt_duration(v.eta_s),
                 "" if v.exit_code is None else str(v.exit_code),
             )
         )  # fmt: skip
@@ -316,12 +340,18 @@ def cmd_stop(options: argparse.Namespace, registry: Registry) -> int:
     if not plan.ok:
         send_stop(plan, job, registry)  # records the refusal
         return error(f"refused to stop {job.job_id}: {plan.reason}", EXIT_REFUSED)
-    print(f"job {job.job_id} (epoch {plan.epoch if plan.epoch is not None else 'n/a'}): SIGUSR1 to")
+    where = f"epoch {plan.epoch if plan.epoch is not None else 'n/a'}"
+    if job.kind == PREDICT:
+        where = f"case {view.cases_done if view.cases_done is not None else 'n/a'}/" + (
+            f"{view.num_cases if view.num_cases is not None else '?'}"
+        )
+    print(f"job {job.job_id} ({where}): SIGUSR1 to")
     for target in plan.targets:
         print(f"  pid {target.pid}  rank {target.rank}  local rank {target.local_rank}  "
               f"device {target.device}  host {target.host}")  # fmt: skip
     if plan.already_signalled:
-        print("nothing to do: these workers already received the stop; they end after this epoch")
+        print("nothing to do: these workers already received the stop; they end after this "
+              f"{'case' if job.kind == PREDICT else 'epoch'}")  # fmt: skip
         return EXIT_NOTHING
     if not options.yes and not sys.stdin.isatty():
         # A script that forgot --yes must not stop a training nobody confirmed.
@@ -335,7 +365,10 @@ def cmd_stop(options: argparse.Namespace, registry: Registry) -> int:
         print(f"  pid {record.pid}: {record.result}", file=sys.stderr)
     if failed and len(failed) == len(records):
         return error("no worker received the signal", EXIT_REFUSED)
-    print("sent; the job checkpoints and exits at the end of its current epoch")
+    if job.kind == PREDICT:
+        print("sent; the prediction writes its current case, then exits (resume: the rest)")
+    else:
+        print("sent; the job checkpoints and exits at the end of its current epoch")
     return EXIT_OK
 
 
@@ -346,6 +379,18 @@ def _snapshot(options: argparse.Namespace) -> MachineSnapshot:
         return monitor.snapshot()
     finally:
         monitor.close()
+
+
+def report_checks(checks: launcher.LaunchChecks) -> int | None:
+    """Print the warnings and errors of a launch's (or a prediction's) checks; the exit code
+    when there are errors: arguments that name nothing are usage errors, the rest refusals."""
+    for warning in checks.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if not checks.errors:
+        return None
+    for problem in checks.errors[1:]:
+        print(f"error: {problem}", file=sys.stderr)
+    return error(checks.errors[0], EXIT_USAGE if checks.usage_errors else EXIT_REFUSED)
 
 
 def _launch_plans(
@@ -364,13 +409,9 @@ def _launch_plans(
     except (DatasetNotFound, ValueError):
         batch = None  # check_request reports the missing dataset or the unknown engine
     checks = launcher.check_request(request, roots, batch, snapshot, registry)
-    for warning in checks.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    if checks.errors:
-        for problem in checks.errors[1:]:
-            print(f"error: {problem}", file=sys.stderr)
-        # Arguments that name nothing (fold, dataset, configuration) are usage errors.
-        return error(checks.errors[0], EXIT_USAGE if checks.usage_errors else EXIT_REFUSED)
+    refused = report_checks(checks)
+    if refused is not None:
+        return refused
     plans, problems = launcher.plan_launch(request, roots, batch, snapshot, registry)
     if problems:
         return error(problems[0], EXIT_REFUSED)
@@ -388,18 +429,26 @@ def _launch_plans(
     return EXIT_OK
 
 
-def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
-    folds = [f.strip() for f in options.folds.split(",") if f.strip()]
+def chosen_gpus(options: argparse.Namespace) -> tuple[list[str], str | None]:
+    """--gpus as a list, or the usage mistake (launch and predict alike)."""
     gpus = [g.strip() for g in options.gpus.split(",") if g.strip()]
-    simulated = options.simulate_gpus is not None
-    if simulated:
+    if options.simulate_gpus is not None:
         if options.cpu:
-            return error("--cpu and --simulate-gpus do not go together", EXIT_USAGE)
+            return gpus, "--cpu and --simulate-gpus do not go together"
         bad = [g for g in gpus if not g.isdigit() or int(g) >= options.simulate_gpus]
         if bad:
-            return error(f"GPU {bad[0]} does not exist on the simulated machine", EXIT_USAGE)
+            return gpus, f"GPU {bad[0]} does not exist on the simulated machine"
     if not gpus and not options.cpu:
-        return error("give --gpus (e.g. --gpus 0,1) or --cpu", EXIT_USAGE)
+        return gpus, "give --gpus (e.g. --gpus 0,1) or --cpu"
+    return gpus, None
+
+
+def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
+    folds = [f.strip() for f in options.folds.split(",") if f.strip()]
+    gpus, problem = chosen_gpus(options)
+    if problem is not None:
+        return error(problem, EXIT_USAGE)
+    simulated = options.simulate_gpus is not None
     request = launcher.LaunchRequest(
         dataset=options.dataset,
         configuration=options.configuration,
@@ -417,6 +466,20 @@ def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
     return _launch_plans(request, roots_of(options), registry, snapshot, options.dry_run)
 
 
+def start_predictions(plans: list[launcher.LaunchPlan], registry: Registry) -> int:
+    """Start prediction parts (all or none) and list them."""
+    try:
+        jobs = prediction.start_prediction(plans, registry)
+    except ClaimRefused as refused:
+        return error(f"refused to start the prediction: {refused}", EXIT_REFUSED)
+    for job in jobs:
+        gpus = ",".join(job.gpus) or "cpu"
+        part = f"part {(job.part_id or 0) + 1}/{job.num_parts or 1}"
+        print(f"{job.job_id}  predict {part}  gpus {gpus}  -> {job.output_dir}")
+    print("follow: nnui status; stop after the current case: nnui stop JOB")
+    return EXIT_OK
+
+
 def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:
     view, problem = _view_of(registry, options.job)
     if view is None:
@@ -427,6 +490,8 @@ def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:
     if view.state == "finished":
         print(f"nothing to do: job {view.job.job_id} finished training")
         return EXIT_NOTHING
+    if view.job.kind == PREDICT:  # the rest of its cases (--continue_prediction)
+        return start_predictions([prediction.resume_plan(view.job, registry)], registry)
     request = launcher.resume_request(view.job)  # in the job's own roots, not the current ones
     folder = launcher.effective_roots(request, roots_of(options))
     expected = Path(view.job.run_dir)

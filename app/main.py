@@ -2,6 +2,7 @@
 
     nnui [--simulate-gpus N] [--readonly] [--no-mouse]       the dashboard
     nnui launch DATASET CONFIGURATION --folds 0,1 --gpus 0,1 [-- trainer flags]
+    nnui predict -i IN -o OUT -d DATASET -c CONFIGURATION -f 0 1 --gpus 0,1
     nnui status [--json] | stop JOB [--yes] | resume JOB | kill JOB --yes | sbatch ...
 
 Exit codes: 0 ok, 1 refused by a safety check (reason printed), 2 usage error or unknown
@@ -104,8 +105,34 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--dry-run", action="store_true", help="print the commands only")
     _common(launch, top=False)
 
+    _predict_parser(sub)
     sub.add_parser("sbatch", help="write/submit a SLURM job script (see nnui sbatch --help)")
     return parser
+
+
+def _predict_parser(sub: argparse._SubParsersAction) -> None:
+    predict = sub.add_parser(
+        "predict",
+        help="segment a folder with trained folds, one part of the cases per GPU",
+        description="Start one nnui-predict job per GPU (-num_parts/-part_id), detached "
+        "and stoppable like trainings; other nnui-predict flags go after `--`, e.g. "
+        "-- -step_size 0.75 --postprocess FILE",
+    )
+    predict.add_argument("-i", dest="input", required=True, help="folder of CASE_0000 images")
+    predict.add_argument("-o", dest="output", required=True, help="output folder (not -i)")
+    predict.add_argument("-d", dest="dataset", required=True, help="id or DatasetNNN_Name")
+    predict.add_argument("-c", dest="configuration", required=True, help="e.g. 3d_fullres")
+    predict.add_argument("-f", dest="folds", nargs="+", default=["0", "1", "2", "3", "4"],
+                         help="folds to average (default 0 1 2 3 4)")  # fmt: skip
+    predict.add_argument("-chk", dest="checkpoint", help="checkpoint_final (default) or _best")
+    predict.add_argument("--disable_tta", action="store_true", help="no mirroring")
+    predict.add_argument("--save_probabilities", action="store_true", help="also CASE.npz")
+    predict.add_argument("--continue_prediction", action="store_true", help="skip done cases")
+    predict.add_argument("--gpus", default="", help="comma list: one part per GPU, e.g. 0,1")
+    predict.add_argument("--cpu", action="store_true", help="one part on the CPU")
+    predict.add_argument("--dry-run", action="store_true", help="print the commands only")
+    predict.add_argument("--yes", action="store_true", help="do not ask about busy GPUs")
+    _common(predict, top=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if options.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    if trainer_args and options.command != "launch":
-        print("error: trainer flags after -- only go with `nnui launch`", file=sys.stderr)
+    if trainer_args and options.command not in ("launch", "predict"):
+        print("error: flags after -- only go with `nnui launch` and `nnui predict`",
+              file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
     if options.simulate_gpus is not None and options.simulate_gpus < 1:
         print("error: --simulate-gpus needs N >= 1", file=sys.stderr)
@@ -147,8 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         return run_tui(options)
     from app import cli
 
+    more = {}
+    if options.command == "predict":  # its own module (it imports cli)
+        from app.cli_predict import cmd_predict
+
+        more["predict"] = cmd_predict
     try:
-        return cli.run(options)
+        return cli.run(options, more)
     except BrokenPipeError:  # `nnui status | head`
         sys.stderr.close()
         return EXIT_OK

@@ -48,6 +48,23 @@ EXAMPLES: dict[schema.Kind, dict] = {
     schema.Kind.VALIDATION_FINISHED: dict(mean_fg_dice=0.7, dice_per_class=[0.7], num_cases=2),
     schema.Kind.FINISHED: dict(epoch=9),
     schema.Kind.FAILED: dict(message="boom", traceback="Traceback ...", epoch=None),
+    schema.Kind.PREDICTION_STARTED: dict(
+        num_cases=5,
+        num_skipped=1,
+        part_id=1,
+        num_parts=2,
+        folds=["0", "1"],
+        dataset="Dataset004_Demo",
+        configuration="2d",
+        checkpoint="final",
+        output="/o",
+        device="cpu",
+        host="h",
+        argv=["nnui-predict"],
+    ),
+    schema.Kind.CASE_PREDICTED: dict(
+        case="c1", index=1, num_cases=5, seconds=0.5, shape=[20, 40, 41]
+    ),
 }
 
 
@@ -92,6 +109,12 @@ WRONG_VALUES = [
     (schema.Kind.RUN_STARTED, "num_epochs", "10"), (schema.Kind.RUN_STARTED, "world_size", 0),
     (schema.Kind.CHECKPOINT_SAVED, "checkpoint", "newest"),
     (schema.Kind.STOP_REQUESTED, "ranks", "all"), (schema.Kind.FAILED, "message", None),
+    (schema.Kind.PREDICTION_STARTED, "num_cases", -1),
+    (schema.Kind.PREDICTION_STARTED, "num_parts", 0),
+    (schema.Kind.PREDICTION_STARTED, "folds", [0]),
+    (schema.Kind.CASE_PREDICTED, "seconds", math.nan),
+    (schema.Kind.CASE_PREDICTED, "shape", [3, -1]), (schema.Kind.CASE_PREDICTED, "case", 7),
+    (schema.Kind.STOPPED, "num_done", -2),
 ]  # fmt: skip
 
 

@@ -7,6 +7,11 @@ device. Then the cases stream through trainer.inference.engine. The output folde
 `CASE<ending>` in each input's own format and geometry, `CASE.npz` with
 --save_probabilities, and `nnui_prediction.json` (what was predicted how, for
 nnui-ensemble).
+
+SIGUSR1 stops it gracefully: the case being predicted is finished and written, then it
+exits 0 (`--continue_prediction` does the rest later). With `--events FILE` (what nnui
+passes to the predictions it supervises) the progress is also written to FILE as JSON lines
+(trainer.prediction_events); the console output is the same with or without it.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ import json
 import logging
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer import stop
 from trainer.inference.cli import OneLineParser, one_line
-from trainer.schema import CHECKPOINT_KINDS, DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
+from trainer.prediction_events import PredictionEvents
+from trainer.schema import CHECKPOINT_KINDS, DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS, Kind
 
 log = logging.getLogger("trainer.predict")
 PREDICTION_INFO_FILE = "nnui_prediction.json"
@@ -64,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-part_id", type=int, default=0, help="which part this process predicts")
     p.add_argument("--preprocessed", default=None, help="default $nnUNet_preprocessed")
     p.add_argument("--results", default=None, help="default $nnUNet_results")
+    p.add_argument(
+        "--events",
+        default=None,
+        metavar="FILE",
+        help="also append machine-readable progress (JSON lines) to FILE (nnui sets it)",
+    )
     return p
 
 
@@ -244,15 +258,18 @@ def _write_info(resolved: Resolved, args: argparse.Namespace) -> None:
     atomic_write_text(resolved.out_dir / PREDICTION_INFO_FILE, json.dumps(info, indent=1) + "\n")
 
 
-def run(args: argparse.Namespace, progress=print) -> int:
+def run(args: argparse.Namespace, progress=print, events: PredictionEvents | None = None) -> int:
     from trainer.inference.engine import PredictSettings, build_models, predict_cases
 
+    events = events or PredictionEvents(None)
     resolved = resolve(args)
+    _started(events, resolved, args)
     device = _device(args.device)
     if resolved.num_skipped:
         progress(f"--continue_prediction: {resolved.num_skipped} case(s) already done")
     if not resolved.cases:
         progress("nothing to predict")
+        events.event(Kind.FINISHED, num_done=0, num_cases=0)
         return 0
     weights = _load_weights(resolved.checkpoints)
     try:
@@ -279,30 +296,75 @@ def run(args: argparse.Namespace, progress=print) -> int:
         device,
         settings,
         lambda line: progress(line, flush=True),
+        events.should_stop,
+        events.case,
     )
+    total = len(resolved.cases)
     progress(
         f"predicted {num} case(s) with {len(models)} fold(s) in "
         f"{time.perf_counter() - started:.1f} s -> {resolved.out_dir}"
     )
+    if num < total:  # SIGUSR1: the cases begun are written, the rest left for later
+        progress(f"stopped (SIGUSR1) after {num} of {total} case(s); --continue_prediction "
+                 "predicts the rest")  # fmt: skip
+        events.event(Kind.STOPPED, reason="SIGUSR1", num_done=num, num_cases=total)
+    else:
+        events.event(Kind.FINISHED, num_done=num, num_cases=total)
     return 0
 
 
+def _started(events: PredictionEvents, resolved: Resolved, args: argparse.Namespace) -> None:
+    events.started(
+        len(resolved.cases),
+        resolved.num_skipped,
+        args.device,
+        part_id=args.part_id,
+        num_parts=args.num_parts,
+        folds=list(resolved.checkpoints),
+        dataset=resolved.dataset_name,
+        configuration=args.configuration,
+        checkpoint=checkpoint_kind(args.checkpoint),
+        output=str(resolved.out_dir),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    stop.install_at_start()  # SIGUSR1 = stop after the current case, from the first moment
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
-        return run(args)
+        events = PredictionEvents(args.events)
+    except OSError as exc:
+        sys.stderr.write(f"error: --events {args.events}: {exc.strerror or exc}\n")
+        return 2
+    try:
+        return _run_recorded(args, events)
+    finally:
+        events.close()
+
+
+def _run_recorded(args: argparse.Namespace, events: PredictionEvents) -> int:
+    """run(), with every failure also recorded as a `failed` event."""
+    try:
+        return run(args, events=events)
     except ValueError as exc:  # InputError, DatasetNotFound, plans and checkpoint checks
         sys.stderr.write(f"error: {one_line(exc)}\n")
+        events.failed(one_line(exc))
         return 2
     except OSError as exc:  # a full or read-only output disk
-        sys.stderr.write(f"error: {exc.strerror or exc}: {exc.filename or ''}\n")
+        message = f"{exc.strerror or exc}: {exc.filename or ''}"
+        sys.stderr.write(f"error: {message}\n")
+        events.failed(message)
         return 2
     except KeyboardInterrupt:
+        events.failed("interrupted (SIGINT)")
         return 130
+    except Exception as exc:
+        events.failed(f"{type(exc).__name__}: {one_line(exc)}", traceback.format_exc())
+        raise
 
 
 if __name__ == "__main__":

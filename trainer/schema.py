@@ -30,6 +30,9 @@ VALIDATION_DIR = "validation"
 SUMMARY_FILE = "summary.json"
 CHECKPOINT_KINDS = ("latest", "best", "final")
 FOLDS = ("0", "1", "2", "3", "4", "all")
+# The image files the trainer reads (trainer.data.image_io.SUPPORTED_ENDINGS, tested equal),
+# for the app's up-front check of a prediction's input folder.
+IMAGE_ENDINGS = (".nii.gz", ".nii", ".npy", ".npz")
 
 # ---- one tree, two tools (DESIGN §2) -------------------------------------------------------
 # nnui's own identifiers never collide with nnU-Net's, so both tools share one
@@ -151,8 +154,14 @@ class Kind(_StrEnum):
     VALIDATION_FINISHED = "validation_finished"
     FINISHED = "finished"
     FAILED = "failed"
+    # A prediction (nnui-predict --events FILE): it writes `topology`, `stop_requested`,
+    # `stopped`, `finished` and `failed` as a training does, and these two of its own.
+    PREDICTION_STARTED = "prediction_started"
+    CASE_PREDICTED = "case_predicted"
 
 
+# The kinds that begin a job's own run in its events file.
+START_KINDS = frozenset({Kind.RUN_STARTED, Kind.PREDICTION_STARTED})
 ALL_KINDS = frozenset(Kind)
 
 
@@ -260,6 +269,8 @@ REQUIRED_KEYS: dict[Kind, dict[str, Check]] = {
     Kind.VALIDATION_FINISHED: {},
     Kind.FINISHED: {},
     Kind.FAILED: {},
+    Kind.PREDICTION_STARTED: {"num_cases": COUNT},
+    Kind.CASE_PREDICTED: {"case": TEXT},
 }
 _EPOCH_METRICS = ("train_loss", "val_loss", "mean_fg_dice", "ema_fg_dice", "lr",
                   "epoch_time_s", "iterations_per_s", "data_wait_s")  # fmt: skip
@@ -282,16 +293,38 @@ OPTIONAL_KEYS: dict[Kind, dict[str, Check]] = {
         "nan_loss": FLAG,
     },
     Kind.CHECKPOINT_SAVED: {"path": TEXT, "epoch": EPOCH_INDEX, "write_time_s": NUMBER},
-    Kind.STOP_REQUESTED: {"epoch": EPOCH_INDEX, "ranks": RANK_INDICES},
-    Kind.STOPPED: {"epoch": EPOCH_INDEX, "reason": TEXT},
+    Kind.STOP_REQUESTED: {"epoch": EPOCH_INDEX, "ranks": RANK_INDICES, "num_done": COUNT},
+    Kind.STOPPED: {"epoch": EPOCH_INDEX, "reason": TEXT, "num_done": COUNT, "num_cases": COUNT},
     Kind.VALIDATION_STARTED: {"epoch": EPOCH_INDEX, "num_cases": COUNT},
     Kind.VALIDATION_FINISHED: {
         "mean_fg_dice": METRIC,
         "dice_per_class": METRICS,
         "num_cases": COUNT,
     },
-    Kind.FINISHED: {"epoch": EPOCH_INDEX},
+    Kind.FINISHED: {"epoch": EPOCH_INDEX, "num_done": COUNT, "num_cases": COUNT},
     Kind.FAILED: {"message": TEXT, "traceback": TEXT, "epoch": EPOCH_OR_NULL},
+    # num_cases: this part's cases still to predict; num_skipped: done already
+    # (--continue_prediction); part_id of num_parts; folds averaged; output folder.
+    Kind.PREDICTION_STARTED: {
+        "num_skipped": COUNT,
+        "part_id": COUNT,
+        "num_parts": POSITIVE,
+        "folds": TEXTS,
+        "dataset": TEXT,
+        "configuration": TEXT,
+        "checkpoint": CHECKPOINT,
+        "output": TEXT,
+        "device": TEXT,
+        "host": TEXT,
+        "argv": TEXTS,
+    },
+    # index: 1-based within this run; seconds: wall time of the case; shape: the input's.
+    Kind.CASE_PREDICTED: {
+        "index": POSITIVE,
+        "num_cases": COUNT,
+        "seconds": NUMBER,
+        "shape": _list_of("non-negative integers", COUNT.ok),
+    },
 }
 
 

@@ -19,7 +19,8 @@ from app.screens.confirm import (
     RefusalScreen,
     StopConfirmScreen,
 )
-from app.services import catalog, launcher, nnunet_runs, signals
+from app.services import catalog, launcher, nnunet_runs, prediction, signals
+from app.services.registry import PREDICT
 from trainer.schema import DatasetNotFound, find_dataset
 
 NOTHING_TO_STOP = frozenset({"stopped", "finished", "failed", "lost"})
@@ -203,7 +204,10 @@ def batch_size_of(request: Any, roots: Any) -> int | None:
 
 
 def resume_plan(app: Any, job: Any) -> tuple[list[Any], list[str]]:
-    """The launch plans that continue a job (`--c`, its engine, GPUs and roots), or why not."""
+    """The launch plans that continue a job (`--c`, its engine, GPUs and roots), or why not;
+    a prediction part continues with --continue_prediction."""
+    if job.kind == PREDICT:
+        return [prediction.resume_plan(job, app.services.registry)], []
     request = launcher.resume_request(job)
     planned = launcher.request_run_dir(
         request, launcher.effective_roots(request, app.config.roots), job.dataset, job.fold
@@ -218,7 +222,10 @@ def resume_plan(app: Any, job: Any) -> tuple[list[Any], list[str]]:
 
 def start_plans(app: Any, plans: Sequence[Any]) -> None:
     def work() -> list[str]:
-        return [launcher.start(plan, app.services.registry).job_id for plan in plans]
+        registry = app.services.registry
+        parts = [p for p in plans if p.kind == PREDICT]  # all at once, or none
+        started = [job.job_id for job in prediction.start_prediction(parts, registry)]
+        return started + [launcher.start(p, registry).job_id for p in plans if p not in parts]
 
     def done(result: Any) -> None:
         if not _report_error(app, result):

@@ -26,10 +26,13 @@ def stop_text(choices: Sequence[Any]) -> Text:
         job = view.job
         if i:
             text.append("\n\n")
+        predicting = getattr(job, "kind", "train") == "predict"
         epoch = "n/a" if view.epoch is None else f"{view.epoch}/{view.num_epochs or '?'}"
+        if predicting:
+            epoch = f"{getattr(view, 'cases_done', None)}/{getattr(view, 'num_cases', None)}"
         text.append(f"{job.job_id}  ", style="bold")
         text.append(f"{job.dataset} {job.configuration} fold {job.fold}  ")
-        text.append(f"{view.state}, epoch {epoch}")
+        text.append(f"{view.state}, {'cases' if predicting else 'epoch'} {epoch}")
         if choice.note:
             text.append(f"\n{choice.note}", style="yellow")
         if plan is None:
@@ -48,10 +51,13 @@ def stop_text(choices: Sequence[Any]) -> Text:
                 if plan.epoch is None
                 else f"the running epoch (epoch {plan.epoch + 1}/{view.num_epochs or '?'})"
             )
-            text.append(
-                f"\nIt stops at the end of {at}, writes checkpoint_latest and exits 0.",
-                style="green",
-            )
+            ending = f"It stops at the end of {at}, writes checkpoint_latest and exits 0."
+            if predicting:
+                ending = (
+                    "It writes the case it is predicting, then exits 0 (resume with r: "
+                    "--continue_prediction does the rest)."
+                )
+            text.append(f"\n{ending}", style="green")
         elif plan.queued:
             text.append(
                 f"\nQueued: {plan.reason or 'the ranks have not reported yet'}. "

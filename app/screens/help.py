@@ -42,6 +42,7 @@ def help_text(readonly: bool) -> Text:
             *keys.LAUNCH,
         ]
         _section(text, "Launch", board)
+        _section(text, "Prediction form (p on the board)", keys.PREDICT)
     text.append("\nNotes\n", style="bold underline")
     text.append(
         "  One fold on one GPU runs alone; several folds on one GPU run one after another;\n"
@@ -54,6 +55,9 @@ def help_text(readonly: bool) -> Text:
         "  trainer (its plans files, -tr nnUNetTrainer_nnui). Rows marked watch-only are\n"
         "  nnU-Net runs nnui did not start: s, r and k only say why not and how to restart\n"
         "  them so they can be stopped gracefully.\n"
+        "  Predict (p on the board): the folds marked on the board predict a folder, one part\n"
+        "  of the cases per marked GPU (jobs of kind predict; s stops after the current case,\n"
+        "  r continues with --continue_prediction).\n"
     )
     return text
 

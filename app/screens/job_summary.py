@@ -41,6 +41,8 @@ def summary_text(view: Any | None, first_step: str | None = None) -> Text:
     text.append(f"{job.dataset} {job.configuration} fold {job.fold}  {view.state}  ")
     if getattr(view, "watch", None) is not None:
         return text + watch_only_text(view.watch)
+    if getattr(job, "kind", "train") == "predict":
+        text.append(f"predict -> {job.output_dir}  ", style="cyan")
     if getattr(job, "engine", "nnui") == "nnunet":
         text.append("nnU-Net  ", style="cyan")
     if view.exit_code:

@@ -44,5 +44,16 @@ LAUNCH = [
     Binding("m", "toggle_launcher", "spawn/torchrun", id="launch-ddp"),
     Binding("c", "toggle_resume", "Resume --c", id="launch-resume"),
     Binding("f", "focus_flags", "Trainer flags", id="launch-flags", priority=True),
+    Binding("p", "predict", "Predict on these GPUs", id="launch-predict"),
     Binding("enter", "leave_flags", "Done", id="launch-flags-done", priority=True),
 ]
+
+# The prediction form (opened with p on the board): its fields take every printable key, so
+# its toggles are ctrl keys; enter in any field (or on the button) reviews and starts.
+PREDICT = [
+    Binding("escape", "cancel", "Back", id="predict-back", priority=True),
+    Binding("enter", "go", "Review and start", id="predict-go"),
+    Binding("ctrl+t", "toggle_tta", "TTA on/off", id="predict-tta", priority=True),
+    Binding("ctrl+n", "toggle_probabilities", "Save probabilities (.npz)", id="predict-npz",
+            priority=True),
+]  # fmt: skip

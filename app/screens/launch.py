@@ -22,6 +22,7 @@ from textual.screen import Screen
 from textual.widgets import Checkbox, Footer, Input, RadioButton, RadioSet, Static
 
 from app.screens import actions, keys
+from app.screens.predict_form import PredictScreen, form_defaults
 from app.services import catalog, engines, launcher
 from app.widgets.dataset_picker import DatasetPicker
 from app.widgets.fold_board import CPU_COLUMN, FoldBoard
@@ -359,3 +360,21 @@ class LaunchScreen(Screen):
 
     def action_focus_flags(self) -> None:
         self._focus_now(self.query_one("#flags", Input))
+
+    def action_predict(self) -> None:
+        """p: the prediction form, with the folds and GPUs marked on the board."""
+        choice = self.query_one(DatasetPicker).current
+        assignments = self.query_one(FoldBoard).model.assignments
+        if self.engine != engines.NNUI:
+            self.notify("nnui predicts nnui's models: press e for the nnui engine (nnU-Net's "
+                        "own models: nnUNetv2_predict)", severity="warning", timeout=8)  # fmt: skip
+            return
+        if choice is None or not assignments:
+            why = self._no_dataset() if choice is None else (
+                "mark the folds to average on the GPUs to predict with (space), then press p"
+            )  # fmt: skip
+            self.notify(why, severity="warning", timeout=8)
+            return
+        defaults = form_defaults(self.app.config.roots, choice, assignments, choice.plans)
+        simulated = bool(getattr(self.app.snapshot, "simulated", False))
+        self.app.push_screen(PredictScreen(defaults, simulated))

@@ -23,6 +23,8 @@ COMMANDS: tuple[tuple[str, str, str, bool], ...] = (
 LAUNCH_COMMANDS: tuple[tuple[str, str, str, bool], ...] = (
     ("Switch engine (nnui / nnU-Net)", "train with nnui or the real nnU-Net (e)",
      "toggle_engine", True),
+    ("Predict on the board's GPUs", "segment a folder with the folds on the board, one part "
+     "per GPU (p)", "predict", True),
 )  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from app.services.registry import Job
 from app.services.tail import JsonlTail
-from trainer.schema import EVENTS_FILE, Kind
+from trainer.schema import EVENTS_FILE, START_KINDS, Kind
 
 # Job times come from nnui's clock, event times from the trainer's: the same wall clock,
 # read a moment apart, which adjustments move by up to about this much.
@@ -40,7 +40,7 @@ class JobEventFilter:
         t = record["t"]
         if job.ended_at is not None and t > job.ended_at + CLOCK_SLACK_S:
             return Scope.LATER
-        if record["kind"] == Kind.RUN_STARTED and t >= job.created_at - CLOCK_SLACK_S:
+        if record["kind"] in START_KINDS and t >= job.created_at - CLOCK_SLACK_S:
             self.started = True
         return Scope.MINE if self.started else Scope.EARLIER
 
@@ -81,7 +81,7 @@ class JobEvents:
     def _follow(self, scope: Scope, record: dict[str, Any]) -> None:
         if scope is not Scope.MINE:
             return
-        if record["kind"] == Kind.RUN_STARTED:
+        if record["kind"] in START_KINDS:
             self.topology = None  # a new start (a restart with --c): new workers to come
         elif record["kind"] == Kind.TOPOLOGY:
             self.topology = record

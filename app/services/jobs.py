@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.services.case_progress import CaseProgress
 from app.services.gpus import GpuMonitor, MachineSnapshot
 from app.services.job_events import EventBatch, JobEvents, Scope
 from app.services.nnunet_log import EpochStats
 from app.services.nnunet_runs import NnunetRunWatcher, WatchOnlyRun
 from app.services.procs import ProcRow, job_alive, proc_info
-from app.services.registry import Job, ProcessRecord, Registry
+from app.services.registry import PREDICT, TRAIN, Job, ProcessRecord, Registry
 from app.services.tail import TextTail
-from trainer.schema import ACTIVE_STATES, Kind, State
+from trainer.schema import ACTIVE_STATES, START_KINDS, Kind, State
 
 STALL_MIN_S = 60.0
 RECENT_EPOCHS = 5
@@ -66,6 +67,10 @@ class JobView:
     invalid_event_reason: str | None = None  # why the last one was skipped
     watch_only: bool = False  # an nnU-Net run nnui did not start (`watch`): no actions
     watch: WatchOnlyRun | None = None  # owner, pids, trainer, per-class Dice, log path
+    # A prediction job (job.kind == "predict"): cases of its part done / in all, s per case.
+    num_cases: int | None = None
+    cases_done: int | None = None
+    seconds_per_case: float | None = None
 
 
 def _num(value: Any) -> float:
@@ -102,6 +107,7 @@ class _RunState:
     stop_requested: bool = False
     last_event_t: float | None = None
     nan_epoch: int | None = None
+    cases: CaseProgress = field(default_factory=CaseProgress)  # a prediction's
 
     @property
     def topology(self) -> dict | None:
@@ -112,6 +118,7 @@ class _RunState:
             self.history.clear()
             self.num_epochs, self.last_kind, self.stop_requested = None, None, False
             self.nan_epoch, self.last_event_t = None, None
+            self.cases = CaseProgress()
         for scope, record in batch.records:
             if scope is Scope.LATER:
                 continue  # a later run (a resume) in the same folder: that job's view shows it
@@ -136,10 +143,14 @@ class _RunState:
     def _absorb_mine(self, record: dict[str, Any]) -> None:
         kind = record["kind"]
         self.last_event_t = record["t"]
-        if kind == Kind.RUN_STARTED:
+        if kind in START_KINDS:
             self.last_kind, self.stop_requested = None, False
+            if kind == Kind.PREDICTION_STARTED:
+                self.cases = CaseProgress()
         elif kind == Kind.STOP_REQUESTED:
             self.stop_requested = True
+        if kind in (Kind.PREDICTION_STARTED, Kind.CASE_PREDICTED):
+            self.cases.absorb(record)
         if kind in (Kind.RUN_STARTED, Kind.STOPPED, Kind.FINISHED, Kind.FAILED):
             self.last_kind = kind
         elif kind == Kind.EPOCH_ENDED and self.last_kind is None:
@@ -296,6 +307,8 @@ class JobTracker:
             and done is not None
         ):
             eta = max(0, run.num_epochs - done) * mean_epoch_s
+        if job.kind == PREDICT and state in ACTIVE_STATES:
+            eta = run.cases.eta_s()
         alerts = self._alerts(job, run, state, mean_epoch_s, snapshot)
         console = tuple(run.console.lines)[-CONSOLE_LINES:]
         return JobView(
@@ -318,6 +331,9 @@ class JobTracker:
             last_event_t=run.last_event_t,
             num_invalid_events=run.events.num_invalid,
             invalid_event_reason=run.events.tail.last_invalid_reason,
+            num_cases=run.cases.num_cases,
+            cases_done=run.cases.num_done,
+            seconds_per_case=run.cases.seconds_per_case,
         )
 
     def _alerts(
@@ -350,6 +366,7 @@ class JobTracker:
 
     def cross_validation_eta_s(self, views: list[JobView]) -> float | None:
         """Time until every active job is done: queued chains add up, parallel ones overlap."""
+        views = [v for v in views if v.job.kind == TRAIN]  # predictions have their own ETA
         by_id = {v.job.job_id: v for v in views}
         active = [v for v in views if v.state in ACTIVE_STATES]
         if not active:

@@ -41,7 +41,7 @@ from app.services.launch_request import (
     request_run_dir,
     resume_request,
 )
-from app.services.registry import Job, ProcessRecord, Registry, new_job_id
+from app.services.registry import PREDICT, TRAIN, Job, ProcessRecord, Registry, new_job_id
 from app.services.signals import process_identity
 from app.services.trainer_flags import without_flags
 from trainer.schema import (
@@ -103,6 +103,10 @@ class LaunchPlan:
     trainer_args: tuple[str, ...] = ()
     continue_training: bool = False
     engine: str = NNUI
+    kind: str = TRAIN  # TRAIN | PREDICT (prediction.py plans those; start() runs both)
+    part_id: int | None = None
+    num_parts: int | None = None
+    output_dir: str | None = None
 
 
 def trainer_entry(request: LaunchRequest) -> list[str]:
@@ -219,6 +223,9 @@ def start(plan: LaunchPlan, registry: Registry) -> Job:
     user of the results root, so of several launches of one fold at the same moment exactly
     one gets in; the claim is handed to the supervisor, whose life it then follows.
     """
+    if plan.kind == PREDICT:  # its own folder in the state dir: no run folder to claim
+        plan.run_dir.mkdir(parents=True, exist_ok=True)
+        return _register_and_start(plan, registry)
     results_root = plan.run_dir.parents[2]  # results/DatasetNNN_Name/T__P__C/fold_F
     with claims.locked(results_root):
         running = _running_jobs(registry, plan.dataset, plan.configuration)
@@ -257,6 +264,10 @@ def _register_and_start(plan: LaunchPlan, registry: Registry) -> Job:
         trainer_args=list(plan.trainer_args),
         continue_training=plan.continue_training,
         engine=plan.engine,
+        kind=plan.kind,
+        part_id=plan.part_id,
+        num_parts=plan.num_parts,
+        output_dir=plan.output_dir,
     )
     registry.add(job)
     env = {**_without_launcher_leftovers(os.environ), **plan.env, "PYTHONPATH": _python_path()}

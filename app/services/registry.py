@@ -34,6 +34,8 @@ STATE_DIR_ENV = "NNUI_STATE_DIR"
 # a whole process group.
 PID_MAX = 2**31 - 1
 MAX_JOB_FILE_BYTES = 16 * 1024 * 1024  # a real job file is a few KiB
+TRAIN, PREDICT = "train", "predict"  # Job.kind
+JOB_KINDS = (TRAIN, PREDICT)
 
 
 class StateDirError(OSError):
@@ -101,6 +103,11 @@ class Job:
     note: str | None = None  # e.g. "stopped before it started"
     killed_at: float | None = None  # `nnui kill` began (the job ends "killed", not "lost")
     engine: str = "nnui"  # "nnui" | "nnunet" (the real nnU-Net through nnui's extension)
+    # Added with predictions (older readers ignore them; older files read as trainings):
+    kind: str = "train"  # "train" | "predict" (nnui-predict; `fold` then lists its folds)
+    part_id: int | None = None  # a prediction's part of num_parts (-part_id/-num_parts)
+    num_parts: int | None = None
+    output_dir: str | None = None  # a prediction's -o folder
 
     def process(self, role: str) -> ProcessRecord | None:
         return next((p for p in self.processes if p.role == role), None)
@@ -220,6 +227,10 @@ _CHECKS: dict[type, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "note": (_optional(lambda v: isinstance(v, str)), "a string or null"),
         "killed_at": (_optional(_is_time), "a finite number or null"),
         "engine": (lambda v: v in ("nnui", "nnunet"), "nnui or nnunet"),
+        "kind": (lambda v: v in JOB_KINDS, " or ".join(JOB_KINDS)),
+        "part_id": (_optional(lambda v: _is_int(v, 0, 2**20)), "a part >= 0 or null"),
+        "num_parts": (_optional(lambda v: _is_int(v, 1, 2**20)), "a count >= 1 or null"),
+        "output_dir": (_optional(lambda v: isinstance(v, str)), "a string or null"),
     },
 }
 
@@ -240,10 +251,11 @@ def _required(item: Any) -> bool:
     return item.default is MISSING and item.default_factory is MISSING
 
 
-def new_job_id(fold: str, when: float | None = None) -> str:
-    """Short, sortable and readable: MMDD-HHMMSS-f<fold>-<3 hex>."""
+def new_job_id(fold: str, when: float | None = None, tag: str = "f") -> str:
+    """Short, sortable and readable: MMDD-HHMMSS-f<fold>-<3 hex> (a prediction's part:
+    tag "p", e.g. MMDD-HHMMSS-p0-<3 hex>)."""
     stamp = time.strftime("%m%d-%H%M%S", time.localtime(time.time() if when is None else when))
-    return f"{stamp}-f{fold}-{secrets.token_hex(2)[:3]}"
+    return f"{stamp}-{tag}{fold}-{secrets.token_hex(2)[:3]}"
 
 
 def check_state_dir(state_dir: Path) -> None:

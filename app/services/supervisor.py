@@ -25,7 +25,7 @@ from typing import Any
 from app.services import claims
 from app.services.claims import ClaimRefused
 from app.services.job_events import JobEvents
-from app.services.registry import Job, ProcessRecord, Registry
+from app.services.registry import PREDICT, Job, ProcessRecord, Registry
 from app.services.signals import (
     ProcInfo,
     job_alive,
@@ -146,6 +146,8 @@ def wait_watching_run(registry: Registry, job_id: str, trainer: subprocess.Popen
 def _release_claim(job: Job) -> None:
     """Under the launcher's lock: a launcher still handing the claim over to us finishes
     first, so the claim is really gone afterwards."""
+    if job.kind == PREDICT:
+        return  # a prediction's folder is its own, in the state dir: never claimed
     run_dir = Path(job.run_dir)
     try:
         with claims.locked(run_dir.parents[2]):  # results/DatasetNNN_Name/T__P__C/fold_F

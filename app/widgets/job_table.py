@@ -76,6 +76,19 @@ def short_dataset(name: str) -> str:
     return name.removeprefix("Dataset")[:20]
 
 
+def prediction_cells(view: JobView) -> tuple[str, str, str]:
+    """(fold, epoch, it/s) cells of a prediction part: its folds and part, cases done, s/case."""
+    job = view.job
+    fold = f"predict {job.fold} [{(job.part_id or 0) + 1}/{job.num_parts or 1}]"
+    done, total = view.cases_done, view.num_cases
+    cases = "n/a"
+    if done is not None and total:
+        cases = f"{done}/{total} cases {bar(done / total, 6)}"
+    elif total == 0:
+        cases = "0/0 cases"
+    return fold, cases, fmt_or_na(view.seconds_per_case, "{:.1f} s/case")
+
+
 def row_cells(
     view: JobView, selected: bool, after_fold: str | None = None
 ) -> dict[str, Text | str]:
@@ -94,12 +107,15 @@ def row_cells(
         epoch = f"{view.epoch}/{view.num_epochs} {bar(done / view.num_epochs, 6)}"
     else:
         epoch = fmt_or_na(view.epoch)
+    fold, its = job.fold, fmt_or_na(view.it_per_s, "{:.2f}")
+    if getattr(job, "kind", "train") == "predict":
+        fold, epoch, its = prediction_cells(view)
     alerts = Text(" ".join(view.alerts), style="bold red") if view.alerts else Text("")
     return {
         "sel": Text("●", style="bold magenta") if selected else " ",
         "job": job.job_id,
         "dataset": f"{short_dataset(job.dataset)} {job.configuration}",
-        "fold": job.fold,
+        "fold": fold,
         "where": where_text(job),
         "state": Text(state, style=STATE_STYLES.get(view.state, "")),
         "epoch": epoch,
@@ -107,7 +123,7 @@ def row_cells(
         "val": _loss(view.val_loss),
         "dice": fmt_or_na(view.mean_dice, "{:.3f}"),
         "ema": fmt_or_na(view.ema_dice, "{:.3f}"),
-        "its": fmt_or_na(view.it_per_s, "{:.2f}"),
+        "its": its,
         "eta": fmt_duration_s(view.eta_s) if view.state == "running" else "",
         "alerts": alerts,
     }

@@ -21,6 +21,10 @@ from trainer.inference.sliding import predict_probabilities
 from trainer.plans import ConfigurationPlan, Plans
 
 log = logging.getLogger(__name__)
+# predict_cases' hooks (a supervised prediction, trainer.prediction_events): should_stop(i)
+# is asked before case i (a graceful stop: the cases begun are written, the rest left);
+# on_case hears (case id, 1-based index, number of cases, seconds, input shape) once written.
+CaseHook = Callable[[str, int, int, float, Sequence[int]], None]
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,8 @@ def predict_cases(
     device: torch.device,
     settings: PredictSettings,
     progress: Callable[[str], None] = log.info,
+    should_stop: Callable[[int], bool] | None = None,
+    on_case: CaseHook | None = None,
 ) -> int:
     """Predict and write every case in order; returns the number written. The first error
     (of reading, predicting or writing) is raised once the threads are idle."""
@@ -82,8 +88,11 @@ def predict_cases(
 
         next_case = read(0) if cases else None
         pending_write: Future | None = None
+        num_done = 0
         try:
             for i in range(total):
+                if should_stop is not None and should_stop(i):
+                    break
                 started = time.perf_counter()
                 prepared: PreparedCase = next_case.result()
                 next_case = read(i + 1) if i + 1 < total else None
@@ -99,8 +108,10 @@ def predict_cases(
                 if pending_write is not None:
                     pending_write.result()  # at most one case waits to be written
                 pending_write = writer.submit(
-                    _export, prepared, probs, label_values, settings, started, i, total, progress
-                )
+                    _export, prepared, probs, label_values, settings, started, i, total, progress,
+                    on_case,
+                )  # fmt: skip
+                num_done = i + 1
                 del prepared, probs
             if pending_write is not None:
                 pending_write.result()
@@ -109,7 +120,9 @@ def predict_cases(
                 if future is not None:
                     future.cancel()
             raise
-    return total
+        if next_case is not None:
+            next_case.cancel()  # stopped: the case read ahead is not predicted
+    return num_done
 
 
 def _export(
@@ -121,6 +134,7 @@ def _export(
     index: int,
     total: int,
     progress: Callable[[str], None],
+    on_case: CaseHook | None = None,
 ) -> None:
     prediction = to_raw_geometry(
         probs, prepared.properties, label_values, keep_probabilities=settings.save_probabilities
@@ -135,7 +149,10 @@ def _export(
     case = prepared.case
     write_prediction(settings.out_dir, case.case_id, prediction, case.image_files[0], case.ending)
     props = prepared.properties
+    seconds = time.perf_counter() - started
     progress(
         f"[predict {index + 1}/{total}] {case.case_id} shape {props['shape_before_cropping']} "
-        f"-> {props['shape_after_resampling']} {time.perf_counter() - started:.1f} s"
+        f"-> {props['shape_after_resampling']} {seconds:.1f} s"
     )
+    if on_case is not None:
+        on_case(case.case_id, index + 1, total, seconds, props["shape_before_cropping"])
