@@ -119,10 +119,12 @@ def test_presets_plan_2d_and_3d_with_memory_targets_and_dataset_cap():
             assert c.network.n_conv_per_stage_decoder == (1,) * (c.network.num_stages - 1)
             estimate = feature_map_voxels(c.network, c.patch_size, 3)
             assert estimate <= PRESETS[planner].reference(c.ndim)
-            assert all(p % d == 0 for p, d in zip(c.patch_size, c.network.pooling_divisor, strict=True))  # fmt: skip
+            divisor = c.network.pooling_divisor
+            assert all(p % d == 0 for p, d in zip(c.patch_size, divisor, strict=True))
             if name in previous:
                 old = previous[name]
-                assert math.prod(c.patch_size) * c.batch_size >= math.prod(old.patch_size) * old.batch_size  # fmt: skip
+                old_voxels = math.prod(old.patch_size) * old.batch_size
+                assert math.prod(c.patch_size) * c.batch_size >= old_voxels
             previous[name] = c
         # round trip through the plans file keeps the architecture and the block counts
         again = plans_from_dict(plans_content(plans))
