@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_ddp_e2e import Procs, assert_clean_finish, torchrun
 from test_trainer_run import events, finish, losses, model_tensors, start, wait_for
 
 from trainer import preprocess, schema
@@ -188,3 +189,27 @@ def test_resenc_stop_and_continue_equal_an_uninterrupted_run(resenc, tmp_path):
     assert final_a.keys() == final_b.keys()
     assert any(".skip." in k for k in final_a)  # the residual network was trained
     assert all(final_a[k].equal(final_b[k]) for k in final_a)
+
+
+@pytest.fixture
+def procs(tmp_path: Path):
+    p = Procs(tmp_path)
+    try:
+        yield p
+    finally:
+        p.cleanup()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_resenc_trains_with_two_processes(resenc, tmp_path, procs, launcher):
+    """-num_gpus 2 (gloo on CPU) and torchrun; the one-process mode is the test above."""
+    args = _argv(resenc, tmp_path / "r", "--epochs", "1")
+    if launcher == "spawn":
+        argv = [sys.executable, "-m", "trainer", *args, "-num_gpus", "2"]
+    else:
+        argv = [*torchrun("--standalone", "--nproc_per_node=2"), *args]
+    proc = procs.start(argv, launcher)
+    assert proc.wait(timeout=600) == 0, procs.log(launcher)
+    ranks = assert_clean_finish(_run_dir(tmp_path / "r"), 2, launcher)
+    assert [r["batch_size"] for r in ranks] == [1, 1]  # the preset's global batch 2

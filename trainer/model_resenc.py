@@ -22,17 +22,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.model import (
-    _CONV,
-    _NORM,
-    _TRANSP,
-    NEGATIVE_SLOPE,
-    ConvBlock,
-    _as_tuple,
-    _check_unet_arguments,
-    _init_weights,
-    _stage,
-)
+# Own small building blocks (not trainer.model's): trainer.model.build_network dispatches here,
+# and an import back would be a cycle.
+_CONV = {2: nn.Conv2d, 3: nn.Conv3d}
+_TRANSP = {2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
+_NORM = {2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}
+NEGATIVE_SLOPE = 0.01
+
+
+def _conv_norm(ndim: int, in_ch: int, out_ch: int, kernel: Sequence[int], stride: Sequence[int],
+               act: bool = True, bias: bool = True) -> nn.Sequential:  # fmt: skip
+    layers = [
+        _CONV[ndim](in_ch, out_ch, tuple(kernel), tuple(stride), tuple(k // 2 for k in kernel),
+                    bias=bias),
+        _NORM[ndim](out_ch, eps=1e-5, affine=True),
+    ]  # fmt: skip
+    if act:
+        layers.append(nn.LeakyReLU(NEGATIVE_SLOPE, inplace=True))
+    return nn.Sequential(*layers)
+
+
+def _as_tuple(value: int | Sequence[int], ndim: int) -> tuple[int, ...]:
+    return (value,) * ndim if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+def _init_weights(module: nn.Module) -> None:
+    # He initialisation for LeakyReLU(0.01), zero biases (as the plain U-Net).
+    if isinstance(module, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+        nn.init.kaiming_normal_(module.weight, a=1e-2)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
 
 _POOL = {2: nn.AvgPool2d, 3: nn.AvgPool3d}
 
@@ -42,18 +62,13 @@ class ResidualBlock(nn.Module):
         self, ndim: int, in_ch: int, out_ch: int, kernel: Sequence[int], stride: Sequence[int]
     ):
         super().__init__()
-        padding = tuple(k // 2 for k in kernel)
-        self.conv1 = ConvBlock(ndim, in_ch, out_ch, kernel, stride)
-        self.conv2 = nn.Sequential(
-            _CONV[ndim](out_ch, out_ch, tuple(kernel), 1, padding, bias=True),
-            _NORM[ndim](out_ch, eps=1e-5, affine=True),
-        )
+        self.conv1 = _conv_norm(ndim, in_ch, out_ch, kernel, stride)
+        self.conv2 = _conv_norm(ndim, out_ch, out_ch, kernel, (1,) * ndim, act=False)
         skip: list[nn.Module] = []
         if any(s != 1 for s in stride):
             skip.append(_POOL[ndim](tuple(stride), tuple(stride)))
         if in_ch != out_ch:
-            skip.append(_CONV[ndim](in_ch, out_ch, 1, 1, 0, bias=False))
-            skip.append(_NORM[ndim](out_ch, eps=1e-5, affine=True))
+            skip += list(_conv_norm(ndim, in_ch, out_ch, (1,) * ndim, (1,) * ndim, False, False))
         self.skip = nn.Sequential(*skip)  # empty: the identity
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,14 +98,17 @@ class ResidualEncoderUNet(nn.Module):
         deep_supervision: bool = True,
     ) -> None:
         super().__init__()
-        _check_unet_arguments(
-            ndim, features_per_stage, kernel_sizes, strides, n_blocks_per_stage,
-            n_conv_per_stage_decoder,
-        )  # fmt: skip
+        num_stages = len(features_per_stage)
+        if ndim not in (2, 3) or not (
+            len(kernel_sizes) == len(strides) == len(n_blocks_per_stage) == num_stages
+            and len(n_conv_per_stage_decoder) == num_stages - 1
+        ):
+            raise ValueError("ndim 2 or 3; kernel_sizes, strides, n_blocks_per_stage per stage; "
+                             "n_conv_per_stage_decoder per stage but the lowest")  # fmt: skip
         kernels = [_as_tuple(k, ndim) for k in kernel_sizes]
         stride_list = [_as_tuple(s, ndim) for s in strides]
         self.deep_supervision = deep_supervision
-        self.stem = ConvBlock(ndim, in_channels, features_per_stage[0], kernels[0], (1,) * ndim)
+        self.stem = _conv_norm(ndim, in_channels, features_per_stage[0], kernels[0], (1,) * ndim)
         self.encoder = nn.ModuleList()
         channels = features_per_stage[0]
         for s, features in enumerate(features_per_stage):
@@ -101,16 +119,15 @@ class ResidualEncoderUNet(nn.Module):
             )
             channels = features
         self.upsample, self.decoder, self.heads = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
-        num_stages = len(features_per_stage)
         for d in range(num_stages - 1):
             skip = num_stages - 2 - d  # the encoder stage this decoder stage refines to
             below, features = features_per_stage[skip + 1], features_per_stage[skip]
             up = stride_list[skip + 1]
             self.upsample.append(_TRANSP[ndim](below, features, up, up, bias=True))
-            self.decoder.append(
-                _stage(ndim, 2 * features, features, kernels[skip], (1,) * ndim,
-                       n_conv_per_stage_decoder[d])
-            )  # fmt: skip
+            convs = [_conv_norm(ndim, 2 * features, features, kernels[skip], (1,) * ndim)]
+            convs += [_conv_norm(ndim, features, features, kernels[skip], (1,) * ndim)
+                      for _ in range(n_conv_per_stage_decoder[d] - 1)]  # fmt: skip
+            self.decoder.append(nn.Sequential(*convs))
             self.heads.append(_CONV[ndim](features, num_classes, 1, 1, 0, bias=True))
         self.apply(_init_weights)
         for module in self.modules():
