@@ -66,6 +66,17 @@ def test_preset_writes_only_its_plans_on_the_default_data(resenc):
     assert block["patch_size"] == [16, 32, 32] and block["batch_size"] == 2
 
 
+def test_board_lists_every_nnui_plans_identifier_and_not_nnunets(resenc, tmp_path):
+    from app.services import catalog, engines
+
+    roots = schema.Roots(resenc["raw"], resenc["pre"], tmp_path)
+    listed = {(d.plans, c.name, c.batch_size)
+              for d in catalog.list_engine_datasets(roots, engines.engine("nnui"))
+              for c in d.configurations}  # fmt: skip
+    assert (PRESET, "3d_fullres", 2) in listed
+    assert {plans for plans, _, _ in listed} == {"nnuiPlans", PRESET}
+
+
 def test_preset_makes_the_default_data_first_when_missing(tmp_path, capsys):
     raw = tmp_path / "raw"
     make_demo_dataset(raw, num_cases=2, seed=3, shape_scale=0.2)

@@ -14,6 +14,8 @@ same patch, batch and network for the same fingerprint:
 - batch size from the remaining headroom, at most as many patches as the dataset has
   voxels (the presets cover up to 100 % of the dataset per batch), at least 2.
 
+nnU-Net first moves the coarsest axis to the front; nnui plans in the stored (z, y, x) order,
+which is the same whenever the coarsest axis is z (as in the demo and most MRI/CT data).
 Only the 2d and 3d_fullres configurations are planned; their data is the default plans'
 data (same spacing and normalisation), as nnU-Net's presets reuse `nnUNetPlans_<config>`.
 """
