@@ -144,3 +144,50 @@ def test_anisotropic_topology_convolves_in_plane_first():
     assert top.strides[1] == (1, 2, 2)
     assert top.kernel_sizes[-1] == (3, 3, 3)
     assert all(p % d == 0 for p, d in zip(top.patch_size, top.divisor, strict=True))
+
+
+_DNA_NAMES = [  # dynamic_network_architectures' parameter names -> nnui's
+    (r"^encoder\.stem\.convs\.0\.conv\.", "stem.0."),
+    (r"^encoder\.stem\.convs\.0\.norm\.", "stem.1."),
+    (r"^encoder\.stages\.(\d+)\.blocks\.(\d+)\.(conv[12])\.conv\.", r"encoder.\1.\2.\3.0."),
+    (r"^encoder\.stages\.(\d+)\.blocks\.(\d+)\.(conv[12])\.norm\.", r"encoder.\1.\2.\3.1."),
+    (r"^encoder\.stages\.(\d+)\.blocks\.(\d+)\.skip\.(\d+)\.conv\.", r"encoder.\1.\2.skip.\3."),
+    (r"^decoder\.stages\.(\d+)\.convs\.(\d+)\.conv\.", r"decoder.\1.\2.0."),
+    (r"^decoder\.stages\.(\d+)\.convs\.(\d+)\.norm\.", r"decoder.\1.\2.1."),
+    (r"^decoder\.transpconvs\.(\d+)\.", r"upsample.\1."),
+    (r"^decoder\.seg_layers\.(\d+)\.", r"heads.\1."),
+]
+
+
+def _our_name(name: str) -> str:
+    import re
+
+    skip_norm = re.match(r"^encoder\.stages\.(\d+)\.blocks\.(\d+)\.skip\.(\d+)\.norm\.(.+)$", name)
+    if skip_norm:  # nnui's skip is flat: [pool,] conv, norm
+        s, b, i, rest = skip_norm.groups()
+        return f"encoder.{s}.{b}.skip.{int(i) + 1}.{rest}"
+    for pattern, repl in _DNA_NAMES:
+        if re.match(pattern, name):
+            return re.sub(pattern, repl, name)
+    raise AssertionError(f"unmapped parameter {name}")
+
+
+@pytest.mark.parametrize(
+    ("spacing", "patch"), [((2.5, 0.8, 0.8), (8, 32, 32)), ((1.0, 1.0), (32, 32))]
+)
+def test_same_weights_give_nnunets_outputs(spacing, patch):
+    """Functionally the same network: nnU-Net's weights loaded into nnui's give its outputs."""
+    top = topology(spacing, patch)
+    net = network_plan(top, len(spacing))
+    torch.manual_seed(0)
+    theirs = _dna_net(net, 1, 3).eval()
+    ours = build_network(net, 1, 3, len(spacing)).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.1)  # nonzero everywhere, the zero-initialised norms too
+        mapped = {_our_name(n): p for n, p in theirs.named_parameters()}
+        assert set(mapped) == {n for n, _ in ours.named_parameters()}
+        ours.load_state_dict(mapped, strict=True)
+        x = torch.randn(2, 1, *top.patch_size)
+        for a, b in zip(ours(x), theirs(x), strict=True):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
