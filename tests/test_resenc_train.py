@@ -77,19 +77,23 @@ def test_board_lists_every_nnui_plans_identifier_and_not_nnunets(resenc, tmp_pat
     assert {plans for plans, _, _ in listed} == {"nnuiPlans", PRESET}
 
 
-def test_preset_makes_the_default_data_first_when_missing(tmp_path, capsys):
+def test_preset_makes_only_the_missing_default_data_first(tmp_path, capsys):
     raw = tmp_path / "raw"
     make_demo_dataset(raw, num_cases=2, seed=3, shape_scale=0.2)
     pre = tmp_path / "pre"
-    assert preprocess.main(_pl(raw, pre, "-c", "2d")) == 0
-    assert "making it" in capsys.readouterr().out
     folder = pre / DATASET
+    assert preprocess.main(_pl(raw, pre, "-c", "2d")) == 0  # a fresh tree: 2d data made
+    assert "data of 2d, missing or out of date: making it" in capsys.readouterr().out
     assert (folder / "nnuiPlans.json").is_file() and (folder / f"{PRESET}.json").is_file()
-    assert sorted(p.name for p in (folder / "nnuiPlans_2d").glob("*.json"))
-    assert not list(folder.glob("nnUNet*"))
-    # a second run reuses the data: only the preset's plans file is written again
-    before = _digests(pre)
-    assert preprocess.main(_pl(raw, pre, "-c", "2d")) == 0
+    data_2d = _digests(folder / "nnuiPlans_2d")
+    assert data_2d and not list(folder.glob("nnUNet*"))
+    assert preprocess.main(_pl(raw, pre)) == 0  # both: only 3d_fullres is made
+    assert "data of 3d_fullres, missing" in capsys.readouterr().out
+    assert _digests(folder / "nnuiPlans_2d") == data_2d
+    plans = json.loads((folder / f"{PRESET}.json").read_text())
+    assert sorted(plans["configurations"]) == ["2d", "3d_fullres"]
+    before = _digests(pre)  # again: nothing to make, the same plans
+    assert preprocess.main(_pl(raw, pre)) == 0
     assert "reusing the nnuiPlans data" in capsys.readouterr().out
     assert _digests(pre) == before
 

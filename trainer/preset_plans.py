@@ -32,6 +32,7 @@ from trainer.schema import DEFAULT_PLANS, FINGERPRINT_FILE, atomic_write_text, f
 DEFAULT_PLANNER = "ExperimentPlanner"  # nnU-Net's name for its default planner
 PLANNERS = (DEFAULT_PLANNER, *PRESETS)
 _SAME_PREPROCESSING = ("spacing", "normalization_schemes", "use_mask_for_norm")
+_SAME_DATASET = ("labels", "num_input_channels", "foreground_intensity_properties")
 
 
 def _read_fingerprint(out_dir: Path) -> dict | None:
@@ -54,32 +55,31 @@ def _cases_present(folder: Path, case_ids: Iterable[str]) -> bool:
     return all((folder / f"{case}.json").is_file() for case in case_ids)
 
 
-def shared_data(out_dir: Path, raw: RawDataset, configurations: tuple[str, ...]) -> dict | None:
-    """The stored fingerprint when the default plans' data of every requested configuration
-    is complete, of the current cases, and preprocessed as the stored fingerprint plans it
-    now; else None (the default data must be made first)."""
+def missing_data(
+    out_dir: Path, raw: RawDataset, configurations: tuple[str, ...]
+) -> tuple[str, ...]:
+    """The requested configurations whose default data cannot be shared: absent, incomplete,
+    of other cases, or preprocessed otherwise than the stored fingerprint plans it now
+    (all of them when the fingerprint or the default plans are unreadable or changed)."""
     fingerprint, default = _read_fingerprint(out_dir), _default_plans(out_dir)
-    if fingerprint is None or default is None:
-        return None
     try:
-        expected = plan_experiment(fingerprint, raw.dataset_json, raw.name, configurations)
-    except (ValueError, KeyError, TypeError):
-        return None
+        expected = plan_experiment(fingerprint or {}, raw.dataset_json, raw.name, configurations)
+    except (ValueError, KeyError, TypeError, IndexError):
+        return configurations
+    if default is None or any(getattr(default, f) != getattr(expected, f) for f in _SAME_DATASET):
+        return configurations
     case_ids = tuple(sorted(case.case_id for case in raw.cases))
+    missing = []
     for name in configurations:
         have, want = default.configurations.get(name), expected.configurations[name]
-        if have is None or have.case_ids != case_ids:
-            return None
-        if any(getattr(have, f) != getattr(want, f) for f in _SAME_PREPROCESSING):
-            return None
-        if not _cases_present(out_dir / have.data_identifier, case_ids):
-            return None
-    same_dataset = (
-        default.labels == expected.labels
-        and default.num_input_channels == expected.num_input_channels
-        and default.foreground_intensity_properties == expected.foreground_intensity_properties
-    )
-    return fingerprint if same_dataset else None
+        if (
+            have is None
+            or have.case_ids != case_ids
+            or any(getattr(have, f) != getattr(want, f) for f in _SAME_PREPROCESSING)
+            or not _cases_present(out_dir / have.data_identifier, case_ids)
+        ):
+            missing.append(name)
+    return tuple(missing)
 
 
 def write_preset_plans(out_dir: Path, raw: RawDataset, planner: str,
@@ -106,13 +106,17 @@ def preprocess_preset(raw_root: Path, preprocessed_root: Path, dataset: str,
     name = find_dataset(Path(raw_root), dataset)
     raw = open_raw_dataset(Path(raw_root) / name)
     out_dir = Path(preprocessed_root) / name
-    fingerprint = shared_data(out_dir, raw, configurations)
-    if fingerprint is None:
-        progress(f"{planner} uses the {DEFAULT_PLANS} data, missing or out of date: making it")
-        run = (raw_root, preprocessed_root, dataset, configurations, num_processes)
-        make_default_data(*run, progress=progress)
-        fingerprint = shared_data(out_dir, raw, configurations)
-        assert fingerprint is not None, "the default data was just written"
-    else:
+    missing = missing_data(out_dir, raw, configurations)
+    if not missing:
         progress(f"{planner}: reusing the {DEFAULT_PLANS} data (same spacing and normalisation)")
+    for _ in range(2):  # twice: changed raw data drops the other configurations' data too
+        if missing:
+            progress(f"{planner} uses the {DEFAULT_PLANS} data of {', '.join(missing)}, "
+                     "missing or out of date: making it")  # fmt: skip
+            run = (raw_root, preprocessed_root, dataset, missing, num_processes)
+            make_default_data(*run, progress=progress)
+            missing = missing_data(out_dir, raw, configurations)
+    assert not missing, "the default data was just written"
+    fingerprint = _read_fingerprint(out_dir)
+    assert fingerprint is not None
     return write_preset_plans(out_dir, raw, planner, configurations, overrides, fingerprint)
