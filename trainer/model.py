@@ -288,7 +288,9 @@ def build_network(
 ) -> nn.Module:
     """From a NetworkPlan (features_per_stage, kernel_sizes, strides, n_conv_*): the plain
     U-Net, or the residual-encoder one of the ResEnc presets (trainer.model_resenc)."""
-    if getattr(network_plan, "architecture", "PlainConvUNet") == "ResidualEncoderUNet":
+    from trainer.plans import RESIDUAL_ENCODER
+
+    if getattr(network_plan, "architecture", None) == RESIDUAL_ENCODER:
         from trainer.model_resenc import ResidualEncoderUNet
 
         return ResidualEncoderUNet(
