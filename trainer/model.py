@@ -285,8 +285,25 @@ def build_network(
     ndim: int,
     deep_supervision: bool = True,
     recompute_norm: bool = True,
-) -> PlainConvUNet:
-    """From the data helper's NetworkPlan (features_per_stage, kernel_sizes, strides, n_conv_*)."""
+) -> nn.Module:
+    """From a NetworkPlan (features_per_stage, kernel_sizes, strides, n_conv_*): the plain
+    U-Net, or the residual-encoder one of the ResEnc presets (trainer.model_resenc)."""
+    from trainer.plans import RESIDUAL_ENCODER
+
+    if getattr(network_plan, "architecture", None) == RESIDUAL_ENCODER:
+        from trainer.model_resenc import ResidualEncoderUNet
+
+        return ResidualEncoderUNet(
+            in_channels=in_channels,
+            num_classes=num_classes,
+            features_per_stage=list(network_plan.features_per_stage),
+            kernel_sizes=list(network_plan.kernel_sizes),
+            strides=list(network_plan.strides),
+            n_blocks_per_stage=list(network_plan.n_conv_per_stage_encoder),
+            n_conv_per_stage_decoder=list(network_plan.n_conv_per_stage_decoder),
+            ndim=ndim,
+            deep_supervision=deep_supervision,
+        )
     return PlainConvUNet(
         in_channels=in_channels,
         num_classes=num_classes,

@@ -16,6 +16,11 @@ from typing import Any
 from trainer.schema import DEFAULT_PLANS, is_legacy_identifier, plans_file_name
 
 PLANS_FORMAT_VERSION = 1
+PLAIN = "PlainConvUNet"
+# nnU-Net's ResidualEncoderUNet: n_conv_per_stage_encoder then counts residual blocks (two
+# convs each), written as `n_blocks_per_stage` in the plans file.
+RESIDUAL_ENCODER = "ResidualEncoderUNet"
+ARCHITECTURES = (PLAIN, RESIDUAL_ENCODER)
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,7 @@ class NetworkPlan:
     strides: tuple[tuple[int, ...], ...]  # per stage; first is all 1
     n_conv_per_stage_encoder: tuple[int, ...]
     n_conv_per_stage_decoder: tuple[int, ...]  # len = num_stages - 1
+    architecture: str = PLAIN  # one of ARCHITECTURES
 
     @property
     def num_stages(self) -> int:
@@ -94,18 +100,41 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
+def _encoder_key(architecture: str) -> str:
+    return "n_blocks_per_stage" if architecture == RESIDUAL_ENCODER else "n_conv_per_stage_encoder"
+
+
 def _network_from_dict(d: dict) -> NetworkPlan:
+    architecture = d.get("architecture", PLAIN)
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"network architecture {architecture!r} is not one of {ARCHITECTURES}")
+    encoder_key = _encoder_key(architecture)
     return NetworkPlan(
         features_per_stage=_tuples(d["features_per_stage"]),
         kernel_sizes=_tuples(d["kernel_sizes"]),
         strides=_tuples(d["strides"]),
-        n_conv_per_stage_encoder=_tuples(d["n_conv_per_stage_encoder"]),
+        n_conv_per_stage_encoder=_tuples(d[encoder_key]),
         n_conv_per_stage_decoder=_tuples(d["n_conv_per_stage_decoder"]),
+        architecture=architecture,
     )
 
 
+def _network_to_dict(n: NetworkPlan) -> dict:
+    # The plain U-Net's block has no `architecture` key: plans written before it keep
+    # their bytes and identity.
+    out = {"architecture": n.architecture} if n.architecture != PLAIN else {}
+    encoder_key = _encoder_key(n.architecture)
+    return {
+        **out,
+        "features_per_stage": list(n.features_per_stage),
+        "kernel_sizes": [list(k) for k in n.kernel_sizes],
+        "strides": [list(s) for s in n.strides],
+        encoder_key: list(n.n_conv_per_stage_encoder),
+        "n_conv_per_stage_decoder": list(n.n_conv_per_stage_decoder),
+    }
+
+
 def _configuration_to_dict(c: ConfigurationPlan) -> dict:
-    n = c.network
     out = {
         "data_identifier": c.data_identifier,
         "patch_size": list(c.patch_size),
@@ -114,13 +143,7 @@ def _configuration_to_dict(c: ConfigurationPlan) -> dict:
         "normalization_schemes": list(c.normalization_schemes),
         "use_mask_for_norm": list(c.use_mask_for_norm),
         "median_image_size_in_voxels": list(c.median_image_size),
-        "network": {
-            "features_per_stage": list(n.features_per_stage),
-            "kernel_sizes": [list(k) for k in n.kernel_sizes],
-            "strides": [list(s) for s in n.strides],
-            "n_conv_per_stage_encoder": list(n.n_conv_per_stage_encoder),
-            "n_conv_per_stage_decoder": list(n.n_conv_per_stage_decoder),
-        },
+        "network": _network_to_dict(c.network),
     }
     if c.case_ids:
         out["case_ids"] = list(c.case_ids)

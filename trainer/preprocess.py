@@ -35,7 +35,13 @@ from trainer.data.case_ops import (
     resample_seg,
     resampled_shape,
 )
-from trainer.data.planning import CONFIGURATIONS, Overrides, PlanningError, plan_experiment
+from trainer.data.planning import (
+    CONFIGURATIONS,
+    Overrides,
+    PlanningError,
+    parse_overrides,
+    plan_experiment,
+)
 from trainer.data.raw import DataError, RawCase, RawDataset, load_raw_case, open_raw_dataset
 from trainer.fingerprint import fingerprint_case, summarize
 from trainer.plans import (
@@ -46,6 +52,7 @@ from trainer.plans import (
     plans_from_dict,
     read_plans_json,
 )
+from trainer.preset_plans import DEFAULT_PLANNER, PLANNERS, preprocess_preset
 from trainer.schema import (
     FINGERPRINT_FILE,
     DatasetNotFound,
@@ -179,11 +186,16 @@ def preprocess_dataset(
     overrides: Overrides | None = None,
     verify_only: bool = False,
     progress: Callable[[str], None] = log.info,
+    planner: str = DEFAULT_PLANNER,
 ) -> Plans | None:
-    """The whole pipeline; returns the plans (None with verify_only).
+    """The whole pipeline; returns the plans (None with verify_only). A preset planner
+    (`-pl nnUNetPlannerResEncM`) writes its plans on the default plans' data.
 
     Raises DatasetNotFound, DataError or PlanningError for user mistakes.
     """
+    if planner != DEFAULT_PLANNER and not verify_only:
+        run = (raw_root, preprocessed_root, dataset, tuple(configurations), num_processes)
+        return preprocess_preset(*run, planner, overrides, progress, preprocess_dataset)
     name = find_dataset(Path(raw_root), dataset)
     raw = open_raw_dataset(Path(raw_root) / name)
     # One progress line per case: per case for --verify, per case of the writing pass else.
@@ -318,28 +330,6 @@ def _refuse_nnunet_data_folders(out_dir: Path, plans: Plans) -> None:
             )
 
 
-def _parse_overrides(patch: list[int] | None, batch: list[str] | None, configs) -> Overrides:
-    patch_sizes, batch_sizes = {}, {}
-    if patch is not None and any(p < 1 for p in patch):
-        raise PlanningError(f"--patch-size {' '.join(map(str, patch))}: every size must be >= 1")
-    if patch:
-        matching = [c for c in configs if (2 if c == "2d" else 3) == len(patch)]
-        if not matching:
-            raise PlanningError(
-                f"--patch-size with {len(patch)} values matches no configuration in {list(configs)}"
-            )
-        patch_sizes = {c: tuple(patch) for c in matching}
-    for entry in batch or []:
-        config, _, value = entry.rpartition("=")
-        if not value.isdigit() or int(value) < 1:
-            raise PlanningError(f"--batch-size {entry!r}: expected N or CONFIG=N with N >= 1")
-        for c in [config] if config else configs:
-            if c not in configs:
-                raise PlanningError(f"--batch-size {entry!r}: {c!r} is not among {list(configs)}")
-            batch_sizes[c] = int(value)
-    return Overrides(patch_sizes, batch_sizes)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="nnui-preprocess", description="Fingerprint, plan and preprocess a raw dataset."
@@ -354,12 +344,17 @@ def main(argv: list[str] | None = None) -> int:
         "--patch-size", type=int, nargs="+", help="e.g. 48 64 64 (3d) or 64 64 (2d)"
     )
     parser.add_argument("--batch-size", nargs="+", help="N for all, or CONFIG=N (e.g. 2d=16)")
+    parser.add_argument(
+        "-pl", default=DEFAULT_PLANNER, choices=PLANNERS, metavar="PLANNER",
+        help="nnU-Net's planner names: nnUNetPlannerResEnc{M,L,XL} plan the residual-encoder "
+        "presets (plans nnuiResEncUNet{M,L,XL}Plans on the default plans' data)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     roots = resolve_roots(raw=args.raw, preprocessed=args.preprocessed)
     started = time.perf_counter()
     try:
-        overrides = _parse_overrides(args.patch_size, args.batch_size, args.c)
+        overrides = parse_overrides(args.patch_size, args.batch_size, args.c)
         plans = preprocess_dataset(
             roots.raw,
             roots.preprocessed,
@@ -369,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides,
             args.verify,
             progress=lambda line: print(line, flush=True),
+            planner=args.pl,
         )
     except (DatasetNotFound, DataError, PlanningError, SharedTreeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

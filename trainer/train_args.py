@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"trainer name (default {DEFAULT_TRAINER}; {LEGACY_TRAINER} only continues a run "
         "made by nnui 0.1)",
     )
-    plans_help = f"plans identifier (default {DEFAULT_PLANS})"
+    plans_help = f"plans identifier (default {DEFAULT_PLANS}; e.g. nnuiResEncUNetMPlans)"
     p.add_argument("-p", dest="plans", default=DEFAULT_PLANS, help=plans_help)
     _add_run_flags(p)
     _add_schedule_flags(p)

@@ -213,3 +213,26 @@ def plan_experiment(
         foreground_intensity_properties=fingerprint["foreground_intensity_properties_per_channel"],
     )
     return with_identity(plans)
+
+
+def parse_overrides(patch: list[int] | None, batch: list[str] | None, configs) -> Overrides:
+    """--patch-size / --batch-size of nnui-preprocess; PlanningError (one line) if unusable."""
+    patch_sizes, batch_sizes = {}, {}
+    if patch is not None and any(p < 1 for p in patch):
+        raise PlanningError(f"--patch-size {' '.join(map(str, patch))}: every size must be >= 1")
+    if patch:
+        matching = [c for c in configs if (2 if c == "2d" else 3) == len(patch)]
+        if not matching:
+            raise PlanningError(
+                f"--patch-size with {len(patch)} values matches no configuration in {list(configs)}"
+            )
+        patch_sizes = {c: tuple(patch) for c in matching}
+    for entry in batch or []:
+        config, _, value = entry.rpartition("=")
+        if not value.isdigit() or int(value) < 1:
+            raise PlanningError(f"--batch-size {entry!r}: expected N or CONFIG=N with N >= 1")
+        for c in [config] if config else configs:
+            if c not in configs:
+                raise PlanningError(f"--batch-size {entry!r}: {c!r} is not among {list(configs)}")
+            batch_sizes[c] = int(value)
+    return Overrides(patch_sizes, batch_sizes)
