@@ -17,10 +17,12 @@ from typing import Any
 from app.services import catalog, launcher
 from app.services.claims import ClaimRefused
 from app.services.gpus import GpuMonitor, MachineSnapshot
+from app.services.hooks import parse_hook
 from app.services.jobs import JobTracker, JobView, simulated_gpu_load
 from app.services.nnunet_runs import RUN_ID_PREFIX, WatchOnlyRun, is_train_cmdline, stop_refusal
 from app.services.procs import proc_info
 from app.services.registry import Job, Registry
+from app.services.schedule import Schedule
 from app.services.signals import kill as kill_job
 from app.services.signals import kill_plan, plan_stop, send_stop
 from trainer.schema import (
@@ -107,6 +109,11 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "created_at": job.created_at,
         "ended_at": job.ended_at,
         "watch_only": view.watch_only,
+        "when_free": job.when_free,
+        "priority": job.priority,
+        "waiting_reason": job.waiting_reason,
+        "retries": job.retries,
+        "restarts": list(job.restarts),
     }
 
 
@@ -188,6 +195,7 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
         "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
     ]
     for v in views:
+        lines.extend(f"  {v.job.job_id}: {note}" for note in schedule_notes(v))
         for alert in v.alerts:
             lines.append(f"! {v.job.job_id}: {alert}")
         if v.state == "failed" and v.console_tail:
@@ -196,6 +204,16 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
     if cv_eta_s is not None:
         lines.append(f"cross-validation ETA: {fmt_duration(cv_eta_s)}")
     return "\n".join(lines)
+
+
+def schedule_notes(view: JobView) -> list[str]:
+    """`waiting: GPU 2: 37 GiB used by user bob (pid 4411)`, `restarts 1/3: exit 137 (SIGKILL)`."""
+    job, notes = view.job, []
+    if job.waiting_reason and view.state == "queued":
+        notes.append(f"waiting: {job.waiting_reason}")
+    if job.restarts:
+        notes.append(f"restarts {len(job.restarts)}/{job.retries}: {'; '.join(job.restarts)}")
+    return notes
 
 
 def _json_safe(value: Any) -> Any:
@@ -391,6 +409,14 @@ def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
     folds = [f.strip() for f in options.folds.split(",") if f.strip()]
     gpus = [g.strip() for g in options.gpus.split(",") if g.strip()]
     simulated = options.simulate_gpus is not None
+    try:
+        schedule = schedule_of(options)
+    except ValueError as problem:
+        return error(str(problem), EXIT_USAGE)
+    if gpus == ["any"]:
+        if not schedule.when_free or options.ddp:
+            return error("--gpus any goes with --when-free and single-GPU folds", EXIT_USAGE)
+        gpus = [str(g.index) for g in _snapshot(options).gpus]
     if simulated:
         if options.cpu:
             return error("--cpu and --simulate-gpus do not go together", EXIT_USAGE)
@@ -411,9 +437,25 @@ def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
         continue_training=options.continue_training,
         sequential=options.sequential,
         engine=options.engine,
+        schedule=schedule,
     )
     snapshot = None if options.cpu else _snapshot(options)
     return _launch_plans(request, roots_of(options), registry, snapshot, options.dry_run)
+
+
+def schedule_of(options: argparse.Namespace) -> Schedule:
+    """The launch's schedule from its flags; ValueError (one line) for a hook that cannot
+    be split (the other checks are the request's: Schedule.problems)."""
+    hook = parse_hook(options.on_event) if options.on_event is not None else []
+    return Schedule(
+        when_free=options.when_free,
+        min_free_gib=options.min_free_gib,
+        max_util_percent=options.max_util,
+        share=options.share,
+        priority=options.priority,
+        retries=options.retries,
+        on_event=tuple(hook),
+    )
 
 
 def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:

@@ -38,6 +38,26 @@ def _common(parser: argparse.ArgumentParser, top: bool) -> None:
     group.add_argument("-v", "--verbose", action="store_true", default=False if top else default)
 
 
+def _schedule_flags(launch: argparse.ArgumentParser) -> None:
+    group = launch.add_argument_group("scheduling (the job's supervisor does it; nnui may exit)")
+    group.add_argument(
+        "--when-free", action="store_true",
+        help="wait until a GPU of --gpus (or `--gpus any`) is free, claim it, then start",
+    )  # fmt: skip
+    group.add_argument("--min-free-gib", type=float, help="free: at least this much memory")
+    group.add_argument("--max-util", type=int, metavar="P", help="free: utilisation <= P %%")
+    group.add_argument("--share", action="store_true", help="free even beside other users")
+    group.add_argument("--priority", type=int, default=0, help="higher starts first (FIFO)")
+    group.add_argument(
+        "--retries", type=int, default=0, metavar="N",
+        help="restart with --c after an abnormal end, at most N times (default 0)",
+    )  # fmt: skip
+    group.add_argument(
+        "--on-event", metavar="CMD",
+        help="run CMD (no shell) when a job starts after waiting, restarts, finishes or fails",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nnui",
@@ -91,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--cpu", action="store_true", help="run on CPU (no GPU needed)")
     launch.add_argument("--c", dest="continue_training", action="store_true", help="resume")
     launch.add_argument("--dry-run", action="store_true", help="print the commands only")
+    _schedule_flags(launch)
     _common(launch, top=False)
 
     sub.add_parser("sbatch", help="write/submit a SLURM job script (see nnui sbatch --help)")

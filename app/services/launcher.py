@@ -15,7 +15,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import app
@@ -42,6 +42,7 @@ from app.services.launch_request import (
     resume_request,
 )
 from app.services.registry import Job, ProcessRecord, Registry, new_job_id
+from app.services.schedule import Schedule
 from app.services.signals import process_identity
 from app.services.trainer_flags import without_flags
 from trainer.schema import (
@@ -103,6 +104,9 @@ class LaunchPlan:
     trainer_args: tuple[str, ...] = ()
     continue_training: bool = False
     engine: str = NNUI
+    schedule: Schedule = field(
+        default_factory=Schedule
+    )  # wait for free GPUs, retries, hook (schedule.py)
 
 
 def trainer_entry(request: LaunchRequest) -> list[str]:
@@ -168,6 +172,7 @@ def plan_launch(
                 trainer_args=tuple(request.trainer_args),
                 continue_training=request.continue_training,
                 engine=who.engine.name,
+                schedule=request.schedule,
             )
         )
     return plans, []
@@ -200,6 +205,8 @@ def preview(plan: LaunchPlan) -> str:
     """The exact command as copy-pasteable shell text (what start() runs, minus the supervisor)."""
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
     wait = f"# after job {plan.after} ends\n" if plan.after else ""
+    if plan.schedule.when_free:
+        wait += f"# when a GPU of {','.join(plan.gpus)} is free (it is set then)\n"
     return f"{wait}cd {shlex.quote(os.getcwd())} && {env} {shlex.join(plan.argv)}"
 
 
@@ -257,6 +264,7 @@ def _register_and_start(plan: LaunchPlan, registry: Registry) -> Job:
         trainer_args=list(plan.trainer_args),
         continue_training=plan.continue_training,
         engine=plan.engine,
+        **plan.schedule.job_fields(plan.gpus),
     )
     registry.add(job)
     env = {**_without_launcher_leftovers(os.environ), **plan.env, "PYTHONPATH": _python_path()}
