@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.services import catalog, launcher
+from app.services import catalog, job_log, launcher
 from app.services.claims import ClaimRefused
 from app.services.gpus import GpuMonitor, MachineSnapshot
 from app.services.hooks import parse_hook
@@ -54,6 +54,7 @@ def run(options: argparse.Namespace) -> int:
         "resume": cmd_resume,
         "kill": cmd_kill,
         "launch": cmd_launch,
+        "watch": cmd_watch,
     }
     code = handlers[options.command](options, registry)
     for problem in registry.problems:
@@ -456,6 +457,21 @@ def schedule_of(options: argparse.Namespace) -> Schedule:
         retries=options.retries,
         on_event=tuple(hook),
     )
+
+
+WATCH_POLL_S = 0.5
+
+
+def cmd_watch(options: argparse.Namespace, registry: Registry) -> int:
+    """Follow the job event log until interrupted (one line, or one JSON object, each)."""
+    reader = job_log.JobLogReader(registry.state_dir, from_start=options.all)
+    try:
+        while True:
+            for record in reader.poll():
+                print(json.dumps(record) if options.json else job_log.describe(record), flush=True)
+            time.sleep(WATCH_POLL_S)
+    except KeyboardInterrupt:
+        return EXIT_OK
 
 
 def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:

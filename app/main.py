@@ -3,6 +3,7 @@
     nnui [--simulate-gpus N] [--readonly] [--no-mouse]       the dashboard
     nnui launch DATASET CONFIGURATION --folds 0,1 --gpus 0,1 [-- trainer flags]
     nnui status [--json] | stop JOB [--yes] | resume JOB | kill JOB --yes | sbatch ...
+    nnui watch [--json] [--all]                               job events, as they happen
 
 Exit codes: 0 ok, 1 refused by a safety check (reason printed), 2 usage error or unknown
 job, 3 nothing to do (already stopped or finished).
@@ -113,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--dry-run", action="store_true", help="print the commands only")
     _schedule_flags(launch)
     _common(launch, top=False)
+
+    watch = sub.add_parser(
+        "watch", help="print job events (started after waiting, restarted, finished, failed)"
+    )
+    watch.add_argument("--json", action="store_true", help="one JSON object per line")
+    watch.add_argument("--all", action="store_true", help="from the first event, not from now")
+    _common(watch, top=False)
 
     sub.add_parser("sbatch", help="write/submit a SLURM job script (see nnui sbatch --help)")
     return parser

@@ -165,6 +165,25 @@ def test_kill_9_of_the_worker_resumes_with_c(env: dict) -> None:
     kinds = [c["NNUI_EVENT"] for c in hook_calls(env)]
     assert kinds == ["restarted", "finished"]
     assert hook_calls(env)[0]["NNUI_REASON"] == "exit 137 (SIGKILL)"
+    watched = watch_lines(env, 2)
+    assert [(r["event"], r["job_id"]) for r in watched] == [
+        ("restarted", job_id), ("finished", job_id)
+    ]  # fmt: skip
+    assert watched[0]["reason"] == "exit 137 (SIGKILL)" and watched[1]["exit_code"] == 0
+
+
+def watch_lines(env: dict, count: int) -> list[dict]:
+    """The first `count` records `nnui watch --json --all` prints (it follows until ended)."""
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "app.main", "watch", "--json", "--all"], env=env, cwd=ROOT,
+        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert watch.stdout is not None
+        return [json.loads(watch.stdout.readline()) for _ in range(count)]
+    finally:
+        watch.kill()  # by its own Popen handle (pid), never by name
+        watch.wait()
 
 
 @pytest.mark.slow

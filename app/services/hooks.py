@@ -88,3 +88,20 @@ def final_kind(job: Job) -> str | None:
         if scope is Scope.MINE and record["kind"] in (Kind.STOPPED, Kind.FINISHED, Kind.FAILED):
             last = record["kind"]
     return last
+
+
+def log_record(job: Job, env: dict[str, str]) -> dict[str, object]:
+    """The job event log's line (job_log.py) for one event, from its hook environment."""
+    code = env["NNUI_EXIT_CODE"]
+    return {
+        "event": env["NNUI_EVENT"],
+        "job_id": job.job_id,
+        "dataset": job.dataset,
+        "configuration": job.configuration,
+        "fold": job.fold,
+        "gpus": list(job.gpus),
+        "exit_code": int(code) if code else None,
+        "reason": env["NNUI_REASON"],
+        "dice": env["NNUI_DICE"],
+        "run_dir": job.run_dir,
+    }

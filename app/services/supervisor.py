@@ -26,10 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.services import claims
+from app.services import claims, job_log
 from app.services.claims import ClaimRefused
 from app.services.gpu_claims import GpuClaims
-from app.services.hooks import JobEvent, final_kind, hook_env
+from app.services.hooks import JobEvent, final_kind, hook_env, log_record
 from app.services.job_events import JobEvents
 from app.services.jobs import simulated_gpu_load
 from app.services.registry import Job, ProcessRecord, Registry
@@ -171,13 +171,17 @@ def _release_claim(job: Job) -> None:
         log.warning("could not release the claim of %s: %s", run_dir, error)
 
 
-def _run_hook(job: Job, event: JobEvent, reason: str = "", code: int | None = None) -> None:
-    """The job's `--on-event` command, argv as stored (never a shell), the event in its env."""
+def _announce(
+    registry: Registry, job: Job, event: JobEvent, reason: str = "", code: int | None = None
+) -> None:
+    """Log the job event (`nnui watch`) and run the job's `--on-event` command: argv as
+    stored (never a shell), the event in its environment."""
+    env = hook_env(job, event, reason, code)
+    job_log.append(registry.state_dir, log_record(job, env))
     if not job.on_event:
         return
-    env = {**os.environ, **hook_env(job, event, reason, code)}
     try:
-        hook = subprocess.Popen(job.on_event, stdin=subprocess.DEVNULL, env=env)
+        hook = subprocess.Popen(job.on_event, stdin=subprocess.DEVNULL, env={**os.environ, **env})
         hook.wait(timeout=HOOK_TIMEOUT_S)
     except OSError as error:
         _say(f"the --on-event command {job.on_event[0]} could not start: {error}")
@@ -199,7 +203,7 @@ def _wait_for_gpus(registry: Registry, job: Job, held: GpuClaims) -> dict[str, s
         env["CUDA_VISIBLE_DEVICES"] = ",".join(chosen)
     job = registry.update(job.job_id, gpus=list(chosen), env=env, waiting_reason=None)
     _say(f"GPU {','.join(chosen)} free and claimed: starting")
-    _run_hook(job, JobEvent.STARTED)
+    _announce(registry, job, JobEvent.STARTED)
     return {**os.environ, **env}
 
 
@@ -238,7 +242,7 @@ def _run_attempts(
         delay_s = backoff_s(len(job.restarts))
         _say(f"restart {len(job.restarts) + 1}/{job.retries} with --c in {delay_s:.0f} s: {reason}")
         job = registry.modify(job_id, lambda j, why=reason: _record_restart(j, why))
-        _run_hook(job, JobEvent.RESTARTED, reason, code)
+        _announce(registry, job, JobEvent.RESTARTED, reason, code)
         if not _back_off(registry, job_id, delay_s):
             return code
         command = with_continue(command)
@@ -321,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     held.release()
     _release_claim(job)
     job = registry.update(job_id, exit_code=code, ended_at=time.time())
-    _run_hook(job, _end_event(job, code), "", code)
+    _announce(registry, job, _end_event(job, code), "", code)
     return 0
 
 
