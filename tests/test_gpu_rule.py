@@ -4,8 +4,14 @@ machine-wide claims (an flock that dies with its holder)."""
 from __future__ import annotations
 
 import os
+import pwd
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -169,3 +175,57 @@ def test_claims_exclusive_and_released_when_the_holder_dies(tmp_path: Path) -> N
             holder.kill()
             holder.wait()
     assert oct(folder.stat().st_mode & 0o7777) == "0o1777"
+
+
+def _hold_as(uid: int, folder: Path, gpus: tuple[str, ...], ready: int) -> None:
+    """In a forked child: become `uid`, claim `gpus`, report, and wait to be killed."""
+    try:
+        os.setgid(uid)
+        os.setuid(uid)
+        ok = GpuClaims(folder).try_claim(gpus, "job-of-nobody")
+        os.write(ready, b"1" if ok else b"0")
+        while True:
+            time.sleep(60)
+    finally:
+        os._exit(1)
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A folder every user can reach (pytest's own tmp_path is private to root)."""
+    folder = Path(tempfile.mkdtemp(prefix="nnui-claims-test-", dir="/tmp"))
+    folder.chmod(0o755)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
+def test_two_users_never_claim_the_same_gpu(shared_tmp: Path) -> None:
+    nobody = pwd.getpwnam("nobody").pw_uid
+    folder = shared_tmp / "claims"
+    mine = GpuClaims(folder)
+    assert mine.try_claim(("0",), "job-of-root")  # root's lock file: read-only for nobody
+    mine.release()
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        _hold_as(nobody, folder, ("0", "1"), write_end)
+    os.close(write_end)  # a child that died before reporting: EOF, not a hang
+    try:
+        assert os.read(read_end, 1) == b"1"  # flock on a read-only descriptor is enough
+        held = live_holders(["0", "1"], folder)
+        assert {g: (h.user, h.pid) for g, h in held.items()} == {
+            "0": ("nobody", child),
+            "1": ("nobody", child),
+        }
+        assert not mine.try_claim(("0",), "job-of-root")
+        assert not mine.try_claim(("1",), "job-of-root")
+        assert (folder / "gpu-1.lock").stat().st_uid == nobody
+    finally:
+        os.kill(child, signal.SIGKILL)  # the forked child, by its pid
+        os.waitpid(child, 0)
+        os.close(read_end)
+    assert mine.try_claim(("0", "1"), "job-of-root")  # its claims died with it
+    mine.release()

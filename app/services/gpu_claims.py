@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import getpass
 import json
 import os
+import pwd
 import socket
 from dataclasses import asdict
 from pathlib import Path
@@ -89,7 +89,7 @@ class GpuClaims:
         return self.folder / f"gpu-{gpu}.{os.getuid()}.json"
 
     def _write_note(self, gpu: str, job_id: str) -> None:
-        note = Holder(job_id=job_id, user=getpass.getuser(), pid=os.getpid())
+        note = Holder(job_id=job_id, user=_user_name(), pid=os.getpid())
         path = self._note_path(gpu)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
@@ -98,6 +98,13 @@ class GpuClaims:
             os.replace(tmp, path)
         except OSError:  # the note is for display only; the lock is the claim
             tmp.unlink(missing_ok=True)
+
+
+def _user_name() -> str:
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name  # the uid's, whatever $USER says
+    except KeyError:
+        return str(os.getuid())
 
 
 def live_holders(
