@@ -25,6 +25,7 @@ from app.services.registry import Job, Registry
 from app.services.schedule import Schedule
 from app.services.signals import kill as kill_job
 from app.services.signals import kill_plan, plan_stop, send_stop
+from app.services.waiting import between_attempts
 from trainer.schema import (
     ENDED_STATES,
     DatasetNotFound,
@@ -326,7 +327,8 @@ def cmd_stop(options: argparse.Namespace, registry: Registry) -> int:
     if view.state in ENDED_STATES:
         print(f"nothing to do: job {job.job_id} is {view.state}")
         return EXIT_NOTHING
-    plan = plan_stop(job, view.topology, view.epoch)
+    waiting = view.state == "queued" and between_attempts(job)  # for GPUs, or to restart
+    plan = plan_stop(job, None if waiting else view.topology, view.epoch)
     if plan.queued:
         if job.queued_stop:
             print(f"nothing to do: a stop for job {job.job_id} is already queued")

@@ -59,6 +59,15 @@ def _schedule_flags(launch: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _watch_parser(sub: argparse._SubParsersAction) -> None:
+    watch = sub.add_parser(
+        "watch", help="print job events (started after waiting, restarted, finished, failed)"
+    )
+    watch.add_argument("--json", action="store_true", help="one JSON object per line")
+    watch.add_argument("--all", action="store_true", help="from the first event, not from now")
+    _common(watch, top=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nnui",
@@ -115,13 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     _schedule_flags(launch)
     _common(launch, top=False)
 
-    watch = sub.add_parser(
-        "watch", help="print job events (started after waiting, restarted, finished, failed)"
-    )
-    watch.add_argument("--json", action="store_true", help="one JSON object per line")
-    watch.add_argument("--all", action="store_true", help="from the first event, not from now")
-    _common(watch, top=False)
-
+    _watch_parser(sub)
     sub.add_parser("sbatch", help="write/submit a SLURM job script (see nnui sbatch --help)")
     return parser
 

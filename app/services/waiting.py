@@ -40,6 +40,12 @@ def waiting(job: Job) -> bool:
     return job.when_free and job.exit_code is None and job.process("trainer") is None
 
 
+def between_attempts(job: Job) -> bool:
+    """No trainer runs yet or again: waiting for GPUs, or waiting to be restarted. A stop
+    then only cancels (queued_stop: the supervisor starts nothing more)."""
+    return (job.when_free or bool(job.restarts)) and job.process("trainer") is None
+
+
 def queue_order(jobs: list[Job]) -> list[Job]:
     """This user's waiting jobs, first served first: higher priority, then older."""
     return sorted(
