@@ -263,3 +263,48 @@ def test_describe_exit() -> None:
     assert describe_exit(-9) == "exit 137 (SIGKILL)"
     assert describe_exit(-15) == "exit 143 (SIGTERM)"
     assert describe_exit(1) == "exit 1"
+
+
+USAGE_CASES = [
+    (["--share", "--when-free"], "--share needs --min-free-gib or --max-util"),
+    (["--max-util", "30"], "go with --when-free"),
+    (["--when-free", "--sequential"], "drop --sequential"),
+    (["--when-free", "--max-util", "130"], "--max-util must be 0..100"),
+    (["--retries", "-1"], "--retries must be 0..1000"),
+    (["--on-event", "'unterminated"], "--on-event"),
+    (["--on-event", ""], "--on-event needs a command"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), USAGE_CASES, ids=[m for _, m in USAGE_CASES])
+def test_schedule_usage_errors(env: dict, flags: list[str], message: str) -> None:
+    result = nnui(env, "launch", "4", "3d_fullres", "--simulate-gpus", "2", "--folds", "0",
+                  "--gpus", "0", *flags)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: ") and message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert status(env) == {}  # nothing launched, nothing written
+
+
+def test_gpus_any_needs_when_free(env: dict) -> None:
+    result = nnui(env, "launch", "4", "3d_fullres", "--simulate-gpus", "2", "--folds", "0",
+                  "--gpus", "any")  # fmt: skip
+    assert result.returncode == 2 and "--gpus any goes with --when-free" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_job_started_at_once_holds_its_gpu_and_a_waiting_job_can_be_killed(env: dict) -> None:
+    (running,) = launched(nnui(env, "launch", "4", "3d_fullres", "--simulate-gpus", "1",
+                               "--folds", "0", "--gpus", "0", "--", "--epochs", "300",
+                               "--epoch-time", "0.5"))  # fmt: skip
+    assert wait_until(lambda: status(env)[running]["state"] == "running")
+    (waiting,) = launched(nnui(env, "launch", "4", "3d_fullres", "--simulate-gpus", "1",
+                               "--folds", "1", "--gpus", "0", "--when-free"))  # fmt: skip
+    reason = lambda: status(env)[waiting]["waiting_reason"] or ""  # noqa: E731
+    assert wait_until(lambda: f"GPU 0: claimed by nnui job {running}" in reason())
+    kill = nnui(env, "kill", waiting, "--yes", "--grace", "5")
+    assert kill.returncode == 0, kill.stderr
+    assert wait_until(lambda: status(env)[waiting]["state"] == "killed")
+    row = status(env)[waiting]
+    assert row["worker_pids"] == [] and not (Path(row["run_dir"]) / "events.jsonl").exists()
+    assert status(env)[running]["state"] == "running"  # the other job is untouched

@@ -319,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         env = _wait_for_gpus(registry, job, held)
         if env is None:
             return _cancelled(registry, job, held)
+    elif all(g.isdigit() for g in job.gpus) and job.gpus:
+        # Started at once: still claim its GPUs (best effort: folds the user put on one GPU
+        # on purpose share it), so that jobs waiting for a free GPU never take them.
+        held.try_claim(tuple(job.gpus), job_id)
     code = _run_attempts(registry, job_id, command, env, current)
     # The fold is free once its trainer is gone: drop the claim before the exit code is
     # recorded, so a resume that waits for the exit code never meets our claim still held.
