@@ -14,15 +14,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.services import catalog, job_log, launcher
+from app.cli_schedule import cmd_priority, cmd_watch, schedule_notes, schedule_of
+from app.services import catalog, launcher
 from app.services.claims import ClaimRefused
 from app.services.gpus import GpuMonitor, MachineSnapshot
-from app.services.hooks import parse_hook
 from app.services.jobs import JobTracker, JobView, simulated_gpu_load
 from app.services.nnunet_runs import RUN_ID_PREFIX, WatchOnlyRun, is_train_cmdline, stop_refusal
 from app.services.procs import proc_info
 from app.services.registry import Job, Registry
-from app.services.schedule import Schedule
 from app.services.signals import kill as kill_job
 from app.services.signals import kill_plan, plan_stop, send_stop
 from app.services.waiting import between_attempts
@@ -56,6 +55,7 @@ def run(options: argparse.Namespace) -> int:
         "kill": cmd_kill,
         "launch": cmd_launch,
         "watch": cmd_watch,
+        "priority": cmd_priority,
     }
     code = handlers[options.command](options, registry)
     for problem in registry.problems:
@@ -206,16 +206,6 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
     if cv_eta_s is not None:
         lines.append(f"cross-validation ETA: {fmt_duration(cv_eta_s)}")
     return "\n".join(lines)
-
-
-def schedule_notes(view: JobView) -> list[str]:
-    """`waiting: GPU 2: 37 GiB used by user bob (pid 4411)`, `restarts 1/3: exit 137 (SIGKILL)`."""
-    job, notes = view.job, []
-    if job.waiting_reason and view.state == "queued":
-        notes.append(f"waiting: {job.waiting_reason}")
-    if job.restarts:
-        notes.append(f"restarts {len(job.restarts)}/{job.retries}: {'; '.join(job.restarts)}")
-    return notes
 
 
 def _json_safe(value: Any) -> Any:
@@ -444,36 +434,6 @@ def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
     )
     snapshot = None if options.cpu else _snapshot(options)
     return _launch_plans(request, roots_of(options), registry, snapshot, options.dry_run)
-
-
-def schedule_of(options: argparse.Namespace) -> Schedule:
-    """The launch's schedule from its flags; ValueError (one line) for a hook that cannot
-    be split (the other checks are the request's: Schedule.problems)."""
-    hook = parse_hook(options.on_event) if options.on_event is not None else []
-    return Schedule(
-        when_free=options.when_free,
-        min_free_gib=options.min_free_gib,
-        max_util_percent=options.max_util,
-        share=options.share,
-        priority=options.priority,
-        retries=options.retries,
-        on_event=tuple(hook),
-    )
-
-
-WATCH_POLL_S = 0.5
-
-
-def cmd_watch(options: argparse.Namespace, registry: Registry) -> int:
-    """Follow the job event log until interrupted (one line, or one JSON object, each)."""
-    reader = job_log.JobLogReader(registry.state_dir, from_start=options.all)
-    try:
-        while True:
-            for record in reader.poll():
-                print(json.dumps(record) if options.json else job_log.describe(record), flush=True)
-            time.sleep(WATCH_POLL_S)
-    except KeyboardInterrupt:
-        return EXIT_OK
 
 
 def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:

@@ -4,6 +4,7 @@
     nnui launch DATASET CONFIGURATION --folds 0,1 --gpus 0,1 [-- trainer flags]
     nnui status [--json] | stop JOB [--yes] | resume JOB | kill JOB --yes | sbatch ...
     nnui watch [--json] [--all]                               job events, as they happen
+    nnui priority JOB N                                       re-order a waiting job
 
 Exit codes: 0 ok, 1 refused by a safety check (reason printed), 2 usage error or unknown
 job, 3 nothing to do (already stopped or finished).
@@ -59,13 +60,17 @@ def _schedule_flags(launch: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _watch_parser(sub: argparse._SubParsersAction) -> None:
+def _schedule_parsers(sub: argparse._SubParsersAction) -> None:
     watch = sub.add_parser(
         "watch", help="print job events (started after waiting, restarted, finished, failed)"
     )
     watch.add_argument("--json", action="store_true", help="one JSON object per line")
     watch.add_argument("--all", action="store_true", help="from the first event, not from now")
     _common(watch, top=False)
+    priority = sub.add_parser("priority", help="re-order a job waiting for a GPU")
+    priority.add_argument("job")
+    priority.add_argument("priority", type=int, help="higher starts first (default 0)")
+    _common(priority, top=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     _schedule_flags(launch)
     _common(launch, top=False)
 
-    _watch_parser(sub)
+    _schedule_parsers(sub)
     sub.add_parser("sbatch", help="write/submit a SLURM job script (see nnui sbatch --help)")
     return parser
 

@@ -138,12 +138,16 @@ def test_a_stop_cancels_a_waiting_job(env: dict) -> None:
     (job_id,) = launched(nnui(env, "launch", "4", "3d_fullres", "--simulate-gpus", "1",
                               "--folds", "0", "--gpus", "any", "--when-free"))  # fmt: skip
     assert wait_until(lambda: status(env)[job_id]["waiting_reason"] is not None)
+    again = nnui(env, "priority", job_id[-3:], "5")  # re-ordered while it waits
+    assert again.returncode == 0, again.stderr
+    assert status(env)[job_id]["priority"] == 5
     stop = nnui(env, "stop", job_id, "--yes")
     assert stop.returncode == 0, stop.stderr
     assert wait_until(lambda: status(env)[job_id]["state"] == "stopped")
     row = status(env)[job_id]
     assert row["exit_code"] == 0 and row["worker_pids"] == []
     assert not (Path(row["run_dir"]) / "events.jsonl").exists()  # no trainer ever started
+    assert nnui(env, "priority", job_id, "1").returncode == 3  # nothing waits any more
 
 
 @pytest.mark.slow

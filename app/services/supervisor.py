@@ -5,11 +5,11 @@ queued on one GPU) or for free GPUs (`--when-free`: waiting.py, claims held by t
 so they die with it), starts the trainer as its child, restarts it with `--c` after an
 abnormal end while `--retries` allow (retries.py), runs the `--on-event` hook (hooks.py),
 records the trainer's pid and start time (ticks since boot), then its exit code and end
-time, in the registry. While the
-trainer runs it watches the run's topology: it records the workers and delivers a stop
-queued before they were up (RunWatch) — the only place that does. It ignores SIGUSR1 and
-SIGHUP: it is never a stop target and outlives an SSH hang-up. (The trainer inherits the
-ignored SIGUSR1 until it installs its own handler, so an early stop cannot kill it.)
+time, in the registry. While the trainer runs it watches the run's topology: it records
+the workers and delivers a stop queued before they were up (RunWatch) — the only place
+that does. It ignores SIGUSR1 and SIGHUP: it is never a stop target and outlives an SSH
+hang-up. (The trainer inherits the ignored SIGUSR1 until it installs its own handler, so
+an early stop cannot kill it.)
 Its stdout/stderr are the job's console.log, which the trainer inherits.
 """
 
