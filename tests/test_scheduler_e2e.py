@@ -312,3 +312,21 @@ def test_a_job_started_at_once_holds_its_gpu_and_a_waiting_job_can_be_killed(env
     row = status(env)[waiting]
     assert row["worker_pids"] == [] and not (Path(row["run_dir"]) / "events.jsonl").exists()
     assert status(env)[running]["state"] == "running"  # the other job is untouched
+
+
+@pytest.mark.slow
+def test_a_ddp_group_waits_until_all_its_gpus_are_free(env: dict) -> None:
+    busy(env, {"1": [BOB]})
+    (job_id,) = launched(nnui(env, "launch", "4", "3d_fullres", "--simulate-gpus", "2", "--folds",
+                              "0", "--gpus", "0,1", "--ddp", "spawn", "--when-free", "--",
+                              "--epochs", "2", "--epoch-time", "0.3"))  # fmt: skip
+    reason = lambda: status(env)[job_id]["waiting_reason"] or ""  # noqa: E731
+    assert wait_until(lambda: "GPU 1: 37 GiB used by user bob" in reason())
+    assert "GPU 0" not in reason()  # GPU 0 alone is free, but the group needs both
+    assert status(env)[job_id]["state"] == "queued"
+    busy(env, {})
+    assert wait_until(lambda: status(env)[job_id]["state"] == "finished")
+    row = status(env)[job_id]
+    assert row["gpus"] == ["0", "1"] and row["mode"] == "spawn"
+    ranks = next(e for e in events(row["run_dir"]) if e["kind"] == "topology")["ranks"]
+    assert len(ranks) == 2
