@@ -330,3 +330,34 @@ def test_a_ddp_group_waits_until_all_its_gpus_are_free(env: dict) -> None:
     assert row["gpus"] == ["0", "1"] and row["mode"] == "spawn"
     ranks = next(e for e in events(row["run_dir"]) if e["kind"] == "topology")["ranks"]
     assert len(ranks) == 2
+
+
+def test_hook_argv_is_split_once_and_never_run_through_a_shell() -> None:
+    from app.services.hooks import parse_hook
+
+    assert parse_hook("notify-send 'fold done' $HOME;rm") == [
+        "notify-send",
+        "fold done",
+        "$HOME;rm",
+    ]
+
+
+def test_a_stop_during_the_back_off_cancels_the_restart(tmp_path: Path) -> None:
+    from app.services import supervisor
+    from app.services.registry import Registry
+
+    registry = Registry(tmp_path / "state")
+    registry.add(job(queued_stop=True))
+    assert supervisor._back_off(registry, "j", delay_s=600.0) is False  # at once, not in 600 s
+    registry.update("j", queued_stop=False)
+    assert supervisor._back_off(registry, "j", delay_s=0.0) is True
+
+
+@pytest.mark.slow
+def test_a_hook_that_cannot_start_costs_the_job_nothing(env: dict) -> None:
+    (job_id,) = launched(nnui(env, "launch", "4", "3d_fullres", "--simulate-gpus", "1", "--folds",
+                              "0", "--gpus", "0", "--on-event", "/nonexistent/hook --x", "--",
+                              "--epochs", "2", "--epoch-time", "0.2"))  # fmt: skip
+    assert wait_until(lambda: status(env)[job_id]["state"] == "finished")
+    console = Path(status(env)[job_id]["run_dir"], "console.log")
+    assert wait_until(lambda: "--on-event command /nonexistent/hook" in console.read_text())
