@@ -229,3 +229,14 @@ def test_two_users_never_claim_the_same_gpu(shared_tmp: Path) -> None:
         os.close(read_end)
     assert mine.try_claim(("0", "1"), "job-of-root")  # its claims died with it
     mine.release()
+
+
+def test_a_claim_outside_my_set_still_decides_who_is_ahead() -> None:
+    ahead = waiting_job("a", 1.0, ["0", "1"])
+    me = waiting_job("b", 2.0, ["1"])
+    both_free = machine(gpu(0), gpu(1))
+    queue = queue_order([ahead, me])
+    assert turn_choice(me, queue, both_free, {}, lambda job: True).gpus == ("1",)
+    # GPU 0 is claimed by another user's job: the job ahead gets GPU 1, so I wait.
+    waits = turn_choice(me, queue, both_free, CLAIM, lambda job: True)
+    assert waits.gpus is None and "next for an earlier job" in (waits.reason or "")

@@ -111,9 +111,12 @@ def _attempt(
     registry: Registry, me: Job, claims: GpuClaims, monitor: GpuMonitor
 ) -> tuple[tuple[str, ...] | None, str]:
     snapshot = monitor.snapshot()
-    holders = live_holders(me.gpu_pool, claims.folder, mine=claims)
+    queue = queue_order(registry.list())
+    # Every GPU the jobs ahead might take too: their turn this round depends on the claims.
+    gpus = sorted({g for job in [me, *queue] for g in job.gpu_pool if g.isdigit()}, key=int)
+    holders = live_holders(gpus, claims.folder, mine=claims)
     alive = lambda job: job_alive(job, proc_info)  # noqa: E731
-    choice = turn_choice(me, queue_order(registry.list()), snapshot, holders, alive)
+    choice = turn_choice(me, queue, snapshot, holders, alive)
     if choice.gpus is None:
         return None, choice.reason or "no GPU free"
     if not claims.try_claim(choice.gpus, me.job_id):
