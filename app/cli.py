@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from app.cli_schedule import cmd_priority, cmd_watch, schedule_notes, schedule_of
 from app.services import catalog, launcher, prediction
 from app.services.claims import ClaimRefused
 from app.services.gpus import GpuMonitor, MachineSnapshot
@@ -24,6 +25,7 @@ from app.services.procs import proc_info
 from app.services.registry import PREDICT, Job, Registry
 from app.services.signals import kill as kill_job
 from app.services.signals import kill_plan, plan_stop, send_stop
+from app.services.waiting import between_attempts
 from trainer.schema import (
     ENDED_STATES,
     DatasetNotFound,
@@ -57,6 +59,8 @@ def run(options: argparse.Namespace, more: dict[str, Handler] | None = None) -> 
         "resume": cmd_resume,
         "kill": cmd_kill,
         "launch": cmd_launch,
+        "watch": cmd_watch,
+        "priority": cmd_priority,
         **(more or {}),
     }
     code = handlers[options.command](options, registry)
@@ -120,6 +124,11 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "part_id": job.part_id,
         "num_parts": job.num_parts,
         "output_dir": job.output_dir,
+        "when_free": job.when_free,
+        "priority": job.priority,
+        "waiting_reason": job.waiting_reason,
+        "retries": job.retries,
+        "restarts": list(job.restarts),
     }
 
 
@@ -212,6 +221,7 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
         "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
     ]
     for v in views:
+        lines.extend(f"  {v.job.job_id}: {note}" for note in schedule_notes(v))
         for alert in v.alerts:
             lines.append(f"! {v.job.job_id}: {alert}")
         if v.state == "failed" and v.console_tail:
@@ -329,7 +339,8 @@ def cmd_stop(options: argparse.Namespace, registry: Registry) -> int:
     if view.state in ENDED_STATES:
         print(f"nothing to do: job {job.job_id} is {view.state}")
         return EXIT_NOTHING
-    plan = plan_stop(job, view.topology, view.epoch)
+    waiting = view.state == "queued" and between_attempts(job)  # for GPUs, or to restart
+    plan = plan_stop(job, None if waiting else view.topology, view.epoch)
     if plan.queued:
         if job.queued_stop:
             print(f"nothing to do: a stop for job {job.job_id} is already queued")
@@ -445,6 +456,14 @@ def chosen_gpus(options: argparse.Namespace) -> tuple[list[str], str | None]:
 
 def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
     folds = [f.strip() for f in options.folds.split(",") if f.strip()]
+    try:
+        schedule = schedule_of(options)
+    except ValueError as problem:
+        return error(str(problem), EXIT_USAGE)
+    if options.gpus.strip() == "any":
+        if not schedule.when_free or options.ddp:
+            return error("--gpus any goes with --when-free and single-GPU folds", EXIT_USAGE)
+        options.gpus = ",".join(str(g.index) for g in _snapshot(options).gpus)
     gpus, problem = chosen_gpus(options)
     if problem is not None:
         return error(problem, EXIT_USAGE)
@@ -461,6 +480,7 @@ def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
         continue_training=options.continue_training,
         sequential=options.sequential,
         engine=options.engine,
+        schedule=schedule,
     )
     snapshot = None if options.cpu else _snapshot(options)
     return _launch_plans(request, roots_of(options), registry, snapshot, options.dry_run)

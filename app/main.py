@@ -4,6 +4,8 @@
     nnui launch DATASET CONFIGURATION --folds 0,1 --gpus 0,1 [-- trainer flags]
     nnui predict -i IN -o OUT -d DATASET -c CONFIGURATION -f 0 1 --gpus 0,1
     nnui status [--json] | stop JOB [--yes] | resume JOB | kill JOB --yes | sbatch ...
+    nnui watch [--json] [--all]                               job events, as they happen
+    nnui priority JOB N                                       re-order a waiting job
 
 Exit codes: 0 ok, 1 refused by a safety check (reason printed), 2 usage error or unknown
 job, 3 nothing to do (already stopped or finished).
@@ -49,6 +51,45 @@ def _version() -> str:
         return "dev (not installed)"
 
 
+def _schedule_flags(launch: argparse.ArgumentParser) -> None:
+    group = launch.add_argument_group("scheduling (the job's supervisor does it; nnui may exit)")
+    group.add_argument(
+        "--when-free", action="store_true",
+        help="wait until a GPU of --gpus (or `--gpus any`) is free, claim it, then start",
+    )  # fmt: skip
+    group.add_argument("--min-free-gib", type=float, help="free: at least this much memory")
+    group.add_argument("--max-util", type=int, metavar="P", help="free: utilisation <= P %%")
+    group.add_argument("--share", action="store_true", help="free even beside other users")
+    group.add_argument("--priority", type=int, default=0, help="higher starts first (FIFO)")
+    group.add_argument(
+        "--retries", type=int, default=0, metavar="N",
+        help="restart with --c after an abnormal end, at most N times (default 0)",
+    )  # fmt: skip
+    group.add_argument(
+        "--on-event", metavar="CMD",
+        help="run CMD (no shell) when a job starts after waiting, restarts, finishes or fails",
+    )  # fmt: skip
+
+
+def _schedule_parsers(sub: argparse._SubParsersAction) -> None:
+    watch = sub.add_parser(
+        "watch", help="print job events (started after waiting, restarted, finished, failed)"
+    )
+    watch.add_argument("--json", action="store_true", help="one JSON object per line")
+    watch.add_argument("--all", action="store_true", help="from the first event, not from now")
+    _common(watch, top=False)
+    priority = sub.add_parser("priority", help="re-order a job waiting for a GPU")
+    priority.add_argument("job")
+    priority.add_argument("priority", type=int, help="higher starts first (default 0)")
+    _common(priority, top=False)
+
+
+def _tui_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--readonly", action="store_true", help="TUI: watch only, no action keys")
+    parser.add_argument("--no-mouse", action="store_true", help="TUI: disable mouse support")
+    parser.add_argument("--version", action="version", version=f"nnui {_version()}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nnui",
@@ -57,9 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _common(parser, top=True)
-    parser.add_argument("--readonly", action="store_true", help="TUI: watch only, no action keys")
-    parser.add_argument("--no-mouse", action="store_true", help="TUI: disable mouse support")
-    parser.add_argument("--version", action="version", version=f"nnui {_version()}")
+    _tui_flags(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     status = sub.add_parser("status", help="table (or JSON) of the jobs")
@@ -103,9 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--cpu", action="store_true", help="run on CPU (no GPU needed)")
     launch.add_argument("--c", dest="continue_training", action="store_true", help="resume")
     launch.add_argument("--dry-run", action="store_true", help="print the commands only")
+    _schedule_flags(launch)
     _common(launch, top=False)
 
     _predict_parser(sub)
+    _schedule_parsers(sub)
     sub.add_parser("sbatch", help="write/submit a SLURM job script (see nnui sbatch --help)")
     return parser
 

@@ -65,6 +65,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--c", action="store_true")
     parser.add_argument("--nan-at", type=int, default=None)
     parser.add_argument("--fail-at", type=int, default=None)
+    parser.add_argument("--fail-code", type=int, default=3, help="exit code of --fail-at")
     parser.add_argument("--handler-delay", type=float, default=0.0)
     parser.add_argument("--start-delay", type=float, default=0.0)
     parser.add_argument("--hold-until", default=None, help="wait for this file before starting")
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fake failure at epoch {epoch}", flush=True)
             recorder.event(Kind.FAILED, message="fake failure", traceback="")
             recorder.state(State.FAILED, epoch=epoch, message="fake failure")
-            return 3
+            return options.fail_code
         loss = 1.0 / (1 + epoch)
         dice = 1 - loss
         ema = dice if epoch == 0 else 0.9 * ema + 0.1 * dice

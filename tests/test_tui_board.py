@@ -306,3 +306,23 @@ async def test_keys_in_one_burst_act_in_order_on_the_widget_focused_then(
         assert [p.fold for p in started] == ["0"]
         assert started[0].argv[-len(flags.split()) :] == flags.split(), started[0].argv
         await screen_of(app, pilot, DashboardScreen)
+
+
+async def test_launch_board_when_free_toggle_makes_folds_wait_for_their_gpu(
+    tmp_path: Path, monkeypatch
+) -> None:
+    roots = make_roots(tmp_path)
+    use_fake_trainer(monkeypatch, roots, tmp_path / "state")
+    app = tui_app(roots, tmp_path / "state")
+    async with app.run_test(size=(150, 48)) as pilot:
+        screen = await open_board(app, pilot)
+        await pilot.press("space", "down", "space", "w")
+        await wait_for(lambda: screen.query_one("#when-free").value, pilot)
+        await settled(screen, pilot, {"0": ["0"], "1": ["0"]})
+        assert screen.problems == []
+        # The supervisors wait for GPU 0 in turn (FIFO): no chain of `after` jobs.
+        assert [(p.fold, p.after, p.schedule.when_free) for p in screen.plans] == [
+            ("0", None, True),
+            ("1", None, True),
+        ]
+        assert "when a GPU of 0 is free" in screen.preview_text

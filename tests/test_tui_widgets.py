@@ -88,6 +88,9 @@ class Job:
     after: str | None = None
     queued_stop: bool = False
     processes: list = field(default_factory=list)
+    waiting_reason: str | None = None
+    retries: int = 0
+    restarts: list = field(default_factory=list)
 
 
 @dataclass
@@ -116,7 +119,11 @@ ROW_CASES = [
     (View(job=Job(gpus=["0", "1"], mode="torchrun")), {"where": "0,1 (torchrun)"}),
     (View(job=Job(gpus=[])), {"where": "cpu", "dataset": "004_Hippocampus 3d_fullres"}),
     (View(state="queued", job=Job(after="j0")), {"state": "queued (after fold 3)"}),
-]
+    (View(state="queued", job=Job(waiting_reason="GPU 1: 37 GiB used by user bob (pid 4411)")),
+     {"state": "queued", "alerts": "waiting: GPU 1: 37 GiB used by user bob (pid 4411) "}),
+    (View(job=Job(retries=3, restarts=["exit 137 (SIGKILL)"])),
+     {"alerts": "restarts 1/3: exit 137 (SIGKILL) "}),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("view", "expected"), ROW_CASES)

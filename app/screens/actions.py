@@ -21,6 +21,7 @@ from app.screens.confirm import (
 )
 from app.services import catalog, launcher, nnunet_runs, prediction, signals
 from app.services.registry import PREDICT
+from app.services.waiting import between_attempts
 from trainer.schema import DatasetNotFound, find_dataset
 
 NOTHING_TO_STOP = frozenset({"stopped", "finished", "failed", "lost"})
@@ -53,10 +54,12 @@ class KillChoice:
 def plan_stop_choice(view: Any) -> StopChoice:
     if view.state in NOTHING_TO_STOP:
         return StopChoice(view, None, f"job is {view.state}: nothing to stop, nothing is sent")
-    if view.state == "queued" and not view.topology:
+    waits = view.state == "queued" and between_attempts(view.job)
+    if view.state == "queued" and not view.topology and not waits:
         return StopChoice(view, None, "job has not started yet (waiting for its turn)")
-    plan = signals.plan_stop(view.job, view.topology, view.epoch)
-    note = None
+    # Waiting for GPUs or to restart: no trainer runs, the queued stop cancels it.
+    plan = signals.plan_stop(view.job, None if waits else view.topology, view.epoch)
+    note = "waiting (for a free GPU or to restart): the stop cancels it" if waits else None
     if view.state == "stopping":
         note = "already stopping: sending SIGUSR1 again is harmless (the flag is already set)"
     elif view.job.queued_stop and plan.queued:

@@ -43,6 +43,7 @@ LAUNCH = [
     Binding("e", "toggle_engine", "Engine nnui/nnU-Net", id="launch-engine"),
     Binding("m", "toggle_launcher", "spawn/torchrun", id="launch-ddp"),
     Binding("c", "toggle_resume", "Resume --c", id="launch-resume"),
+    Binding("w", "toggle_when_free", "When free", id="launch-when-free"),
     Binding("f", "focus_flags", "Trainer flags", id="launch-flags", priority=True),
     Binding("p", "predict", "Predict on these GPUs", id="launch-predict"),
     Binding("enter", "leave_flags", "Done", id="launch-flags-done", priority=True),

@@ -24,6 +24,7 @@ from textual.widgets import Checkbox, Footer, Input, RadioButton, RadioSet, Stat
 from app.screens import actions, keys
 from app.screens.predict_form import PredictScreen, form_defaults
 from app.services import catalog, engines, launcher
+from app.services.schedule import Schedule
 from app.widgets.dataset_picker import DatasetPicker
 from app.widgets.fold_board import CPU_COLUMN, FoldBoard
 from app.widgets.key_order import OrderedInput
@@ -70,6 +71,7 @@ class LaunchScreen(Screen):
                     yield RadioButton("DDP via -num_gpus (spawn)", value=True, id="spawn")
                     yield RadioButton("DDP via torchrun", id="torchrun")
                 yield Checkbox("resume (--c)", id="resume")
+                yield Checkbox("when free (wait for the GPUs)", id="when-free")
                 yield OrderedInput(placeholder="trainer flags, e.g. --epochs 3", id="flags")
         yield Static(id="launch-checks")
         with VerticalScroll(id="launch-preview-box"):
@@ -186,6 +188,7 @@ class LaunchScreen(Screen):
         if choice.plans != chosen.default_plans:  # the picker's plans; typed flags win
             trainer_args = ["-p", choice.plans, *trainer_args]
         simulated = bool(getattr(self.app.snapshot, "simulated", False))
+        when_free = self.query_one("#when-free", Checkbox).value and board.model.device != "cpu"
         requests = [
             launcher.LaunchRequest(
                 dataset=choice.dataset,
@@ -197,8 +200,9 @@ class LaunchScreen(Screen):
                 trainer_args=trainer_args,
                 simulated=simulated,
                 continue_training=self.query_one("#resume", Checkbox).value,
-                sequential=spec.sequential,
+                sequential=spec.sequential and not when_free,  # waiting queues them anyway
                 engine=self.engine,
+                schedule=Schedule(when_free=when_free),
             )
             for spec in board.model.specs()
         ]
@@ -356,6 +360,10 @@ class LaunchScreen(Screen):
 
     def action_toggle_resume(self) -> None:
         box = self.query_one("#resume", Checkbox)
+        box.value = not box.value
+
+    def action_toggle_when_free(self) -> None:
+        box = self.query_one("#when-free", Checkbox)
         box.value = not box.value
 
     def action_focus_flags(self) -> None:

@@ -9,11 +9,13 @@ An inherited CUDA_VISIBLE_DEVICES limits the panel to those GPUs (indices or UUI
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -289,23 +291,62 @@ class GpuMonitor:
         except Exception as error:  # a reading, never a crash
             log.debug("simulated load failed: %s", error)
             load = {}
-        gpus = []
         me = self._owner(os.getpid())[0]
-        for index in range(int(self.simulate or 0)):
-            running = list(load.get(index, ()))
-            processes = tuple(GpuProcess(pid, me, 6 * GIB, name, True) for pid, name in running)
-            busy = bool(running)
-            gpus.append(
-                GpuSnapshot(
-                    index=index,
-                    name=f"Simulated GPU {index}",
-                    uuid=f"GPU-5157{index:04d}-0000-0000-0000-000000000000",
-                    memory_used_bytes=(6 * GIB * len(running)) if busy else 0,
-                    memory_total_bytes=SIMULATED_MEMORY_BYTES,
-                    utilization_percent=min(100, 85 * len(running)) if busy else 0,
-                    temperature_c=68 if busy else 34,
-                    power_w=310.0 if busy else 62.0,
-                    processes=processes,
+        others = simulated_busy(os.environ.get(SIMULATED_BUSY_ENV))
+        return tuple(
+            _simulated_gpu(index, list(load.get(index, ())), others.get(index, ()), me)
+            for index in range(int(self.simulate or 0))
+        )
+
+
+# The simulated machine plays other users and busy GPUs from this JSON file, read at every
+# snapshot (a test or a demo edits it while jobs wait): {"GPU index": [{"pid": 4411,
+# "user": "bob", "used_gib": 37, "util": 90}, ...]}. A missing or bad file: nobody else.
+SIMULATED_BUSY_ENV = "NNUI_SIMULATED_BUSY"
+
+
+def simulated_busy(path: str | None) -> dict[int, tuple[tuple[GpuProcess, int], ...]]:
+    """{index: ((process, utilisation %), ...)} of the simulated other processes."""
+    if not path:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text())
+        me = os.getuid()
+        busy: dict[int, tuple[tuple[GpuProcess, int], ...]] = {}
+        for index, entries in data.items():
+            busy[int(index)] = tuple(
+                (
+                    GpuProcess(int(e["pid"]), str(e["user"]), int(float(e["used_gib"]) * GIB),
+                               "simulated", e.get("uid") == me),
+                    int(e.get("util", 90)),
                 )
-            )
-        return tuple(gpus)
+                for e in entries
+            )  # fmt: skip
+        return busy
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+        log.debug("simulated busy file %s unusable: %s", path, error)
+        return {}
+
+
+def _simulated_gpu(
+    index: int,
+    running: list[tuple[int, str]],
+    others: tuple[tuple[GpuProcess, int], ...],
+    me: str | None,
+) -> GpuSnapshot:
+    processes = tuple(GpuProcess(pid, me, 6 * GIB, name, True) for pid, name in running)
+    processes += tuple(p for p, _ in others)
+    busy = bool(processes)
+    used = 6 * GIB * len(running) + sum(p.used_memory_bytes or 0 for p, _ in others)
+    util = max([85 * len(running), *(u for _, u in others)])
+    return GpuSnapshot(
+        index=index,
+        name=f"Simulated GPU {index}",
+        uuid=f"GPU-5157{index:04d}-0000-0000-0000-000000000000",
+        memory_used_bytes=min(used, SIMULATED_MEMORY_BYTES),
+        memory_total_bytes=SIMULATED_MEMORY_BYTES,
+        utilization_percent=min(100, util),
+        temperature_c=68 if busy else 34,
+        power_w=310.0 if busy else 62.0,
+        processes=processes,
+    )

@@ -172,9 +172,11 @@ def derive_state(job: Job, run: _RunState, alive: bool) -> State:
         return State.FAILED if job.exit_code != 0 or ending else State.FINISHED
     if not alive:
         return ending or State.LOST
+    if job.restarts and not job.process("trainer"):
+        return State.QUEUED  # between attempts: restarted with --c after the back-off
     if ending is not None:
         return ending
-    if job.after and not job.process("trainer"):
+    if (job.after or job.when_free) and not job.process("trainer"):
         return State.STOPPING if job.queued_stop else State.QUEUED
     stop_sent = any(s.signal == "SIGUSR1" and s.result == "sent" for s in job.signals)
     if run.stop_requested or stop_sent or job.queued_stop:

@@ -18,6 +18,7 @@ from app.services.claims import ClaimRefused
 from app.services.engines import ENGINES, NNUI, NNUNET_MISSING, Engine, engine
 from app.services.gpus import MachineSnapshot
 from app.services.registry import Job, Registry, valid_pid
+from app.services.schedule import Schedule, resumed_schedule
 from app.services.signals import job_alive, proc_info
 from app.services.trainer_flags import flag_value
 from trainer.schema import (
@@ -52,6 +53,9 @@ class LaunchRequest:
     trainer_entry: tuple[str, ...] = field(default=())  # default: ("-m", "trainer")
     roots: Roots | None = None  # a resume: the job's own roots, whatever the caller's are
     engine: str = NNUI  # "nnui" (nnui's trainer) | "nnunet" (the real nnU-Net, engines.py)
+    schedule: Schedule = field(
+        default_factory=Schedule
+    )  # --when-free, --retries, --on-event (schedule.py)
 
 
 @dataclass
@@ -136,6 +140,7 @@ def resume_request(job: Job) -> LaunchRequest:
         continue_training=True,
         roots=job_roots(job),
         engine=job.engine,
+        schedule=resumed_schedule(job),
     )
 
 
@@ -161,6 +166,8 @@ def check_arguments(request: LaunchRequest, roots: Roots) -> list[str]:
             errors.append(f"fold {fold!r} is not one of {', '.join(FOLDS)}")
     if len(set(request.folds)) != len(request.folds):
         errors.append("a fold is listed twice")
+    cpu = request.device == "cpu" and not request.simulated
+    errors += request.schedule.problems(request.sequential, cpu)
     if request.engine not in ENGINES:
         return [*errors, f"unknown engine {request.engine!r} (one of {', '.join(ENGINES)})"]
     if request.engine != NNUI and not engines.nnunet_available():
@@ -201,6 +208,8 @@ def _assignments(request: LaunchRequest) -> tuple[list[tuple[str, list[str]]], l
         return [(fold, []) for fold in folds], []
     if not gpus:
         return [], ["no GPU chosen: pick GPUs or run on CPU"]
+    if request.schedule.when_free:  # each fold waits for any free GPU of the set
+        return [(fold, gpus) for fold in folds], []
     if len(gpus) == len(folds):
         return [(f, [g]) for f, g in zip(folds, gpus, strict=True)], []
     if len(gpus) == 1 or request.sequential:
@@ -277,7 +286,7 @@ def check_request(
         _ddp_group_checks(request, plans_batch_size, checks)
     _, assignment_errors = _assignments(request)
     checks.errors.extend(assignment_errors)
-    if request.mode == "per_gpu" and not request.sequential:
+    if request.mode == "per_gpu" and not (request.sequential or request.schedule.when_free):
         _shared_gpu_warnings(request, checks)
     try:
         dataset_name = find_dataset(roots.preprocessed, request.dataset)
@@ -299,6 +308,8 @@ def _gpu_checks(request: LaunchRequest, snapshot: MachineSnapshot, checks: Launc
         if reading is None:
             checks.errors.append(f"GPU {gpu} is not visible on this machine")
             continue
+        if request.schedule.when_free:
+            continue  # busy now is why it waits
         if reading.busy:
             util = reading.utilization_percent
             checks.warnings.append(

@@ -15,7 +15,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import app
@@ -42,6 +42,7 @@ from app.services.launch_request import (
     resume_request,
 )
 from app.services.registry import PREDICT, TRAIN, Job, ProcessRecord, Registry, new_job_id
+from app.services.schedule import Schedule
 from app.services.signals import process_identity
 from app.services.trainer_flags import without_flags
 from trainer.schema import (
@@ -107,6 +108,9 @@ class LaunchPlan:
     part_id: int | None = None
     num_parts: int | None = None
     output_dir: str | None = None
+    schedule: Schedule = field(
+        default_factory=Schedule
+    )  # wait for free GPUs, retries, hook (schedule.py)
 
 
 def trainer_entry(request: LaunchRequest) -> list[str]:
@@ -172,6 +176,7 @@ def plan_launch(
                 trainer_args=tuple(request.trainer_args),
                 continue_training=request.continue_training,
                 engine=who.engine.name,
+                schedule=request.schedule,
             )
         )
     return plans, []
@@ -204,6 +209,8 @@ def preview(plan: LaunchPlan) -> str:
     """The exact command as copy-pasteable shell text (what start() runs, minus the supervisor)."""
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
     wait = f"# after job {plan.after} ends\n" if plan.after else ""
+    if plan.schedule.when_free:
+        wait += f"# when a GPU of {','.join(plan.gpus)} is free (it is set then)\n"
     return f"{wait}cd {shlex.quote(os.getcwd())} && {env} {shlex.join(plan.argv)}"
 
 
@@ -268,6 +275,7 @@ def _register_and_start(plan: LaunchPlan, registry: Registry) -> Job:
         part_id=plan.part_id,
         num_parts=plan.num_parts,
         output_dir=plan.output_dir,
+        **plan.schedule.job_fields(plan.gpus),
     )
     registry.add(job)
     env = {**_without_launcher_leftovers(os.environ), **plan.env, "PYTHONPATH": _python_path()}

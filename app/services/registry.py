@@ -108,6 +108,17 @@ class Job:
     part_id: int | None = None  # a prediction's part of num_parts (-part_id/-num_parts)
     num_parts: int | None = None
     output_dir: str | None = None  # a prediction's -o folder
+    # The scheduler (waiting.py, retries.py, hooks.py); additive: older files lack them.
+    when_free: bool = False  # the supervisor waits for free GPUs of gpu_pool, then claims
+    gpu_pool: list[str] = field(default_factory=list)  # GPUs it may take (when_free)
+    min_free_gib: float | None = None
+    max_util_percent: int | None = None
+    share: bool = False
+    priority: int = 0  # higher first; FIFO (created_at) within a priority, per user
+    waiting_reason: str | None = None  # e.g. "GPU 2: 37 GiB used by user bob (pid 4411)"
+    retries: int = 0  # restarts with --c allowed after an abnormal end
+    restarts: list[str] = field(default_factory=list)  # the reason of each, e.g. "exit 137"
+    on_event: list[str] = field(default_factory=list)  # hook argv (never a shell string)
 
     def process(self, role: str) -> ProcessRecord | None:
         return next((p for p in self.processes if p.role == role), None)
@@ -231,6 +242,16 @@ _CHECKS: dict[type, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "part_id": (_optional(lambda v: _is_int(v, 0, 2**20)), "a part >= 0 or null"),
         "num_parts": (_optional(lambda v: _is_int(v, 1, 2**20)), "a count >= 1 or null"),
         "output_dir": (_optional(lambda v: isinstance(v, str)), "a string or null"),
+        "when_free": _BOOL,
+        "gpu_pool": _STR_LIST,
+        "min_free_gib": (_optional(lambda v: _is_time(v) and v >= 0), "GiB >= 0 or null"),
+        "max_util_percent": (_optional(lambda v: _is_int(v, 0, 100)), "0..100 or null"),
+        "share": _BOOL,
+        "priority": (lambda v: _is_int(v, -(2**20), 2**20), "an integer priority"),
+        "waiting_reason": (_optional(lambda v: isinstance(v, str)), "a string or null"),
+        "retries": (lambda v: _is_int(v, 0, 1000), "0..1000 restarts"),
+        "restarts": _STR_LIST,
+        "on_event": _STR_LIST,
     },
 }
 

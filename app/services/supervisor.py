@@ -1,12 +1,15 @@
 """`python -m app.services.supervisor --job-id ID --state-dir DIR -- ARGV...`
 
 The small parent of every training nnui starts: waits for an earlier job when asked (folds
-queued on one GPU), starts the trainer as its child, records the trainer's pid and start
-time (ticks since boot), then its exit code and end time, in the registry. While the
-trainer runs it watches the run's topology: it records the workers and delivers a stop
-queued before they were up (RunWatch) — the only place that does. It ignores SIGUSR1 and
-SIGHUP: it is never a stop target and outlives an SSH hang-up. (The trainer inherits the
-ignored SIGUSR1 until it installs its own handler, so an early stop cannot kill it.)
+queued on one GPU) or for free GPUs (`--when-free`: waiting.py, claims held by this process
+so they die with it), starts the trainer as its child, restarts it with `--c` after an
+abnormal end while `--retries` allow (retries.py), runs the `--on-event` hook (hooks.py),
+records the trainer's pid and start time (ticks since boot), then its exit code and end
+time, in the registry. While the trainer runs it watches the run's topology: it records
+the workers and delivers a stop queued before they were up (RunWatch) — the only place
+that does. It ignores SIGUSR1 and SIGHUP: it is never a stop target and outlives an SSH
+hang-up. (The trainer inherits the ignored SIGUSR1 until it installs its own handler, so
+an early stop cannot kill it.)
 Its stdout/stderr are the job's console.log, which the trainer inherits.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -22,10 +26,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.services import claims
+from app.services import claims, job_log
 from app.services.claims import ClaimRefused
+from app.services.gpu_claims import GpuClaims
+from app.services.hooks import JobEvent, final_kind, hook_env, log_record
 from app.services.job_events import JobEvents
+from app.services.jobs import simulated_gpu_load
 from app.services.registry import PREDICT, Job, ProcessRecord, Registry
+from app.services.retries import (
+    AttemptEnd,
+    attempt_nan_loss,
+    backoff_s,
+    restart_reason,
+    with_continue,
+)
 from app.services.signals import (
     ProcInfo,
     job_alive,
@@ -36,10 +50,13 @@ from app.services.signals import (
     remember_workers,
     send_stop,
 )
+from app.services.waiting import machine_monitor, wait_for_gpus
+from trainer.schema import Kind
 
 log = logging.getLogger("nnui.supervisor")
 
 POLL_S = 1.0
+HOOK_TIMEOUT_S = 60.0  # a hook still running then is left to itself
 START_GRACE_S = 30.0  # an earlier job with no process recorded after this long never started
 
 
@@ -156,6 +173,121 @@ def _release_claim(job: Job) -> None:
         log.warning("could not release the claim of %s: %s", run_dir, error)
 
 
+def _announce(
+    registry: Registry, job: Job, event: JobEvent, reason: str = "", code: int | None = None
+) -> None:
+    """Log the job event (`nnui watch`) and run the job's `--on-event` command: argv as
+    stored (never a shell), the event in its environment."""
+    env = hook_env(job, event, reason, code)
+    job_log.append(registry.state_dir, log_record(job, env))
+    if not job.on_event:
+        return
+    try:
+        hook = subprocess.Popen(job.on_event, stdin=subprocess.DEVNULL, env={**os.environ, **env})
+        hook.wait(timeout=HOOK_TIMEOUT_S)
+    except OSError as error:
+        _say(f"the --on-event command {job.on_event[0]} could not start: {error}")
+    except subprocess.TimeoutExpired:
+        _say(f"the --on-event command still runs after {HOOK_TIMEOUT_S:.0f} s; left running")
+
+
+def _wait_for_gpus(registry: Registry, job: Job, held: GpuClaims) -> dict[str, str] | None:
+    """Wait for and claim free GPUs (waiting.py); the trainer's environment, None: cancelled."""
+    monitor = machine_monitor(job, lambda: simulated_gpu_load(registry))
+    try:
+        chosen = wait_for_gpus(registry, job.job_id, held, monitor, _say)
+    finally:
+        monitor.close()
+    if chosen is None:
+        return None
+    env = dict(job.env)
+    if job.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(chosen)
+    job = registry.update(job.job_id, gpus=list(chosen), env=env, waiting_reason=None)
+    _say(f"GPU {','.join(chosen)} free and claimed: starting")
+    _announce(registry, job, JobEvent.STARTED)
+    return {**os.environ, **env}
+
+
+def _start_trainer(registry: Registry, job_id: str, command: list[str], env: dict | None) -> Any:
+    try:
+        trainer = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
+    except OSError as error:
+        _say(f"could not start {command[0]}: {error}")
+        return error
+    # /proc/PID/stat only: psutil may fail while the child is between fork and exec.
+    ticks, create_time = process_identity(trainer.pid)
+    record = ProcessRecord(trainer.pid, create_time or time.time(), "trainer", None, ticks)
+    registry.add_process(job_id, record)
+    return trainer
+
+
+def _run_attempts(
+    registry: Registry, job_id: str, command: list[str], env: dict | None, current: dict
+) -> int:
+    """Run the trainer; after an abnormal end restart it with --c while retries allow."""
+    while True:
+        started_at = time.time()
+        trainer = _start_trainer(registry, job_id, command, env)
+        if isinstance(trainer, OSError):
+            registry.update(job_id, note=f"start failed: {trainer}")
+            return 127
+        current["trainer"] = trainer
+        code = wait_watching_run(registry, job_id, trainer)
+        current["trainer"] = None
+        _say(f"trainer exited with code {code}")
+        job = registry.get(job_id)
+        end = AttemptEnd(code, attempt_nan_loss(job, started_at), started_at)
+        reason = restart_reason(job, end)
+        if reason is None:
+            return code
+        delay_s = backoff_s(len(job.restarts))
+        _say(f"restart {len(job.restarts) + 1}/{job.retries} with --c in {delay_s:.0f} s: {reason}")
+        job = registry.modify(job_id, lambda j, why=reason: _record_restart(j, why))
+        _announce(registry, job, JobEvent.RESTARTED, reason, code)
+        if not _back_off(registry, job_id, delay_s):
+            return code
+        command = with_continue(command)
+
+
+def _record_restart(job: Job, reason: str) -> None:
+    job.restarts.append(reason)
+    # The next attempt's processes are the job's: stops and kills go to them.
+    job.processes = [p for p in job.processes if p.role not in ("trainer", "worker")]
+
+
+def _back_off(registry: Registry, job_id: str, delay_s: float) -> bool:
+    """Wait before a restart; False when the user stopped or killed the job meanwhile."""
+    deadline = time.monotonic() + delay_s
+    while time.monotonic() < deadline:
+        job = registry.get(job_id)
+        if job.queued_stop or job.killed_at is not None:
+            _say("stopped while waiting to restart: not restarted")
+            return False
+        time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+    return True
+
+
+def _end_event(job: Job, code: int) -> JobEvent:
+    if code != 0:
+        return JobEvent.FAILED
+    last = final_kind(job)
+    return {Kind.STOPPED: JobEvent.STOPPED, Kind.FAILED: JobEvent.FAILED}.get(
+        last, JobEvent.FINISHED
+    )
+
+
+def _cancelled(registry: Registry, job: Job, held: GpuClaims) -> int:
+    _say("stopped before it started")
+    held.release()
+    _release_claim(job)
+    registry.update(
+        job.job_id, exit_code=0, ended_at=time.time(), note="stopped before it started",
+        waiting_reason=None,
+    )  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.services.supervisor")
     parser.add_argument("--job-id", required=True)
@@ -169,40 +301,37 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     registry = Registry(options.state_dir)
     job_id = options.job_id
-    trainer: subprocess.Popen[bytes] | None = None
+    current: dict[str, subprocess.Popen[bytes] | None] = {"trainer": None}
 
     def on_term(signum: int, frame: object) -> None:
         # While the trainer runs we stay to record its exit code (kill targets the trainer).
-        if trainer is None:
+        if current["trainer"] is None:
             registry.update(
                 job_id, exit_code=-signum, ended_at=time.time(), note="killed before start"
             )
-            sys.exit(128 + signum)
+            sys.exit(128 + signum)  # a GPU claim dies with this process
 
     signal.signal(signal.SIGTERM, on_term)
     job = registry.get(job_id)
+    held = GpuClaims()
+    env: dict[str, str] | None = None
     if job.after and not wait_for(registry, job_id, job.after):
-        _say("stopped before it started")
-        _release_claim(job)
-        registry.update(job_id, exit_code=0, ended_at=time.time(), note="stopped before it started")
-        return 0
-    try:
-        trainer = subprocess.Popen(command, stdin=subprocess.DEVNULL)
-    except OSError as error:
-        _say(f"could not start {command[0]}: {error}")
-        _release_claim(job)
-        registry.update(job_id, exit_code=127, ended_at=time.time(), note=f"start failed: {error}")
-        return 127
-    # /proc/PID/stat only: psutil may fail while the child is between fork and exec.
-    ticks, create_time = process_identity(trainer.pid)
-    record = ProcessRecord(trainer.pid, create_time or time.time(), "trainer", None, ticks)
-    registry.add_process(job_id, record)
-    code = wait_watching_run(registry, job_id, trainer)
-    _say(f"trainer exited with code {code}")
+        return _cancelled(registry, job, held)
+    if job.when_free:
+        env = _wait_for_gpus(registry, job, held)
+        if env is None:
+            return _cancelled(registry, job, held)
+    elif all(g.isdigit() for g in job.gpus) and job.gpus:
+        # Started at once: still claim its GPUs (best effort: folds the user put on one GPU
+        # on purpose share it), so that jobs waiting for a free GPU never take them.
+        held.try_claim(tuple(job.gpus), job_id)
+    code = _run_attempts(registry, job_id, command, env, current)
     # The fold is free once its trainer is gone: drop the claim before the exit code is
     # recorded, so a resume that waits for the exit code never meets our claim still held.
+    held.release()
     _release_claim(job)
-    registry.update(job_id, exit_code=code, ended_at=time.time())
+    job = registry.update(job_id, exit_code=code, ended_at=time.time())
+    _announce(registry, job, _end_event(job, code), "", code)
     return 0
 
 

@@ -111,6 +111,12 @@ def row_cells(
     if getattr(job, "kind", "train") == "predict":
         fold, epoch, its = prediction_cells(view)
     alerts = Text(" ".join(view.alerts), style="bold red") if view.alerts else Text("")
+    waiting = getattr(job, "waiting_reason", None)
+    if waiting and view.state == "queued":  # a --when-free job: why it has not started
+        alerts = Text(f"waiting: {waiting} ", style="yellow") + alerts
+    restarts = getattr(job, "restarts", None)
+    if restarts:
+        alerts = Text(f"restarts {len(restarts)}/{job.retries}: {restarts[-1]} ") + alerts
     return {
         "sel": Text("●", style="bold magenta") if selected else " ",
         "job": job.job_id,
