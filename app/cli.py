@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.services import catalog, launcher
+from app import cli_history
+from app.services import catalog, job_list, launcher
 from app.services.claims import ClaimRefused
 from app.services.gpus import GpuMonitor, MachineSnapshot
 from app.services.jobs import JobTracker, JobView, simulated_gpu_load
@@ -52,6 +53,8 @@ def run(options: argparse.Namespace) -> int:
         "resume": cmd_resume,
         "kill": cmd_kill,
         "launch": cmd_launch,
+        "export": cli_history.cmd_export,
+        "forget": cli_history.cmd_forget,
     }
     code = handlers[options.command](options, registry)
     for problem in registry.problems:
@@ -222,7 +225,7 @@ def _watch_only_views(options: argparse.Namespace, tracker: JobTracker) -> list[
 
 
 def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
-    tracker = JobTracker(registry)
+    tracker = JobTracker(registry, include_forgotten=options.all)  # see `nnui forget`
     views = tracker.refresh()
     if not options.all:
         cutoff = time.time() - RECENT_S
@@ -236,7 +239,8 @@ def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
         print("no jobs")
         return EXIT_OK
     if views:
-        print(status_table(views, tracker.cross_validation_eta_s(views)))
+        rows = job_list.arrange(views)  # one row per run folder: a resume continues its row
+        print(status_table(rows, tracker.cross_validation_eta_s(views)))
     if watched:
         print(watch_only_table(watched))
     return EXIT_OK

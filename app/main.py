@@ -3,6 +3,7 @@
     nnui [--simulate-gpus N] [--readonly] [--no-mouse]       the dashboard
     nnui launch DATASET CONFIGURATION --folds 0,1 --gpus 0,1 [-- trainer flags]
     nnui status [--json] | stop JOB [--yes] | resume JOB | kill JOB --yes | sbatch ...
+    nnui export JOB [-o DIR] | forget JOB [--undo]
 
 Exit codes: 0 ok, 1 refused by a safety check (reason printed), 2 usage error or unknown
 job, 3 nothing to do (already stopped or finished).
@@ -48,6 +49,19 @@ def _version() -> str:
         return "dev (not installed)"
 
 
+def _history_parsers(sub: argparse._SubParsersAction) -> None:
+    """`nnui export` and `nnui forget` (app/cli_history.py)."""
+    export = sub.add_parser("export", help="write a job's curves as JOB_curves.csv and .png")
+    export.add_argument("job", help="job id (or a unique prefix/suffix)")
+    export.add_argument("-o", "--output", metavar="DIR", help="folder (default: current)")
+    _common(export, top=False)
+
+    forget = sub.add_parser("forget", help="hide an ended job from the lists (results kept)")
+    forget.add_argument("job", help="job id (or a unique prefix/suffix)")
+    forget.add_argument("--undo", action="store_true", help="list the job again")
+    _common(forget, top=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nnui",
@@ -63,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="table (or JSON) of the jobs")
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--all", action="store_true", help="also jobs that ended > 7 days ago")
+    status.add_argument("--all", action="store_true", help="also jobs ended >7 days ago, forgotten")
     _common(status, top=False)
 
     stop = sub.add_parser("stop", help="graceful stop (SIGUSR1 to the job's verified workers)")
@@ -103,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--c", dest="continue_training", action="store_true", help="resume")
     launch.add_argument("--dry-run", action="store_true", help="print the commands only")
     _common(launch, top=False)
+
+    _history_parsers(sub)
 
     sub.add_parser("sbatch", help="write/submit a SLURM job script (see nnui sbatch --help)")
     return parser

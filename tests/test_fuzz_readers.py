@@ -57,6 +57,7 @@ def _valid_record(rng: random.Random, kind: Kind, t: float) -> dict:
         Kind.VALIDATION_FINISHED: dict(mean_fg_dice=0.7, dice_per_class=[0.7], num_cases=2),
         Kind.FINISHED: dict(epoch=9),
         Kind.FAILED: dict(message="boom", traceback=""),
+        Kind.TRAIN_LOSS_RUNNING: dict(epoch=1, iteration=3, num_iterations=4, loss=0.5),
     }[kind]  # fmt: skip
     return json.loads(encode_event(kind, t=t, **fields))
 

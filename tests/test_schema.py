@@ -48,6 +48,7 @@ EXAMPLES: dict[schema.Kind, dict] = {
     schema.Kind.VALIDATION_FINISHED: dict(mean_fg_dice=0.7, dice_per_class=[0.7], num_cases=2),
     schema.Kind.FINISHED: dict(epoch=9),
     schema.Kind.FAILED: dict(message="boom", traceback="Traceback ...", epoch=None),
+    schema.Kind.TRAIN_LOSS_RUNNING: dict(epoch=2, iteration=125, num_iterations=250, loss=0.61),
 }
 
 
@@ -92,6 +93,8 @@ WRONG_VALUES = [
     (schema.Kind.RUN_STARTED, "num_epochs", "10"), (schema.Kind.RUN_STARTED, "world_size", 0),
     (schema.Kind.CHECKPOINT_SAVED, "checkpoint", "newest"),
     (schema.Kind.STOP_REQUESTED, "ranks", "all"), (schema.Kind.FAILED, "message", None),
+    (schema.Kind.TRAIN_LOSS_RUNNING, "iteration", 0),
+    (schema.Kind.TRAIN_LOSS_RUNNING, "loss", "0.5"),
 ]  # fmt: skip
 
 

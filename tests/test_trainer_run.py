@@ -57,6 +57,7 @@ EVENT_FIELDS = {
     "validation_finished": {"mean_fg_dice", "dice_per_class"},
     "finished": set(),
     "failed": {"message", "traceback"},
+    "train_loss_running": {"epoch", "iteration", "num_iterations", "loss"},
 }
 RANK_FIELDS = {
     "global_rank",

@@ -151,6 +151,9 @@ class Kind(_StrEnum):
     VALIDATION_FINISHED = "validation_finished"
     FINISHED = "finished"
     FAILED = "failed"
+    # Additive in v1: the mean training loss of the steps since the previous point, a few
+    # times per epoch (rank 0's own batch share; `iteration` counts steps done this epoch).
+    TRAIN_LOSS_RUNNING = "train_loss_running"
 
 
 ALL_KINDS = frozenset(Kind)
@@ -260,6 +263,7 @@ REQUIRED_KEYS: dict[Kind, dict[str, Check]] = {
     Kind.VALIDATION_FINISHED: {},
     Kind.FINISHED: {},
     Kind.FAILED: {},
+    Kind.TRAIN_LOSS_RUNNING: {"epoch": COUNT, "iteration": POSITIVE, "loss": METRIC},
 }
 _EPOCH_METRICS = ("train_loss", "val_loss", "mean_fg_dice", "ema_fg_dice", "lr",
                   "epoch_time_s", "iterations_per_s", "data_wait_s")  # fmt: skip
@@ -292,6 +296,7 @@ OPTIONAL_KEYS: dict[Kind, dict[str, Check]] = {
     },
     Kind.FINISHED: {"epoch": EPOCH_INDEX},
     Kind.FAILED: {"message": TEXT, "traceback": TEXT, "epoch": EPOCH_OR_NULL},
+    Kind.TRAIN_LOSS_RUNNING: {"num_iterations": POSITIVE},
 }
 
 

@@ -11,6 +11,9 @@ from textual.binding import Binding
 
 DASHBOARD_NAV = [
     Binding("enter", "detail", "Detail", id="detail"),
+    Binding("slash", "filter", "Filter", key_display="/", id="filter"),
+    Binding("o", "sort", "Sort", id="sort"),
+    Binding("escape", "clear_filter", "Clear filter", show=False, id="filter-clear"),
     Binding("question_mark", "help", "Help", key_display="?", id="help"),
     Binding("q", "quit", "Quit (jobs keep running)", id="quit"),
 ]
@@ -25,6 +28,7 @@ ACTION_IDS = frozenset(b.id for b in DASHBOARD_ACTIONS)
 DETAIL_NAV = [
     Binding("escape", "back", "Back", id="detail-back"),
     Binding("o", "overlay", "All folds", id="detail-overlay"),
+    Binding("m", "smooth", "Smoothing", id="detail-smooth"),
     Binding("question_mark", "help", "Help", key_display="?", id="detail-help"),
 ]
 DETAIL_ACTIONS = [

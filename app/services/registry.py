@@ -101,6 +101,7 @@ class Job:
     note: str | None = None  # e.g. "stopped before it started"
     killed_at: float | None = None  # `nnui kill` began (the job ends "killed", not "lost")
     engine: str = "nnui"  # "nnui" | "nnunet" (the real nnU-Net through nnui's extension)
+    forgotten_at: float | None = None  # `nnui forget`: hidden from lists; results untouched
 
     def process(self, role: str) -> ProcessRecord | None:
         return next((p for p in self.processes if p.role == role), None)
@@ -220,6 +221,7 @@ _CHECKS: dict[type, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "note": (_optional(lambda v: isinstance(v, str)), "a string or null"),
         "killed_at": (_optional(_is_time), "a finite number or null"),
         "engine": (lambda v: v in ("nnui", "nnunet"), "nnui or nnunet"),
+        "forgotten_at": (_optional(_is_time), "a finite number or null"),
     },
 }
 
