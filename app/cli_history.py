@@ -52,7 +52,7 @@ def cmd_export(options: argparse.Namespace, registry: Registry) -> int:
         return _error(f"cannot write into {folder}: {problem.strerror or problem}", EXIT_USAGE)
     for path in paths:
         print(path)
-    print(f"{len(curves.epochs)} epochs; the PNG has no text, its panels (top to bottom):")
+    print(f"{len(curves.epochs)} epochs; the PNG's panels, top to bottom:")
     for line in lines:
         print(f"  {line}")
     return EXIT_OK

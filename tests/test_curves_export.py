@@ -212,7 +212,26 @@ def test_png_draws_every_series_colour_and_a_legend_box() -> None:
     image, lines = png_plot.render([panel], width_px=200, panel_height_px=120)
     width, height, colours, _ = decode_png(image)
     assert (width, height) == (200, 120) and {red, blue, png_plot.AXIS} <= colours
-    assert lines == ["p: x (epoch) 0..2, y 0.2..1; #c80000 a, #0000c8 b"]
+    # y: 0.2..1 padded by 4 % of its span on both sides
+    assert lines == ["p: x (epoch) 0..2, y 0.168..1.032; #c80000 a, #0000c8 b"]
+
+
+def test_the_pixel_font_writes_titles_and_tick_values() -> None:
+    from app.services import pixel_font
+
+    assert all(len(pixel_font.glyph(c)) == 15 for c in "0123456789abcxyz.-+()?")
+    assert pixel_font.glyph("a") == pixel_font.glyph("A") and pixel_font.glyph("~") == (
+        pixel_font.glyph("?"))  # fmt: skip
+    inked: list[tuple[int, int]] = []
+    pixel_font.draw_text(lambda x, y: inked.append((x, y)), 10, 20, "1", scale=2)
+    # "1" = 010/110/010/010/111 -> 8 pixels of ink, each 2x2
+    assert len(inked) == 8 * 4 and min(inked) == (10, 22) and max(inked) == (15, 29)
+    assert pixel_font.text_width("10", 2) == 14
+    assert png_plot.tick_label(0.000362) == "0.000362" and png_plot.tick_label(2.4e-5) == "2.4e-5"
+    canvas = png_plot.Canvas(40, 20)
+    canvas.text(0, 0, "T")
+    title_row = canvas.pixels[: 3 * 40]  # top row of "T" is ink over 3 pixels x 2
+    assert title_row[:18] == bytes(png_plot.AXIS) * 6 and title_row[18:21] == b"\xff\xff\xff"
 
 
 # ---- the TUI panel ---------------------------------------------------------------------

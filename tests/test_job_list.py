@@ -79,6 +79,19 @@ def test_one_row_per_run_folder_grouped_sorted_and_filtered(tmp_path: Path) -> N
     assert job_list.next_sort(job_list.SORTS[-1]) == job_list.SORTS[0]
 
 
+def test_the_new_keys_are_in_help_footer_and_palette() -> None:
+    from app.screens.help import help_text
+    from app.screens.keys import DASHBOARD_VIEW, DETAIL_NAV
+    from app.screens.palette import COMMANDS
+
+    for readonly in (False, True):
+        text = help_text(readonly).plain
+        assert "Filter" in text and "Sort" in text and "Smoothing" in text
+    assert {b.id for b in DASHBOARD_VIEW} == {"filter", "sort", "filter-clear"}
+    assert any(b.key == "m" and b.action == "smooth" for b in DETAIL_NAV)
+    assert {"filter", "sort"} <= {action for _, _, action, _ in COMMANDS}
+
+
 def test_status_shows_a_resumed_fold_as_one_row_and_json_keeps_every_job(
     tmp_path: Path, monkeypatch, capsys
 ) -> None:

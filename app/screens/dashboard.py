@@ -18,7 +18,7 @@ from app.screens import actions
 from app.screens.help import HelpScreen
 from app.screens.job_detail import JobDetailScreen
 from app.screens.job_summary import summary_text
-from app.screens.keys import ACTION_IDS, DASHBOARD_ACTIONS, DASHBOARD_NAV
+from app.screens.keys import ACTION_IDS, DASHBOARD_ACTIONS, DASHBOARD_NAV, DASHBOARD_VIEW
 from app.screens.launch import LaunchScreen
 from app.services import job_list
 from app.widgets.formatting import fmt_duration_s
@@ -41,7 +41,8 @@ class DashboardScreen(Screen):
         super().__init__(id="dashboard")
         self.readonly = readonly
         # Bindings per instance: a read-only dashboard has no action bindings at all.
-        self._bindings = BindingsMap(DASHBOARD_NAV + ([] if readonly else DASHBOARD_ACTIONS))
+        acting = [] if readonly else DASHBOARD_ACTIONS
+        self._bindings = BindingsMap(DASHBOARD_NAV + acting + DASHBOARD_VIEW)
         self._alerts_seen: set[tuple[str, str]] = set()
         self._states_seen: dict[str, str] = {}
         self._summary: str | None = None

@@ -11,9 +11,6 @@ from textual.binding import Binding
 
 DASHBOARD_NAV = [
     Binding("enter", "detail", "Detail", id="detail"),
-    Binding("slash", "filter", "Filter", key_display="/", id="filter"),
-    Binding("o", "sort", "Sort", id="sort"),
-    Binding("escape", "clear_filter", "Clear filter", show=False, id="filter-clear"),
     Binding("question_mark", "help", "Help", key_display="?", id="help"),
     Binding("q", "quit", "Quit (jobs keep running)", id="quit"),
 ]
@@ -24,6 +21,12 @@ DASHBOARD_ACTIONS = [
     Binding("k", "kill", "Kill", id="kill"),
 ]
 ACTION_IDS = frozenset(b.id for b in DASHBOARD_ACTIONS)
+# Views of the job list (read-only too); after the actions so a narrow footer keeps those.
+DASHBOARD_VIEW = [
+    Binding("slash", "filter", "Filter", key_display="/", id="filter"),
+    Binding("o", "sort", "Sort", id="sort"),
+    Binding("escape", "clear_filter", "Clear filter", show=False, id="filter-clear"),
+]
 
 DETAIL_NAV = [
     Binding("escape", "back", "Back", id="detail-back"),

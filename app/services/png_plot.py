@@ -1,11 +1,12 @@
 """A small line-plot rasterizer and PNG writer in plain Python (zlib + struct).
 
 `nnui export` writes curves as PNG without matplotlib or numpy (app/ never imports them:
-start-up stays under a second). Panels are stacked vertically; each has axes, short tick
-marks (integer epochs on x, five even steps on y), light grid lines, one colour per series
-and a legend box of colour swatches in the top-right corner. The PNG holds no glyphs: the
-titles, the legend's labels in swatch order and the axis ranges go into the PNG's own text
-chunks (tEXt) and into `describe()`, which `nnui export` prints.
+start-up stays under a second). Panels are stacked vertically; each has a title, axes,
+short tick marks with their values (integer epochs on x, five even steps on y), light grid
+lines, one colour per series and a legend box (colour swatch + name) in the top-right
+corner. Text is drawn in a 3x5 pixel font (app.services.pixel_font: capitals only); the
+titles, legends and exact axis ranges also go into the PNG's text chunks (tEXt) and into
+`describe()`, which `nnui export` prints.
 """
 
 from __future__ import annotations
@@ -17,13 +18,19 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from app.services import pixel_font
+
 RGB = tuple[int, int, int]
 WHITE: RGB = (255, 255, 255)
 AXIS: RGB = (60, 60, 60)
 GRID: RGB = (228, 228, 228)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 48, 16, 14, 26
-TICK_PX, SWATCH_W, SWATCH_H, LINE_PX = 5, 22, 5, 2
+MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 84, 16, 22, 34
+Y_PAD = 0.04
+TICK_PX, SWATCH_W, SWATCH_H, LINE_PX = 5, 22, 6, 2
+TEXT_SCALE = 2  # 3x5 glyphs drawn as 6x10 pixels
+TEXT_H = pixel_font.GLYPH_H * TEXT_SCALE
+LEGEND_ROW_PX = TEXT_H + 4
 MAX_X_TICKS = 10
 
 
@@ -80,6 +87,9 @@ class Canvas:
                 err, x0 = err + dy, x0 + sx
             if e2 <= dx:
                 err, y0 = err + dx, y0 + sy
+
+    def text(self, x: int, y: int, text: str, colour: RGB = AXIS) -> None:
+        pixel_font.draw_text(lambda px, py: self.dot(px, py, colour), x, y, text, TEXT_SCALE)
 
     def png(self, text: dict[str, str] | None = None) -> bytes:
         rows = b"".join(
@@ -142,48 +152,85 @@ class Box:
                 round(self.bottom - fy * (self.bottom - self.top)))  # fmt: skip
 
 
+def tick_label(value: float) -> str:
+    return f"{value:.3g}".replace("e-0", "e-").replace("e+0", "e")
+
+
 def _axes(canvas: Canvas, box: Box) -> None:
     for tick in x_ticks(*box.x_range):
         x, _ = box.px(tick, box.y_range[0])
         canvas.line(x, box.top, x, box.bottom, GRID, 1)
         canvas.line(x, box.bottom, x, box.bottom + TICK_PX, AXIS, 1)
+        label = str(tick)
+        width = pixel_font.text_width(label, TEXT_SCALE)
+        canvas.text(x - width // 2, box.bottom + TICK_PX + 3, label)
+    low, high = box.y_range
     for k in range(5):
         y = round(box.bottom - k * (box.bottom - box.top) / 4)
         canvas.line(box.left, y, box.right, y, GRID, 1)
         canvas.line(box.left - TICK_PX, y, box.left, y, AXIS, 1)
+        label = tick_label(low + k * (high - low) / 4)
+        width = pixel_font.text_width(label, TEXT_SCALE)
+        canvas.text(box.left - TICK_PX - 3 - width, y - TEXT_H // 2, label)
     canvas.line(box.left, box.top, box.left, box.bottom, AXIS, 1)
     canvas.line(box.left, box.bottom, box.right, box.bottom, AXIS, 1)
 
 
-def _legend(canvas: Canvas, box: Box, series: Sequence[Series]) -> None:
-    """A white box in the top-right corner: one colour swatch per series, in order."""
+def _legend_corner(
+    box: Box, width: int, height: int, points: list[tuple[int, int]]
+) -> tuple[int, int]:
+    """Top-left pixel of the legend: the corner of the plot that hides the fewest points
+    (top right first when it is a tie)."""
+    left, right = box.left + 8, box.right - 6 - width
+    top, bottom = box.top + 6, box.bottom - 6 - height
+    corners = [(right, top), (right, bottom), (left, top), (left, bottom)]
+
+    def hidden(corner: tuple[int, int]) -> int:
+        x0, y0 = corner
+        return sum(x0 <= x <= x0 + width and y0 <= y <= y0 + height for x, y in points)
+
+    return min(corners, key=hidden)
+
+
+def _legend(
+    canvas: Canvas, box: Box, series: Sequence[Series], points: list[tuple[int, int]]
+) -> None:
+    """A white box in a corner: a colour swatch and the name of each series."""
     if not series:
         return
-    width, height = SWATCH_W + 12, len(series) * (SWATCH_H + 6) + 6
-    x1, y0 = box.right - 6, box.top + 6
-    x0, y1 = x1 - width, y0 + height
+    text_w = max(pixel_font.text_width(s.label, TEXT_SCALE) for s in series)
+    width, height = SWATCH_W + text_w + 18, len(series) * LEGEND_ROW_PX + 8
+    x0, y0 = _legend_corner(box, width, height, points)
+    x1, y1 = x0 + width, y0 + height
     canvas.fill(x0, y0, x1, y1, WHITE)
     canvas.frame(x0, y0, x1, y1, AXIS)
     for i, item in enumerate(series):
-        top = y0 + 6 + i * (SWATCH_H + 6)
-        canvas.fill(x0 + 6, top, x0 + 6 + SWATCH_W, top + SWATCH_H - 1, item.colour)
+        top = y0 + 6 + i * LEGEND_ROW_PX
+        swatch_top = top + (TEXT_H - SWATCH_H) // 2
+        canvas.fill(x0 + 6, swatch_top, x0 + 6 + SWATCH_W, swatch_top + SWATCH_H - 1, item.colour)
+        canvas.text(x0 + 12 + SWATCH_W, top, item.label)
 
 
 def _draw_panel(canvas: Canvas, panel: Panel, top: int, height: int) -> Box:
     xs = [x for s in panel.series for x in s.xs]
     ys = [y for s in panel.series for y in s.ys]
+    low, high = data_range(ys)
+    pad = (high - low) * Y_PAD  # the highest and lowest points stay off the frame
     box = Box(MARGIN_LEFT, top + MARGIN_TOP, canvas.width - MARGIN_RIGHT,
-              top + height - MARGIN_BOTTOM, data_range(xs), data_range(ys))  # fmt: skip
+              top + height - MARGIN_BOTTOM, data_range(xs), (low - pad, high + pad))  # fmt: skip
     _axes(canvas, box)
+    canvas.text(box.left, top + (MARGIN_TOP - TEXT_H) // 2, panel.title)
+    every_point: list[tuple[int, int]] = []
     for item in panel.series:
         points = [box.px(x, y) for x, y in zip(item.xs, item.ys, strict=True)
                   if math.isfinite(x) and math.isfinite(y)]  # fmt: skip
+        every_point += points
         for (xa, ya), (xb, yb) in itertools.pairwise(points):
             canvas.line(xa, ya, xb, yb, item.colour)
         if len(points) == 1:
             canvas.fill(points[0][0] - 2, points[0][1] - 2, points[0][0] + 2, points[0][1] + 2,
                         item.colour)  # fmt: skip
-    _legend(canvas, box, panel.series)
+    _legend(canvas, box, panel.series, every_point)
     return box
 
 
