@@ -79,6 +79,18 @@ def test_one_row_per_run_folder_grouped_sorted_and_filtered(tmp_path: Path) -> N
     assert job_list.next_sort(job_list.SORTS[-1]) == job_list.SORTS[0]
 
 
+def test_overlaid_folds_are_the_newest_of_the_same_trainer(tmp_path: Path) -> None:
+    from app.screens.job_detail import fold_views
+
+    registry = jobs_of_weeks(tmp_path)
+    add_job(registry, tmp_path, "a-f2", "2", created_at=NOW - 50)
+    views = JobTracker(registry).refresh()
+    job = registry.get("a-f1")
+    overlay = {label: v.job.job_id for label, v in fold_views(views, job, True).items()}
+    # b-f0 is another trainer's fold 0; a-f0 was continued by a-f0-resumed
+    assert overlay == {"fold 0": "a-f0-resumed", "fold 1": "a-f1", "fold 2": "a-f2"}
+
+
 def test_the_new_keys_are_in_help_footer_and_palette() -> None:
     from app.screens.help import help_text
     from app.screens.keys import DASHBOARD_VIEW, DETAIL_NAV

@@ -19,6 +19,7 @@ from app.screens import actions
 from app.screens.help import HelpScreen
 from app.screens.job_summary import summary_text
 from app.screens.keys import DETAIL_ACTIONS, DETAIL_NAV
+from app.services import job_list
 from app.services.curve_data import SMOOTHING_FACTORS
 from app.widgets.curves import CurvesPanel
 from app.widgets.log_tail import LogTail
@@ -26,14 +27,15 @@ from app.widgets.process_tree import ProcessTree
 
 
 def fold_views(views: list[Any], job: Any, overlay: bool) -> dict[str, Any]:
-    """{label: view}: this job's, or the newest job of every fold of the same dataset/config."""
+    """{label: view}: this job's, or the newest job of every fold of its cross-validation
+    (same dataset, configuration and trainer)."""
     if not overlay:
         own = next((v for v in views if v.job.job_id == job.job_id), None)
         return {f"fold {job.fold}": own} if own is not None else {}
     newest: dict[str, Any] = {}
     for view in views:
         other = view.job
-        if (other.dataset, other.configuration) != (job.dataset, job.configuration):
+        if job_list.group_key(other) != job_list.group_key(job):  # same trainer too
             continue
         if other.fold not in newest or other.created_at > newest[other.fold].job.created_at:
             newest[other.fold] = view

@@ -74,6 +74,7 @@ class _RunState:
     history: dict[int, EpochPoint] = field(default_factory=dict)
     # Keyed by (epoch, iteration): a resume that repeats an epoch replaces its points in place.
     running: dict[tuple[int, int], RunningPoint] = field(default_factory=dict)
+    _running_tuple: tuple[RunningPoint, ...] | None = ()  # None: points came, build again
     num_epochs: int | None = None
     last_kind: str | None = None  # last lifecycle event of THIS job's run
     stop_requested: bool = False
@@ -84,10 +85,16 @@ class _RunState:
     def topology(self) -> dict | None:
         return self.events.topology
 
+    def running_points(self) -> tuple[RunningPoint, ...]:
+        if self._running_tuple is None:
+            self._running_tuple = tuple(self.running.values())
+        return self._running_tuple
+
     def absorb(self, batch: EventBatch) -> None:
         if batch.reset:
             self.history.clear()
             self.running.clear()
+            self._running_tuple = ()
             self.num_epochs, self.last_kind, self.stop_requested = None, None, False
             self.nan_epoch, self.last_event_t = None, None
         for scope, record in batch.records:
@@ -107,6 +114,7 @@ class _RunState:
             self.running[(running.epoch, running.iteration)] = running
             if len(self.running) > MAX_RUNNING_POINTS:
                 self.running.pop(next(iter(self.running)))
+            self._running_tuple = None
         elif kind == Kind.EPOCH_ENDED:
             point = epoch_point(record)
             self.history[point.epoch] = point
@@ -311,7 +319,7 @@ class JobTracker:
             last_event_t=run.last_event_t,
             num_invalid_events=run.events.num_invalid,
             invalid_event_reason=run.events.tail.last_invalid_reason,
-            running_loss=tuple(run.running.values()),
+            running_loss=run.running_points(),
         )
 
     def _alerts(
