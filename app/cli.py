@@ -110,6 +110,7 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "created_at": job.created_at,
         "ended_at": job.ended_at,
         "watch_only": view.watch_only,
+        "forgotten": getattr(job, "forgotten_at", None) is not None,  # `nnui forget` (--all)
     }
 
 

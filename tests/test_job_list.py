@@ -136,6 +136,9 @@ def test_forget_hides_ended_jobs_keeps_results_and_refuses_running_ones(
     assert registry.get("a-f0").forgotten_at is not None
     assert listed() == {"a-f1", "b-f0", "c-f0", "live-f2"}
     assert listed("--all") >= {"a-f0", "a-f0-resumed"}
+    assert main(["status", "--json", "--all", "--results", str(tmp_path / "results")]) == 0
+    forgotten = {r["id"] for r in json.loads(capsys.readouterr().out) if r["forgotten"]}
+    assert forgotten == {"a-f0", "a-f0-resumed"}
     hidden = JobTracker(registry, include_forgotten=False).refresh()  # what the TUI reads
     assert set(ids(hidden)) == {"a-f1", "b-f0", "c-f0", "live-f2"}
     assert main(["forget", "a-f0-resumed"]) == 3  # already forgotten
