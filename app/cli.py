@@ -240,7 +240,8 @@ def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
         print("no jobs")
         return EXIT_OK
     if views:
-        rows = job_list.arrange(views)  # one row per run folder: a resume continues its row
+        # One row per run folder (a resume continues its row); --all: every job, grouped.
+        rows = job_list.arrange(views, collapse=not options.all)
         print(status_table(rows, tracker.cross_validation_eta_s(views)))
     if watched:
         print(watch_only_table(watched))

@@ -112,6 +112,8 @@ def test_status_shows_a_resumed_fold_as_one_row_and_json_keeps_every_job(
     assert main(["status", "--results", str(tmp_path / "results")]) == 0
     table = capsys.readouterr().out
     assert "a-f0-resumed" in table and "a-f0 " not in table
+    assert main(["status", "--all", "--results", str(tmp_path / "results")]) == 0
+    assert "a-f0 " in capsys.readouterr().out  # --all: every job on its own row
     assert main(["status", "--json", "--results", str(tmp_path / "results")]) == 0
     assert len(json.loads(capsys.readouterr().out)) == 5
 

@@ -84,11 +84,14 @@ _SORT_KEYS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def arrange(views: Sequence[Any], text: str = "", sort: str = SORTS[0]) -> list[Any]:
-    """The dashboard's rows: one per run folder, filtered, grouped, sorted in each group."""
+def arrange(
+    views: Sequence[Any], text: str = "", sort: str = SORTS[0], collapse: bool = True
+) -> list[Any]:
+    """The dashboard's rows: one per run folder (every job with collapse=False), filtered,
+    grouped, sorted in each group."""
     if sort not in _SORT_KEYS:
         raise ValueError(f"unknown sort {sort!r}; one of {', '.join(SORTS)}")
-    rows, _ = one_row_per_run_folder(views)
+    rows = one_row_per_run_folder(views)[0] if collapse else list(views)
     rows = [v for v in rows if matches(v, text)]
     by_sort = _SORT_KEYS[sort]
     return sorted(rows, key=lambda v: (group_key(v.job), by_sort(v)))
