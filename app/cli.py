@@ -15,8 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from app import cli_history
 from app.cli_schedule import cmd_priority, cmd_watch, schedule_notes, schedule_of
-from app.services import catalog, launcher, prediction
+from app.services import catalog, job_list, launcher, prediction
 from app.services.claims import ClaimRefused
 from app.services.gpus import GpuMonitor, MachineSnapshot
 from app.services.jobs import JobTracker, JobView, simulated_gpu_load
@@ -59,6 +60,8 @@ def run(options: argparse.Namespace, more: dict[str, Handler] | None = None) -> 
         "resume": cmd_resume,
         "kill": cmd_kill,
         "launch": cmd_launch,
+        "export": cli_history.cmd_export,
+        "forget": cli_history.cmd_forget,
         "watch": cmd_watch,
         "priority": cmd_priority,
         **(more or {}),
@@ -129,6 +132,7 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "waiting_reason": job.waiting_reason,
         "retries": job.retries,
         "restarts": list(job.restarts),
+        "forgotten": getattr(job, "forgotten_at", None) is not None,  # `nnui forget` (--all)
     }
 
 
@@ -256,7 +260,7 @@ def _watch_only_views(options: argparse.Namespace, tracker: JobTracker) -> list[
 
 
 def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
-    tracker = JobTracker(registry)
+    tracker = JobTracker(registry, include_forgotten=options.all)  # see `nnui forget`
     views = tracker.refresh()
     if not options.all:
         cutoff = time.time() - RECENT_S
@@ -270,7 +274,9 @@ def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
         print("no jobs")
         return EXIT_OK
     if views:
-        print(status_table(views, tracker.cross_validation_eta_s(views)))
+        # One row per run folder (a resume continues its row); --all: every job, grouped.
+        rows = job_list.arrange(views, collapse=not options.all)
+        print(status_table(rows, tracker.cross_validation_eta_s(views)))
     if watched:
         print(watch_only_table(watched))
     return EXIT_OK

@@ -6,6 +6,7 @@
     nnui status [--json] | stop JOB [--yes] | resume JOB | kill JOB --yes | sbatch ...
     nnui watch [--json] [--all]                               job events, as they happen
     nnui priority JOB N                                       re-order a waiting job
+    nnui export JOB [-o DIR] | forget JOB [--undo]
 
 Exit codes: 0 ok, 1 refused by a safety check (reason printed), 2 usage error or unknown
 job, 3 nothing to do (already stopped or finished).
@@ -90,37 +91,20 @@ def _tui_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--version", action="version", version=f"nnui {_version()}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="nnui",
-        description="Assign nnU-Net-style cross-validation folds to GPUs, follow and stop them.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _common(parser, top=True)
-    _tui_flags(parser)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+def _history_parsers(sub: argparse._SubParsersAction) -> None:
+    """`nnui export` and `nnui forget` (app/cli_history.py)."""
+    export = sub.add_parser("export", help="write a job's curves as JOB_curves.csv and .png")
+    export.add_argument("job", help="job id (or a unique prefix/suffix)")
+    export.add_argument("-o", "--output", metavar="DIR", help="folder (default: current)")
+    _common(export, top=False)
 
-    status = sub.add_parser("status", help="table (or JSON) of the jobs")
-    status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--all", action="store_true", help="also jobs that ended > 7 days ago")
-    _common(status, top=False)
+    forget = sub.add_parser("forget", help="hide an ended job from the lists (results kept)")
+    forget.add_argument("job", help="job id (or a unique prefix/suffix)")
+    forget.add_argument("--undo", action="store_true", help="list the job again")
+    _common(forget, top=False)
 
-    stop = sub.add_parser("stop", help="graceful stop (SIGUSR1 to the job's verified workers)")
-    stop.add_argument("job", help="job id (or a unique prefix/suffix)")
-    stop.add_argument("--yes", action="store_true", help="do not ask")
-    _common(stop, top=False)
 
-    resume = sub.add_parser("resume", help="continue a stopped job (--c) on the same GPUs")
-    resume.add_argument("job")
-    _common(resume, top=False)
-
-    kill = sub.add_parser("kill", help="SIGTERM then SIGKILL to the job's own processes")
-    kill.add_argument("job")
-    kill.add_argument("--yes", action="store_true", help="required: kill loses the epoch")
-    kill.add_argument("--grace", type=float, default=10.0, help="seconds before SIGKILL")
-    _common(kill, top=False)
-
+def _launch_parser(sub: argparse._SubParsersAction) -> None:
     launch = sub.add_parser(
         "launch",
         help="start trainings (trainer flags after --)",
@@ -145,8 +129,43 @@ def build_parser() -> argparse.ArgumentParser:
     _schedule_flags(launch)
     _common(launch, top=False)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nnui",
+        description="Assign nnU-Net-style cross-validation folds to GPUs, follow and stop them.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _common(parser, top=True)
+    _tui_flags(parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    status = sub.add_parser("status", help="table (or JSON) of the jobs")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--all", action="store_true", help="also jobs ended >7 days ago, forgotten")
+    _common(status, top=False)
+
+    stop = sub.add_parser("stop", help="graceful stop (SIGUSR1 to the job's verified workers)")
+    stop.add_argument("job", help="job id (or a unique prefix/suffix)")
+    stop.add_argument("--yes", action="store_true", help="do not ask")
+    _common(stop, top=False)
+
+    resume = sub.add_parser("resume", help="continue a stopped job (--c) on the same GPUs")
+    resume.add_argument("job")
+    _common(resume, top=False)
+
+    kill = sub.add_parser("kill", help="SIGTERM then SIGKILL to the job's own processes")
+    kill.add_argument("job")
+    kill.add_argument("--yes", action="store_true", help="required: kill loses the epoch")
+    kill.add_argument("--grace", type=float, default=10.0, help="seconds before SIGKILL")
+    _common(kill, top=False)
+
+    _launch_parser(sub)
     _predict_parser(sub)
     _schedule_parsers(sub)
+    _history_parsers(sub)
+
     sub.add_parser("sbatch", help="write/submit a SLURM job script (see nnui sbatch --help)")
     return parser
 

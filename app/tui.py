@@ -57,7 +57,7 @@ def default_services(config: TuiConfig) -> Services:
 
     registry = Registry(config.state_dir)
     # No monitor in the tracker: the app hands it the latest snapshot (one NVML read per s).
-    tracker = JobTracker(registry)
+    tracker = JobTracker(registry, include_forgotten=False)  # `nnui forget` hides them
     monitor = GpuMonitor(
         simulate=config.simulate_gpus,
         simulated_load=(lambda: simulated_load(tracker.views)) if config.simulate_gpus else None,

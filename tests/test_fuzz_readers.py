@@ -57,6 +57,9 @@ def _valid_record(rng: random.Random, kind: Kind, t: float) -> dict:
         Kind.VALIDATION_FINISHED: dict(mean_fg_dice=0.7, dice_per_class=[0.7], num_cases=2),
         Kind.FINISHED: dict(epoch=9),
         Kind.FAILED: dict(message="boom", traceback=""),
+        Kind.TRAIN_LOSS_RUNNING: dict(epoch=1, iteration=3, num_iterations=4, loss=0.5),
+        Kind.PREDICTION_STARTED: dict(num_cases=rng.randint(0, 9), part_id=0, num_parts=1),
+        Kind.CASE_PREDICTED: dict(case="c1", index=1, seconds=0.5, shape=[4, 5, 6]),
     }[kind]  # fmt: skip
     return json.loads(encode_event(kind, t=t, **fields))
 

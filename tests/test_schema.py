@@ -65,6 +65,7 @@ EXAMPLES: dict[schema.Kind, dict] = {
     schema.Kind.CASE_PREDICTED: dict(
         case="c1", index=1, num_cases=5, seconds=0.5, shape=[20, 40, 41]
     ),
+    schema.Kind.TRAIN_LOSS_RUNNING: dict(epoch=2, iteration=125, num_iterations=250, loss=0.61),
 }
 
 
@@ -115,6 +116,8 @@ WRONG_VALUES = [
     (schema.Kind.CASE_PREDICTED, "seconds", math.nan),
     (schema.Kind.CASE_PREDICTED, "shape", [3, -1]), (schema.Kind.CASE_PREDICTED, "case", 7),
     (schema.Kind.STOPPED, "num_done", -2),
+    (schema.Kind.TRAIN_LOSS_RUNNING, "iteration", 0),
+    (schema.Kind.TRAIN_LOSS_RUNNING, "loss", "0.5"),
 ]  # fmt: skip
 
 

@@ -57,6 +57,7 @@ EVENT_FIELDS = {
     "validation_finished": {"mean_fg_dice", "dice_per_class"},
     "finished": set(),
     "failed": {"message", "traceback"},
+    "train_loss_running": {"epoch", "iteration", "num_iterations", "loss"},
 }
 RANK_FIELDS = {
     "global_rank",
@@ -345,6 +346,22 @@ def test_full_run_writes_every_file_and_event_and_lines_stay_whole(demo_preproce
     assert config["num_epochs"] == 2 and config["configuration"] == "3d_fullres"
     epochs = [e for e in records if e["kind"] == "epoch_ended"]
     assert all(e["nan_loss"] is False for e in epochs)
+    # The running loss: 2 steps per epoch -> a point after each; their mean is the epoch's.
+    running = [e for e in records if e["kind"] == "train_loss_running"]
+    assert [(e["epoch"], e["iteration"]) for e in running] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    for epoch in epochs:
+        points = [e["loss"] for e in running if e["epoch"] == epoch["epoch"]]
+        assert sum(points) / 2 == pytest.approx(epoch["train_loss"], rel=1e-5)
+    from app.services.jobs import JobTracker  # the jobs reader sees them
+    from app.services.registry import Job, Registry
+
+    registry = Registry(tmp_path / "state")
+    registry.add(Job(job_id="j", created_at=0.0, dataset="Dataset900_NnuiDemo",
+                     configuration="3d_fullres", fold="0", mode="single", device="cpu", gpus=[],
+                     simulated=False, argv=[], env={}, run_dir=str(folder),
+                     console_path=str(tmp_path / "console.log"), exit_code=0))  # fmt: skip
+    (view,) = JobTracker(registry).refresh()
+    assert [p.x for p in view.running_loss] == [-0.5, 0.0, 0.5, 1.0]
     assert all(0 <= e["data_wait_s"] < e["epoch_time_s"] for e in epochs)
     validated = next(e for e in records if e["kind"] == "validation_finished")
     # The same shape as in epoch_ended: a list indexed by foreground class.

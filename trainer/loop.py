@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from trainer import checkpoint, distributed, stop
+from trainer import checkpoint, distributed, running_loss, stop
 from trainer.config import TrainConfig
 from trainer.events import RunRecorder, finite_or_none
 from trainer.schema import Kind, State, checkpoint_file
@@ -70,6 +70,7 @@ class Trainee:
     autocast_dtype: torch.dtype | None
     num_classes: int
     after_first_step: Callable[[], Any] | None = None  # allocator.keep_freed_memory on CPU
+    step_hook: Callable[[int, torch.Tensor], Any] | None = None  # running loss (rank 0)
 
 
 class Checkpointer:
@@ -123,7 +124,7 @@ def train_iterations(
     trainee.model.train()
     total = torch.zeros((), device=trainee.device)
     params = [p for p in trainee.model.parameters() if p.requires_grad]
-    for _ in range(num_iterations):
+    for step in range(num_iterations):
         batch = next(batches)
         # Preprocessed segmentations may mark "outside the mask" as -1: background here.
         target = batch.target.clamp_min(0)
@@ -137,6 +138,8 @@ def train_iterations(
         trainee.scaler.step(trainee.optimizer)
         trainee.scaler.update()
         total += loss.detach()
+        if trainee.step_hook is not None:  # reads `total` only a few times per epoch
+            trainee.step_hook(step + 1, total)
         if trainee.after_first_step is not None:
             trainee.after_first_step()
             trainee.after_first_step = None
@@ -345,6 +348,7 @@ def run_epochs(
     for epoch in range(state.epoch_next, config.num_epochs):
         stop.install()  # again each epoch: torch.compile's start-up may replace it
         started = time.perf_counter()
+        trainee.step_hook = running_loss.epoch_hook(recorder, epoch, config.iterations_per_epoch)
         metrics = _train_and_validate(
             config, trainee, epoch, train_batches, val_batches, started, world_size
         )

@@ -158,6 +158,9 @@ class Kind(_StrEnum):
     # `stopped`, `finished` and `failed` as a training does, and these two of its own.
     PREDICTION_STARTED = "prediction_started"
     CASE_PREDICTED = "case_predicted"
+    # Additive in v1: the mean training loss of the steps since the previous point, a few
+    # times per epoch (rank 0's own batch share; `iteration` counts steps done this epoch).
+    TRAIN_LOSS_RUNNING = "train_loss_running"
 
 
 # The kinds that begin a job's own run in its events file.
@@ -271,6 +274,7 @@ REQUIRED_KEYS: dict[Kind, dict[str, Check]] = {
     Kind.FAILED: {},
     Kind.PREDICTION_STARTED: {"num_cases": COUNT},
     Kind.CASE_PREDICTED: {"case": TEXT},
+    Kind.TRAIN_LOSS_RUNNING: {"epoch": COUNT, "iteration": POSITIVE, "loss": METRIC},
 }
 _EPOCH_METRICS = ("train_loss", "val_loss", "mean_fg_dice", "ema_fg_dice", "lr",
                   "epoch_time_s", "iterations_per_s", "data_wait_s")  # fmt: skip
@@ -325,6 +329,7 @@ OPTIONAL_KEYS: dict[Kind, dict[str, Check]] = {
         "seconds": NUMBER,
         "shape": _list_of("non-negative integers", COUNT.ok),
     },
+    Kind.TRAIN_LOSS_RUNNING: {"num_iterations": POSITIVE},
 }
 
 

@@ -12,14 +12,15 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import BindingsMap
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Header, Static
+from textual.widgets import DataTable, Footer, Header, Input, Static
 
 from app.screens import actions
 from app.screens.help import HelpScreen
 from app.screens.job_detail import JobDetailScreen
 from app.screens.job_summary import summary_text
-from app.screens.keys import ACTION_IDS, DASHBOARD_ACTIONS, DASHBOARD_NAV
+from app.screens.keys import ACTION_IDS, DASHBOARD_ACTIONS, DASHBOARD_NAV, DASHBOARD_VIEW
 from app.screens.launch import LaunchScreen
+from app.services import job_list
 from app.widgets.formatting import fmt_duration_s
 from app.widgets.gpu_panel import GpuPanel
 from app.widgets.job_table import JobTable
@@ -40,17 +41,22 @@ class DashboardScreen(Screen):
         super().__init__(id="dashboard")
         self.readonly = readonly
         # Bindings per instance: a read-only dashboard has no action bindings at all.
-        self._bindings = BindingsMap(DASHBOARD_NAV + ([] if readonly else DASHBOARD_ACTIONS))
+        acting = [] if readonly else DASHBOARD_ACTIONS
+        self._bindings = BindingsMap(DASHBOARD_NAV + acting + DASHBOARD_VIEW)
         self._alerts_seen: set[tuple[str, str]] = set()
         self._states_seen: dict[str, str] = {}
         self._summary: str | None = None
         self._cv: str | None = None
         self._ready = False  # data messages can arrive before the widgets are composed
+        self.filter_text = ""  # `/`: rows whose text holds every word (job_list.matches)
+        self.sort = job_list.SORTS[0]  # `o` cycles job_list.SORTS inside each group
 
     def compose(self) -> ComposeResult:
         yield Header()
         yield GpuPanel(cpu_slots=self.app.config.cpu_slots, id="gpu-panel")
         yield JobTable(id="jobs")
+        yield Input(placeholder="filter: words of id, dataset, fold, state, trainer, GPUs "
+                    "(enter keeps, escape clears)", id="job-filter")  # fmt: skip
         yield Static(id="job-summary")
         yield Static(id="cv-line")
         yield Footer()
@@ -58,7 +64,8 @@ class DashboardScreen(Screen):
     def on_mount(self) -> None:
         self._ready = True
         self.query_one(GpuPanel).border_title = "GPUs"
-        self.query_one(JobTable).border_title = "jobs (space selects, enter opens)"
+        self._title_table()
+        self.query_one("#job-filter", Input).display = False
         self.query_one(JobTable).focus()
         if self.app.snapshot is not None:
             self.show_machine(self.app.snapshot)
@@ -73,7 +80,7 @@ class DashboardScreen(Screen):
     def show_jobs(self, views: list[Any], cv_eta_s: float | None) -> None:
         if not self._ready:
             return
-        self.query_one(JobTable).show(views)
+        self.query_one(JobTable).show(job_list.arrange(views, self.filter_text, self.sort))
         self._show_summary()
         cv = cv_text(views, cv_eta_s)
         if cv.plain != self._cv:
@@ -111,6 +118,44 @@ class DashboardScreen(Screen):
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         event.stop()
         self.action_detail()
+
+    # ---- filter and sort ----------------------------------------------------------------
+
+    def _title_table(self) -> None:
+        title = f"jobs by dataset x configuration x trainer · sort: {self.sort} (o)"
+        if self.filter_text:
+            title += f" · filter: {self.filter_text!r} (escape clears)"
+        self.query_one(JobTable).border_title = title + " · space selects, enter opens"
+
+    def _rearrange(self) -> None:
+        self._title_table()
+        self.show_jobs(self.app.views, self.app.cv_eta_s)
+
+    def action_filter(self) -> None:
+        box = self.query_one("#job-filter", Input)
+        box.display = True
+        self.set_focus(box)
+
+    def action_clear_filter(self) -> None:
+        box = self.query_one("#job-filter", Input)
+        box.value, box.display = "", False
+        self.filter_text = ""
+        self.set_focus(self.query_one(JobTable))
+        self._rearrange()
+
+    def action_sort(self) -> None:
+        self.sort = job_list.next_sort(self.sort)
+        self._rearrange()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id == "job-filter":
+            self.filter_text = event.value.strip()
+            self._rearrange()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "job-filter":
+            event.input.display = bool(self.filter_text)
+            self.set_focus(self.query_one(JobTable))
 
     # ---- actions ----------------------------------------------------------------------
 

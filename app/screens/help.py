@@ -26,7 +26,7 @@ def help_text(readonly: bool) -> Text:
     text = Text()
     if readonly:
         text.append("READ-ONLY: launch, stop, resume and kill are not bound.\n", style="bold")
-    dash = keys.DASHBOARD_NAV + ([] if readonly else keys.DASHBOARD_ACTIONS)
+    dash = keys.DASHBOARD_NAV + ([] if readonly else keys.DASHBOARD_ACTIONS) + keys.DASHBOARD_VIEW
     dash_extra = [
         Binding("space", "", "select / unselect a job (stop several at once)"),
         Binding("up/down", "", "move in the jobs table"),

@@ -19,24 +19,33 @@ from app.screens import actions
 from app.screens.help import HelpScreen
 from app.screens.job_summary import summary_text
 from app.screens.keys import DETAIL_ACTIONS, DETAIL_NAV
+from app.services import job_list
+from app.services.curve_data import SMOOTHING_FACTORS
 from app.widgets.curves import CurvesPanel
 from app.widgets.log_tail import LogTail
 from app.widgets.process_tree import ProcessTree
 
 
-def fold_histories(views: list[Any], job: Any, overlay: bool) -> dict[str, tuple[Any, ...]]:
-    """This job's history, or the newest job of every fold of the same dataset/config."""
+def fold_views(views: list[Any], job: Any, overlay: bool) -> dict[str, Any]:
+    """{label: view}: this job's, or the newest job of every fold of its cross-validation
+    (same dataset, configuration and trainer)."""
     if not overlay:
-        own = next((v.history for v in views if v.job.job_id == job.job_id), ())
-        return {f"fold {job.fold}": own}
+        own = next((v for v in views if v.job.job_id == job.job_id), None)
+        return {f"fold {job.fold}": own} if own is not None else {}
     newest: dict[str, Any] = {}
     for view in views:
         other = view.job
-        if (other.dataset, other.configuration) != (job.dataset, job.configuration):
+        if job_list.group_key(other) != job_list.group_key(job):  # same trainer too
             continue
         if other.fold not in newest or other.created_at > newest[other.fold].job.created_at:
             newest[other.fold] = view
-    return {f"f{fold}": newest[fold].history for fold in sorted(newest)}
+    return {f"fold {fold}": newest[fold] for fold in sorted(newest)}
+
+
+def fold_histories(views: list[Any], job: Any, overlay: bool) -> dict[str, tuple[Any, ...]]:
+    """This job's history, or the newest job of every fold of the same dataset/config."""
+    found = fold_views(views, job, overlay)
+    return {label: view.history for label, view in found.items()} or {f"fold {job.fold}": ()}
 
 
 def watch_only_processes(run: Any) -> Text:
@@ -54,6 +63,7 @@ class JobDetailScreen(Screen):
         super().__init__(id="job-detail")
         self.job_id = job_id
         self.overlay = False
+        self.smoothing = SMOOTHING_FACTORS[0]
         self._procs_busy = False
         self._header: str | None = None
         self._ready = False  # data messages can arrive before the widgets are composed
@@ -63,6 +73,7 @@ class JobDetailScreen(Screen):
         self._bindings = BindingsMap(DETAIL_NAV + ([] if readonly else DETAIL_ACTIONS))
         yield Static(id="detail-header")
         yield CurvesPanel(id="curves")
+        yield Static(id="curves-legend")
         with Horizontal(id="detail-bottom"):
             with VerticalScroll(id="console-box"):
                 yield LogTail(id="console")
@@ -89,13 +100,23 @@ class JobDetailScreen(Screen):
             return
         header = summary_text(view)
         header.append("· o: " + ("one fold" if self.overlay else "overlay all folds"), "dim")
+        smoothing = f"smoothing {self.smoothing:g}" if self.smoothing else "no smoothing"
+        header.append(f" · m: {smoothing}", "dim")
         if header.plain != self._header:
             self._header = header.plain
             self.query_one("#detail-header", Static).update(header)
-        self.query_one(CurvesPanel).show(fold_histories(views, view.job, self.overlay))
+        self._show_curves(views, view)
         if self.query_one(LogTail).show(view.console_tail):
             # Follow the newest lines, like tail -f.
             self.query_one("#console-box", VerticalScroll).scroll_end(animate=False)
+
+    def _show_curves(self, views: list[Any], view: Any) -> None:
+        found = fold_views(views, view.job, self.overlay) or {f"fold {view.job.fold}": view}
+        histories = {label: v.history for label, v in found.items()}
+        running = {label: getattr(v, "running_loss", ()) for label, v in found.items()}
+        curves = self.query_one(CurvesPanel)
+        if curves.show(histories, running, self.smoothing):
+            self.query_one("#curves-legend", Static).update(curves.legend)
 
     def poll_processes(self) -> None:
         view = self.app.view_of(self.job_id)
@@ -125,6 +146,13 @@ class JobDetailScreen(Screen):
 
     def action_overlay(self) -> None:
         self.overlay = not self.overlay
+        self._header = None
+        self.show_jobs(self.app.views, self.app.cv_eta_s)
+
+    def action_smooth(self) -> None:
+        """Cycle the smoothing of losses and Dice: off, then TensorBoard's 0.6, then 0.9."""
+        index = SMOOTHING_FACTORS.index(self.smoothing)
+        self.smoothing = SMOOTHING_FACTORS[(index + 1) % len(SMOOTHING_FACTORS)]
         self._header = None
         self.show_jobs(self.app.views, self.app.cv_eta_s)
 

@@ -21,10 +21,17 @@ DASHBOARD_ACTIONS = [
     Binding("k", "kill", "Kill", id="kill"),
 ]
 ACTION_IDS = frozenset(b.id for b in DASHBOARD_ACTIONS)
+# Views of the job list (read-only too); after the actions so a narrow footer keeps those.
+DASHBOARD_VIEW = [
+    Binding("slash", "filter", "Filter", key_display="/", id="filter"),
+    Binding("o", "sort", "Sort", id="sort"),
+    Binding("escape", "clear_filter", "Clear filter", show=False, id="filter-clear"),
+]
 
 DETAIL_NAV = [
     Binding("escape", "back", "Back", id="detail-back"),
     Binding("o", "overlay", "All folds", id="detail-overlay"),
+    Binding("m", "smooth", "Smoothing", id="detail-smooth"),
     Binding("question_mark", "help", "Help", key_display="?", id="detail-help"),
 ]
 DETAIL_ACTIONS = [

@@ -16,6 +16,8 @@ COMMANDS: tuple[tuple[str, str, str, bool], ...] = (
     ("Resume selected jobs", "restart with --c on the same GPUs (r)", "resume", True),
     ("Kill selected jobs", "SIGTERM then SIGKILL after typing kill (k)", "kill", True),
     ("Job detail", "curves, console and processes of the job (enter)", "detail", False),
+    ("Filter jobs", "rows holding every word typed: id, dataset, fold (/)", "filter", False),
+    ("Sort jobs", "cycle: fold, newest, state, Dice, ETA in each group (o)", "sort", False),
     ("Help", "all keys (?)", "help", False),
     ("Quit", "leave nnui; jobs keep running (q)", "quit", False),
 )

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from app.services.case_progress import CaseProgress
+from app.services.curve_data import EpochPoint, RunningPoint, epoch_point, running_point
 from app.services.gpus import GpuMonitor, MachineSnapshot
 from app.services.job_events import EventBatch, JobEvents, Scope
 from app.services.nnunet_log import EpochStats
@@ -30,18 +31,9 @@ STALL_MIN_S = 60.0
 RECENT_EPOCHS = 5
 CONSOLE_LINES = 40
 MAX_HISTORY_EPOCHS = 20000
+MAX_RUNNING_POINTS = 20000  # a few train_loss_running points per epoch, the newest kept
 
-
-@dataclass(frozen=True)
-class EpochPoint:
-    epoch: int
-    train_loss: float
-    val_loss: float
-    mean_fg_dice: float
-    ema_fg_dice: float
-    lr: float
-    epoch_time_s: float
-    iterations_per_s: float
+__all__ = ["EpochPoint", "JobTracker", "JobView", "RunningPoint"]
 
 
 @dataclass(frozen=True)
@@ -71,24 +63,7 @@ class JobView:
     num_cases: int | None = None
     cases_done: int | None = None
     seconds_per_case: float | None = None
-
-
-def _num(value: Any) -> float:
-    """JSON null (the trainer writes NaN as null) -> NaN, so curves keep their x positions."""
-    return math.nan if value is None else float(value)  # validated: a finite number or null
-
-
-def _point(record: dict[str, Any]) -> EpochPoint:
-    return EpochPoint(
-        epoch=record["epoch"],
-        train_loss=_num(record.get("train_loss")),
-        val_loss=_num(record.get("val_loss")),
-        mean_fg_dice=_num(record.get("mean_fg_dice")),
-        ema_fg_dice=_num(record.get("ema_fg_dice")),
-        lr=_num(record.get("lr")),
-        epoch_time_s=_num(record.get("epoch_time_s")),
-        iterations_per_s=_num(record.get("iterations_per_s")),
-    )
+    running_loss: tuple[RunningPoint, ...] = ()  # train_loss_running points, in file order
 
 
 def _finite(value: float) -> float | None:
@@ -102,6 +77,9 @@ class _RunState:
     events: JobEvents
     console: TextTail
     history: dict[int, EpochPoint] = field(default_factory=dict)
+    # Keyed by (epoch, iteration): a resume that repeats an epoch replaces its points in place.
+    running: dict[tuple[int, int], RunningPoint] = field(default_factory=dict)
+    _running_tuple: tuple[RunningPoint, ...] | None = ()  # None: points came, build again
     num_epochs: int | None = None
     last_kind: str | None = None  # last lifecycle event of THIS job's run
     stop_requested: bool = False
@@ -113,9 +91,16 @@ class _RunState:
     def topology(self) -> dict | None:
         return self.events.topology
 
+    def running_points(self) -> tuple[RunningPoint, ...]:
+        if self._running_tuple is None:
+            self._running_tuple = tuple(self.running.values())
+        return self._running_tuple
+
     def absorb(self, batch: EventBatch) -> None:
         if batch.reset:
             self.history.clear()
+            self.running.clear()
+            self._running_tuple = ()
             self.num_epochs, self.last_kind, self.stop_requested = None, None, False
             self.nan_epoch, self.last_event_t = None, None
             self.cases = CaseProgress()
@@ -131,8 +116,14 @@ class _RunState:
         kind = record["kind"]
         if kind == Kind.RUN_STARTED:
             self.num_epochs = record["num_epochs"]
+        elif kind == Kind.TRAIN_LOSS_RUNNING:
+            running = running_point(record)
+            self.running[(running.epoch, running.iteration)] = running
+            if len(self.running) > MAX_RUNNING_POINTS:
+                self.running.pop(next(iter(self.running)))
+            self._running_tuple = None
         elif kind == Kind.EPOCH_ENDED:
-            point = _point(record)
+            point = epoch_point(record)
             self.history[point.epoch] = point
             if len(self.history) > MAX_HISTORY_EPOCHS:
                 self.history.pop(min(self.history))
@@ -206,6 +197,7 @@ def _watch_point(stats: EpochStats) -> EpochPoint:
         epoch=stats.epoch, train_loss=stats.train_loss, val_loss=stats.val_loss,
         mean_fg_dice=stats.mean_fg_dice, ema_fg_dice=stats.ema_fg_dice, lr=stats.lr,
         epoch_time_s=stats.epoch_time_s, iterations_per_s=math.nan,
+        dice_per_class=tuple(stats.dice_per_class),
     )  # fmt: skip
 
 
@@ -238,8 +230,15 @@ def watch_only_view(run: WatchOnlyRun, console_tail: tuple[str, ...] = ()) -> Jo
 
 
 class JobTracker:
-    def __init__(self, registry: Registry, gpu_monitor: GpuMonitor | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        gpu_monitor: GpuMonitor | None = None,
+        include_forgotten: bool = True,
+    ) -> None:
         self.registry = registry
+        # False: jobs marked by `nnui forget` are left out (and their files never read).
+        self.include_forgotten = include_forgotten
         self.gpu_monitor = gpu_monitor
         self._runs: dict[str, _RunState] = {}
         self.views: list[JobView] = []
@@ -286,6 +285,8 @@ class JobTracker:
             snapshot = self.gpu_monitor.snapshot()
         views = []
         for job in self.registry.list():
+            if job.forgotten_at is not None and not self.include_forgotten:
+                continue
             run = self._run(job)
             alive = job.exit_code is None and job_alive(job, proc_info)
             views.append(self._view(job, run, alive, snapshot))
@@ -336,6 +337,7 @@ class JobTracker:
             num_cases=run.cases.num_cases,
             cases_done=run.cases.num_done,
             seconds_per_case=run.cases.seconds_per_case,
+            running_loss=run.running_points(),
         )
 
     def _alerts(

@@ -119,6 +119,7 @@ class Job:
     retries: int = 0  # restarts with --c allowed after an abnormal end
     restarts: list[str] = field(default_factory=list)  # the reason of each, e.g. "exit 137"
     on_event: list[str] = field(default_factory=list)  # hook argv (never a shell string)
+    forgotten_at: float | None = None  # `nnui forget`: hidden from lists; results untouched
 
     def process(self, role: str) -> ProcessRecord | None:
         return next((p for p in self.processes if p.role == role), None)
@@ -252,6 +253,7 @@ _CHECKS: dict[type, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "retries": (lambda v: _is_int(v, 0, 1000), "0..1000 restarts"),
         "restarts": _STR_LIST,
         "on_event": _STR_LIST,
+        "forgotten_at": (_optional(_is_time), "a finite number or null"),
     },
 }
 

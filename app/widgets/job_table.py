@@ -158,12 +158,14 @@ class JobTable(DataTable):
             self.add_column(label, key=key)
 
     def show(self, views: list[JobView]) -> None:
+        """Rows in the order given (app.services.job_list arranges them)."""
         wanted = {view.job.job_id: view for view in views}
         folds = {job_id: view.job.fold for job_id, view in wanted.items()}
         for job_id in [j for j in self._cells if j not in wanted]:
             self.remove_row(job_id)
             del self._cells[job_id]
             self.selected.discard(job_id)
+        cursor_job = self._keep_order(list(wanted))
         for job_id, view in wanted.items():
             after = folds.get(view.job.after or "")
             cells = row_cells(view, job_id in self.selected, after)
@@ -178,6 +180,21 @@ class JobTable(DataTable):
                         self.num_cell_updates += 1
             self._cells[job_id] = plain
         self._views = wanted
+        if cursor_job in self._cells:
+            self.move_cursor(row=self.get_row_index(cursor_job))
+
+    def _keep_order(self, order: list[str]) -> str | None:
+        """A new sort or a new job in the middle: every row is added again in the new order
+        (a DataTable only appends). Returns the job under the cursor to put it back on; rare:
+        only when the order changes."""
+        kept = [job_id for job_id in order if job_id in self._cells]
+        appended = kept + [job_id for job_id in order if job_id not in self._cells]
+        if kept == list(self._cells) and appended == order:
+            return None
+        current = self.current_job_id
+        self.clear()
+        self._cells = {}
+        return current
 
     @property
     def current_job_id(self) -> str | None:
