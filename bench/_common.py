@@ -260,12 +260,19 @@ def machine_line() -> str:
     )
 
 
-def run_logged(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> int:
-    """Run a command to completion with stdout+stderr appended to log_path; its exit code."""
+@contextlib.contextmanager
+def _command_log(argv: list[str], log_path: Path):
+    """log_path opened for appending, the command line written first."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as log_file:
         log_file.write("$ " + " ".join(argv) + "\n")
         log_file.flush()
+        yield log_file
+
+
+def run_logged(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> int:
+    """Run a command to completion with stdout+stderr appended to log_path; its exit code."""
+    with _command_log(argv, log_path) as log_file:
         return subprocess.run(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env).returncode
 
 
@@ -327,10 +334,7 @@ def run_tree(
     argv: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> tuple[TreeRun, TreeSampler]:
     """Run argv to completion (output appended to log_path), sampling its process tree."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "a") as log_file:
-        log_file.write("$ " + " ".join(argv) + "\n")
-        log_file.flush()
+    with _command_log(argv, log_path) as log_file:
         started = time.time()
         proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         # PSS every 2nd sample: these runs are short, a 2 s PSS period would miss the peak.
