@@ -260,12 +260,19 @@ def machine_line() -> str:
     )
 
 
-def run_logged(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> int:
-    """Run a command to completion with stdout+stderr appended to log_path; its exit code."""
+@contextlib.contextmanager
+def _command_log(argv: list[str], log_path: Path):
+    """log_path opened for appending, the command line written first."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as log_file:
         log_file.write("$ " + " ".join(argv) + "\n")
         log_file.flush()
+        yield log_file
+
+
+def run_logged(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> int:
+    """Run a command to completion with stdout+stderr appended to log_path; its exit code."""
+    with _command_log(argv, log_path) as log_file:
         return subprocess.run(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env).returncode
 
 
@@ -283,3 +290,71 @@ def terminate_tree(pid: int, timeout_s: float = 10.0) -> None:
     for proc in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
+
+
+GIB = 2**30
+
+
+def side_ratio_lines(
+    runs: list,
+    rows: list[tuple[str, str, str | None]],
+    sides: tuple[str, str] = ("nnui", "nnU-Net"),
+) -> tuple[list[str], dict[str, float]]:
+    """Per row (label, attribute, format or None for GiB): the median of each side over its
+    successful runs (`side`, `exit_code` attributes) and the ratio sides[0]/sides[1]."""
+
+    def med(side: str, key: str) -> float:
+        return median_or_nan([getattr(r, key) for r in runs if r.side == side and r.exit_code == 0])
+
+    lines, ratios = [], {}
+    for label, key, fmt in rows:
+        a, b = med(sides[0], key), med(sides[1], key)
+        show = (lambda v: f"{v / GIB:.2f} GiB") if fmt is None else fmt.format
+        ratios[label] = ratio(a, b)
+        lines.append(f"{label}: {sides[0]} {show(a)}  {sides[1]} {show(b)}")
+        lines.append(f"{label} ratio {sides[0]}/{sides[1]} = {ratios[label]:.2f}")
+    return lines, ratios
+
+
+@dataclass
+class TreeRun:
+    """A command run to completion under a TreeSampler; times in s, memory in bytes."""
+
+    exit_code: int
+    wall_s: float
+    # user + system of the child and every descendant it reaped (wait4's rusage): exact,
+    # unlike the sampled tree CPU, which can miss the last 0.2 s of a short-lived worker.
+    cpu_s: float
+    sampled_cpu_s: float
+    peak_rss_bytes: int  # largest RSS sum over the tree
+    peak_pss_bytes: int
+
+
+def run_tree(
+    argv: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> tuple[TreeRun, TreeSampler]:
+    """Run argv to completion (output appended to log_path), sampling its process tree."""
+    with _command_log(argv, log_path) as log_file:
+        started = time.time()
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        # PSS every 2nd sample: these runs are short, a 2 s PSS period would miss the peak.
+        sampler = TreeSampler(proc.pid, pss_every=2).start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+        finally:
+            sampler.stop()
+            sampler.end_leftovers()
+    ended = time.time()
+    peak = sampler.peak()
+    return (
+        TreeRun(
+            proc.returncode,
+            ended - started,
+            usage.ru_utime + usage.ru_stime,
+            sampler.tree_cpu_s(started, ended),
+            peak.rss_bytes if peak else 0,
+            sampler.peak_pss_bytes(),
+        ),
+        sampler,
+    )

@@ -34,6 +34,7 @@ from _common import (  # noqa: E402
     median_or_nan,
     ratio,
     run_logged,
+    side_ratio_lines,
     terminate_tree,
 )
 
@@ -45,7 +46,6 @@ NNUNET_TRAINER = "nnUNetTrainer_nnuiBench"
 DATASET_ID = 900
 DATASET = "Dataset900_NnuiDemo"
 FOLD = "0"
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -374,10 +374,6 @@ def run_nnunet(a: BenchArgs, venv: Path, env_roots: dict[str, str], repeat: int)
 
 
 def summarize(runs: list[RunFigures]) -> tuple[list[str], dict[str, float]]:
-    def med(side: str, key: str) -> float:
-        return median_or_nan([getattr(r, key) for r in runs if r.side == side and r.exit_code == 0])
-
-    lines, ratios = [], {}
     rows = [
         ("s/iteration", "s_per_iteration", "{:.3f} s"),
         ("CPU-s/iteration (process tree)", "tree_cpu_s_per_iteration", "{:.2f} CPU-s"),
@@ -385,13 +381,7 @@ def summarize(runs: list[RunFigures]) -> tuple[list[str], dict[str, float]]:
         ("peak-memory", "peak_rss_bytes", None),
         ("peak-memory (PSS)", "peak_pss_bytes", None),
     ]
-    for label, key, fmt in rows:
-        a, b = med("nnui", key), med("nnU-Net", key)
-        show = (lambda v: f"{v / GIB:.2f} GiB") if fmt is None else fmt.format
-        ratios[label] = ratio(a, b)
-        lines.append(f"{label}: nnui {show(a)}  nnU-Net {show(b)}")
-        lines.append(f"{label} ratio nnui/nnU-Net = {ratios[label]:.2f}")
-    return lines, ratios
+    return side_ratio_lines(runs, rows)
 
 
 def run_floor(a: BenchArgs, pre_root: Path) -> dict | None:

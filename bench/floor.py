@@ -3,7 +3,7 @@
     python bench/floor.py DATASET CONFIGURATION [--preprocessed DIR] [--iterations 5]
                           [--threads N] [--channels-last] [--bf16] [--data-batches 40]
                           [--norm instance|group] [--compile [MODE]] [--flush-denormal]
-                          [--recompute-norm on|off]
+                          [--recompute-norm auto|on|off]
                           [--profile] [--json FILE]
 
 Same network (trainer.model from the plans), loss, optimiser and step code
@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from trainer.allocator import MALLOC_CHOICES  # noqa: E402 - stdlib only, after the path
+from trainer.config import recomputes_norm  # noqa: E402
 
 
 @dataclass
@@ -128,7 +129,8 @@ def measure(args: argparse.Namespace) -> FloorFigures:
         cases, cplan, rank_batch, args.data_batches
     )
     torch.manual_seed(0)
-    model = _build(args.norm, cplan, plans, args.recompute_norm == "on")
+    recompute = recomputes_norm(args.recompute_norm, "cpu", cplan.ndim)
+    model = _build(args.norm, cplan, plans, recompute)
     if args.channels_last:
         fmt = torch.channels_last_3d if cplan.ndim == 3 else torch.channels_last
         model = model.to(memory_format=fmt)
@@ -176,7 +178,7 @@ def measure(args: argparse.Namespace) -> FloorFigures:
         channels_last=args.channels_last,
         bf16=args.bf16,
         norm=args.norm,
-        recompute_norm=args.recompute_norm == "on",
+        recompute_norm=recompute,
         compile_mode=args.compile,
         flush_denormal=args.flush_denormal,
         malloc="glibc defaults" if args.default_malloc else allocator.describe(),
@@ -268,9 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--recompute-norm",
-        choices=("on", "off"),
-        default="on",
-        help="recompute norm+activation in backward (nnui-train's CPU default: on)",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="recompute norm+activation in backward (auto: as nnui-train on CPU, 3D only)",
     )
     p.add_argument("--flush-denormal", action="store_true", help="torch.set_flush_denormal")
     p.add_argument("--data-batches", type=int, default=40, help="batches timed for data cost")

@@ -141,6 +141,16 @@ def test_recompute_choice_per_device(choice: str, device: str, expected: bool) -
     assert config.recomputes_norm(device) is expected
 
 
+@pytest.mark.parametrize(
+    ("choice", "ndim", "expected"),
+    [("auto", 3, True), ("auto", 2, False), ("on", 2, True), ("off", 3, False)],
+)
+def test_auto_recompute_is_for_3d_on_cpu_only(choice: str, ndim: int, expected: bool) -> None:
+    # 2D on CPU: small activations, recomputing them cost a quarter of the step.
+    config = TrainConfig(**{**BASE, "recompute_norm": choice})
+    assert config.recomputes_norm("cpu", ndim) is expected
+
+
 def test_config_round_trips_through_json_dict() -> None:
     config = TrainConfig(**BASE, argv=["1", "2d", "0"])
     assert TrainConfig.from_dict(config.to_dict()) == config

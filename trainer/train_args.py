@@ -126,7 +126,8 @@ def _add_execution_flags(p: argparse.ArgumentParser) -> None:
         choices=RECOMPUTE_CHOICES,
         default="auto",
         help="recompute norm+activation in backward: less than half the activation memory, "
-        "same results, ~6-11%% more time (default auto: on for -device cpu, off on GPUs)",
+        "same results, ~6-11%% more time (default auto: on for 3D on -device cpu, off for 2D "
+        "and GPUs)",
     )
     p.add_argument(
         "--num-workers",

@@ -178,7 +178,7 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
     torch.manual_seed(config.seed)
     raw_model = build_network(
         cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim,
-        recompute_norm=config.recomputes_norm(device.type),
+        recompute_norm=config.recomputes_norm(device.type, cplan.ndim),
     ).to(device)  # fmt: skip
     optimizer = torch.optim.SGD(
         raw_model.parameters(), lr=config.initial_lr, momentum=config.momentum,
