@@ -38,6 +38,15 @@ def _common(parser: argparse.ArgumentParser, top: bool) -> None:
     group.add_argument("-v", "--verbose", action="store_true", default=False if top else default)
 
 
+def _tui_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--readonly", action="store_true", help="TUI: watch only, no action keys")
+    parser.add_argument("--no-mouse", action="store_true", help="TUI: disable mouse support")
+    parser.add_argument(
+        "--theme", choices=("dark", "light"), default="dark",
+        help="TUI colours (t switches at run time; NO_COLOR=1 for none)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nnui",
@@ -46,8 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _common(parser, top=True)
-    parser.add_argument("--readonly", action="store_true", help="TUI: watch only, no action keys")
-    parser.add_argument("--no-mouse", action="store_true", help="TUI: disable mouse support")
+    _tui_options(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     status = sub.add_parser("status", help="table (or JSON) of the jobs")

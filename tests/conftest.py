@@ -91,3 +91,9 @@ def make_nnunet_tree(base: Path) -> dict[str, str]:
     done = subprocess.run(plan, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return env
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path_factory, monkeypatch) -> None:
+    """The TUI keeps a GPU history in $XDG_CACHE_HOME/nnui: tests never touch the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
