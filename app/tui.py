@@ -106,7 +106,9 @@ class NnuiApp(App):
     CSS_PATH = "nnui.tcss"
     TITLE = "nnui"
     COMMANDS = App.COMMANDS | {NnuiCommands}
-    # Screens get "-short" below 32 rows (nnui.tcss gives the jobs table the room).
+    # Screens get "-short" below 32 rows (nnui.tcss gives the jobs table the room) and
+    # "-narrow" below 120 columns (the launch options go under the fold board).
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (120, "-wide")]
     VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (32, "-tall")]
 
     def __init__(self, config: TuiConfig, services: Services) -> None:

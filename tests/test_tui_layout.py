@@ -384,3 +384,27 @@ def test_theme_flag_reaches_the_app() -> None:
 
     assert config_from_options(build_parser().parse_args(["--theme", "light"])).theme == "light"
     assert config_from_options(build_parser().parse_args([])).theme == "dark"
+
+
+@pytest.mark.parametrize(("size", "num_gpus"), [((80, 24), 8), ((80, 24), 1), ((200, 60), 8)])
+async def test_fold_board_and_flags_fit_or_scroll_as_a_whole(tmp_path, size, num_gpus) -> None:
+    from app.screens.launch import LaunchScreen
+    from app.widgets.fold_board import FoldBoard
+
+    app = frozen(tmp_path, num_gpus)
+    async with app.run_test(size=size) as pilot:
+        await drawn(app, pilot, num_gpus)
+        await pilot.press("l")
+        launch = await screen_of(app, pilot, LaunchScreen)
+        board = launch.query_one(FoldBoard)
+        await wait_for(lambda: board.size.width > 0, pilot)
+        lines = board.render().plain.splitlines()
+        assert len(lines) == 7 and board.size.height >= 7  # header + 6 folds, none wrapped
+        assert max(len(line) for line in lines) <= board.size.width
+        assert board.region.right <= size[0]
+        await pilot.press("f")
+        flags = launch.query_one("#flags")
+        await wait_for(lambda: flags.has_focus, pilot)
+        await pilot.pause(0)
+        visible = launch.region
+        await wait_for(lambda: visible.contains_region(flags.region), pilot)  # scrolled to it
