@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from rich.text import Text
@@ -121,6 +122,7 @@ def header_line(gpu: GpuSnapshot, fit: _HeaderFit, compact: bool) -> Text:
     return text
 
 
+@lru_cache(maxsize=256)  # called for every GPU every second with mostly equal readings
 def first_fit(gpu: GpuSnapshot, width: int, compact: bool) -> int:
     """Index of the widest HEADER_FITS entry whose header fits `width`."""
     for level, fit in enumerate(HEADER_FITS):
@@ -228,6 +230,7 @@ class GpuCard(Static):
         super().__init__(id=f"gpu-{index}", classes="gpu-card")
         self.index = index
         self._last_text: str | None = None
+        self.drawn_from: object = None  # the inputs of the text shown (skip equal redraws)
 
     def show_text(self, text: Text) -> None:
         if text.plain != self._last_text:
@@ -311,8 +314,12 @@ class GpuPanel(VerticalScroll):
             if card is None:
                 continue
             series = readings.history.get(gpu.uuid) if readings else None
-            loads = readings.loads if readings else None
-            card.show_text(gpu_lines(gpu, series, loads, options, level))
+            loads = readings.loads if readings else {}
+            mine = {p.pid: loads[p.pid] for p in gpu.processes if p.pid in loads}
+            inputs = (gpu, series, tuple(mine.values()), options, level)
+            if inputs != card.drawn_from:  # readings are frozen values: equal = same text
+                card.drawn_from = inputs
+                card.show_text(gpu_lines(gpu, series, mine, options, level))
 
     def on_resize(self) -> None:
         self._draw()
