@@ -178,7 +178,8 @@ class NnuiApp(App):
         self._in_thread("gpus", self._read_machine)
 
     def _read_machine(self) -> MachineRead:
-        """NVML every call; the host side of GPU processes at the processes' pace (2 s)."""
+        """NVML every call; the host line and the host side of GPU processes at the
+        processes' pace (2 s)."""
         from app.services.gpu_history import GpuHistory, PanelReadings, default_cache_dir
         from app.services.procs import LoadSampler
 
@@ -191,13 +192,15 @@ class NnuiApp(App):
         history.add(snapshot)
         history.save_if_due(snapshot.taken_at)
         now = time.monotonic()
-        loads = self.readings.loads if self.readings is not None else {}
+        previous = self.readings
+        loads = previous.loads if previous is not None else {}
+        host = previous.host if previous is not None else None
         if self._procs_read_at is None or now - self._procs_read_at >= self.config.procs_interval_s:
             self._procs_read_at = now
             pids = [p.pid for gpu in snapshot.gpus for p in gpu.processes]
-            loads = sampler.processes(pids)
+            loads, host = sampler.processes(pids), sampler.host()
         series = {g.uuid: history.series(g.uuid, snapshot.taken_at) for g in snapshot.gpus}
-        return MachineRead(snapshot, PanelReadings(series, sampler.host(), loads))
+        return MachineRead(snapshot, PanelReadings(series, host, loads))
 
     def poll_jobs(self) -> None:
         def read() -> JobsRead:

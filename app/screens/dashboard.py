@@ -108,7 +108,8 @@ class DashboardScreen(Screen):
 
     def on_resize(self) -> None:
         # Under 100 columns the footer drops its padding so Stop, Kill and Quit still show.
-        self.query_one(Footer).compact = self.size.width < 100
+        for footer in self.query(Footer):  # none yet while the screen composes
+            footer.compact = self.size.width < 100
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         self._show_summary()

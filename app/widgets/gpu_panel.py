@@ -286,7 +286,9 @@ class GpuPanel(VerticalScroll):
             self._banner_text = banner.plain
             self._banner.update(banner)
             self._banner.display = bool(banner.plain)
-        self.border_title = host_title(readings.host if readings else None)
+        title = host_title(readings.host if readings else None)
+        if title != self.border_title:
+            self.border_title = title
         indices = tuple(gpu.index for gpu in snapshot.gpus)
         if indices != self._indices:
             self._indices = indices
