@@ -88,6 +88,10 @@ def _schedule_parsers(sub: argparse._SubParsersAction) -> None:
 def _tui_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--readonly", action="store_true", help="TUI: watch only, no action keys")
     parser.add_argument("--no-mouse", action="store_true", help="TUI: disable mouse support")
+    parser.add_argument(
+        "--theme", choices=("dark", "light"), default="dark",
+        help="TUI colours (t switches at run time; NO_COLOR=1 for none)",
+    )  # fmt: skip
     parser.add_argument("--version", action="version", version=f"nnui {_version()}")
 
 

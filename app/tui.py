@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from platformdirs import user_downloads_path
 from textual.app import App
@@ -39,6 +39,8 @@ class TuiConfig:
     jobs_interval_s: float = 1.0  # logs 0.5-1 s
     procs_interval_s: float = 2.0
     cpu_slots: int = 1
+    theme: str = "dark"  # dark | light (THEMES); the palette can switch it at any time
+    cache_dir: Path | None = None  # GPU history cache; None: $XDG_CACHE_HOME/nnui
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Services:
     monitor: Any
     registry: Any
     tracker: Any
+    sampler: Any = None  # host line and GPU processes' load; None: procs.LoadSampler()
 
 
 def default_services(config: TuiConfig) -> Services:
@@ -84,10 +87,14 @@ def simulated_load(views: list[Any]) -> dict[int, list[tuple[int, str]]]:
     return load
 
 
+THEMES = {"dark": "textual-dark", "light": "textual-light"}
+
+
 class MachineRead(Message):
-    def __init__(self, snapshot: Any) -> None:
+    def __init__(self, snapshot: Any, readings: Any = None) -> None:
         super().__init__()
         self.snapshot = snapshot
+        self.readings = readings  # PanelReadings: history, host line, per-process load
 
 
 class JobsRead(Message):
@@ -104,12 +111,20 @@ class NnuiApp(App):
     CSS_PATH = "nnui.tcss"
     TITLE = "nnui"
     COMMANDS = App.COMMANDS | {NnuiCommands}
+    # Screens get "-short" below 32 rows (nnui.tcss gives the jobs table the room) and
+    # "-narrow" below 120 columns (the launch options go under the fold board).
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (120, "-wide")]
+    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (32, "-tall")]
 
     def __init__(self, config: TuiConfig, services: Services) -> None:
         super().__init__()
         self.config = config
         self.services = services
         self.snapshot: Any = None
+        self.readings: Any = None
+        self.theme = THEMES.get(config.theme, THEMES["dark"])
+        self._panel_sampler: Any = None  # created in the gpus thread (it reads /proc)
+        self._procs_read_at: float | None = None
         self.views: list[Any] = []
         self.cv_eta_s: float | None = None
         self.first_step: str | None = None
@@ -139,6 +154,12 @@ class NnuiApp(App):
         close = getattr(self.services.monitor, "close", None)
         if close is not None:
             close()
+        lock = self._busy["gpus"]
+        if self._panel_sampler is not None and lock.acquire(timeout=1.0):
+            try:  # not while the gpus thread adds a reading
+                self._panel_sampler[0].save(time.time())  # the last minutes, for the next start
+            finally:
+                lock.release()
 
     # ---- background reads (thread workers -> messages) --------------------------------
 
@@ -160,7 +181,32 @@ class NnuiApp(App):
         self.run_worker(run, thread=True, group=name, exit_on_error=False)
 
     def poll_machine(self) -> None:
-        self._in_thread("gpus", lambda: MachineRead(self.services.monitor.snapshot()))
+        self._in_thread("gpus", self._read_machine)
+
+    def _read_machine(self) -> MachineRead:
+        """NVML every call; the host line and the host side of GPU processes at the
+        processes' pace (2 s)."""
+        from app.services.gpu_history import GpuHistory, PanelReadings, default_cache_dir
+        from app.services.procs import LoadSampler
+
+        snapshot = self.services.monitor.snapshot()
+        if self._panel_sampler is None:
+            history = GpuHistory(self.config.cache_dir or default_cache_dir())
+            history.load()
+            self._panel_sampler = (history, self.services.sampler or LoadSampler())
+        history, sampler = self._panel_sampler
+        history.add(snapshot)
+        history.save_if_due(snapshot.taken_at)
+        now = time.monotonic()
+        previous = self.readings
+        loads = previous.loads if previous is not None else {}
+        host = previous.host if previous is not None else None
+        if self._procs_read_at is None or now - self._procs_read_at >= self.config.procs_interval_s:
+            self._procs_read_at = now
+            pids = [p.pid for gpu in snapshot.gpus for p in gpu.processes]
+            loads, host = sampler.processes(pids), sampler.host()
+        series = {g.uuid: history.series(g.uuid, snapshot.taken_at) for g in snapshot.gpus}
+        return MachineRead(snapshot, PanelReadings(series, host, loads))
 
     def poll_jobs(self) -> None:
         def read() -> JobsRead:
@@ -204,6 +250,7 @@ class NnuiApp(App):
             return
         self.num_machine_messages += 1
         self.snapshot = message.snapshot
+        self.readings = message.readings
         for screen in self.screen_stack:
             show = getattr(screen, "show_machine", None)
             if show is not None:
@@ -269,6 +316,7 @@ def config_from_options(options: Any) -> TuiConfig:
         roots=roots,
         state_dir=Path(state_dir) if state_dir else None,
         cpu_slots=max(1, (os.cpu_count() or 1) // 8),
+        theme=getattr(options, "theme", None) or "dark",
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -91,3 +93,17 @@ def make_nnunet_tree(base: Path) -> dict[str, str]:
     done = subprocess.run(plan, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return env
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_cache_dir(tmp_path_factory) -> Iterator[None]:
+    """The TUI keeps a GPU history in $XDG_CACHE_HOME/nnui: tests never touch the user's.
+    (Session-wide and without `monkeypatch`: an autouse monkeypatch would be undone only
+    after every other fixture's teardown, later than tests that patch os.kill expect.)"""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before

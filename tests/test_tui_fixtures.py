@@ -63,6 +63,7 @@ def use_fake_trainer(monkeypatch: Any, roots: Roots, state_dir: Path) -> None:
 def tui_app(roots: Roots, state_dir: Path, **config: Any) -> NnuiApp:
     config.setdefault("simulate_gpus", 2)
     config.setdefault("jobs_interval_s", 0.25)
+    config.setdefault("cache_dir", state_dir.parent / "cache")  # never the user's own cache
     return make_app(TuiConfig(roots=roots, state_dir=state_dir, **config))
 
 

@@ -32,10 +32,10 @@ def Machine(**changes) -> MachineSnapshot:
 
 
 GPU_CASES = [
-    (Gpu(), ["GPU 0", "[8f3a1c2d]", "40.0/80.0 GiB", "87%", "61°C", "312 W", "no processes"]),
+    (Gpu(), ["GPU 0", "[8f3a1c2d]", "40.0/80.0 GiB", "87%", "61°C", "312 W", "idle"]),
     (
         Gpu(memory_used_bytes=None, utilization_percent=None, temperature_c=None, power_w=None),
-        ["n/a/80.0 GiB", "util n/a", "n/a  n/a"],
+        ["n/a/80.0 GiB", "UTL ············ n/a", "temp n/a", "power n/a"],
     ),
     (
         Gpu(

@@ -41,8 +41,9 @@ class DashboardScreen(Screen):
         super().__init__(id="dashboard")
         self.readonly = readonly
         # Bindings per instance: a read-only dashboard has no action bindings at all.
+        # Actions first: on a narrow footer the keys cut off at the right are the least used.
         acting = [] if readonly else DASHBOARD_ACTIONS
-        self._bindings = BindingsMap(DASHBOARD_NAV + acting + DASHBOARD_VIEW)
+        self._bindings = BindingsMap(acting + DASHBOARD_NAV + DASHBOARD_VIEW)
         self._alerts_seen: set[tuple[str, str]] = set()
         self._states_seen: dict[str, str] = {}
         self._summary: str | None = None
@@ -75,7 +76,7 @@ class DashboardScreen(Screen):
 
     def show_machine(self, snapshot: Any) -> None:
         if self._ready:
-            self.query_one(GpuPanel).update_snapshot(snapshot)
+            self.query_one(GpuPanel).update_snapshot(snapshot, getattr(self.app, "readings", None))
 
     def show_jobs(self, views: list[Any], cv_eta_s: float | None) -> None:
         if not self._ready:
@@ -111,6 +112,11 @@ class DashboardScreen(Screen):
         if text.plain != self._summary:
             self._summary = text.plain
             self.query_one("#job-summary", Static).update(text)
+
+    def on_resize(self) -> None:
+        # Under 100 columns the footer drops its padding so Stop, Kill and Quit still show.
+        for footer in self.query(Footer):  # none yet while the screen composes
+            footer.compact = self.size.width < 100
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         self._show_summary()
@@ -171,6 +177,15 @@ class DashboardScreen(Screen):
 
     def action_help(self) -> None:
         self.app.push_screen(HelpScreen(self.readonly))
+
+    def action_gpu_commands(self) -> None:
+        self.query_one(GpuPanel).toggle_commands()
+
+    def action_gpu_sort(self) -> None:
+        self.notify(f"GPU processes sorted by {self.query_one(GpuPanel).cycle_sort()}")
+
+    def action_toggle_theme(self) -> None:
+        self.app.theme = "textual-light" if self.app.current_theme.dark else "textual-dark"
 
     def action_quit(self) -> None:
         self.app.exit()

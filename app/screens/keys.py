@@ -13,6 +13,10 @@ DASHBOARD_NAV = [
     Binding("enter", "detail", "Detail", id="detail"),
     Binding("question_mark", "help", "Help", key_display="?", id="help"),
     Binding("q", "quit", "Quit (jobs keep running)", id="quit"),
+    # View toggles (they change nothing but the screen, so read-only has them too).
+    Binding("c", "gpu_commands", "GPU commands", id="gpu-commands", show=False),
+    Binding("u", "gpu_sort", "Sort GPU procs", id="gpu-sort", show=False),
+    Binding("t", "toggle_theme", "Light/dark", id="theme", show=False),
 ]
 DASHBOARD_ACTIONS = [
     Binding("l", "launch", "Launch", id="launch"),

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 GIB = 1024**3
 SIMULATED_MEMORY_BYTES = 80 * GIB
+SIMULATED_POWER_LIMIT_W = 700.0
 FROM_ENV = object()  # default of GpuMonitor(visible_devices=...): read CUDA_VISIBLE_DEVICES
 
 
@@ -47,6 +48,8 @@ class GpuSnapshot:
     temperature_c: int | None
     power_w: float | None
     processes: tuple[GpuProcess, ...]
+    power_limit_w: float | None = None
+    fan_percent: int | None = None  # None also for GPUs without a fan (passively cooled)
 
     @property
     def short_uuid(self) -> str:
@@ -70,6 +73,17 @@ class GpuSnapshot:
     @property
     def other_users(self) -> tuple[str, ...]:
         return tuple(sorted({p.user or "?" for p in self.processes if not p.is_mine}))
+
+
+@dataclass(frozen=True)
+class StaticFields:
+    """What NVML reports that never changes while the driver is loaded: read once per GPU
+    (DESIGN §6), not every second."""
+
+    name: str
+    uuid: str
+    power_limit_w: float | None
+    has_fan: bool
 
 
 @dataclass(frozen=True)
@@ -141,6 +155,8 @@ class GpuMonitor:
         self._nvml = backend
         self._initialised = False
         self._init_problem: str | None = None
+        self._static: dict[int, StaticFields] = {}
+        self.num_static_reads = 0  # tests: the static fields are read once per GPU
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -219,19 +235,41 @@ class GpuMonitor:
             log.debug("NVML reading failed: %s", error)
             return default
 
+    def _static_fields(self, index: int, handle: Any) -> StaticFields:
+        known = self._static.get(index)
+        if known is not None:
+            return known
+        nvml = self._nvml
+        self.num_static_reads += 1
+        limit_mw = self._safe(lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(handle))
+        fields = StaticFields(
+            name=self._safe(lambda: _decode(nvml.nvmlDeviceGetName(handle)), "n/a"),
+            uuid=self._safe(lambda: _decode(nvml.nvmlDeviceGetUUID(handle)), "n/a"),
+            power_limit_w=None if limit_mw is None else limit_mw / 1000.0,
+            # A passively cooled GPU answers "not supported": ask once, then never again.
+            has_fan=self._safe(lambda: nvml.nvmlDeviceGetFanSpeed(handle)) is not None,
+        )
+        if "n/a" not in (fields.name, fields.uuid):  # a failed read is tried again later
+            self._static[index] = fields
+        return fields
+
     def _read_gpu(self, index: int) -> GpuSnapshot:
         nvml = self._nvml
         handle = self._safe(lambda: nvml.nvmlDeviceGetHandleByIndex(index))
         if handle is None:
             return GpuSnapshot(index, "n/a", "n/a", None, None, None, None, None, ())
+        static = self._static_fields(index, handle)
         memory = self._safe(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
         util = self._safe(lambda: nvml.nvmlDeviceGetUtilizationRates(handle))
         power_mw = self._safe(lambda: nvml.nvmlDeviceGetPowerUsage(handle))
+        fan = (
+            self._safe(lambda: int(nvml.nvmlDeviceGetFanSpeed(handle))) if static.has_fan else None
+        )
         temperature_sensor = getattr(nvml, "NVML_TEMPERATURE_GPU", 0)
         return GpuSnapshot(
             index=index,
-            name=self._safe(lambda: _decode(nvml.nvmlDeviceGetName(handle)), "n/a"),
-            uuid=self._safe(lambda: _decode(nvml.nvmlDeviceGetUUID(handle)), "n/a"),
+            name=static.name,
+            uuid=static.uuid,
             memory_used_bytes=None if memory is None else int(memory.used),
             memory_total_bytes=None if memory is None else int(memory.total),
             utilization_percent=None if util is None else int(util.gpu),
@@ -240,6 +278,8 @@ class GpuMonitor:
             ),
             power_w=None if power_mw is None else power_mw / 1000.0,
             processes=self._read_processes(handle),
+            power_limit_w=static.power_limit_w,
+            fan_percent=fan,
         )
 
     def _read_processes(self, handle: Any) -> tuple[GpuProcess, ...]:
@@ -349,4 +389,6 @@ def _simulated_gpu(
         temperature_c=68 if busy else 34,
         power_w=310.0 if busy else 62.0,
         processes=processes,
+        power_limit_w=SIMULATED_POWER_LIMIT_W,
+        fan_percent=(55 if busy else 30) if index % 2 == 0 else None,
     )

@@ -23,7 +23,9 @@ from trainer.schema import FOLDS
 
 CPU_COLUMN = "cpu"
 LABEL_WIDTH = 10
-CELL_WIDTH = 9
+CELL_WIDTH = 9  # per GPU column; narrower (down to MIN_CELL_WIDTH) when the screen is
+MIN_CELL_WIDTH = 4  # "[ ]" and a space: many GPUs on 80 columns never wrap a row
+BOARD_GUTTER = 4  # the board's border and padding (nnui.tcss #board)
 
 
 @dataclass(frozen=True)
@@ -119,12 +121,24 @@ class FoldBoard(KeysOnArrival, Widget, can_focus=True):
         super().__init__(**kwargs)
         self.model = BoardModel(columns=list(columns) or [CPU_COLUMN])
 
+    def cell_width(self, available: int) -> int:
+        """Cells per GPU column that fit `available` cells (rows never wrap)."""
+        fit = (available - LABEL_WIDTH) // max(1, len(self.model.columns))
+        return max(MIN_CELL_WIDTH, min(CELL_WIDTH, fit))
+
+    def get_content_width(self, container: Any, viewport: Any) -> int:
+        cell = self.cell_width(container.width - BOARD_GUTTER)
+        return LABEL_WIDTH + cell * len(self.model.columns)
+
     def render(self) -> Text:
+        cell = self.cell_width(self.size.width)
         text = Text()
         text.append(" " * LABEL_WIDTH)
         for col in self.model.columns:
             label = "CPU" if col == CPU_COLUMN else f"GPU {col}"
-            text.append(label.center(CELL_WIDTH), style="bold")
+            if len(label) >= cell:
+                label = "CPU" if col == CPU_COLUMN else f"G{col}"
+            text.append(label.center(cell), style="bold")
         for row, fold in enumerate(FOLDS):
             text.append("\n")
             text.append(f" fold {fold}".ljust(LABEL_WIDTH), style="bold")
@@ -135,7 +149,7 @@ class FoldBoard(KeysOnArrival, Widget, can_focus=True):
                 style = ("bold magenta" if ddp else "bold green") if on else "dim"
                 if (row, col_i) == self.cursor and self.has_focus:
                     style += " reverse"
-                text.append(mark.center(CELL_WIDTH), style=style)
+                text.append(mark.center(cell), style=style)
         return text
 
     def action_move(self, d_row: int, d_col: int) -> None:
@@ -163,7 +177,7 @@ class FoldBoard(KeysOnArrival, Widget, can_focus=True):
         if offset is None:
             return
         row = offset.y - 1
-        col = (offset.x - LABEL_WIDTH) // CELL_WIDTH
+        col = (offset.x - LABEL_WIDTH) // self.cell_width(self.size.width)
         if 0 <= row < len(FOLDS) and offset.x >= LABEL_WIDTH and col < len(self.model.columns):
             self.cursor = (row, col)
             self.toggle(FOLDS[row], self.model.columns[col])

@@ -39,7 +39,12 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("alerts", "alerts"),
 )
 
-STATE_STYLES: dict[str, str] = {
+# State colours per palette. Dark: the terminal's named colours (they downgrade cleanly to
+# 16 colours under TERM=xterm). Light: darker tones that keep their contrast on white.
+# NO_COLOR: Textual turns every colour into a grey of the same luminance, so a red "failed"
+# would become dark grey on near-black; there the cue is the text style on the theme's own
+# foreground (bold, reverse), which stays readable at full contrast.
+DARK_STATE_STYLES: dict[str, str] = {
     State.STARTING: "cyan",
     State.QUEUED: "cyan",
     State.RUNNING: "bold green",
@@ -49,6 +54,37 @@ STATE_STYLES: dict[str, str] = {
     State.FAILED: "bold red",
     State.LOST: "bold magenta",
     State.KILLED: "magenta",
+    "alerts": "bold red",
+}
+LIGHT_STATE_STYLES: dict[str, str] = {
+    State.STARTING: "#007b8a",
+    State.QUEUED: "#007b8a",
+    State.RUNNING: "bold #007a1f",
+    State.STOPPING: "bold #7d4e00",
+    State.STOPPED: "#7d4e00",
+    State.FINISHED: "bold #0550ae",
+    State.FAILED: "bold #a40e26",
+    State.LOST: "bold #6639ba",
+    State.KILLED: "#6639ba",
+    "alerts": "bold #a40e26",
+}
+MONO_STATE_STYLES: dict[str, str] = {
+    State.STARTING: "italic",
+    State.QUEUED: "italic",
+    State.RUNNING: "bold",
+    State.STOPPING: "bold italic",
+    State.STOPPED: "",
+    State.FINISHED: "bold",
+    State.FAILED: "bold reverse",
+    State.LOST: "bold reverse",
+    State.KILLED: "reverse",
+    "alerts": "bold reverse",
+}
+STATE_STYLES = DARK_STATE_STYLES  # the default palette (kept under its old name)
+PALETTES: dict[str, dict[str, str]] = {
+    "dark": DARK_STATE_STYLES,
+    "light": LIGHT_STATE_STYLES,
+    "mono": MONO_STATE_STYLES,
 }
 
 
@@ -90,9 +126,14 @@ def prediction_cells(view: JobView) -> tuple[str, str, str]:
 
 
 def row_cells(
-    view: JobView, selected: bool, after_fold: str | None = None
+    view: JobView,
+    selected: bool,
+    after_fold: str | None = None,
+    styles: dict[str, str] = DARK_STATE_STYLES,
+    short: bool = False,
 ) -> dict[str, Text | str]:
-    """The text of every cell of one job's row."""
+    """The text of every cell of one job's row (`short`: the abbreviated cells of a narrow
+    layout — the epoch without its bar)."""
     job = view.job
     state = view.state
     if state == "failed" and view.exit_code is not None:
@@ -104,13 +145,15 @@ def row_cells(
         state = f"{view.state} {WATCH_ONLY} ({owner})"
     if view.epoch is not None and view.num_epochs:
         done = min(view.epoch + 1, view.num_epochs) if view.state == "finished" else view.epoch
-        epoch = f"{view.epoch}/{view.num_epochs} {bar(done / view.num_epochs, 6)}"
+        epoch = f"{view.epoch}/{view.num_epochs}"
+        if not short:
+            epoch += f" {bar(done / view.num_epochs, 6)}"
     else:
         epoch = fmt_or_na(view.epoch)
     fold, its = job.fold, fmt_or_na(view.it_per_s, "{:.2f}")
     if getattr(job, "kind", "train") == "predict":
         fold, epoch, its = prediction_cells(view)
-    alerts = Text(" ".join(view.alerts), style="bold red") if view.alerts else Text("")
+    alerts = Text(" ".join(view.alerts), style=styles["alerts"]) if view.alerts else Text("")
     waiting = getattr(job, "waiting_reason", None)
     if waiting and view.state == "queued":  # a --when-free job: why it has not started
         alerts = Text(f"waiting: {waiting} ", style="yellow") + alerts
@@ -123,7 +166,7 @@ def row_cells(
         "dataset": f"{short_dataset(job.dataset)} {job.configuration}",
         "fold": fold,
         "where": where_text(job),
-        "state": Text(state, style=STATE_STYLES.get(view.state, "")),
+        "state": Text(state, style=styles.get(view.state, "")),
         "epoch": epoch,
         "train": _loss(view.train_loss),
         "val": _loss(view.val_loss),
@@ -139,47 +182,166 @@ def _plain(value: Text | str) -> str:
     return value.plain if isinstance(value, Text) else value
 
 
+# Narrower layouts, widest first: each level hides the columns people watch least and may
+# abbreviate cells. The watched columns (job, state, epoch, Dice, it/s, ETA, alerts) are
+# never hidden; when even the last level is too wide the table scrolls sideways with the
+# selection mark and the job id fixed on the left.
+LAYOUTS: tuple[tuple[frozenset[str], bool], ...] = (
+    (frozenset(), False),
+    (frozenset({"ema"}), False),
+    (frozenset({"ema"}), True),
+    (frozenset({"ema", "val"}), True),
+    (frozenset({"ema", "val", "train"}), True),
+    (frozenset({"ema", "val", "train", "dataset"}), True),
+    (frozenset({"ema", "val", "train", "dataset", "where"}), True),
+    (frozenset({"ema", "val", "train", "dataset", "where", "fold"}), True),
+)
+NUM_FIXED_COLUMNS = 2  # "sel" and "job" stay in place when scrolling sideways
+ALERTS_FIT_WIDTH = 12  # the last column may run past the edge; this much must show
+
+
+def layout_width(rows: list[dict[str, str]], hidden: frozenset[str], cell_padding: int = 1) -> int:
+    """Cells needed by the visible columns of these rows (plain texts), padding included."""
+    total = 0
+    for key, label in COLUMNS:
+        if key in hidden:
+            continue
+        width = max([len(label), *(len(row[key]) for row in rows)])
+        if key == "alerts":
+            width = min(width, ALERTS_FIT_WIDTH)
+        total += width + 2 * cell_padding
+    return total
+
+
+def choose_layout(full: list[dict[str, str]], short: list[dict[str, str]], available: int) -> int:
+    """The widest layout (index into LAYOUTS) whose columns fit in `available` cells."""
+    for level, (hidden, abbreviated) in enumerate(LAYOUTS):
+        if layout_width(short if abbreviated else full, hidden) <= available:
+            return level
+    return len(LAYOUTS) - 1
+
+
+def visible_columns(level: int) -> list[tuple[str, str]]:
+    hidden = LAYOUTS[level][0]
+    return [(key, label) for key, label in COLUMNS if key not in hidden]
+
+
 class JobTable(DataTable):
-    """DataTable of jobs. `show(views)` adds, updates and removes rows in place."""
+    """DataTable of jobs. `show(views)` adds, updates and removes rows in place; a change of
+    width (or of the widest cells) may switch to a narrower or wider layout (LAYOUTS)."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("space", "toggle_select", "Select", id="select")
     ]
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
+        super().__init__(
+            cursor_type="row", zebra_stripes=True, fixed_columns=NUM_FIXED_COLUMNS, **kwargs
+        )
         self.selected: set[str] = set()
         self._cells: dict[str, dict[str, str]] = {}
         self._views: dict[str, JobView] = {}
+        self.level: int | None = None  # the layout shown (None: no columns yet)
+        self.palette = "dark"
         self.num_cell_updates = 0  # for the benchmark and tests: proves "only on change"
+        self.num_relayouts = 0
 
     def on_mount(self) -> None:
-        for key, label in COLUMNS:
+        self.palette = self._palette_name()
+        self.watch(self.app, "theme", self._theme_changed, init=False)
+        self._relayout(self._choose_level(list(self._views.values())))
+
+    def _palette_name(self) -> str:
+        if getattr(self.app, "no_color", False):
+            return "mono"
+        return "dark" if self.app.current_theme.dark else "light"
+
+    def _theme_changed(self, _theme: str) -> None:
+        """Another palette: redraw the coloured cells (their text is the same)."""
+        palette = self._palette_name()
+        if palette == self.palette or self.level is None:
+            return
+        self.palette = palette
+        abbreviated = LAYOUTS[self.level][1]
+        for job_id, view in self._views.items():
+            if job_id in self._cells:
+                cells = self._cells_of(view, abbreviated)
+                self.update_cell(job_id, "state", cells["state"], update_width=True)
+                self.update_cell(job_id, "alerts", cells["alerts"], update_width=True)
+
+    def on_resize(self) -> None:
+        level = self._choose_level(list(self._views.values()))
+        if level != self.level:
+            self._relayout(level)
+
+    @property
+    def columns_shown(self) -> list[str]:
+        """Keys of the columns on screen now (tests and the help text use them)."""
+        return [key for key, _ in visible_columns(self.level or 0)]
+
+    def _cells_of(self, view: JobView, short: bool) -> dict[str, Text | str]:
+        after = next(
+            (v.job.fold for v in self._views.values() if v.job.job_id == view.job.after), None
+        )
+        styles = PALETTES[self.palette]
+        return row_cells(view, view.job.job_id in self.selected, after, styles, short)
+
+    def _choose_level(self, views: list[JobView]) -> int:
+        both = [(self._cells_of(v, False), self._cells_of(v, True)) for v in views]
+        return self._level_of(both)
+
+    def _level_of(self, both: list[tuple[dict[str, Text | str], dict[str, Text | str]]]) -> int:
+        full = [{k: _plain(v) for k, v in cells.items()} for cells, _ in both]
+        short = [{k: _plain(v) for k, v in cells.items()} for _, cells in both]
+        return choose_layout(full, short, self.scrollable_content_region.width)
+
+    def _relayout(self, level: int) -> None:
+        """Rebuild columns and rows for another layout, keeping the cursor's job."""
+        current = self.current_job_id
+        self.level = level
+        self.num_relayouts += 1
+        self.clear(columns=True)
+        for key, label in visible_columns(level):
             self.add_column(label, key=key)
+        self._cells = {}
+        for job_id, view in self._views.items():
+            self._add(job_id, view)
+        if current in self._cells:
+            self.move_cursor(row=list(self._cells).index(current))
+
+    def _add(self, job_id: str, view: JobView) -> None:
+        cells = self._cells_of(view, LAYOUTS[self.level or 0][1])
+        self.add_row(*(cells[key] for key, _ in visible_columns(self.level or 0)), key=job_id)
+        self._cells[job_id] = {key: _plain(value) for key, value in cells.items()}
 
     def show(self, views: list[JobView]) -> None:
         """Rows in the order given (app.services.job_list arranges them)."""
         wanted = {view.job.job_id: view for view in views}
-        folds = {job_id: view.job.fold for job_id, view in wanted.items()}
+        self._views = wanted
+        if self.level is None:
+            return  # not mounted yet: on_mount draws these
+        both = {j: (self._cells_of(v, False), self._cells_of(v, True)) for j, v in wanted.items()}
+        level = self._level_of(list(both.values()))
+        if level != self.level:
+            self._relayout(level)
+            return
         for job_id in [j for j in self._cells if j not in wanted]:
             self.remove_row(job_id)
             del self._cells[job_id]
             self.selected.discard(job_id)
         cursor_job = self._keep_order(list(wanted))
+        shown, abbreviated = self.columns_shown, LAYOUTS[level][1]
         for job_id, view in wanted.items():
-            after = folds.get(view.job.after or "")
-            cells = row_cells(view, job_id in self.selected, after)
-            plain = {key: _plain(value) for key, value in cells.items()}
             old = self._cells.get(job_id)
             if old is None:
-                self.add_row(*(cells[key] for key, _ in COLUMNS), key=job_id)
-            else:
-                for key, text in plain.items():
-                    if old[key] != text:
-                        self.update_cell(job_id, key, cells[key], update_width=True)
-                        self.num_cell_updates += 1
-            self._cells[job_id] = plain
-        self._views = wanted
+                self._add(job_id, view)
+                continue
+            cells = both[job_id][1 if abbreviated else 0]
+            for key in shown:
+                if old[key] != _plain(cells[key]):
+                    self.update_cell(job_id, key, cells[key], update_width=True)
+                    self.num_cell_updates += 1
+            self._cells[job_id] = {key: _plain(value) for key, value in cells.items()}
         if cursor_job in self._cells:
             self.move_cursor(row=self.get_row_index(cursor_job))
 
