@@ -28,7 +28,7 @@ def env(tmp_path: Path):
 def nnui(env: dict, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "app.main", *args], env=env, cwd=ROOT, capture_output=True,
-        text=True, timeout=60, stdin=subprocess.DEVNULL,
+        text=True, timeout=120, stdin=subprocess.DEVNULL,
     )  # fmt: skip
 
 

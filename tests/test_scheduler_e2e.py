@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 from fake_trainer import cleanup_jobs, fake_env, wait_until
+from test_cli import launched_ids as launched
+from test_cli import nnui, status
 
 from app.services.registry import Job, SignalRecord
 from app.services.retries import AttemptEnd, describe_exit, restart_reason
@@ -39,24 +41,6 @@ def env(tmp_path: Path):
         yield values
     finally:
         cleanup_jobs(Path(values["NNUI_STATE_DIR"]))
-
-
-def nnui(env: dict, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "app.main", *args], env=env, cwd=ROOT, capture_output=True,
-        text=True, timeout=120, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-
-
-def status(env: dict) -> dict[str, dict]:
-    result = nnui(env, "status", "--json")
-    assert result.returncode == 0, result.stderr
-    return {row["id"]: row for row in json.loads(result.stdout)}
-
-
-def launched(result: subprocess.CompletedProcess[str]) -> list[str]:
-    assert result.returncode == 0, result.stderr
-    return [line.split()[0] for line in result.stdout.splitlines()]
 
 
 def hook_flag(env: dict) -> str:
