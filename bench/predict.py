@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -179,7 +180,7 @@ def _thread_env(threads: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
-def nnui_argv(inputs: Path, out: Path, a: PredictArgs, tta: bool, pre: Path, res: Path) -> list:
+def nnui_argv(inputs: Path, a: PredictArgs, tta: bool, pre: Path, res: Path, out: Path) -> list:
     # fmt: off
     argv = [sys.executable, "-m", "trainer.predict", "-i", str(inputs), "-o", str(out),
             "-d", str(DATASET_ID), "-c", a.configuration, "-f", FOLD, "-device", "cpu",
@@ -188,7 +189,7 @@ def nnui_argv(inputs: Path, out: Path, a: PredictArgs, tta: bool, pre: Path, res
     return argv if tta else [*argv, "--disable_tta"]
 
 
-def nnunet_argv(inputs: Path, out: Path, a: PredictArgs, tta: bool, venv: Path) -> list:
+def nnunet_argv(inputs: Path, a: PredictArgs, tta: bool, venv: Path, out: Path) -> list:
     # fmt: off
     argv = [str(venv / "bin" / "nnUNetv2_predict"), "-i", str(inputs), "-o", str(out),
             "-d", str(DATASET_ID), "-c", a.configuration, "-f", FOLD, "-tr", "nnUNetTrainer",
@@ -217,9 +218,11 @@ def timed_run(argv: list, env: dict, out: Path, log_path: Path) -> tuple:
     return proc.returncode, started, wall_s, usage, sampler, done
 
 
-def measure(side: str, tta: bool, repeat: int, argv: list, env: dict, a: PredictArgs) -> PredictRun:
+def measure(side: str, tta: bool, repeat: int, make_argv, env: dict, a: PredictArgs) -> PredictRun:
+    """One run of one side; make_argv(output folder) gives its command."""
     tag = f"{side.lower().replace('-', '')}_{'tta' if tta else 'notta'}_run{repeat}"
     out = a.work / "predictions" / tag
+    argv = make_argv(out)
     rc, started, wall_s, usage, sampler, done = timed_run(
         argv, env, out, a.work / "logs" / f"predict_{tag}.log"
     )
@@ -372,15 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[PredictRun] = []
     for tta in a.tta_modes:
         for repeat in range(a.repeats):  # A B A B: drift of the machine hits both sides
-            out = a.work / "predictions"
             for side in ("nnU-Net", "nnui"):
                 log.info("TTA %s run %d: %s", tta, repeat, side)
                 if side == "nnui":
-                    argv_ = nnui_argv(inputs, out / "nnui", a, tta, nnui_pre, nnui_results)
-                    r = measure(side, tta, repeat, argv_, nnui_env, a)
+                    make = partial(nnui_argv, inputs, a, tta, nnui_pre, nnui_results)
+                    r = measure(side, tta, repeat, make, nnui_env, a)
                 else:
-                    argv_ = nnunet_argv(inputs, out / "nnunet", a, tta, venv)
-                    r = measure(side, tta, repeat, argv_, nnunet_env, a)
+                    make = partial(nnunet_argv, inputs, a, tta, venv)
+                    r = measure(side, tta, repeat, make, nnunet_env, a)
                 log.info("%s", json.dumps(asdict(r)))
                 runs.append(r)
     lines = [line for tta in a.tta_modes for line in summarize(runs, tta)]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.inference.cli import OneLineParser, one_line
+from trainer.inference.cli import OneLineParser, one_line, use_caching_allocator
 from trainer.schema import CHECKPOINT_KINDS, DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
 
 log = logging.getLogger("trainer.predict")
@@ -292,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    if argv is None:  # a program, not a call from Python (tests): it may re-execute itself
+        use_caching_allocator(args.device)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
         return run(args)
