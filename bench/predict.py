@@ -298,7 +298,7 @@ def case_shapes(inputs: Path) -> list[list[int]]:
 def append_results(a: PredictArgs, argv: list[str], machine: str, config: list[str], body) -> None:
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = [f"\n## predict {stamp}\n", f"- machine: {machine}"]
-    text += [f"- command: `python bench/predict.py {' '.join(argv)}`", *config]
+    text += [f"- command: `{' '.join(['python bench/predict.py', *argv])}`", *config]
     text += ["", "```", *body[0], "```", "", "raw runs:", "", "```"]
     text += [json.dumps(asdict(r)) for r in body[1]] + ["```", ""]
     with open(BENCH_DIR / "RESULTS.md", "a") as handle:
