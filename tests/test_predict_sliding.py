@@ -6,10 +6,12 @@ import itertools
 
 import torch
 
+from trainer.inference import sliding
 from trainer.inference.sliding import (
     mirror_combinations,
     predict_probabilities,
     sliding_window_probabilities,
+    windows_per_batch,
 )
 
 
@@ -75,3 +77,34 @@ def test_folds_average_probabilities_not_logits():
     ]
     torch.testing.assert_close(both, (single[0] + single[1]) / 2, rtol=1e-5, atol=1e-6)
     assert both.shape == (2, 3, 10, 12)
+
+
+class CountsBatches(Positional):
+    """Positional logits; records the batch size of every forward pass."""
+
+    def __init__(self, num_classes: int, ndim: int):
+        super().__init__(num_classes, ndim)
+        self.batch_sizes: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.batch_sizes.append(int(x.shape[0]))
+        return super().forward(x)
+
+
+def test_cpu_predicts_one_window_per_pass_with_the_result_of_batched_passes(monkeypatch):
+    """On CPU a batch of windows saves little CPU per window and multiplies the activation
+    memory: one window per forward pass there, batches on a GPU; same probabilities."""
+    assert windows_per_batch(torch.device("cpu"), (64, 80, 80)) == 1
+    assert windows_per_batch(torch.device("cuda"), (64, 80, 80)) == 5
+    torch.manual_seed(2)
+    model = CountsBatches(3, 3).eval()
+    x = torch.randn(1, 1, 7, 10, 12)
+    with torch.inference_mode():
+        one = sliding_window_probabilities([model], x, (4, 6, 8), 3, mirror=True)
+        num_windows = len(sliding._windows((7, 10, 12), (4, 6, 8), 0.5))
+        assert set(model.batch_sizes) == {1} and len(model.batch_sizes) == num_windows * 8
+        model.batch_sizes.clear()
+        monkeypatch.setattr(sliding, "windows_per_batch", lambda device, patch: 5)
+        batched = sliding_window_probabilities([model], x, (4, 6, 8), 3, mirror=True)
+    assert max(model.batch_sizes) == 5
+    torch.testing.assert_close(one, batched, rtol=1e-5, atol=1e-6)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import stop
-from trainer.inference.cli import OneLineParser, one_line
+from trainer.inference.cli import OneLineParser, one_line, use_caching_allocator
 from trainer.prediction_events import PredictionEvents
 from trainer.schema import CHECKPOINT_KINDS, DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS, Kind
 
@@ -334,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    if argv is None:  # a program, not a call from Python (tests): it may re-execute itself
+        use_caching_allocator(args.device)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
         events = PredictionEvents(args.events)

@@ -18,10 +18,18 @@ import torch.nn.functional as F
 
 from trainer.evaluate import gaussian_importance, window_starts
 
-# Voxels of input per forward pass: several windows per batch are much faster on CPU
-# (batch 1 conv3d takes a slow path) and keep a GPU busy; the cap bounds activations.
+# Voxels of input per forward pass on a GPU: several windows per batch keep it busy; the
+# cap bounds activations. On CPU one window per pass: activations grow with the batch
+# (patch 64x80x80: nnui-predict peaked at 2.1 GiB PSS with 5 windows per pass, 0.86 GiB
+# with one, nnU-Net at 1.6 GiB) for at most ~20 % less CPU per window (bench/RESULTS.md).
 VOXELS_PER_BATCH = 1 << 21
 MAX_WINDOWS_PER_BATCH = 8
+
+
+def windows_per_batch(device: torch.device, patch: Sequence[int]) -> int:
+    if device.type == "cpu":
+        return 1
+    return max(1, min(MAX_WINDOWS_PER_BATCH, VOXELS_PER_BATCH // int(np.prod(patch))))
 
 
 def mirror_combinations(ndim: int, enabled: bool) -> list[tuple[int, ...]]:
@@ -98,7 +106,7 @@ def sliding_window_probabilities(
     for w in windows:
         norm[w] += weights
     combos = mirror_combinations(len(patch), mirror)
-    batch = max(1, min(MAX_WINDOWS_PER_BATCH, VOXELS_PER_BATCH // int(np.prod(patch))))
+    batch = windows_per_batch(images.device, patch)
     autocast = _autocast_for(images.device)
     total = None
     for model in models:
