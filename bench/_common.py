@@ -283,3 +283,36 @@ def terminate_tree(pid: int, timeout_s: float = 10.0) -> None:
     for proc in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
+
+
+@dataclass
+class SampledRun:
+    """A command run to its end under a TreeSampler; times in seconds."""
+
+    exit_code: int
+    wall_s: float
+    tree_cpu_s: float  # whole tree, start to end (processes shorter than a scan may be missed)
+    sampler: TreeSampler
+
+
+def run_sampled(
+    argv: list[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    thread_name: str | None = None,
+) -> SampledRun:
+    """Run a command to its end (stdout+stderr to log_path) while sampling its tree; then
+    end what it left behind (nnU-Net's augmentation workers can outlive it)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        sampler = TreeSampler(proc.pid, thread_name=thread_name).start()
+        try:
+            rc = proc.wait()
+        finally:
+            sampler.stop()
+            sampler.end_leftovers()
+    wall_s = time.time() - started
+    return SampledRun(rc, wall_s, sampler.tree_cpu_s(0.0, float("inf")), sampler)

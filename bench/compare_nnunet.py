@@ -88,14 +88,24 @@ class RunFigures:
 # ---- data and plans --------------------------------------------------------------------
 
 
-def ensure_demo_data(raw_root: Path, cases: int) -> None:
+def ensure_demo_data(raw_root: Path, cases: int, shape_scale: float = 1.0) -> bool:
+    """The demo dataset under raw_root (kept when it has these cases at this scale); True
+    when it was (re)written, so preprocessed copies of an older one are stale."""
     dataset_json = raw_root / DATASET / "dataset.json"
-    if dataset_json.is_file() and json.loads(dataset_json.read_text())["numTraining"] == cases:
-        return
+    stamp = raw_root / f"{DATASET}.bench.json"
+    scale_ok = (json.loads(stamp.read_text()) if stamp.is_file() else {}).get("shape_scale", 1.0)
+    if (
+        dataset_json.is_file()
+        and json.loads(dataset_json.read_text())["numTraining"] == cases
+        and scale_ok == shape_scale
+    ):
+        return False
     from trainer.demo import make_demo_dataset
 
     shutil.rmtree(raw_root / DATASET, ignore_errors=True)
-    make_demo_dataset(raw_root, cases, seed=0)
+    make_demo_dataset(raw_root, cases, seed=0, shape_scale=shape_scale)
+    stamp.write_text(json.dumps({"shape_scale": shape_scale}))
+    return True
 
 
 def nnui_preprocess(a: BenchArgs, raw_root: Path, pre_root: Path, plan: dict) -> None:
