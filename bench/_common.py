@@ -290,6 +290,7 @@ class SampledRun:
     """A command run to its end under a TreeSampler; times in seconds."""
 
     exit_code: int
+    started_t: float  # unix time just before the start
     wall_s: float
     tree_cpu_s: float  # whole tree, start to end (processes shorter than a scan may be missed)
     sampler: TreeSampler
@@ -315,4 +316,13 @@ def run_sampled(
             sampler.stop()
             sampler.end_leftovers()
     wall_s = time.time() - started
-    return SampledRun(rc, wall_s, sampler.tree_cpu_s(0.0, float("inf")), sampler)
+    return SampledRun(rc, started, wall_s, sampler.tree_cpu_s(0.0, float("inf")), sampler)
+
+
+RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def append_results_md(lines: list[str]) -> None:
+    """Append a section (lines joined by newlines) to bench/RESULTS.md."""
+    with open(RESULTS_MD, "a") as handle:
+        handle.write("\n".join(lines))

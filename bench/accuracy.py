@@ -28,21 +28,22 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO = BENCH_DIR.parent
-sys.path.insert(0, str(BENCH_DIR))
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # compare_nnunet adds the repo
 
-from _common import machine_line, ratio, run_sampled  # noqa: E402
-from compare_nnunet import (  # noqa: E402
+from _common import append_results_md, machine_line, ratio, run_sampled
+from compare_nnunet import (
+    BENCH_DIR,
     DATASET,
-    DATASET_ID,
-    NNUNET_TRAINER,
+    REPO,
     BenchArgs,
     ensure_demo_data,
     ensure_nnunet_venv,
+    nnui_fold_dir,
     nnui_preprocess,
+    nnui_train_argv,
+    nnunet_fold_dir,
     nnunet_plan,
+    nnunet_train,
     share_splits,
 )
 
@@ -121,23 +122,14 @@ def nnui_pseudo_dice(events_path: Path) -> list[float]:
 def run_nnunet_fold(a: AccuracyArgs, venv: Path, roots: dict[str, str], fold: str) -> FoldRun:
     results = a.work / "nnunet_results" / f"fold{fold}"
     shutil.rmtree(results, ignore_errors=True)
-    env = dict(
-        os.environ,
-        **roots,
-        nnUNet_results=str(results),
+    argv, env = nnunet_train(a.as_bench_args(), venv, roots, results, fold)
+    env.update(
         nnUNet_n_proc_DA=str(a.num_workers),
-        nnUNet_def_n_proc=str(a.num_workers),
-        NNUI_BENCH_EPOCHS=str(a.epochs),
-        NNUI_BENCH_ITERATIONS=str(a.iterations),
-        NNUI_BENCH_VAL_ITERATIONS=str(a.val_iterations),
+        nnUNet_def_n_proc=str(a.num_workers),  # its final validation's export processes
         NNUI_BENCH_FINAL_VALIDATION="1",
     )
-    train = str(venv / "bin" / "nnUNetv2_train")
-    argv = [train, str(DATASET_ID), a.configuration, fold, "-tr", NNUNET_TRAINER, "-device", "cpu"]
     run = run_sampled(argv, a.work / "logs" / f"nnunet_fold{fold}.log", env=env)
-    fold_dir = (
-        results / DATASET / f"{NNUNET_TRAINER}__nnUNetPlans__{a.configuration}" / f"fold_{fold}"
-    )
+    fold_dir = nnunet_fold_dir(a.as_bench_args(), results, fold)
     fg, labels = read_summary(fold_dir / "validation" / "summary.json")
     curve = nnunet_pseudo_dice(fold_dir)
     return FoldRun("nnU-Net", fold, run.exit_code, fg, labels, run.wall_s, run.tree_cpu_s, curve)
@@ -146,17 +138,10 @@ def run_nnunet_fold(a: AccuracyArgs, venv: Path, roots: dict[str, str], fold: st
 def run_nnui_fold(a: AccuracyArgs, raw: Path, pre_root: Path, fold: str) -> FoldRun:
     results = a.work / "nnui_results" / f"fold{fold}"
     shutil.rmtree(results, ignore_errors=True)
-    # fmt: off
-    argv = [sys.executable, "-m", "trainer", str(DATASET_ID), a.configuration, fold,
-            "-device", "cpu", "--epochs", str(a.epochs),
-            "--iterations-per-epoch", str(a.iterations), "--val-iterations", str(a.val_iterations),
-            "--num-workers", str(a.num_workers), "--raw", str(raw),
-            "--preprocessed", str(pre_root), "--results", str(results)]
-    # fmt: on
-    run = run_sampled(
-        argv, a.work / "logs" / f"nnui_fold{fold}.log", cwd=REPO, thread_name="nnui-loader"
-    )
-    fold_dir = results / DATASET / f"nnuiTrainer__nnuiPlans__{a.configuration}" / f"fold_{fold}"
+    argv = [*nnui_train_argv(a.as_bench_args(), pre_root, results, fold), "--raw", str(raw)]
+    log_path = a.work / "logs" / f"nnui_fold{fold}.log"
+    run = run_sampled(argv, log_path, cwd=REPO, thread_name="nnui-loader")
+    fold_dir = nnui_fold_dir(a.as_bench_args(), results, fold)
     fg, labels = read_summary(fold_dir / "validation" / "summary.json")
     curve = nnui_pseudo_dice(fold_dir / "events.jsonl")
     return FoldRun("nnui", fold, run.exit_code, fg, labels, run.wall_s, run.tree_cpu_s, curve)
@@ -238,8 +223,7 @@ def append_results(argv: list[str], machine: str, config: str, lines: list[str],
         "```",
         "",
     ]
-    with open(BENCH_DIR / "RESULTS.md", "a") as handle:
-        handle.write("\n".join(text))
+    append_results_md(text)
 
 
 def parse_args(argv: list[str]) -> AccuracyArgs:
