@@ -1,9 +1,9 @@
 """nnui vs the real nnU-Net v2 (2.8.1) on identical work, judged by the Dice of the final
 validation (whole validation cases, raw geometry, each side's own summary.json).
 
-    python bench/accuracy.py [--work DIR] [--cases 20] [--shape-scale 0.5]
-                             [--configuration 2d] [--epochs 40] [--iterations 25]
-                             [--val-iterations 3] [--folds 0,1,2] [--num-workers 2]
+    python bench/accuracy.py [--work DIR] [--cases 12] [--shape-scale 0.5]
+                             [--configuration 2d] [--epochs 20] [--iterations 10]
+                             [--val-iterations 1] [--folds 0,1] [--num-workers 2]
 
 Same raw cases, folds (one splits_final.json), plan, patch, batch and network (nnU-Net's
 plan copied into nnui's plans, as bench/compare_nnunet.py does), same schedule (epochs x
@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import statistics
 import sys
@@ -62,6 +63,7 @@ class AccuracyArgs:
     val_iterations: int
     folds: list[str]
     num_workers: int
+    nnui_args: list[str]  # execution flags that keep results (e.g. --recompute-norm off)
 
     def as_bench_args(self) -> BenchArgs:
         """compare_nnunet's arguments, for its data, plan and preprocessing steps."""
@@ -139,6 +141,7 @@ def run_nnui_fold(a: AccuracyArgs, raw: Path, pre_root: Path, fold: str) -> Fold
     results = a.work / "nnui_results" / f"fold{fold}"
     shutil.rmtree(results, ignore_errors=True)
     argv = [*nnui_train_argv(a.as_bench_args(), pre_root, results, fold), "--raw", str(raw)]
+    argv += a.nnui_args
     log_path = a.work / "logs" / f"nnui_fold{fold}.log"
     run = run_sampled(argv, log_path, cwd=REPO, thread_name="nnui-loader")
     fold_dir = nnui_fold_dir(a.as_bench_args(), results, fold)
@@ -200,7 +203,8 @@ def config_line(a: AccuracyArgs, plan: dict) -> str:
         f"{plan['batch_size']}, features {arch['features_per_stage']}, {a.epochs} epochs x "
         f"{a.iterations} iterations (+{a.val_iterations} val), torch threads = "
         f"{os.cpu_count()} both, {a.num_workers} data workers each (nnU-Net processes, nnui "
-        "threads), final validation with mirroring on both"
+        "threads), final validation with mirroring on both; nnui flags: "
+        f"{' '.join(a.nnui_args) or 'defaults'}"
     )
 
 
@@ -229,14 +233,17 @@ def append_results(argv: list[str], machine: str, config: str, lines: list[str],
 def parse_args(argv: list[str]) -> AccuracyArgs:
     p = argparse.ArgumentParser(prog="accuracy", description=__doc__.splitlines()[0])
     p.add_argument("--work", default="/tmp/acc-bench", help="venv, data, runs (reused)")
-    p.add_argument("--cases", type=int, default=20)
+    p.add_argument("--cases", type=int, default=12)
     p.add_argument("--shape-scale", type=float, default=0.5, help="demo case size factor")
     p.add_argument("--configuration", default="2d", choices=("2d", "3d_fullres"))
-    p.add_argument("--epochs", type=int, default=40)
-    p.add_argument("--iterations", type=int, default=25, help="training iterations per epoch")
-    p.add_argument("--val-iterations", type=int, default=3, help="same for both sides")
-    p.add_argument("--folds", default="0,1,2", help="comma-separated folds of the 5-fold split")
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--iterations", type=int, default=10, help="training iterations per epoch")
+    p.add_argument("--val-iterations", type=int, default=1, help="same for both sides")
+    p.add_argument("--folds", default="0,1", help="comma-separated folds of the 5-fold split")
     p.add_argument("--num-workers", type=int, default=2, help="data workers of each side")
+    p.add_argument(
+        "--nnui-args", default="", help="extra nnui-train flags, e.g. '--recompute-norm off'"
+    )
     ns = p.parse_args(argv)
     folds = [f.strip() for f in ns.folds.split(",") if f.strip()]
     if (
@@ -255,7 +262,7 @@ def parse_args(argv: list[str]) -> AccuracyArgs:
         raise SystemExit(2)
     return AccuracyArgs(
         Path(ns.work).absolute(), ns.cases, ns.shape_scale, ns.configuration, ns.epochs,
-        ns.iterations, ns.val_iterations, folds, ns.num_workers,
+        ns.iterations, ns.val_iterations, folds, ns.num_workers, shlex.split(ns.nnui_args),
     )  # fmt: skip
 
 

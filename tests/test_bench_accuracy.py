@@ -16,7 +16,7 @@ import accuracy
 def _args(**overrides) -> accuracy.AccuracyArgs:
     values = dict(
         work=Path("/tmp/x"), cases=20, shape_scale=0.5, configuration="2d", epochs=3,
-        iterations=2, val_iterations=1, folds=["0", "1"], num_workers=2,
+        iterations=2, val_iterations=1, folds=["0", "1"], num_workers=2, nnui_args=[],
     )  # fmt: skip
     values.update(overrides)
     return accuracy.AccuracyArgs(**values)
