@@ -358,3 +358,46 @@ def run_tree(
         ),
         sampler,
     )
+
+
+@dataclass
+class SampledRun:
+    """A command run to its end under a TreeSampler; times in seconds."""
+
+    exit_code: int
+    started_t: float  # unix time just before the start
+    wall_s: float
+    tree_cpu_s: float  # whole tree, start to end (processes shorter than a scan may be missed)
+    sampler: TreeSampler
+
+
+def run_sampled(
+    argv: list[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    thread_name: str | None = None,
+) -> SampledRun:
+    """Run a command to its end (stdout+stderr to log_path) while sampling its tree; then
+    end what it left behind (nnU-Net's augmentation workers can outlive it)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        sampler = TreeSampler(proc.pid, thread_name=thread_name).start()
+        try:
+            rc = proc.wait()
+        finally:
+            sampler.stop()
+            sampler.end_leftovers()
+    wall_s = time.time() - started
+    return SampledRun(rc, started, wall_s, sampler.tree_cpu_s(0.0, float("inf")), sampler)
+
+
+RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def append_results_md(lines: list[str]) -> None:
+    """Append a section (lines joined by newlines) to bench/RESULTS.md."""
+    with open(RESULTS_MD, "a") as handle:
+        handle.write("\n".join(lines))

@@ -30,10 +30,12 @@ sys.path.insert(0, str(REPO))
 
 from _common import (  # noqa: E402
     TreeSampler,
+    append_results_md,
     machine_line,
     median_or_nan,
     ratio,
     run_logged,
+    run_sampled,
     side_ratio_lines,
     terminate_tree,
 )
@@ -88,14 +90,24 @@ class RunFigures:
 # ---- data and plans --------------------------------------------------------------------
 
 
-def ensure_demo_data(raw_root: Path, cases: int) -> None:
+def ensure_demo_data(raw_root: Path, cases: int, shape_scale: float = 1.0) -> bool:
+    """The demo dataset under raw_root (kept when it has these cases at this scale); True
+    when it was (re)written, so preprocessed copies of an older one are stale."""
     dataset_json = raw_root / DATASET / "dataset.json"
-    if dataset_json.is_file() and json.loads(dataset_json.read_text())["numTraining"] == cases:
-        return
+    stamp = raw_root / f"{DATASET}.bench.json"
+    scale_ok = (json.loads(stamp.read_text()) if stamp.is_file() else {}).get("shape_scale", 1.0)
+    if (
+        dataset_json.is_file()
+        and json.loads(dataset_json.read_text())["numTraining"] == cases
+        and scale_ok == shape_scale
+    ):
+        return False
     from trainer.demo import make_demo_dataset
 
     shutil.rmtree(raw_root / DATASET, ignore_errors=True)
-    make_demo_dataset(raw_root, cases, seed=0)
+    make_demo_dataset(raw_root, cases, seed=0, shape_scale=shape_scale)
+    stamp.write_text(json.dumps({"shape_scale": shape_scale}))
+    return True
 
 
 def nnui_preprocess(a: BenchArgs, raw_root: Path, pre_root: Path, plan: dict) -> None:
@@ -261,18 +273,27 @@ def _wait_for_training(proc: subprocess.Popen, events_path: Path) -> int:
     return proc.returncode
 
 
-def run_nnui(a: BenchArgs, pre_root: Path, repeat: int) -> RunFigures:
-    results = a.work / "nnui_results" / f"run{repeat}"
-    shutil.rmtree(results, ignore_errors=True)
+def nnui_train_argv(a: BenchArgs, pre_root: Path, results: Path, fold: str) -> list[str]:
+    """nnui-train of the bench schedule on CPU (results under `results`)."""
     # fmt: off
-    argv = [sys.executable, "-m", "trainer", str(DATASET_ID), a.configuration, FOLD,
+    return [sys.executable, "-m", "trainer", str(DATASET_ID), a.configuration, fold,
             "-device", "cpu", "--epochs", str(a.epochs),
             "--iterations-per-epoch", str(a.iterations), "--val-iterations", str(a.val_iterations),
             "--num-workers", str(a.num_workers),
             "--preprocessed", str(pre_root), "--results", str(results)]
     # fmt: on
+
+
+def nnui_fold_dir(a: BenchArgs, results: Path, fold: str) -> Path:
+    return results / DATASET / f"nnuiTrainer__nnuiPlans__{a.configuration}" / f"fold_{fold}"
+
+
+def run_nnui(a: BenchArgs, pre_root: Path, repeat: int) -> RunFigures:
+    results = a.work / "nnui_results" / f"run{repeat}"
+    shutil.rmtree(results, ignore_errors=True)
+    argv = nnui_train_argv(a, pre_root, results, FOLD)
     log_path = a.work / "logs" / f"nnui_run{repeat}.log"
-    fold_dir = results / DATASET / f"nnuiTrainer__nnuiPlans__{a.configuration}" / f"fold_{FOLD}"
+    fold_dir = nnui_fold_dir(a, results, FOLD)
     started = time.time()
     with open(log_path, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
@@ -321,9 +342,10 @@ def run_nnui(a: BenchArgs, pre_root: Path, repeat: int) -> RunFigures:
     )
 
 
-def run_nnunet(a: BenchArgs, venv: Path, env_roots: dict[str, str], repeat: int) -> RunFigures:
-    results = a.work / "nnunet_results" / f"run{repeat}"
-    shutil.rmtree(results, ignore_errors=True)
+def nnunet_train(
+    a: BenchArgs, venv: Path, env_roots: dict[str, str], results: Path, fold: str
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of nnUNetv2_train with the bench trainer's schedule."""
     env = dict(
         os.environ,
         **env_roots,
@@ -333,23 +355,31 @@ def run_nnunet(a: BenchArgs, venv: Path, env_roots: dict[str, str], repeat: int)
         NNUI_BENCH_VAL_ITERATIONS=str(a.val_iterations),
     )
     train = str(venv / "bin" / "nnUNetv2_train")
-    argv = [train, str(DATASET_ID), a.configuration, FOLD, "-tr", NNUNET_TRAINER, "-device", "cpu"]
-    log_path = a.work / "logs" / f"nnunet_run{repeat}.log"
-    started = time.time()
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-        sampler = TreeSampler(proc.pid).start()
-        try:
-            rc = proc.wait()
-        finally:
-            sampler.stop()
-            # Its augmentation workers can outlive it (notes/nnunet-baseline.md).
-            sampler.end_leftovers()
-    wall_s = time.time() - started
+    return [
+        train,
+        str(DATASET_ID),
+        a.configuration,
+        fold,
+        "-tr",
+        NNUNET_TRAINER,
+        "-device",
+        "cpu",
+    ], env
+
+
+def nnunet_fold_dir(a: BenchArgs, results: Path, fold: str) -> Path:
+    trained = f"{NNUNET_TRAINER}__nnUNetPlans__{a.configuration}"
+    return results / DATASET / trained / f"fold_{fold}"
+
+
+def run_nnunet(a: BenchArgs, venv: Path, env_roots: dict[str, str], repeat: int) -> RunFigures:
+    results = a.work / "nnunet_results" / f"run{repeat}"
+    shutil.rmtree(results, ignore_errors=True)
+    argv, env = nnunet_train(a, venv, env_roots, results, FOLD)
+    run = run_sampled(argv, a.work / "logs" / f"nnunet_run{repeat}.log", env=env)
+    rc, started, wall_s, sampler = run.exit_code, run.started_t, run.wall_s, run.sampler
     sampler.dump(a.work / "logs" / f"nnunet_run{repeat}_sampler.json")
-    fold_dir = (
-        results / DATASET / f"{NNUNET_TRAINER}__nnUNetPlans__{a.configuration}" / f"fold_{FOLD}"
-    )
+    fold_dir = nnunet_fold_dir(a, results, FOLD)
     f = nnunet_timing(fold_dir, a.iterations, a.val_iterations)
     tree_cpu = sum(sampler.tree_cpu_s(t0, t1) for t0, t1 in f.train_windows[1:])
     cpu = sampler.children_cpu_s(f.window_t0, f.window_t1) if f.window_t1 > f.window_t0 else 0.0
@@ -433,8 +463,7 @@ def append_results(
         )
     text += ["", "```", *lines, "```", "", "raw runs:", "", "```"]
     text += [json.dumps(asdict(r)) for r in runs] + ["```", ""]
-    with open(BENCH_DIR / "RESULTS.md", "a") as handle:
-        handle.write("\n".join(text))
+    append_results_md(text)
 
 
 def parse_args(argv: list[str]) -> BenchArgs:

@@ -13,7 +13,8 @@ It changes no work done per iteration. It only
 - writes wall-clock stamps to `bench_timing.jsonl` in the fold folder (first training
   step, start and end of every training and validation phase, augmentation worker pids),
   so training time is measured without validation and start-up;
-- skips the final sliding-window validation (not part of the compared training work).
+- skips the final sliding-window validation (not part of the compared training work),
+  unless NNUI_BENCH_FINAL_VALIDATION=1 (bench/accuracy.py, which judges by its Dice).
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ class nnUNetTrainer_nnuiBench(nnUNetTrainer):  # nnU-Net's -tr naming
         super().on_train_end()
 
     def perform_actual_validation(self, save_probabilities: bool = False):
+        if os.environ.get("NNUI_BENCH_FINAL_VALIDATION") == "1":
+            self._bench_stamp("final_validation_start")
+            super().perform_actual_validation(save_probabilities)
+            self._bench_stamp("final_validation_end")
+            return
         self.print_to_log_file("bench trainer: final validation skipped")
 
 

@@ -32,12 +32,18 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(REPO))
 
-from _common import TreeSampler, machine_line, median_or_nan, ratio, terminate_tree  # noqa: E402
+from _common import (  # noqa: E402
+    GIB,
+    TreeSampler,
+    machine_line,
+    median_or_nan,
+    ratio,
+    terminate_tree,
+)
 from compare_nnunet import (  # noqa: E402
     DATASET,
     DATASET_ID,
     FOLD,
-    GIB,
     NNUNET_VERSION,
     BenchArgs,
     _wait_for_training,

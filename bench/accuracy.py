@@ -1,0 +1,317 @@
+"""nnui vs the real nnU-Net v2 (2.8.1) on identical work, judged by the Dice of the final
+validation (whole validation cases, raw geometry, each side's own summary.json).
+
+    python bench/accuracy.py [--work DIR] [--cases 12] [--shape-scale 0.5]
+                             [--configuration 2d] [--epochs 20] [--iterations 10]
+                             [--val-iterations 1] [--folds 0,1] [--num-workers 2]
+
+Same raw cases, folds (one splits_final.json), plan, patch, batch and network (nnU-Net's
+plan copied into nnui's plans, as bench/compare_nnunet.py does), same schedule (epochs x
+iterations); each side keeps its own augmentation, sampling, loss and optimiser. Folds run
+alternated A B A B. Both sides train with torch's threads = cores (nnU-Net sets it on CPU,
+nnui per rank) and --num-workers data workers (nnU-Net: nnUNet_n_proc_DA; nnui: loader
+threads); nnU-Net's final-validation export pool gets the same count (nnUNet_def_n_proc).
+Figures are appended to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # compare_nnunet adds the repo
+
+from _common import append_results_md, machine_line, ratio, run_sampled
+from compare_nnunet import (
+    BENCH_DIR,
+    DATASET,
+    REPO,
+    BenchArgs,
+    ensure_demo_data,
+    ensure_nnunet_venv,
+    nnui_fold_dir,
+    nnui_preprocess,
+    nnui_train_argv,
+    nnunet_fold_dir,
+    nnunet_plan,
+    nnunet_train,
+    share_splits,
+)
+
+log = logging.getLogger("bench")
+SIDES = ("nnU-Net", "nnui")
+
+
+@dataclass(frozen=True)
+class AccuracyArgs:
+    work: Path
+    cases: int
+    shape_scale: float
+    configuration: str
+    epochs: int
+    iterations: int
+    val_iterations: int
+    folds: list[str]
+    num_workers: int
+    nnui_args: list[str]  # execution flags that keep results (e.g. --recompute-norm off)
+
+    def as_bench_args(self) -> BenchArgs:
+        """compare_nnunet's arguments, for its data, plan and preprocessing steps."""
+        return BenchArgs(
+            self.work, self.cases, self.epochs, self.iterations, self.val_iterations, 1,
+            self.configuration, self.num_workers, False, False,
+        )  # fmt: skip
+
+
+@dataclass
+class FoldRun:
+    """One side's training + final validation of one fold."""
+
+    side: str
+    fold: str
+    exit_code: int
+    fg_dice: float  # validation/summary.json foreground_mean Dice (nan when missing)
+    dice_per_label: dict[str, float]
+    wall_s: float  # process start to exit: training and final validation
+    tree_cpu_s: float
+    pseudo_dice: list[float] = field(default_factory=list)  # per epoch, mean over labels
+
+
+def read_summary(path: Path) -> tuple[float, dict[str, float]]:
+    """(foreground_mean Dice, {label: mean Dice}) of a summary.json in nnU-Net's layout."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return float("nan"), {}
+    labels = {k: float(v["Dice"]) for k, v in data.get("mean", {}).items() if "Dice" in v}
+    fg = data.get("foreground_mean", {}).get("Dice")
+    return (float(fg) if fg is not None else float("nan")), labels
+
+
+def nnunet_pseudo_dice(fold_dir: Path) -> list[float]:
+    """Per-epoch mean pseudo Dice from nnU-Net's training_log_*.txt ('Pseudo dice [...]')."""
+    curve = []
+    for log_file in sorted(fold_dir.glob("training_log_*.txt")):
+        for line in log_file.read_text().splitlines():
+            if "Pseudo dice" in line:
+                values = [float(v) for v in re.findall(r"\d+\.\d+(?:e-?\d+)?", line.split("[")[-1])]
+                if values:
+                    curve.append(round(statistics.fmean(values), 3))
+    return curve
+
+
+def nnui_pseudo_dice(events_path: Path) -> list[float]:
+    curve = []
+    if events_path.is_file():
+        for line in events_path.read_text().splitlines():
+            if '"epoch_ended"' in line and line.strip().endswith("}"):
+                value = json.loads(line).get("mean_fg_dice")
+                if value is not None:
+                    curve.append(round(float(value), 3))
+    return curve
+
+
+def run_nnunet_fold(a: AccuracyArgs, venv: Path, roots: dict[str, str], fold: str) -> FoldRun:
+    results = a.work / "nnunet_results" / f"fold{fold}"
+    shutil.rmtree(results, ignore_errors=True)
+    argv, env = nnunet_train(a.as_bench_args(), venv, roots, results, fold)
+    env.update(
+        nnUNet_n_proc_DA=str(a.num_workers),
+        nnUNet_def_n_proc=str(a.num_workers),  # its final validation's export processes
+        NNUI_BENCH_FINAL_VALIDATION="1",
+    )
+    run = run_sampled(argv, a.work / "logs" / f"nnunet_fold{fold}.log", env=env)
+    fold_dir = nnunet_fold_dir(a.as_bench_args(), results, fold)
+    fg, labels = read_summary(fold_dir / "validation" / "summary.json")
+    curve = nnunet_pseudo_dice(fold_dir)
+    return FoldRun("nnU-Net", fold, run.exit_code, fg, labels, run.wall_s, run.tree_cpu_s, curve)
+
+
+def run_nnui_fold(a: AccuracyArgs, raw: Path, pre_root: Path, fold: str) -> FoldRun:
+    results = a.work / "nnui_results" / f"fold{fold}"
+    shutil.rmtree(results, ignore_errors=True)
+    argv = [*nnui_train_argv(a.as_bench_args(), pre_root, results, fold), "--raw", str(raw)]
+    argv += a.nnui_args
+    log_path = a.work / "logs" / f"nnui_fold{fold}.log"
+    run = run_sampled(argv, log_path, cwd=REPO, thread_name="nnui-loader")
+    fold_dir = nnui_fold_dir(a.as_bench_args(), results, fold)
+    fg, labels = read_summary(fold_dir / "validation" / "summary.json")
+    curve = nnui_pseudo_dice(fold_dir / "events.jsonl")
+    return FoldRun("nnui", fold, run.exit_code, fg, labels, run.wall_s, run.tree_cpu_s, curve)
+
+
+# ---- report ---------------------------------------------------------------------------
+
+
+def _spread(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else float("nan")
+
+
+def summarize(a: AccuracyArgs, runs: list[FoldRun]) -> list[str]:
+    by = {(r.side, r.fold): r for r in runs}
+    lines = []
+    for fold in a.folds:
+        them, us = by[("nnU-Net", fold)], by[("nnui", fold)]
+        lines.append(
+            f"fold {fold}: foreground Dice nnU-Net {them.fg_dice:.3f} {_labels(them)}  "
+            f"nnui {us.fg_dice:.3f} {_labels(us)}  difference {us.fg_dice - them.fg_dice:+.3f}"
+        )
+        lines.append(
+            f"fold {fold}: wall nnU-Net {them.wall_s:.0f} s nnui {us.wall_s:.0f} s; "
+            f"CPU-s nnU-Net {them.tree_cpu_s:.0f} nnui {us.tree_cpu_s:.0f}"
+        )
+    dice = {s: [by[(s, f)].fg_dice for f in a.folds] for s in SIDES}
+    diffs = [u - t for u, t in zip(dice["nnui"], dice["nnU-Net"], strict=True)]
+    for side in SIDES:
+        lines.append(
+            f"{side}: mean foreground Dice {statistics.fmean(dice[side]):.3f} "
+            f"(fold-to-fold SD {_spread(dice[side]):.3f})"
+        )
+    wall = {s: sum(by[(s, f)].wall_s for f in a.folds) for s in SIDES}
+    cpu = {s: sum(by[(s, f)].tree_cpu_s for f in a.folds) for s in SIDES}
+    lines.append(f"wall time: nnui {wall['nnui']:.0f} s  nnU-Net {wall['nnU-Net']:.0f} s")
+    lines.append(f"CPU-s (process tree): nnui {cpu['nnui']:.0f}  nnU-Net {cpu['nnU-Net']:.0f}")
+    lines.append(f"CPU-s ratio nnui/nnU-Net = {ratio(cpu['nnui'], cpu['nnU-Net']):.2f}")
+    lines.append(
+        f"Dice difference per fold: {' '.join(f'{d:+.3f}' for d in diffs)} "
+        f"(SD {_spread(diffs):.3f})"
+    )
+    lines.append(f"mean foreground Dice difference nnui - nnU-Net = {statistics.fmean(diffs):+.3f}")
+    lines.append(f"wall time ratio nnui/nnU-Net = {ratio(wall['nnui'], wall['nnU-Net']):.2f}")
+    return lines
+
+
+def _labels(run: FoldRun) -> str:
+    return "(" + " ".join(f"{k}:{v:.3f}" for k, v in sorted(run.dice_per_label.items())) + ")"
+
+
+def config_line(a: AccuracyArgs, plan: dict) -> str:
+    arch = plan["architecture"]
+    return (
+        f"{a.configuration}, {a.cases} demo cases at shape scale {a.shape_scale}, folds "
+        f"{','.join(a.folds)} (5-fold split), patch {plan['patch_size']}, batch "
+        f"{plan['batch_size']}, features {arch['features_per_stage']}, {a.epochs} epochs x "
+        f"{a.iterations} iterations (+{a.val_iterations} val), torch threads = "
+        f"{os.cpu_count()} both, {a.num_workers} data workers each (nnU-Net processes, nnui "
+        "threads), final validation with mirroring on both; nnui flags: "
+        f"{' '.join(a.nnui_args) or 'defaults'}"
+    )
+
+
+def append_results(argv: list[str], machine: str, config: str, lines: list[str], runs) -> None:
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    text = [
+        f"\n## accuracy {stamp}\n",
+        f"- machine: {machine}",
+        f"- command: `python bench/accuracy.py {' '.join(argv)}`",
+        f"- work: {config}",
+        "",
+        "```",
+        *lines,
+        "```",
+        "",
+        "raw runs (pseudo_dice: per-epoch mean over labels of each side's own online estimate):",
+        "",
+        "```",
+        *[json.dumps(asdict(r)) for r in runs],
+        "```",
+        "",
+    ]
+    append_results_md(text)
+
+
+def parse_args(argv: list[str]) -> AccuracyArgs:
+    p = argparse.ArgumentParser(prog="accuracy", description=__doc__.splitlines()[0])
+    p.add_argument("--work", default="/tmp/acc-bench", help="venv, data, runs (reused)")
+    p.add_argument("--cases", type=int, default=12)
+    p.add_argument("--shape-scale", type=float, default=0.5, help="demo case size factor")
+    p.add_argument("--configuration", default="2d", choices=("2d", "3d_fullres"))
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--iterations", type=int, default=10, help="training iterations per epoch")
+    p.add_argument("--val-iterations", type=int, default=1, help="same for both sides")
+    p.add_argument("--folds", default="0,1", help="comma-separated folds of the 5-fold split")
+    p.add_argument("--num-workers", type=int, default=2, help="data workers of each side")
+    p.add_argument(
+        "--nnui-args", default="", help="extra nnui-train flags, e.g. '--recompute-norm off'"
+    )
+    ns = p.parse_args(argv)
+    folds = [f.strip() for f in ns.folds.split(",") if f.strip()]
+    if (
+        ns.epochs < 1
+        or ns.iterations < 1
+        or ns.cases < 5
+        or not folds
+        or any(f not in "01234" or len(f) != 1 for f in folds)
+        or not 0.1 <= ns.shape_scale <= 2.0
+    ):
+        print(
+            "error: need --epochs >= 1, --iterations >= 1, --cases >= 5, --folds among 0-4, "
+            "--shape-scale in [0.1, 2]",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    return AccuracyArgs(
+        Path(ns.work).absolute(), ns.cases, ns.shape_scale, ns.configuration, ns.epochs,
+        ns.iterations, ns.val_iterations, folds, ns.num_workers, shlex.split(ns.nnui_args),
+    )  # fmt: skip
+
+
+def prepare(a: AccuracyArgs) -> tuple[Path, dict[str, str], dict]:
+    """The nnU-Net venv, the raw data, both preprocessings and the shared splits."""
+    raw, nnunet_pre = a.work / "raw", a.work / "nnunet_preprocessed"
+    nnui_pre = a.work / "nnui_preprocessed"
+    venv = ensure_nnunet_venv(a.work, BENCH_DIR / "nnunet_short_trainer.py")
+    if ensure_demo_data(raw, a.cases, a.shape_scale):  # new raw data: older plans are stale
+        shutil.rmtree(nnunet_pre / DATASET, ignore_errors=True)
+        (nnunet_pre / f"{DATASET}.bench.json").unlink(missing_ok=True)
+    roots = {"nnUNet_raw": str(raw), "nnUNet_preprocessed": str(nnunet_pre)}
+    plan = nnunet_plan(venv, roots, a.as_bench_args())
+    nnui_preprocess(a.as_bench_args(), raw, nnui_pre, plan)
+    share_splits(nnunet_pre, nnui_pre)
+    return venv, roots, plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        a = parse_args(argv)
+    except SystemExit as exit_:
+        return 2 if exit_.code else 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    machine = machine_line()
+    try:
+        venv, roots, plan = prepare(a)
+    except (RuntimeError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    config = config_line(a, plan)
+    log.info("config: %s", config)
+    runs: list[FoldRun] = []
+    for fold in a.folds:
+        for side in SIDES:  # A B A B: slow drift of the machine hits both sides alike
+            log.info("fold %s: %s", fold, side)
+            if side == "nnU-Net":
+                run = run_nnunet_fold(a, venv, roots, fold)
+            else:
+                run = run_nnui_fold(a, a.work / "raw", a.work / "nnui_preprocessed", fold)
+            log.info("%s", json.dumps(asdict(run)))
+            runs.append(run)
+    lines = summarize(a, runs)
+    print(f"config: {config}")
+    print("\n".join(lines))
+    append_results(argv, machine, config, lines, runs)
+    return 0 if all(r.exit_code == 0 for r in runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
