@@ -70,6 +70,14 @@ def _schedule_flags(launch: argparse.ArgumentParser) -> None:
         "--on-event", metavar="CMD",
         help="run CMD (no shell) when a job starts after waiting, restarts, finishes or fails",
     )  # fmt: skip
+    group.add_argument(
+        "--stall-action", choices=("none", "stop", "kill"), default="none",
+        help="a stalled run (no event, no CPU for long): flag only (default), stop, or kill",
+    )  # fmt: skip
+    group.add_argument(
+        "--stall-min-s", type=float, metavar="S",
+        help="the stall rule's floor: never stalled sooner than S seconds (default 300)",
+    )  # fmt: skip
 
 
 def _schedule_parsers(sub: argparse._SubParsersAction) -> None:
