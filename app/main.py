@@ -96,6 +96,9 @@ def _schedule_parsers(sub: argparse._SubParsersAction) -> None:
 def _tui_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--readonly", action="store_true", help="TUI: watch only, no action keys")
     parser.add_argument("--no-mouse", action="store_true", help="TUI: disable mouse support")
+    parser.add_argument(
+        "--no-bell", action="store_true", help="TUI: no bell when a job finishes/fails/stalls"
+    )
     parser.add_argument("--version", action="version", version=f"nnui {_version()}")
 
 
