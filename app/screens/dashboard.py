@@ -173,6 +173,11 @@ class DashboardScreen(Screen):
             return
         self.app.push_screen(JobDetailScreen(job_id))
 
+    def action_cross_validation(self) -> None:
+        from app.screens.cross_validation import CrossValidationScreen  # it imports actions
+
+        self.app.push_screen(CrossValidationScreen(readonly=self.readonly))
+
     def action_help(self) -> None:
         self.app.push_screen(HelpScreen(self.readonly))
 
