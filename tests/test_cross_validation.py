@@ -154,3 +154,17 @@ async def test_the_cv_screen_and_its_queue_key(cv_box) -> None:
         await pilot.press("n")  # cancelled: nothing started
         await screen_of(app, pilot, CrossValidationScreen)
         assert len(Registry(registry.state_dir).list()) == 4
+
+
+async def test_read_only_cv_screen_queues_nothing(cv_box) -> None:
+    roots, registry = cv_box
+    app = tui_app(roots, registry.state_dir, readonly=True)
+    async with app.run_test(size=(170, 48)) as pilot:
+        await wait_for(lambda: len(app.views) == 4, pilot)
+        await screen_of(app, pilot, DashboardScreen)
+        await pilot.press("v")
+        screen = await screen_of(app, pilot, CrossValidationScreen)
+        await wait_for(lambda: screen.rows, pilot)
+        await pilot.press("m", "escape")  # m is not bound read-only; escape goes back
+        await screen_of(app, pilot, DashboardScreen)
+        assert screen.queued == [] and len(Registry(registry.state_dir).list()) == 4
