@@ -3,7 +3,8 @@
 Stdlib only and fast, for the app's tests (launcher, stop safety, TUI Pilot tests):
     python tests/fake_trainer.py DATASET CONFIG FOLD [-device cpu] [--epochs N]
         [--epoch-time S] [-num_gpus N | --ranks N] [--c] [--nan-at E] [--fail-at E]
-        [--handler-delay S] [--start-delay S] [--ignore-term]
+        [--handler-delay S] [--start-delay S] [--ignore-term] [--hang-at E [--hang-hard]]
+        [--validation-time S]
 Single process: it is the worker. `-num_gpus N` (alias `--ranks N`): a parent that starts N
 child ranks, forwards SIGUSR1 to them and is not listed in the topology. Under torchrun
 (TORCHELASTIC_RUN_ID set) each process is one rank. Rank 0 writes everything. SIGUSR1
@@ -72,6 +73,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ignore-term", action="store_true", help="only SIGKILL ends it")
     parser.add_argument("--hang-at", type=int, default=None,
                         help="at this epoch: no event, no CPU, until SIGUSR1")  # fmt: skip
+    parser.add_argument("--hang-hard", action="store_true",
+                        help="--hang-at ignores SIGUSR1 too (only a kill ends it)")  # fmt: skip
     parser.add_argument("--validation-time", type=float, default=None,
                         help="a final validation (no event meanwhile) of this many s")  # fmt: skip
     parser.add_argument("--_rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ema = 0.0
     for epoch in range(start_epoch, options.epochs):
         if options.hang_at is not None and epoch == options.hang_at and not options.c:
-            while not _flag["stop"]:
+            while options.hang_hard or not _flag["stop"]:
                 time.sleep(0.1)  # a hung run: asleep, no event, no CPU
         if _flag["stop"] and stop_file is not None:
             stop_file.touch()

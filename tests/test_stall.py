@@ -134,6 +134,17 @@ def test_a_hung_run_is_stopped_gracefully_by_its_supervisor(env: dict) -> None:
 
 
 @pytest.mark.slow
+def test_a_stop_that_is_not_heeded_is_followed_by_a_kill(env: dict) -> None:
+    job_id = launch(env, "--stall-action", "stop", "--stall-min-s", "1",
+                    trainer=("--hang-at", "2", "--hang-hard"))  # fmt: skip
+    assert wait_until(lambda: status(env)[job_id]["exit_code"] is not None, 180)
+    job = Registry(Path(env["NNUI_STATE_DIR"])).get(job_id)
+    sent = [s.signal for s in job.signals if s.result == "sent"]
+    assert sent == ["SIGUSR1", "SIGTERM"]  # graceful first; the grace period; then the kill
+    assert job.exit_code == -15 and job.restarts == []  # no --retries: not restarted
+
+
+@pytest.mark.slow
 def test_kill_action_and_a_retry_resumes_the_run(env: dict) -> None:
     job_id = launch(env, "--stall-action", "kill", "--stall-min-s", "2", "--retries", "1",
                     trainer=("--hang-at", "2", "--ignore-term"))  # fmt: skip
