@@ -166,3 +166,21 @@ def test_a_long_final_validation_is_not_a_stall(env: dict) -> None:
     job = Registry(Path(env["NNUI_STATE_DIR"])).get(job_id)
     assert job.stalled_at is None and job.stall_acted_at is None and job.signals == []
     assert [e["event"] for e in job_events(env)] == ["finished"]
+
+
+@pytest.mark.slow
+def test_flag_only_by_default_shown_in_status_and_a_user_stop_still_works(env: dict) -> None:
+    job_id = launch(env, "--stall-min-s", "1", "--retries", "1", trainer=("--hang-at", "2"))
+
+    def stalled() -> bool:
+        return any(a.startswith("stalled: no event for") for a in status(env)[job_id]["alerts"])
+
+    assert wait_until(stalled, 120)
+    assert "stalled: no event for" in nnui(env, "status").stdout
+    job = Registry(Path(env["NNUI_STATE_DIR"])).get(job_id)
+    assert job.stall_acted_at is None and job.signals == []  # none: nothing sent
+    assert nnui(env, "stop", job_id, "--yes").returncode == 0  # the user's stop
+    assert wait_until(lambda: status(env)[job_id]["state"] == "stopped", 120)
+    job = Registry(Path(env["NNUI_STATE_DIR"])).get(job_id)
+    assert job.restarts == []  # a user's stop is never restarted
+    assert [e["event"] for e in job_events(env)] == ["stalled", "stopped"]
