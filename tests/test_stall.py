@@ -184,3 +184,12 @@ def test_flag_only_by_default_shown_in_status_and_a_user_stop_still_works(env: d
     job = Registry(Path(env["NNUI_STATE_DIR"])).get(job_id)
     assert job.restarts == []  # a user's stop is never restarted
     assert [e["event"] for e in job_events(env)] == ["stalled", "stopped"]
+
+
+def test_stall_flag_usage_errors(env: dict) -> None:
+    for flags, message in [(["--stall-min-s", "0"], "--stall-min-s must be > 0"),
+                           (["--stall-action", "pause"], "invalid choice: 'pause'")]:  # fmt: skip
+        result = nnui(env, "launch", "4", "3d_fullres", "--simulate-gpus", "1", "--folds", "0",
+                      "--gpus", "0", *flags)  # fmt: skip
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
