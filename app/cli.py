@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app import cli_history
+from app import cli_cv, cli_history
 from app.cli_schedule import cmd_priority, cmd_watch, schedule_notes, schedule_of
 from app.services import catalog, job_list, launcher, prediction
 from app.services.claims import ClaimRefused
@@ -64,6 +64,7 @@ def run(options: argparse.Namespace, more: dict[str, Handler] | None = None) -> 
         "forget": cli_history.cmd_forget,
         "watch": cmd_watch,
         "priority": cmd_priority,
+        "cv": cli_cv.cmd_cv,
         **(more or {}),
     }
     code = handlers[options.command](options, registry)

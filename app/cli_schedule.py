@@ -25,6 +25,8 @@ def schedule_notes(view: Any) -> list[str]:
         notes.append(f"waiting: {job.waiting_reason}")
     if job.restarts:
         notes.append(f"restarts {len(job.restarts)}/{job.retries}: {'; '.join(job.restarts)}")
+    if job.stall_acted_at is not None and view.state not in ("queued", "running", "starting"):
+        notes.append(f"ended by the stall watchdog ({job.stall_action}): {job.stall_reason}")
     return notes
 
 
@@ -40,6 +42,8 @@ def schedule_of(options: argparse.Namespace) -> Schedule:
         priority=options.priority,
         retries=options.retries,
         on_event=tuple(hook),
+        stall_action=getattr(options, "stall_action", "none"),
+        stall_min_s=getattr(options, "stall_min_s", None),
     )
 
 

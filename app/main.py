@@ -70,6 +70,14 @@ def _schedule_flags(launch: argparse.ArgumentParser) -> None:
         "--on-event", metavar="CMD",
         help="run CMD (no shell) when a job starts after waiting, restarts, finishes or fails",
     )  # fmt: skip
+    group.add_argument(
+        "--stall-action", choices=("none", "stop", "kill"), default="none",
+        help="a stalled run (no event, no CPU for long): flag only (default), stop, or kill",
+    )  # fmt: skip
+    group.add_argument(
+        "--stall-min-s", type=float, metavar="S",
+        help="the stall rule's floor: never stalled sooner than S seconds (default 300)",
+    )  # fmt: skip
 
 
 def _schedule_parsers(sub: argparse._SubParsersAction) -> None:
@@ -79,6 +87,9 @@ def _schedule_parsers(sub: argparse._SubParsersAction) -> None:
     watch.add_argument("--json", action="store_true", help="one JSON object per line")
     watch.add_argument("--all", action="store_true", help="from the first event, not from now")
     _common(watch, top=False)
+    cv = sub.add_parser("cv", help="the cross-validation view: folds 0-4, Dice, GPU-hours, ETA")
+    cv.add_argument("--json", action="store_true", help="machine-readable output")
+    _common(cv, top=False)
     priority = sub.add_parser("priority", help="re-order a job waiting for a GPU")
     priority.add_argument("job")
     priority.add_argument("priority", type=int, help="higher starts first (default 0)")
@@ -92,6 +103,9 @@ def _tui_flags(parser: argparse.ArgumentParser) -> None:
         "--theme", choices=("dark", "light"), default="dark",
         help="TUI colours (t switches at run time; NO_COLOR=1 for none)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-bell", action="store_true", help="TUI: no bell when a job finishes/fails/stalls"
+    )
     parser.add_argument("--version", action="version", version=f"nnui {_version()}")
 
 

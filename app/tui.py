@@ -23,6 +23,7 @@ from textual.message import Message
 
 from app.screens.palette import NnuiCommands
 from app.services import catalog
+from app.services.bell import NO_BELL_ENV
 from trainer.schema import Roots, resolve_roots
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class TuiConfig:
     simulate_gpus: int | None = None
     readonly: bool = False
     no_mouse: bool = False
+    bell: bool = True  # ring when a job finishes, fails or stalls (bell.py)
     roots: Roots = field(default_factory=resolve_roots)
     state_dir: Path | None = None  # None: the registry's default (NNUI_STATE_DIR, ~/.local/state)
     gpu_interval_s: float = 1.0  # DESIGN §6 refresh budget
@@ -313,6 +315,7 @@ def config_from_options(options: Any) -> TuiConfig:
         simulate_gpus=getattr(options, "simulate_gpus", None),
         readonly=bool(getattr(options, "readonly", False)),
         no_mouse=bool(getattr(options, "no_mouse", False)),
+        bell=not getattr(options, "no_bell", False) and os.environ.get(NO_BELL_ENV) != "1",
         roots=roots,
         state_dir=Path(state_dir) if state_dir else None,
         cpu_slots=max(1, (os.cpu_count() or 1) // 8),

@@ -3,7 +3,8 @@
 Stdlib only and fast, for the app's tests (launcher, stop safety, TUI Pilot tests):
     python tests/fake_trainer.py DATASET CONFIG FOLD [-device cpu] [--epochs N]
         [--epoch-time S] [-num_gpus N | --ranks N] [--c] [--nan-at E] [--fail-at E]
-        [--handler-delay S] [--start-delay S] [--ignore-term]
+        [--handler-delay S] [--start-delay S] [--ignore-term] [--hang-at E [--hang-hard]]
+        [--validation-time S]
 Single process: it is the worker. `-num_gpus N` (alias `--ranks N`): a parent that starts N
 child ranks, forwards SIGUSR1 to them and is not listed in the topology. Under torchrun
 (TORCHELASTIC_RUN_ID set) each process is one rank. Rank 0 writes everything. SIGUSR1
@@ -70,6 +71,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--start-delay", type=float, default=0.0)
     parser.add_argument("--hold-until", default=None, help="wait for this file before starting")
     parser.add_argument("--ignore-term", action="store_true", help="only SIGKILL ends it")
+    parser.add_argument("--hang-at", type=int, default=None,
+                        help="at this epoch: no event, no CPU, until SIGUSR1")  # fmt: skip
+    parser.add_argument("--hang-hard", action="store_true",
+                        help="--hang-at ignores SIGUSR1 too (only a kill ends it)")  # fmt: skip
+    parser.add_argument("--validation-time", type=float, default=None,
+                        help="a final validation (no event meanwhile) of this many s")  # fmt: skip
     parser.add_argument("--_rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_world", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_rank-dir", default=None, help=argparse.SUPPRESS)
@@ -191,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     stop_file = rank_dir / "stop" if rank_dir is not None else None
     ema = 0.0
     for epoch in range(start_epoch, options.epochs):
+        if options.hang_at is not None and epoch == options.hang_at and not options.c:
+            while options.hang_hard or not _flag["stop"]:
+                time.sleep(0.1)  # a hung run: asleep, no event, no CPU
         if _flag["stop"] and stop_file is not None:
             stop_file.touch()
         if _flag["stop"] or (stop_file is not None and stop_file.exists()):
@@ -217,9 +227,19 @@ def main(argv: list[str] | None = None) -> int:
         recorder.state(State.RUNNING, epoch=epoch + 1)
         if rank == 0:
             print(f"epoch {epoch} loss {loss:.4f}", flush=True)
+    if options.validation_time is not None:
+        validate(recorder, options)
     recorder.event(Kind.FINISHED)
     recorder.state(State.FINISHED, epoch=options.epochs)
     return 0
+
+
+def validate(recorder: Recorder, options: argparse.Namespace) -> None:
+    """A final validation that takes a while without writing events (as the real one)."""
+    recorder.event(Kind.VALIDATION_STARTED, epoch=options.epochs - 1, num_cases=2)
+    time.sleep(options.validation_time)
+    dice = 1 - 1.0 / options.epochs
+    recorder.event(Kind.VALIDATION_FINISHED, mean_fg_dice=dice, dice_per_class=[dice], num_cases=2)
 
 
 if __name__ == "__main__":

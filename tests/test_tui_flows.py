@@ -133,7 +133,8 @@ async def test_readonly_binds_no_action_keys(tmp_path: Path) -> None:
         assert app.screen_stack[-2] is screen and len(app.screen_stack) == 3
         assert Registry(state).list() == before  # nothing launched, signalled or written
         names = [name for name, _, _ in NnuiCommands(screen)._commands()]
-        assert names == ["Job detail", "Filter jobs", "Sort jobs", "Help", "Quit"]
+        assert names == ["Job detail", "Filter jobs", "Sort jobs", "Cross-validation view", "Help",
+                         "Quit"]  # fmt: skip
 
 
 async def test_action_bindings_all_have_ids(tmp_path: Path) -> None:

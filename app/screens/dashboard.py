@@ -21,6 +21,7 @@ from app.screens.job_summary import summary_text
 from app.screens.keys import ACTION_IDS, DASHBOARD_ACTIONS, DASHBOARD_NAV, DASHBOARD_VIEW
 from app.screens.launch import LaunchScreen
 from app.services import job_list
+from app.services.bell import BellRule
 from app.widgets.formatting import fmt_duration_s
 from app.widgets.gpu_panel import GpuPanel
 from app.widgets.job_table import JobTable
@@ -46,6 +47,7 @@ class DashboardScreen(Screen):
         self._bindings = BindingsMap(acting + DASHBOARD_NAV + DASHBOARD_VIEW)
         self._alerts_seen: set[tuple[str, str]] = set()
         self._states_seen: dict[str, str] = {}
+        self._bell = BellRule()  # the terminal bell, once per job and event
         self._summary: str | None = None
         self._cv: str | None = None
         self._ready = False  # data messages can arrive before the widgets are composed
@@ -90,6 +92,8 @@ class DashboardScreen(Screen):
         self._notify_changes(views)
 
     def _notify_changes(self, views: list[Any]) -> None:
+        if self._bell.rings(views) and self.app.config.bell:
+            self.app.bell()
         for view in views:
             job_id = view.job.job_id
             for alert in view.alerts:
@@ -174,6 +178,11 @@ class DashboardScreen(Screen):
             self.notify("No job selected", severity="warning")
             return
         self.app.push_screen(JobDetailScreen(job_id))
+
+    def action_cross_validation(self) -> None:
+        from app.screens.cross_validation import CrossValidationScreen  # it imports actions
+
+        self.app.push_screen(CrossValidationScreen(readonly=self.readonly))
 
     def action_help(self) -> None:
         self.app.push_screen(HelpScreen(self.readonly))

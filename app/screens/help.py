@@ -35,6 +35,7 @@ def help_text(readonly: bool) -> Text:
     _section(text, "Dashboard", dash + dash_extra)
     detail = keys.DETAIL_NAV + ([] if readonly else keys.DETAIL_ACTIONS)
     _section(text, "Job detail", detail)
+    _section(text, "Cross-validation (v)", keys.CV_NAV + ([] if readonly else keys.CV_ACTIONS))
     if not readonly:
         board = [
             Binding("arrows", "", "move on the fold board"),

@@ -29,6 +29,7 @@ ACTION_IDS = frozenset(b.id for b in DASHBOARD_ACTIONS)
 DASHBOARD_VIEW = [
     Binding("slash", "filter", "Filter", key_display="/", id="filter"),
     Binding("o", "sort", "Sort", id="sort"),
+    Binding("v", "cross_validation", "Cross-validation", id="cv"),
     Binding("escape", "clear_filter", "Clear filter", show=False, id="filter-clear"),
 ]
 
@@ -43,6 +44,10 @@ DETAIL_ACTIONS = [
     Binding("r", "resume", "Resume", id="detail-resume"),
     Binding("k", "kill", "Kill", id="detail-kill"),
 ]
+
+# The cross-validation view (v on the dashboard); queueing is an action (not read-only).
+CV_NAV = [Binding("escape", "back", "Back", id="cv-back")]
+CV_ACTIONS = [Binding("m", "queue_missing", "Queue missing/failed folds", id="cv-queue")]
 
 # The keys that move focus into or out of the flags field are priority bindings: they run
 # when the app takes the key, in key order, so every later key goes to the widget that has

@@ -18,6 +18,12 @@ COMMANDS: tuple[tuple[str, str, str, bool], ...] = (
     ("Job detail", "curves, console and processes of the job (enter)", "detail", False),
     ("Filter jobs", "rows holding every word typed: id, dataset, fold (/)", "filter", False),
     ("Sort jobs", "cycle: fold, newest, state, Dice, ETA in each group (o)", "sort", False),
+    (
+        "Cross-validation view",
+        "folds 0-4, Dice mean ± std, GPU-hours, ETA; queue the missing folds (v)",
+        "cross_validation",
+        False,
+    ),
     ("Help", "all keys (?)", "help", False),
     ("Quit", "leave nnui; jobs keep running (q)", "quit", False),
 )

@@ -1,9 +1,9 @@
 """Event hooks (`--on-event CMD`): what a job's hook command is told, in its environment.
 
 The command is split once at launch (shlex) and stored as an argv list; the supervisor runs
-it (never through a shell) when the job starts after waiting, is restarted, finishes or
-fails. The event and the job travel in environment variables, so a script needs no parsing:
-NNUI_EVENT, NNUI_JOB_ID, NNUI_DATASET, NNUI_CONFIGURATION, NNUI_FOLD, NNUI_GPUS,
+it (never through a shell) when the job starts after waiting, is restarted, stalls,
+finishes or fails. The event and the job travel in environment variables, so a script
+needs no parsing: NNUI_EVENT, NNUI_JOB_ID, NNUI_DATASET, NNUI_CONFIGURATION, NNUI_FOLD, NNUI_GPUS,
 NNUI_RUN_DIR, NNUI_EXIT_CODE, NNUI_REASON and NNUI_DICE (the final validation's mean
 foreground Dice, else the last epoch's EMA pseudo Dice; empty when there is none).
 """
@@ -25,6 +25,7 @@ class JobEvent(str, enum.Enum):
     FINISHED = "finished"
     FAILED = "failed"
     STOPPED = "stopped"
+    STALLED = "stalled"  # the stall watchdog flagged it (stall.py); NNUI_REASON says why
 
     def __str__(self) -> str:
         return self.value

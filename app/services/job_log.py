@@ -2,7 +2,7 @@
 
 One JSON object per line in `<state dir>/job_events.jsonl`, appended with a single write
 (O_APPEND: lines of several supervisors never interleave): `t`, `event` (started after
-waiting, restarted, finished, failed, stopped), `job_id`, `dataset`, `configuration`,
+waiting, restarted, stalled, finished, failed, stopped), `job_id`, `dataset`, `configuration`,
 `fold`, `gpus`, `exit_code`, `reason`, `dice`. Writing it never costs a job anything: a
 full disk loses the line, not the run. Reading follows the file by byte offset and parses
 complete lines only.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,6 @@ from app.services.registry import PREDICT, TRAIN, Job, ProcessRecord, Registry
 from app.services.tail import TextTail
 from trainer.schema import ACTIVE_STATES, START_KINDS, Kind, State
 
-STALL_MIN_S = 60.0
 RECENT_EPOCHS = 5
 CONSOLE_LINES = 40
 MAX_HISTORY_EPOCHS = 20000
@@ -351,10 +349,10 @@ class JobTracker:
         alerts = []
         if run.nan_epoch is not None:
             alerts.append(f"NaN loss at epoch {run.nan_epoch}")
-        if state == State.RUNNING and run.last_event_t is not None and mean_epoch_s is not None:
-            quiet_s = time.time() - run.last_event_t
-            if quiet_s > max(3 * mean_epoch_s, STALL_MIN_S):
-                alerts.append(f"stalled: no event for {quiet_s:.0f} s")
+        if state == State.RUNNING and job.stalled_at is not None:
+            # One rule (stall.py), applied by the job's supervisor, which also sees CPU time
+            # and final validation; a view only reads its verdict.
+            alerts.append(f"stalled: {job.stall_reason or 'no progress'}")
         if run.events.num_invalid:
             alerts.append(f"{run.events.num_invalid} invalid event lines skipped")
         if (

@@ -71,8 +71,8 @@ def _env_value(pid: int, name: str) -> str | None:
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """Start time in clock ticks since boot (/proc/PID/stat field 22): exact and immutable."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat's fields after the command name (field 3 first), None: gone."""
     if not valid_pid(pid):
         return None
     try:
@@ -82,9 +82,29 @@ def process_start_ticks(pid: int) -> int | None:
         return None
     # Fields after the command name (which may contain spaces and parentheses).
     try:
-        fields = data[data.rindex(b")") + 2 :].split()
-        return int(fields[19])
-    except (ValueError, IndexError):  # an empty read (the process exited meanwhile)
+        return data[data.rindex(b")") + 2 :].split()
+    except ValueError:  # an empty read (the process exited meanwhile)
+        return None
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time in clock ticks since boot (/proc/PID/stat field 22): exact and immutable."""
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[19]) if fields else None
+    except (ValueError, IndexError):
+        return None
+
+
+def process_cpu_s(pid: int, start_ticks: int | None) -> float | None:
+    """CPU seconds (user + system, fields 14-15) the process used so far; None when it is
+    gone or the pid now belongs to another process (its start ticks differ)."""
+    fields = _stat_fields(pid)
+    try:
+        if not fields or (start_ticks is not None and int(fields[19]) != start_ticks):
+            return None
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    except (ValueError, IndexError):
         return None
 
 

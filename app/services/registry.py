@@ -119,6 +119,12 @@ class Job:
     retries: int = 0  # restarts with --c allowed after an abnormal end
     restarts: list[str] = field(default_factory=list)  # the reason of each, e.g. "exit 137"
     on_event: list[str] = field(default_factory=list)  # hook argv (never a shell string)
+    # The stall watchdog (stall.py, stall_watch.py): the supervisor flags and acts.
+    stall_action: str = "none"  # none | stop | kill (`--stall-action`)
+    stall_min_s: float | None = None  # the rule's floor (`--stall-min-s`; None: default)
+    stalled_at: float | None = None  # flagged stalled (cleared when it progresses again)
+    stall_reason: str | None = None  # e.g. "no event for 950 s (allowed 300 s), no CPU ..."
+    stall_acted_at: float | None = None  # the watchdog's first stop or kill of this attempt
     forgotten_at: float | None = None  # `nnui forget`: hidden from lists; results untouched
 
     def process(self, role: str) -> ProcessRecord | None:
@@ -253,6 +259,11 @@ _CHECKS: dict[type, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "retries": (lambda v: _is_int(v, 0, 1000), "0..1000 restarts"),
         "restarts": _STR_LIST,
         "on_event": _STR_LIST,
+        "stall_action": (lambda v: v in ("none", "stop", "kill"), "none, stop or kill"),
+        "stall_min_s": (_optional(lambda v: _is_time(v) and v > 0), "seconds > 0 or null"),
+        "stalled_at": (_optional(_is_time), "a finite number or null"),
+        "stall_reason": (_optional(lambda v: isinstance(v, str)), "a string or null"),
+        "stall_acted_at": (_optional(_is_time), "a finite number or null"),
         "forgotten_at": (_optional(_is_time), "a finite number or null"),
     },
 }

@@ -41,19 +41,28 @@ def describe_exit(code: int) -> str:
     return f"exit {code}"
 
 
+def ended_by_watchdog(job: Job, since: float) -> bool:
+    """The stall watchdog stopped or killed this attempt (stall_watch.py)."""
+    return job.stall_acted_at is not None and job.stall_acted_at >= since
+
+
 def ended_by_user(job: Job, since: float) -> bool:
-    """A stop or kill of this attempt (or one queued for it) came from the user."""
-    sent = any(s.result == "sent" and s.t >= since for s in job.signals)
+    """A stop or kill of this attempt (or one queued for it) came from the user; the
+    signals the stall watchdog sent (from its first action on) are not the user's."""
+    until = job.stall_acted_at if ended_by_watchdog(job, since) else math.inf
+    sent = any(s.result == "sent" and since <= s.t < until for s in job.signals)
     return sent or job.queued_stop or job.killed_at is not None
 
 
 def restart_reason(job: Job, end: AttemptEnd) -> str | None:
     """Why this attempt is restarted (its end, for the record), or None: it is not."""
+    if len(job.restarts) >= job.retries or end.nan_loss or ended_by_user(job, end.started_at):
+        return None
+    if ended_by_watchdog(job, end.started_at):  # abnormal even when it stopped cleanly
+        return (
+            f"stalled ({job.stall_reason}), ended by the watchdog: {describe_exit(end.exit_code)}"
+        )
     if end.exit_code == 0 or end.exit_code == USAGE_EXIT:
-        return None
-    if len(job.restarts) >= job.retries:
-        return None
-    if end.nan_loss or ended_by_user(job, end.started_at):
         return None
     return describe_exit(end.exit_code)
 

@@ -23,6 +23,8 @@ class Schedule:
     priority: int = 0
     retries: int = 0
     on_event: tuple[str, ...] = ()  # argv, split once at launch (hooks.parse_hook)
+    stall_action: str = "none"  # the stall watchdog's action (stall.py): none | stop | kill
+    stall_min_s: float | None = None  # the stall rule's floor (None: stall.STALL_MIN_S)
 
     def problems(self, sequential: bool, cpu: bool) -> list[str]:
         """Usage errors, each naming the flag to change."""
@@ -42,6 +44,8 @@ class Schedule:
             errors.append("--max-util must be 0..100 (percent)")
         if not 0 <= self.retries <= MAX_RETRIES:
             errors.append(f"--retries must be 0..{MAX_RETRIES}")
+        if self.stall_min_s is not None and not self.stall_min_s > 0:
+            errors.append("--stall-min-s must be > 0 (seconds)")
         return errors
 
     def job_fields(self, gpus: list[str]) -> dict[str, Any]:
@@ -55,9 +59,15 @@ class Schedule:
             "priority": self.priority,
             "retries": self.retries,
             "on_event": list(self.on_event),
+            "stall_action": self.stall_action,
+            "stall_min_s": self.stall_min_s,
         }
 
 
 def resumed_schedule(job: Any) -> Schedule:
     """A resume keeps the job's retries and hook; it runs on the job's own GPUs at once."""
-    return Schedule(retries=job.retries, on_event=tuple(job.on_event))
+    return Schedule(
+        retries=job.retries, on_event=tuple(job.on_event),
+        stall_action=getattr(job, "stall_action", "none"),
+        stall_min_s=getattr(job, "stall_min_s", None),
+    )  # fmt: skip

@@ -64,6 +64,7 @@ __all__ = [  # identity lives in procs.py, planning in targets.py; re-exported a
     "record_alive",
     "remember_workers",
     "send_stop",
+    "signal_job",
     "topology_problem",
     "topology_ranks",
 ]  # fmt: skip
@@ -231,6 +232,22 @@ def kill(
         _settle(job.job_id, registry, -(signal.SIGKILL if session.escalated else signal.SIGTERM),
                 settle_s)  # fmt: skip
     return session.records
+
+
+def signal_job(job: Job, registry: Registry, signum: int) -> list[SignalRecord]:
+    """One round of `signum` to the job's verified processes (kill_plan), never the caller
+    (the stall watchdog in the job's supervisor); each attempt recorded. Unlike `kill` it
+    neither waits nor marks the job killed by the user."""
+    records = []
+    for info in kill_plan(job).targets:
+        if info.pid == os.getpid():
+            continue
+        result = _send(info.pid, info.create_time, signum, info.start_ticks)
+        rank = next((p.rank for p in job.processes if p.pid == info.pid), None)
+        record = SignalRecord(time.time(), info.pid, signal.Signals(signum).name, rank, result)
+        registry.record_signal(job.job_id, record)
+        records.append(record)
+    return records
 
 
 def _settle(job_id: str, registry: Registry, exit_code: int, settle_s: float) -> None:

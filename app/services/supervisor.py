@@ -22,14 +22,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from app.services import claims, job_log
+from app.services import claims
+from app.services.announce import announce
 from app.services.claims import ClaimRefused
 from app.services.gpu_claims import GpuClaims
-from app.services.hooks import JobEvent, final_kind, hook_env, log_record
+from app.services.hooks import JobEvent, final_kind
 from app.services.job_events import JobEvents
 from app.services.jobs import simulated_gpu_load
 from app.services.registry import PREDICT, Job, ProcessRecord, Registry
@@ -50,13 +51,13 @@ from app.services.signals import (
     remember_workers,
     send_stop,
 )
+from app.services.stall_watch import StallWatch
 from app.services.waiting import machine_monitor, wait_for_gpus
 from trainer.schema import Kind
 
 log = logging.getLogger("nnui.supervisor")
 
 POLL_S = 1.0
-HOOK_TIMEOUT_S = 60.0  # a hook still running then is left to itself
 START_GRACE_S = 30.0  # an earlier job with no process recorded after this long never started
 
 
@@ -107,11 +108,13 @@ class RunWatch:
         registry: Registry,
         job_id: str,
         proc_lookup: Callable[[int], ProcInfo | None] = proc_info,
+        stall: StallWatch | None = None,
     ) -> None:
         self.registry = registry
         self.job_id = job_id
         self.proc_lookup = proc_lookup
         self.events: JobEvents | None = None
+        self.stall = stall  # the stall watchdog (stall_watch.py), fed the same events
 
     def step(self) -> None:
         try:
@@ -120,8 +123,10 @@ class RunWatch:
             return
         if self.events is None:
             self.events = JobEvents(job.run_dir)
-        self.events.poll(job)
+        batch = self.events.poll(job)
         topology = self.events.topology
+        if self.stall is not None:
+            self.stall.step(job, batch.records, topology)
         if topology is None:
             return
         job = self._remember_workers(job, topology)
@@ -146,9 +151,12 @@ class RunWatch:
             _say("delivered the queued stop (SIGUSR1 to the workers)")
 
 
-def wait_watching_run(registry: Registry, job_id: str, trainer: subprocess.Popen[bytes]) -> int:
-    """Wait for the trainer's exit code; meanwhile watch its run (RunWatch)."""
-    watch = RunWatch(registry, job_id)
+def wait_watching_run(
+    registry: Registry, job_id: str, trainer: subprocess.Popen[bytes], started_at: float
+) -> int:
+    """Wait for the trainer's exit code; meanwhile watch its run (RunWatch, StallWatch)."""
+    stall = StallWatch(registry, registry.get(job_id), started_at, _announcer(registry), _say)
+    watch = RunWatch(registry, job_id, stall=stall)
     while True:
         try:
             return trainer.wait(timeout=POLL_S)
@@ -176,19 +184,24 @@ def _release_claim(job: Job) -> None:
 def _announce(
     registry: Registry, job: Job, event: JobEvent, reason: str = "", code: int | None = None
 ) -> None:
-    """Log the job event (`nnui watch`) and run the job's `--on-event` command: argv as
-    stored (never a shell), the event in its environment."""
-    env = hook_env(job, event, reason, code)
-    job_log.append(registry.state_dir, log_record(job, env))
-    if not job.on_event:
-        return
+    """The job event: its log (`nnui watch`), `--on-event` hook, desktop notification."""
+    announce(registry.state_dir, job, event, _say, _run_command, reason, code)
+
+
+def _run_command(argv: list[str], env: Mapping[str, str], timeout_s: float) -> str | None:
+    """A hook or notify-send, as argv (never a shell); a one-line problem, or None."""
     try:
-        hook = subprocess.Popen(job.on_event, stdin=subprocess.DEVNULL, env={**os.environ, **env})
-        hook.wait(timeout=HOOK_TIMEOUT_S)
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=dict(env))
+        process.wait(timeout=timeout_s)
     except OSError as error:
-        _say(f"the --on-event command {job.on_event[0]} could not start: {error}")
+        return f"{argv[0]} could not start: {error}"
     except subprocess.TimeoutExpired:
-        _say(f"the --on-event command still runs after {HOOK_TIMEOUT_S:.0f} s; left running")
+        return f"{argv[0]} still runs after {timeout_s:.0f} s; left running"
+    return None
+
+
+def _announcer(registry: Registry) -> Callable[[Job, JobEvent, str], None]:
+    return lambda job, event, reason: _announce(registry, job, event, reason)
 
 
 def _wait_for_gpus(registry: Registry, job: Job, held: GpuClaims) -> dict[str, str] | None:
@@ -233,7 +246,7 @@ def _run_attempts(
             registry.update(job_id, note=f"start failed: {trainer}")
             return 127
         current["trainer"] = trainer
-        code = wait_watching_run(registry, job_id, trainer)
+        code = wait_watching_run(registry, job_id, trainer, started_at)
         current["trainer"] = None
         _say(f"trainer exited with code {code}")
         job = registry.get(job_id)
@@ -254,6 +267,7 @@ def _record_restart(job: Job, reason: str) -> None:
     job.restarts.append(reason)
     # The next attempt's processes are the job's: stops and kills go to them.
     job.processes = [p for p in job.processes if p.role not in ("trainer", "worker")]
+    job.stalled_at = job.stall_reason = job.stall_acted_at = None  # the new attempt's own
 
 
 def _back_off(registry: Registry, job_id: str, delay_s: float) -> bool:

@@ -1,0 +1,77 @@
+"""`nnui cv [--json]`: the cross-validation view headless (cross_validation.py's rows)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from typing import Any
+
+from app.services.cross_validation import CvRow, cv_rows, queue_launches
+from app.services.jobs import JobTracker
+from app.services.registry import Registry
+
+EXIT_OK = 0
+DASH = "–"
+
+
+def fmt_eta(seconds: float | None) -> str:
+    if seconds is None:
+        return DASH
+    minutes = int(seconds // 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m"
+
+
+def fold_text(cell: Any) -> str:
+    """`0.8123` for a finished fold with its Dice, else its state (`missing`, `running`)."""
+    if cell.state == "finished" and cell.dice is not None:
+        return f"{cell.dice:.4f}"
+    return cell.state
+
+
+def row_cells(row: CvRow) -> list[str]:
+    """The cells of one row: dataset, config, trainer, plans, folds 0-4, mean±std, GPU-h, ETA."""
+    spread = DASH
+    if row.mean_dice is not None:
+        spread = f"{row.mean_dice:.4f} ± {row.std_dice or 0.0:.4f}"
+    return [row.dataset, row.configuration, row.trainer, row.plans,
+            *(fold_text(c) for c in row.folds), spread, f"{row.gpu_hours:.2f}",
+            fmt_eta(row.eta_s)]  # fmt: skip
+
+
+HEADER = ["dataset", "config", "trainer", "plans", "fold 0", "fold 1", "fold 2", "fold 3",
+          "fold 4", "Dice mean ± std", "GPU-h", "ETA"]  # fmt: skip
+
+
+def cv_table(rows: list[CvRow]) -> str:
+    table = [HEADER] + [row_cells(r) for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(HEADER))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in table
+    )
+
+
+def row_dict(row: CvRow) -> dict[str, Any]:
+    return {
+        "dataset": row.dataset, "configuration": row.configuration, "trainer": row.trainer,
+        "plans": row.plans, "folds": [asdict(c) for c in row.folds],
+        "mean_dice": row.mean_dice, "std_dice": row.std_dice, "gpu_hours": row.gpu_hours,
+        "eta_s": row.eta_s, "gpus": list(row.gpus),
+        "queue": [q.command() for q in queue_launches(row, list(row.gpus))],
+    }  # fmt: skip
+
+
+def cmd_cv(options: argparse.Namespace, registry: Registry) -> int:
+    tracker = JobTracker(registry, include_forgotten=False)
+    rows = cv_rows(tracker.refresh(), tracker.cross_validation_eta_s)
+    if options.json:
+        print(json.dumps([row_dict(r) for r in rows], indent=1))
+        return EXIT_OK
+    if not rows:
+        print("no cross-validation folds yet (nnui launch DATASET CONFIG --folds all ...)")
+        return EXIT_OK
+    print(cv_table(rows))
+    for row in rows:
+        for launch in queue_launches(row, list(row.gpus)):
+            print(f"  to queue ({row.dataset} {row.configuration}): {launch.text()}")
+    return EXIT_OK

@@ -1,0 +1,248 @@
+"""The cross-validation view: one row per dataset x configuration x trainer x plans with
+the state of folds 0-4, the final validation Dice of the finished ones (mean and spread),
+the GPU-hours spent and the ETA of the rest — and the launches that queue exactly the
+missing or failed folds (`--c` where a checkpoint exists, `--when-free`).
+
+Aggregation only (no rendering): the CLI (`nnui cv`) and the TUI screen draw it.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from app.services.job_events import JobEvents, Scope
+from app.services.launcher import LaunchRequest
+from app.services.registry import TRAIN, Job
+from app.services.schedule import Schedule
+from trainer.schema import (
+    CHECKPOINT_KINDS,
+    STATUS_FILE,
+    SUMMARY_FILE,
+    VALIDATION_DIR,
+    Kind,
+    checkpoint_file,
+)
+
+FOLDS = ("0", "1", "2", "3", "4")
+MISSING = "missing"
+# Job states as the view's fold states (waiting / running / stopped / failed / finished).
+FOLD_STATE = {
+    "queued": "waiting", "starting": "running", "running": "running", "stopping": "running",
+    "stopped": "stopped", "killed": "stopped", "failed": "failed", "lost": "failed",
+    "finished": "finished",
+}  # fmt: skip
+TO_QUEUE = (MISSING, "failed")
+NNUNET_CHECKPOINTS = ("checkpoint_latest.pth", "checkpoint_final.pth", "checkpoint_best.pth")
+
+
+@dataclass(frozen=True)
+class FoldCell:
+    fold: str
+    state: str  # MISSING or a FOLD_STATE value
+    dice: float | None = None  # final validation mean foreground Dice (finished folds)
+    resumable: bool = False  # queue it with --c (needs_continue)
+
+
+@dataclass(frozen=True)
+class CvRow:
+    dataset: str
+    configuration: str
+    trainer: str
+    plans: str
+    folds: tuple[FoldCell, ...]
+    mean_dice: float | None
+    std_dice: float | None  # population spread over the finished folds (0 for one)
+    gpu_hours: float
+    eta_s: float | None
+    gpus: tuple[str, ...]  # the GPUs its folds ran on (queue them there)
+    template: Job  # the newest job: its trainer flags, device, engine
+
+    @property
+    def to_queue(self) -> tuple[FoldCell, ...]:
+        return tuple(c for c in self.folds if c.state in TO_QUEUE)
+
+
+def split_run_dir(run_dir: str) -> tuple[str, str, str]:
+    """(trainer, plans, configuration) from results/DatasetNNN_Name/T__P__C/fold_F."""
+    parts = Path(run_dir).parent.name.split("__")
+    return (parts[0], parts[1], "__".join(parts[2:])) if len(parts) >= 3 else ("?", "?", "?")
+
+
+_EVENTS_CACHE: dict[tuple[str, str], tuple[tuple[int, int, float | None], tuple[Any, Any]]] = {}
+
+
+def _run_facts(job: Job) -> tuple[float | None, float | None]:
+    """(first run_started t, last validation_finished Dice) of the job's own events; read
+    again only when the file or the job's end changed."""
+    path = Path(job.run_dir) / "events.jsonl"
+    try:
+        stat = path.stat()
+        key = (stat.st_size, stat.st_mtime_ns, job.ended_at)
+    except OSError:
+        return None, None
+    cached = _EVENTS_CACHE.get((job.job_id, job.run_dir))
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    started: float | None = None
+    dice: float | None = None
+    for scope, record in JobEvents(job.run_dir).poll(job).records:
+        if scope is not Scope.MINE:
+            continue
+        if record["kind"] == Kind.RUN_STARTED and started is None:
+            started = record["t"]
+        elif record["kind"] == Kind.VALIDATION_FINISHED:
+            dice = record.get("mean_fg_dice")
+    _EVENTS_CACHE[(job.job_id, job.run_dir)] = (key, (started, dice))
+    return started, dice
+
+
+def summary_dice(run_dir: str) -> float | None:
+    """validation/summary.json's mean foreground Dice (nnU-Net's file), None: none."""
+    try:
+        data = json.loads((Path(run_dir) / VALIDATION_DIR / SUMMARY_FILE).read_text())
+        value = data["foreground_mean"]["Dice"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def needs_continue(run_dir: str) -> bool:
+    """Queue the fold with --c: its folder has a checkpoint to continue from, or an earlier
+    run that a plain launch would refuse to overwrite (--c then starts from scratch)."""
+    folder = Path(run_dir)
+    names = [checkpoint_file(k) for k in CHECKPOINT_KINDS] + list(NNUNET_CHECKPOINTS)
+    return any((folder / name).is_file() for name in [*names, STATUS_FILE])
+
+
+def uses_gpus(job: Job) -> bool:
+    return bool(job.gpus) and (job.device == "cuda" or job.simulated)
+
+
+def gpu_hours(job: Job, now: float) -> float:
+    """Wall time of its attempts (first run_started to its end) x its (simulated) GPUs."""
+    if not uses_gpus(job):
+        return 0.0
+    started, _ = _run_facts(job)
+    if started is None:
+        return 0.0
+    return max(0.0, (job.ended_at or now) - started) * len(job.gpus) / 3600.0
+
+
+def fold_cell(fold: str, view: Any | None) -> FoldCell:
+    if view is None:
+        return FoldCell(fold, MISSING)
+    state = FOLD_STATE.get(str(view.state), "failed")
+    dice = None
+    if state == "finished":
+        dice = summary_dice(view.job.run_dir)
+        if dice is None:
+            dice = _run_facts(view.job)[1]
+    return FoldCell(fold, state, dice, needs_continue(view.job.run_dir))
+
+
+def _row(key: tuple[str, str, str, str], views: list[Any], eta_of: Callable, now: float) -> CvRow:
+    newest = {}
+    for view in sorted(views, key=lambda v: v.job.created_at):
+        newest[view.job.fold] = view  # the newest job of each fold says its state
+    cells = tuple(fold_cell(f, newest.get(f)) for f in FOLDS)
+    dices = [c.dice for c in cells if c.dice is not None]
+    gpus = sorted({g for v in views for g in v.job.gpus}, key=lambda g: (len(g), g))
+    template = max((v.job for v in views), key=lambda j: j.created_at)
+    return CvRow(
+        dataset=key[0], configuration=key[1], trainer=key[2], plans=key[3], folds=cells,
+        mean_dice=statistics.fmean(dices) if dices else None,
+        std_dice=statistics.pstdev(dices) if dices else None,
+        gpu_hours=sum(gpu_hours(v.job, now) for v in views),
+        eta_s=eta_of(list(newest.values())), gpus=tuple(gpus), template=template,
+    )  # fmt: skip
+
+
+def cv_rows(
+    views: list[Any], eta_of: Callable[[list[Any]], float | None], now: float | None = None
+) -> list[CvRow]:
+    """The rows of the view, from the job views (nnui's trainings; watch-only skipped)."""
+    now = time.time() if now is None else now
+    groups: dict[tuple[str, str, str, str], list[Any]] = {}
+    for view in views:
+        job = view.job
+        if view.watch_only or job.kind != TRAIN or job.fold not in FOLDS:
+            continue
+        trainer, plans, configuration = split_run_dir(job.run_dir)
+        key = (job.dataset, job.configuration or configuration, trainer, plans)
+        groups.setdefault(key, []).append(view)
+    return [_row(key, groups[key], eta_of, now) for key in sorted(groups)]
+
+
+# ---- queueing the missing folds -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QueueLaunch:
+    """One `nnui launch` of the folds of a row to queue (new ones, or resumed with --c)."""
+
+    folds: tuple[str, ...]
+    continue_training: bool
+    gpus: tuple[str, ...]  # () with a CPU template
+    row: CvRow
+    simulate_gpus: int | None = None  # the simulated machine's GPUs (simulated jobs)
+
+    @property
+    def schedule(self) -> Schedule:
+        return Schedule(when_free=bool(self.gpus))
+
+    def request(self) -> LaunchRequest:
+        """What the launch confirm dialog plans and starts (the same as `command`)."""
+        job = self.row.template
+        simulated = self.simulate_gpus is not None and bool(self.gpus)
+        return LaunchRequest(
+            dataset=job.dataset, configuration=self.row.configuration, folds=list(self.folds),
+            gpus=list(self.gpus), mode="per_gpu",
+            device="cuda" if self.gpus and not simulated else "cpu",
+            trainer_args=list(job.trainer_args), simulated=simulated,
+            continue_training=self.continue_training, engine=job.engine, schedule=self.schedule,
+        )  # fmt: skip
+
+    def command(self) -> list[str]:
+        """The headless equivalent, for the confirm dialog and `nnui cv --json`."""
+        job = self.row.template
+        argv = ["nnui", "launch", job.dataset, self.row.configuration,
+                "--folds", ",".join(self.folds)]  # fmt: skip
+        if self.simulate_gpus is not None and self.gpus:
+            argv += ["--simulate-gpus", str(self.simulate_gpus)]
+        if self.gpus:
+            argv += ["--gpus", ",".join(self.gpus), "--when-free"]
+        else:
+            argv.append("--cpu")
+        if self.continue_training:
+            argv.append("--c")
+        if job.trainer_args:
+            argv += ["--", *job.trainer_args]
+        return argv
+
+    def text(self) -> str:
+        return shlex.join(self.command())
+
+
+def queue_launches(
+    row: CvRow, all_gpus: list[str], simulate_gpus: int | None = None
+) -> list[QueueLaunch]:
+    """The launches that queue exactly the row's missing and failed folds: resumable ones
+    with --c, each waiting for a free GPU of those the row used (else of all GPUs)."""
+    gpus = tuple(row.gpus or all_gpus) if uses_gpus(row.template) else ()
+    if row.template.simulated and simulate_gpus is None:
+        simulate_gpus = max((int(g) + 1 for g in gpus if g.isdigit()), default=1)
+    fresh = tuple(c.fold for c in row.to_queue if not c.resumable)
+    resumed = tuple(c.fold for c in row.to_queue if c.resumable)
+    launches = []
+    if fresh:
+        launches.append(QueueLaunch(fresh, False, gpus, row, simulate_gpus))
+    if resumed:
+        launches.append(QueueLaunch(resumed, True, gpus, row, simulate_gpus))
+    return launches

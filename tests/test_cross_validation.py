@@ -1,0 +1,170 @@
+"""The cross-validation view: the aggregation as a table (finished folds with their Dice
+from summary.json or validation_finished, failed with and without a checkpoint, missing;
+mean ± std; GPU-hours), `nnui cv --json`, and the TUI screen with its "queue the missing
+folds" key showing the exact commands in the launch confirm dialog."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_tui_fixtures import T0, make_roots, screen_of, tui_app, wait_for
+
+from app.screens.confirm import LaunchConfirmScreen
+from app.screens.cross_validation import CrossValidationScreen
+from app.screens.dashboard import DashboardScreen
+from app.services.cross_validation import cv_rows, queue_launches
+from app.services.jobs import JobTracker
+from app.services.registry import Job, ProcessRecord, Registry
+from trainer.schema import (
+    EVENTS_FILE,
+    Kind,
+    Status,
+    atomic_write_text,
+    checkpoint_file,
+    encode_event,
+    run_dir,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+DATASET = "Dataset004_Demo"
+# fold: (state, exit code, gpus, seconds run, Dice in summary.json, Dice in the events, ckpt)
+FOLDS = {
+    "0": ("finished", 0, ["0"], 3600.0, 0.8, None, True),
+    "1": ("finished", 0, ["0", "1"], 1800.0, None, 0.6, True),
+    "2": ("failed", 3, ["1"], 360.0, None, None, True),
+    "4": ("failed", 3, ["0"], 0.0, None, None, False),
+}
+
+
+def add_fold(registry: Registry, roots, fold: str) -> str:
+    state, code, gpus, took_s, summary, validated, ckpt = FOLDS[fold]
+    folder = run_dir(roots.results, DATASET, "3d_fullres", fold)
+    folder.mkdir(parents=True)
+    t = T0 + int(fold)
+    lines = [encode_event(Kind.RUN_STARTED, t=t, dataset=DATASET, configuration="3d_fullres",
+                          fold=fold, num_epochs=10, iterations_per_epoch=250, world_size=1,
+                          launcher="single", host="box", argv=["nnui-train"])]  # fmt: skip
+    if validated is not None:
+        lines.append(encode_event(Kind.VALIDATION_FINISHED, t=t + took_s - 1,
+                                  mean_fg_dice=validated, dice_per_class=[validated],
+                                  num_cases=2))  # fmt: skip
+    end = Kind.FINISHED if state == "finished" else Kind.FAILED
+    fields = {} if state == "finished" else {"message": "boom", "traceback": ""}
+    lines.append(encode_event(end, t=t + took_s, **fields))
+    (folder / EVENTS_FILE).write_text("".join(lines))
+    atomic_write_text(folder / "status.json", Status(state=state, epoch=10, num_epochs=10,
+                                                      updated_at=t + took_s).to_json())  # fmt: skip
+    if summary is not None:
+        (folder / "validation").mkdir()
+        (folder / "validation" / "summary.json").write_text(
+            json.dumps({"foreground_mean": {"Dice": summary}})
+        )
+    if ckpt:
+        (folder / checkpoint_file("latest")).write_bytes(b"")
+    job_id = f"20260101-00000{fold}-f{fold}"
+    registry.add(Job(
+        job_id=job_id, created_at=t, dataset=DATASET, configuration="3d_fullres", fold=fold,
+        mode="single", device="cpu", gpus=gpus, simulated=True, argv=["nnui-train"],
+        env={"NNUI_JOB_ID": job_id}, run_dir=str(folder), console_path=str(folder / "c.log"),
+        processes=[ProcessRecord(pid=3000 + int(fold), create_time=t, role="trainer")],
+        exit_code=code, ended_at=t + took_s, trainer_args=["--epochs", "10"],
+    ))  # fmt: skip
+    return job_id
+
+
+@pytest.fixture
+def cv_box(tmp_path: Path):
+    roots = make_roots(tmp_path)
+    registry = Registry(tmp_path / "state")
+    for fold in FOLDS:
+        add_fold(registry, roots, fold)
+    return roots, registry
+
+
+def test_the_aggregation_table(cv_box) -> None:
+    _, registry = cv_box
+    tracker = JobTracker(registry)
+    (row,) = cv_rows(tracker.refresh(), tracker.cross_validation_eta_s)
+    assert (row.dataset, row.configuration, row.trainer, row.plans) == (
+        DATASET, "3d_fullres", "nnuiTrainer", "nnuiPlans")  # fmt: skip
+    cells = [(c.fold, c.state, c.dice, c.resumable) for c in row.folds]
+    assert cells == [("0", "finished", 0.8, True), ("1", "finished", 0.6, True),
+                     ("2", "failed", None, True), ("3", "missing", None, False),
+                     ("4", "failed", None, True)]  # an earlier run: --c too  # fmt: skip
+    assert row.mean_dice == pytest.approx(0.7) and row.std_dice == pytest.approx(0.1)
+    assert row.gpu_hours == pytest.approx(1.0 + 1.0 + 0.1)  # wall time x GPUs
+    assert row.eta_s is None and row.gpus == ("0", "1")
+    launches = queue_launches(row, ["0", "1", "2"])
+    assert [q.text() for q in launches] == [
+        "nnui launch Dataset004_Demo 3d_fullres --folds 3 --simulate-gpus 2 --gpus 0,1 "
+        "--when-free -- --epochs 10",
+        "nnui launch Dataset004_Demo 3d_fullres --folds 2,4 --simulate-gpus 2 --gpus 0,1 "
+        "--when-free --c -- --epochs 10",
+    ]
+    request = launches[1].request()
+    assert request.continue_training and request.folds == ["2", "4"] and request.schedule.when_free
+
+
+def test_nnui_cv_json_and_table(cv_box, tmp_path: Path) -> None:
+    roots, registry = cv_box
+    env = {**os.environ, "NNUI_STATE_DIR": str(registry.state_dir),
+           "nnUNet_results": str(roots.results), "nnUNet_preprocessed": str(roots.preprocessed),
+           "nnUNet_raw": str(roots.raw)}  # fmt: skip
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "app.main", "cv", *args], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    result = run("--json")
+    assert result.returncode == 0, result.stderr
+    (row,) = json.loads(result.stdout)
+    assert [f["state"] for f in row["folds"]] == ["finished", "finished", "failed", "missing",
+                                                  "failed"]  # fmt: skip
+    assert row["mean_dice"] == pytest.approx(0.7) and row["gpu_hours"] == pytest.approx(2.1)
+    assert row["queue"][1][-4:] == ["--c", "--", "--epochs", "10"]
+    text = run().stdout
+    assert "0.8000" in text and "0.7000 ± 0.1000" in text and "missing" in text
+    assert "--folds 2,4" in text and "--folds 3 " in text
+
+
+async def test_the_cv_screen_and_its_queue_key(cv_box) -> None:
+    roots, registry = cv_box
+    app = tui_app(roots, registry.state_dir)
+    async with app.run_test(size=(170, 48)) as pilot:
+        await wait_for(lambda: len(app.views) == 4 and app.snapshot is not None, pilot)
+        await screen_of(app, pilot, DashboardScreen)
+        await pilot.press("v")
+        screen = await screen_of(app, pilot, CrossValidationScreen)
+        await wait_for(lambda: screen.rows, pilot)
+        table = screen.query_one("#cv-table")
+        cells = [str(c) for c in table.get_row_at(0)]
+        assert cells[4:10] == ["0.8000", "0.6000", "failed", "missing", "failed",
+                               "0.7000 ± 0.1000"]  # fmt: skip
+        await pilot.press("m")
+        dialog = await screen_of(app, pilot, LaunchConfirmScreen)
+        text = dialog.query_one("#launch-preview-text").render().plain
+        assert "--folds 3 --simulate-gpus 2 --gpus 0,1 --when-free -- --epochs 10" in text
+        assert "--folds 2,4 --simulate-gpus 2 --gpus 0,1 --when-free --c" in text
+        assert "✗" not in text and dialog.query("#yes")  # checked and planned: startable
+        await pilot.press("n")  # cancelled: nothing started
+        await screen_of(app, pilot, CrossValidationScreen)
+        assert len(Registry(registry.state_dir).list()) == 4
+
+
+async def test_read_only_cv_screen_queues_nothing(cv_box) -> None:
+    roots, registry = cv_box
+    app = tui_app(roots, registry.state_dir, readonly=True)
+    async with app.run_test(size=(170, 48)) as pilot:
+        await wait_for(lambda: len(app.views) == 4, pilot)
+        await screen_of(app, pilot, DashboardScreen)
+        await pilot.press("v")
+        screen = await screen_of(app, pilot, CrossValidationScreen)
+        await wait_for(lambda: screen.rows, pilot)
+        await pilot.press("m", "escape")  # m is not bound read-only; escape goes back
+        await screen_of(app, pilot, DashboardScreen)
+        assert screen.queued == [] and len(Registry(registry.state_dir).list()) == 4
