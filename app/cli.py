@@ -117,6 +117,7 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "queued_stop": job.queued_stop,
         "worker_pids": workers,
         "run_dir": job.run_dir,
+        "console_path": job.console_path,  # the current attempt's console file
         "created_at": job.created_at,
         "ended_at": job.ended_at,
         "watch_only": view.watch_only,

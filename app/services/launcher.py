@@ -4,7 +4,7 @@ A launch request (launch_request.py: the request, its checks, its roots) becomes
 per job: argv list, environment additions, run folder. `start()` claims the run folder
 atomically (claims.py: the folder checks again, then an exclusive claim, under one lock
 with the registration), runs the plan under a small supervisor in a new session with
-stdin from /dev/null and stdout/stderr into the run folder's console.log, so the job
+stdin from /dev/null and stdout/stderr into the run folder's console.<job>.<attempt>.log, so the job
 outlives nnui and the SSH session, and records it in the registry.
 """
 
@@ -21,6 +21,7 @@ from pathlib import Path
 import app
 from app.services import claims
 from app.services.claims import ClaimRefused
+from app.services.consoles import console_name
 from app.services.engines import NNUI, NNUNET
 from app.services.gpus import MachineSnapshot
 from app.services.launch_request import (
@@ -46,7 +47,6 @@ from app.services.schedule import Schedule
 from app.services.signals import process_identity
 from app.services.trainer_flags import without_flags
 from trainer.schema import (
-    CONSOLE_FILE,
     JOB_ID_ENV,
     NNUNET_EXT_ENV,
     ROOT_ENVS,
@@ -167,7 +167,7 @@ def plan_launch(
                 gpus=list(gpus) if (device == "cuda" or request.simulated) else [],
                 mode=job_mode,
                 run_dir=folder,
-                console_path=folder / CONSOLE_FILE,
+                console_path=folder / console_name(job_id),
                 after=after,
                 dataset=dataset_name,
                 configuration=request.configuration,
