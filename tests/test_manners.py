@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_jobs import add_job
 
 from app.services import consoles, supervisor
@@ -60,3 +61,98 @@ def test_the_console_tail_follows_the_current_attempt(tmp_path) -> None:
     second.write_text("[nnui] attempt 2\nepoch 3 loss 0.5\n")
     registry.update("j1", console_path=str(second))
     assert tracker.refresh()[0].console_tail == ("[nnui] attempt 2", "epoch 3 loss 0.5")
+
+
+# ---- busy GPUs and the simulated machine's other users ------------------------------------
+
+
+def nnui_env(tmp_path: Path) -> dict[str, str]:
+    import os
+
+    from fake_trainer import fake_env
+
+    values = {**os.environ, **fake_env(tmp_path)}
+    for name in ("CUDA_VISIBLE_DEVICES", "NNUI_SIMULATED_BUSY"):
+        values.pop(name, None)
+    values["NNUI_GPU_CLAIMS_DIR"] = str(tmp_path / "claims")
+    return values
+
+
+def nnui(env: dict, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "app.main", *args], env=env, cwd=ROOT, capture_output=True,
+        text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+LAUNCH = ("launch", "4", "3d_fullres", "--simulate-gpus", "4")
+
+
+def test_a_gpu_of_another_user_needs_yes_headless(tmp_path) -> None:
+    env = nnui_env(tmp_path)
+    busy = ("--simulate-busy", "2:otheruser:30")
+    refused = nnui(env, *LAUNCH, *busy, "--folds", "0", "--gpus", "2")
+    assert refused.returncode == 1, refused.stderr
+    assert "otheruser" in refused.stderr and "--yes" in refused.stderr
+    assert refused.stderr.count("\n") <= 3 and "Traceback" not in refused.stderr
+    assert not (tmp_path / "results").exists()  # nothing started, nothing written
+    free = nnui(env, *LAUNCH, *busy, "--folds", "0", "--gpus", "1", "--dry-run")
+    assert free.returncode == 0 and "note:" not in free.stderr, free.stderr
+    shown = nnui(env, *LAUNCH, *busy, "--folds", "0", "--gpus", "2", "--dry-run")
+    assert shown.returncode == 0 and "otheruser pid" in shown.stderr and "30 GiB" in shown.stderr
+
+
+def test_simulate_busy_is_checked_and_written_where_the_monitor_reads_it(tmp_path) -> None:
+    env = nnui_env(tmp_path)
+    for bad in ("2:x", "9:bob:30", "1:bob:lots", "1:bob:500"):
+        result = nnui(env, "status", "--simulate-gpus", "4", "--simulate-busy", bad)
+        assert result.returncode == 2 and result.stderr.startswith("error: --simulate-busy")
+    assert nnui(env, "status", "--simulate-busy", "1:bob:3").returncode == 2  # no simulation
+    code = (
+        "import os; from app.services.simulate_busy import install\n"
+        "from app.services.gpus import GpuMonitor\n"
+        "install(['2:otheruser:30', '2:bob:10:50'], 4)\n"
+        "gpu = GpuMonitor(simulate=4).snapshot().gpu(2)\n"
+        "print(gpu.other_users, gpu.memory_used_bytes >> 30, gpu.utilization_percent)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert result.stdout.split("\n")[0] == "('bob', 'otheruser') 40 90", result.stderr
+
+
+@pytest.mark.slow
+def test_a_gpu_running_your_own_job_needs_yes_too(tmp_path) -> None:
+    from fake_trainer import cleanup_jobs, wait_until
+
+    env = nnui_env(tmp_path)
+    try:
+        first = nnui(env, *LAUNCH, "--folds", "0", "--gpus", "1", "--", "--epochs", "100",
+                     "--epoch-time", "0.5")  # fmt: skip
+        assert first.returncode == 0, first.stderr
+        job_id = first.stdout.split()[0]
+        registry = Registry(tmp_path / "state")
+        assert wait_until(lambda: registry.get(job_id).process("trainer") is not None)
+        again = nnui(env, *LAUNCH, "--folds", "1", "--gpus", "1")
+        assert again.returncode == 1 and "yours pid" in again.stderr, again.stderr
+        assert len(registry.list()) == 1
+        forced = nnui(env, *LAUNCH, "--folds", "1", "--gpus", "1", "--yes", "--", "--epochs", "1")
+        assert forced.returncode == 0, forced.stderr
+        assert len(registry.list()) == 2
+    finally:
+        cleanup_jobs(tmp_path / "state")
+
+
+def test_a_dry_run_lists_every_fold_and_the_refused_ones(tmp_path) -> None:
+    from trainer.schema import Status, atomic_write_text, run_dir
+
+    env = nnui_env(tmp_path)
+    (dataset,) = [p.name for p in (tmp_path / "preprocessed").iterdir() if p.is_dir()]
+    folder = run_dir(tmp_path / "results", dataset, "3d_fullres", "1")
+    folder.mkdir(parents=True)
+    atomic_write_text(folder / "status.json", Status("finished", epoch=3, num_epochs=3).to_json())
+    result = nnui(env, *LAUNCH, "--folds", "0,1,2", "--gpus", "0,1,2", "--dry-run")
+    assert result.returncode == 1
+    commands = [line for line in result.stdout.splitlines() if line.startswith("cd ")]
+    assert len(commands) == 2 and " 0 -device" in commands[0] and " 2 -device" in commands[1]
+    assert "refused: fold 1:" in result.stderr
+    assert not any(p.name.startswith("fold_0") for p in folder.parent.iterdir())

@@ -10,10 +10,11 @@ checks the folder once more under the claims lock. A resume uses the job's own r
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from app.services import claims, engines
+from app.services.busy_gpus import occupied_note
 from app.services.claims import ClaimRefused
 from app.services.engines import ENGINES, NNUI, NNUNET_MISSING, Engine, engine
 from app.services.gpus import MachineSnapshot
@@ -64,6 +65,7 @@ class LaunchChecks:
     warnings: list[str] = field(default_factory=list)
     resumable_folds: list[str] = field(default_factory=list)  # folds with a stopped run
     usage_errors: list[str] = field(default_factory=list)  # arguments that name nothing
+    confirmations: list[str] = field(default_factory=list)  # GPUs in use: ask (busy_gpus.py)
 
 
 @dataclass(frozen=True)
@@ -220,6 +222,18 @@ def _assignments(request: LaunchRequest) -> tuple[list[tuple[str, list[str]]], l
     ]
 
 
+def fold_requests(request: LaunchRequest) -> list[tuple[str, LaunchRequest]]:
+    """The request split into one request per fold, each with the GPUs it would get (so a
+    dry run can say which folds would start and which not)."""
+    assignments, errors = _assignments(request)
+    if errors or request.mode != "per_gpu" or request.schedule.when_free:
+        return [(fold, replace(request, folds=[fold])) for fold in request.folds]
+    return [
+        (fold, replace(request, folds=[fold], gpus=list(gpus), sequential=False))
+        for fold, gpus in assignments
+    ]
+
+
 def _group_size(request: LaunchRequest) -> int:
     return max(1, len(request.gpus)) if request.mode != "per_gpu" else 1
 
@@ -293,7 +307,7 @@ def check_request(
     except DatasetNotFound as error:
         checks.errors.append(str(error))
         return checks
-    if snapshot is not None and not request.simulated and request.device == "cuda":
+    if snapshot is not None and (request.simulated or request.device == "cuda"):
         _gpu_checks(request, snapshot, checks)
     _fold_checks(request, roots, dataset_name, registry, checks)
     return checks
@@ -318,6 +332,9 @@ def _gpu_checks(request: LaunchRequest, snapshot: MachineSnapshot, checks: Launc
             )
         if reading.other_users:
             checks.warnings.append(f"GPU {gpu} is used by {', '.join(reading.other_users)}")
+        note = occupied_note(gpu, reading)
+        if note is not None:
+            checks.confirmations.append(note)
 
 
 def _running_jobs(registry: Registry | None, dataset_name: str, configuration: str) -> list[Job]:
