@@ -433,6 +433,8 @@ def _launch_plans(
     batch = _batch_of(request, roots)
     checks = launcher.check_request(request, roots, batch, snapshot, registry)
     if dry_run and not checks.usage_errors:
+        for warning in checks.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
         return dry_run_folds(request, roots, batch, snapshot, registry)
     refused = report_checks(checks)
     if refused is not None:
@@ -530,6 +532,8 @@ def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
         sequential=options.sequential,
         engine=options.engine,
         schedule=schedule,
+        nice=options.nice,
+        threads=options.threads,
     )
     snapshot = None if options.cpu else _snapshot(options)
     return _launch_plans(

@@ -4,6 +4,7 @@ list every fold, trainer nice value and threads."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_jobs import add_job
 
-from app.services import consoles, supervisor
+from app.services import consoles, niceness, supervisor
 from app.services.jobs import JobTracker
 from app.services.registry import Registry
 
@@ -67,8 +68,6 @@ def test_the_console_tail_follows_the_current_attempt(tmp_path) -> None:
 
 
 def nnui_env(tmp_path: Path) -> dict[str, str]:
-    import os
-
     from fake_trainer import fake_env
 
     values = {**os.environ, **fake_env(tmp_path)}
@@ -126,12 +125,18 @@ def test_a_gpu_running_your_own_job_needs_yes_too(tmp_path) -> None:
 
     env = nnui_env(tmp_path)
     try:
-        first = nnui(env, *LAUNCH, "--folds", "0", "--gpus", "1", "--", "--epochs", "100",
-                     "--epoch-time", "0.5")  # fmt: skip
+        first = nnui(env, *LAUNCH, "--folds", "0", "--gpus", "1", "--nice", "7", "--threads",
+                     "2", "--", "--epochs", "100", "--epoch-time", "0.5")  # fmt: skip
         assert first.returncode == 0, first.stderr
         job_id = first.stdout.split()[0]
         registry = Registry(tmp_path / "state")
         assert wait_until(lambda: registry.get(job_id).process("trainer") is not None)
+        trainer = registry.get(job_id).process("trainer").pid
+        assert os.getpriority(os.PRIO_PROCESS, trainer) == 7  # --nice, the trainer only
+        supervisor = registry.get(job_id).process("supervisor").pid
+        assert os.getpriority(os.PRIO_PROCESS, supervisor) == os.getpriority(os.PRIO_PROCESS, 0)
+        environ = Path(f"/proc/{trainer}/environ").read_bytes().split(b"\0")
+        assert b"OMP_NUM_THREADS=2" in environ
         again = nnui(env, *LAUNCH, "--folds", "1", "--gpus", "1")
         assert again.returncode == 1 and "yours pid" in again.stderr, again.stderr
         assert len(registry.list()) == 1
@@ -156,3 +161,99 @@ def test_a_dry_run_lists_every_fold_and_the_refused_ones(tmp_path) -> None:
     assert len(commands) == 2 and " 0 -device" in commands[0] and " 2 -device" in commands[1]
     assert "refused: fold 1:" in result.stderr
     assert not any(p.name.startswith("fold_0") for p in folder.parent.iterdir())
+
+
+async def test_the_board_asks_before_starting_beside_another_users_process(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Fake NVML: GPU 1 is used by alice. g asks; n starts nothing; g then y starts."""
+    from fake_trainer import cleanup_jobs
+    from test_gpus import FakeNvml, monitor
+    from test_tui_board import open_board, settled
+    from test_tui_fixtures import make_roots, screen_of, use_fake_trainer, wait_for
+
+    from app.screens.confirm import LaunchConfirmScreen
+    from app.screens.launch import LaunchScreen
+    from app.tui import Services, TuiConfig, make_app
+
+    roots, state = make_roots(tmp_path), tmp_path / "state"
+    use_fake_trainer(monkeypatch, roots, state)
+    registry = Registry(state)
+    services = Services(monitor(FakeNvml()), registry, JobTracker(registry))
+    app = make_app(TuiConfig(roots=roots, state_dir=state, jobs_interval_s=0.25), services)
+    try:
+        async with app.run_test(size=(150, 48)) as pilot:
+            screen = await open_board(app, pilot)
+            await pilot.press("right", "space")  # fold 0 on GPU 1
+            await settled(screen, pilot, {"0": ["1"]})
+            assert any("alice pid" in c for c in screen.confirmations), screen.confirmations
+            assert "? GPU 1 already runs" in screen.query_one("#launch-checks").render().plain
+            await pilot.press("g")
+            confirm = await screen_of(app, pilot, LaunchConfirmScreen)
+            assert "alice pid" in confirm.query_one("#launch-preview-text").render().plain
+            await pilot.press("n")
+            await screen_of(app, pilot, LaunchScreen)
+            assert registry.list() == []
+            await pilot.press("g")
+            await screen_of(app, pilot, LaunchConfirmScreen)
+            await pilot.press("y")
+            await wait_for(lambda: len(registry.list()) == 1, pilot)
+    finally:
+        cleanup_jobs(state)
+
+
+# ---- nice value and threads ----------------------------------------------------------------
+
+
+def test_nice_and_threads_reach_the_job_environment_and_survive_a_resume(tmp_path) -> None:
+    from fake_trainer import make_preprocessed
+    from test_launcher import request
+
+    from app.services import launcher
+    from app.services.registry import Job
+    from trainer.schema import Roots
+
+    make_preprocessed(tmp_path / "pre", batch_size=4)
+    roots = Roots(tmp_path / "raw", tmp_path / "pre", tmp_path / "res")
+    plans, problems = launcher.plan_launch(request(nice=5, threads=2), roots, 4)
+    assert problems == []
+    assert plans[0].env["NNUI_NICE"] == "5" and plans[0].env["OMP_NUM_THREADS"] == "2"
+    (default,), _ = launcher.plan_launch(request(), roots, 4)
+    assert "NNUI_NICE" not in default.env and "OMP_NUM_THREADS" not in default.env
+    job = Job("j", 0.0, "Dataset004_Hippocampus", "3d_fullres", "0", "single", "cuda", ["0"],
+              False, [], dict(plans[0].env), "/r", "/r/c.log")  # fmt: skip
+    again = launcher.resume_request(job)
+    assert (again.nice, again.threads) == (5, 2)
+
+
+def test_bad_nice_and_threads_are_usage_errors(tmp_path) -> None:
+    env = nnui_env(tmp_path)
+    for flags, fragment in ((("--nice", "40"), "-20 to 19"), (("--threads", "0"), "at least 1")):
+        result = nnui(env, *LAUNCH, "--folds", "0", "--gpus", "0", *flags, "--dry-run")
+        assert result.returncode == 2 and fragment in result.stderr, result.stderr
+
+
+def test_a_niced_nnui_says_its_jobs_inherit_it_and_cannot_lower_it(tmp_path) -> None:
+    env = nnui_env(tmp_path)
+    base = [sys.executable, "-m", "app.main", *LAUNCH, "--folds", "0", "--gpus", "0", "--dry-run"]
+
+    def niced(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["nice", "-n", "5", *base, *flags], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    warned = niced()
+    assert warned.returncode == 0 and "nnui runs at nice" in warned.stderr, warned.stderr
+    assert "nnui runs at nice" not in niced("--nice", "10").stderr
+    if os.geteuid() != 0:
+        lower = niced("--nice", "0")
+        assert lower.returncode == 2 and "only root can lower" in lower.stderr
+
+
+def test_child_setup_starts_the_child_at_the_nice_value() -> None:
+    probe = [sys.executable, "-c", "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"]
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    wanted = min(19, mine + 3)
+    setup = niceness.child_setup({"NNUI_NICE": str(wanted)})
+    out = subprocess.run(probe, preexec_fn=setup, capture_output=True, text=True, timeout=60)
+    assert int(out.stdout) == wanted
+    assert niceness.child_setup({}) is None

@@ -18,6 +18,7 @@ from app.services.busy_gpus import occupied_note
 from app.services.claims import ClaimRefused
 from app.services.engines import ENGINES, NNUI, NNUNET_MISSING, Engine, engine
 from app.services.gpus import MachineSnapshot
+from app.services.niceness import NICE_ENV, THREADS_ENV, env_int, inherited_warning, nice_problems
 from app.services.registry import Job, Registry, valid_pid
 from app.services.schedule import Schedule, resumed_schedule
 from app.services.signals import job_alive, proc_info
@@ -57,6 +58,8 @@ class LaunchRequest:
     schedule: Schedule = field(
         default_factory=Schedule
     )  # --when-free, --retries, --on-event (schedule.py)
+    nice: int | None = None  # the trainer's nice value (niceness.py); None: as nnui's
+    threads: int | None = None  # CPU threads per trainer (OMP_NUM_THREADS); None: its own
 
 
 @dataclass
@@ -143,6 +146,8 @@ def resume_request(job: Job) -> LaunchRequest:
         roots=job_roots(job),
         engine=job.engine,
         schedule=resumed_schedule(job),
+        nice=env_int(job.env, NICE_ENV),
+        threads=env_int(job.env, THREADS_ENV),
     )
 
 
@@ -170,6 +175,7 @@ def check_arguments(request: LaunchRequest, roots: Roots) -> list[str]:
         errors.append("a fold is listed twice")
     cpu = request.device == "cpu" and not request.simulated
     errors += request.schedule.problems(request.sequential, cpu)
+    errors += nice_problems(request.nice, request.threads)
     if request.engine not in ENGINES:
         return [*errors, f"unknown engine {request.engine!r} (one of {', '.join(ENGINES)})"]
     if request.engine != NNUI and not engines.nnunet_available():
@@ -302,6 +308,9 @@ def check_request(
     checks.errors.extend(assignment_errors)
     if request.mode == "per_gpu" and not (request.sequential or request.schedule.when_free):
         _shared_gpu_warnings(request, checks)
+    inherited = inherited_warning(request.nice)
+    if inherited is not None:
+        checks.warnings.append(inherited)
     try:
         dataset_name = find_dataset(roots.preprocessed, request.dataset)
     except DatasetNotFound as error:

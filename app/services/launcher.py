@@ -43,6 +43,7 @@ from app.services.launch_request import (
     request_run_dir,
     resume_request,
 )
+from app.services.niceness import job_env
 from app.services.registry import PREDICT, TRAIN, Job, ProcessRecord, Registry, new_job_id
 from app.services.schedule import Schedule
 from app.services.signals import process_identity
@@ -151,6 +152,7 @@ def plan_launch(
         folder = request_run_dir(request, roots, dataset_name, fold)
         argv = _argv(request, who, dataset_name, fold, device, job_mode, len(gpus))
         env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", JOB_ID_ENV: job_id}
+        env.update(job_env(request.nice, request.threads))  # --nice, --threads (niceness.py)
         # The trainer finds the same roots as nnui, whichever way nnui was given them.
         env.update({ROOT_ENVS[name]: str(getattr(roots, name)) for name in ROOT_ENVS})
         if who.engine.name == NNUNET:

@@ -34,6 +34,7 @@ from app.services.gpu_claims import GpuClaims
 from app.services.hooks import JobEvent, final_kind, hook_env, log_record
 from app.services.job_events import JobEvents
 from app.services.jobs import simulated_gpu_load
+from app.services.niceness import child_setup
 from app.services.registry import PREDICT, Job, ProcessRecord, Registry
 from app.services.retries import (
     AttemptEnd,
@@ -213,7 +214,9 @@ def _wait_for_gpus(registry: Registry, job: Job, held: GpuClaims) -> dict[str, s
 
 def _start_trainer(registry: Registry, job_id: str, command: list[str], env: dict | None) -> Any:
     try:
-        trainer = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
+        trainer = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, env=env, preexec_fn=child_setup(env)
+        )
     except OSError as error:
         _say(f"could not start {command[0]}: {error}")
         return error
