@@ -257,3 +257,82 @@ def test_child_setup_starts_the_child_at_the_nice_value() -> None:
     out = subprocess.run(probe, preexec_fn=setup, capture_output=True, text=True, timeout=60)
     assert int(out.stdout) == wanted
     assert niceness.child_setup({}) is None
+
+
+# ---- trainer flags checked before launch ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("engine", "flags", "fragment"),
+    [
+        ("nnui", ["--epochs", "abc"], "invalid int value: 'abc'"),
+        ("nnui", ["--nope"], "unrecognized arguments: --nope"),
+        ("nnunet", ["--epochs", "abc"], "--epochs needs a whole number"),
+        ("nnunet", ["--nope"], "unrecognized arguments: --nope"),
+        ("nnunet", ["-num_gpus", "x"], "invalid int value: 'x'"),
+    ],
+)
+def test_the_flag_check_refuses_what_the_trainer_would(engine, flags, fragment) -> None:
+    from app.services import flag_check
+
+    problem = flag_check.flag_problem(engine, "Dataset004_Demo", "3d_fullres", tuple(flags))
+    assert problem is not None and fragment in problem and "\n" not in problem
+    assert (
+        flag_check.flag_problem(engine, "Dataset004_Demo", "3d_fullres", ("--epochs", "3")) is None
+    )
+    assert flag_check.flag_problem(engine, "D", "2d", ("--npz", "--c")) is None
+
+
+def test_bad_trainer_flags_are_refused_headless_before_any_job(tmp_path) -> None:
+    env = nnui_env(tmp_path)
+    env.pop("NNUI_TRAINER_SCRIPT")  # nnui's own trainer: its flags are checked
+    for flags in (("--epochs", "abc"), ("--nope",)):
+        for dry in ((), ("--dry-run",)):
+            result = nnui(env, *LAUNCH, "--folds", "0", "--gpus", "0", *dry, "--", *flags)
+            assert result.returncode == 2, result.stderr
+            assert "error: trainer flags refused" in result.stderr and result.stdout == ""
+    assert not (tmp_path / "results").exists() and Registry(tmp_path / "state").list() == []
+
+
+async def test_the_board_shows_bad_trainer_flags_and_does_not_start(tmp_path, monkeypatch) -> None:
+    from test_tui_board import open_board, settled
+    from test_tui_fixtures import make_roots, tui_app, use_fake_trainer, wait_for
+
+    roots, state = make_roots(tmp_path), tmp_path / "state"
+    use_fake_trainer(monkeypatch, roots, state)
+    monkeypatch.delenv("NNUI_TRAINER_SCRIPT")
+    app = tui_app(roots, state)
+    async with app.run_test(size=(150, 48)) as pilot:
+        screen = await open_board(app, pilot)
+        await pilot.press("space", "f", *"--nope", "escape")
+        await settled(screen, pilot, {"0": ["0"]})
+        await wait_for(lambda: screen._inputs == screen.requests(), pilot)
+        await settled(screen, pilot)
+        assert any("unrecognized arguments: --nope" in p for p in screen.problems), screen.problems
+        assert "trainer flags refused" in screen.query_one("#launch-checks").render().plain
+        await pilot.press("g")
+        await wait_for(lambda: screen.num_refused == 1, pilot)
+    assert Registry(state).list() == []
+
+
+@pytest.mark.slow
+def test_a_resume_onto_a_busy_gpu_needs_yes(tmp_path) -> None:
+    from fake_trainer import cleanup_jobs, wait_until
+
+    env = nnui_env(tmp_path)
+    try:
+        first = nnui(env, *LAUNCH, "--folds", "0", "--gpus", "2", "--", "--epochs", "3",
+                     "--fail-at", "1")  # fmt: skip
+        assert first.returncode == 0, first.stderr
+        job_id = first.stdout.split()[0]
+        registry = Registry(tmp_path / "state")
+        assert wait_until(lambda: registry.get(job_id).exit_code is not None)
+        busy = ("--simulate-gpus", "4", "--simulate-busy", "2:bob:20")
+        refused = nnui(env, "resume", job_id, *busy)
+        assert refused.returncode == 1 and "bob pid" in refused.stderr, refused.stderr
+        assert len(registry.list()) == 1
+        forced = nnui(env, "resume", job_id, *busy, "--yes")
+        assert forced.returncode == 0, forced.stderr
+        assert len(registry.list()) == 2
+    finally:
+        cleanup_jobs(tmp_path / "state")

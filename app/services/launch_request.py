@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from app.services import claims, engines
+from app.services import claims, engines, flag_check
 from app.services.busy_gpus import occupied_note
 from app.services.claims import ClaimRefused
 from app.services.engines import ENGINES, NNUI, NNUNET_MISSING, Engine, engine
@@ -185,6 +185,12 @@ def check_arguments(request: LaunchRequest, roots: Roots) -> list[str]:
     except DatasetNotFound as error:
         return [*errors, str(error)]
     who = identity(request)
+    if flag_check.checked(request.trainer_entry):  # a typo refused here, not a dead job
+        flags = tuple(request.trainer_args)
+        problem = flag_check.flag_problem(
+            request.engine, dataset_name, request.configuration, flags
+        )
+        errors += [problem] if problem else []
     plans = who.plans
     names = configuration_names(roots.preprocessed / dataset_name, who.engine.plans_file(plans))
     if names is None:
