@@ -336,3 +336,35 @@ def test_a_resume_onto_a_busy_gpu_needs_yes(tmp_path) -> None:
         assert len(registry.list()) == 2
     finally:
         cleanup_jobs(tmp_path / "state")
+
+
+def test_the_board_field_reads_nice_and_threads() -> None:
+    assert niceness.parse_field("") == (None, None)
+    assert niceness.parse_field("nice 10 threads 4") == (10, 4)
+    assert niceness.parse_field("threads=2") == (None, 2)
+    for bad in ("nice", "nice ten", "fast 3"):
+        with pytest.raises(ValueError, match="nice 10 threads 4"):
+            niceness.parse_field(bad)
+
+
+async def test_the_board_puts_nice_and_threads_into_the_job_environment(
+    tmp_path, monkeypatch
+) -> None:
+    from test_tui_board import open_board, settled
+    from test_tui_fixtures import make_roots, tui_app, use_fake_trainer, wait_for
+
+    roots, state = make_roots(tmp_path), tmp_path / "state"
+    use_fake_trainer(monkeypatch, roots, state)
+    app = tui_app(roots, state)
+    async with app.run_test(size=(150, 48)) as pilot:
+        screen = await open_board(app, pilot)
+        await pilot.press("space")
+        await settled(screen, pilot, {"0": ["0"]})
+        screen.query_one("#manners").value = "nice 12 threads 3"
+        await wait_for(lambda: screen.plans and "NNUI_NICE" in screen.plans[0].env, pilot)
+        await settled(screen, pilot)
+        env = screen.plans[0].env
+        assert env["NNUI_NICE"] == "12" and env["OMP_NUM_THREADS"] == "3"
+        assert "OMP_NUM_THREADS=3" in screen.preview_text
+        screen.query_one("#manners").value = "nice lots"
+        await wait_for(lambda: any("nice/threads" in p for p in screen.problems), pilot)

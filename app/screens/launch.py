@@ -24,7 +24,7 @@ from textual.widgets import Checkbox, Footer, Input, RadioButton, RadioSet, Stat
 from app.screens import actions, keys
 from app.screens.confirm import LaunchConfirmScreen
 from app.screens.predict_form import PredictScreen, form_defaults
-from app.services import catalog, engines, launcher
+from app.services import catalog, engines, launcher, niceness
 from app.services.schedule import Schedule
 from app.widgets.dataset_picker import DatasetPicker
 from app.widgets.fold_board import CPU_COLUMN, FoldBoard
@@ -75,6 +75,7 @@ class LaunchScreen(Screen):
                 yield Checkbox("resume (--c)", id="resume")
                 yield Checkbox("when free (wait for the GPUs)", id="when-free")
                 yield OrderedInput(placeholder="trainer flags, e.g. --epochs 3", id="flags")
+                yield OrderedInput(placeholder="nice N threads T (default: as now)", id="manners")
         yield Static(id="launch-checks")
         with VerticalScroll(id="launch-preview-box"):
             yield Static(id="launch-preview")
@@ -181,6 +182,11 @@ class LaunchScreen(Screen):
         except ValueError as error:
             trainer_args = []
             problems.append(f"trainer flags: {error}")
+        try:
+            nice, threads = niceness.parse_field(self.query_one("#manners", Input).value)
+        except ValueError as error:
+            nice, threads = None, None
+            problems.append(str(error))
         if self.datasets_engine != self.engine:
             return [], None, [*problems, "reading the datasets ..."]
         if choice is None:
@@ -205,6 +211,8 @@ class LaunchScreen(Screen):
                 sequential=spec.sequential and not when_free,  # waiting queues them anyway
                 engine=self.engine,
                 schedule=Schedule(when_free=when_free),
+                nice=nice,
+                threads=threads,
             )
             for spec in board.model.specs()
         ]
@@ -293,8 +301,10 @@ class LaunchScreen(Screen):
 
     # ---- actions ----------------------------------------------------------------------
 
-    def _in_flags(self) -> bool:
-        return self.is_mounted and self.focused is self.query_one("#flags", Input)
+    def _in_flags(self) -> bool:  # the trainer flags field or the nice/threads one
+        if not self.is_mounted:
+            return False
+        return self.focused in (self.query_one("#flags", Input), self.query_one("#manners", Input))
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "leave_flags":

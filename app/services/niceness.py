@@ -75,3 +75,16 @@ def child_setup(env: Mapping[str, str] | None) -> Callable[[], None] | None:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
 
     return set_nice
+
+
+def parse_field(text: str) -> tuple[int | None, int | None]:
+    """The board's field: `nice 10 threads 4` (either, any order; `nice=10` too; empty:
+    the defaults). ValueError with a one-line reason."""
+    words = text.replace("=", " ").split()
+    values: dict[str, int] = {}
+    while words:
+        name, *words = words
+        if name not in ("nice", "threads") or not words or not words[0].lstrip("-").isdigit():
+            raise ValueError(f"nice/threads field: {text!r}: write e.g. nice 10 threads 4")
+        values[name], words = int(words[0]), words[1:]
+    return values.get("nice"), values.get("threads")
