@@ -17,7 +17,7 @@ from typing import Any
 
 from app import cli_cv, cli_history
 from app.cli_schedule import cmd_priority, cmd_watch, schedule_notes, schedule_of
-from app.services import catalog, job_list, launcher, prediction
+from app.services import busy_gpus, catalog, job_list, launcher, prediction
 from app.services.claims import ClaimRefused
 from app.services.gpus import GpuMonitor, MachineSnapshot
 from app.services.jobs import JobTracker, JobView, simulated_gpu_load
@@ -118,6 +118,7 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "queued_stop": job.queued_stop,
         "worker_pids": workers,
         "run_dir": job.run_dir,
+        "console_path": job.console_path,  # the current attempt's console file
         "created_at": job.created_at,
         "ended_at": job.ended_at,
         "watch_only": view.watch_only,
@@ -411,32 +412,46 @@ def report_checks(checks: launcher.LaunchChecks) -> int | None:
     return error(checks.errors[0], EXIT_USAGE if checks.usage_errors else EXIT_REFUSED)
 
 
+def _batch_of(request: launcher.LaunchRequest, roots: Roots) -> int | None:
+    try:
+        used = launcher.effective_roots(request, roots)
+        dataset_name = find_dataset(used.preprocessed, request.dataset)
+        who = launcher.identity(request)
+        plans_file = who.engine.plans_file(who.plans)
+        return catalog.plans_batch_size(used, dataset_name, request.configuration, plans_file)
+    except (DatasetNotFound, ValueError):
+        return None  # check_request reports the missing dataset or the unknown engine
+
+
 def _launch_plans(
     request: launcher.LaunchRequest,
     roots: Roots,
     registry: Registry,
     snapshot: MachineSnapshot | None,
     dry_run: bool = False,
+    yes: bool = False,
 ) -> int:
-    try:
-        used = launcher.effective_roots(request, roots)
-        dataset_name = find_dataset(used.preprocessed, request.dataset)
-        who = launcher.identity(request)
-        plans_file = who.engine.plans_file(who.plans)
-        batch = catalog.plans_batch_size(used, dataset_name, request.configuration, plans_file)
-    except (DatasetNotFound, ValueError):
-        batch = None  # check_request reports the missing dataset or the unknown engine
+    batch = _batch_of(request, roots)
     checks = launcher.check_request(request, roots, batch, snapshot, registry)
+    if dry_run and not checks.usage_errors:
+        for warning in checks.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        return dry_run_folds(request, roots, batch, snapshot, registry)
     refused = report_checks(checks)
     if refused is not None:
         return refused
+    if checks.confirmations and not yes:
+        if not sys.stdin.isatty():  # a script must not crowd a GPU nobody agreed to share
+            return error(busy_gpus.refusal(checks.confirmations), EXIT_REFUSED)
+        for note in checks.confirmations:
+            print(f"note: {note}", file=sys.stderr)
+        if not _confirm("start anyway?"):
+            print("not started")
+            return EXIT_OK
     plans, problems = launcher.plan_launch(request, roots, batch, snapshot, registry)
     if problems:
         return error(problems[0], EXIT_REFUSED)
     for plan in plans:
-        if dry_run:
-            print(launcher.preview(plan))
-            continue
         try:
             job = launcher.start(plan, registry)
         except ClaimRefused as refused:  # another launch of this fold got in first
@@ -445,6 +460,36 @@ def _launch_plans(
         after = f" after {job.after}" if job.after else ""
         print(f"{job.job_id}  fold {job.fold}  {job.mode}  gpus {gpus}{after}  {job.run_dir}")
     return EXIT_OK
+
+
+def dry_run_folds(
+    request: launcher.LaunchRequest,
+    roots: Roots,
+    batch: int | None,
+    snapshot: MachineSnapshot | None,
+    registry: Registry,
+) -> int:
+    """Every fold's command, and which folds would be refused and why (exit 1 if any)."""
+    plans, problems = launcher.plan_launch(request, roots, batch, snapshot, registry)
+    if not problems:
+        checks = launcher.check_request(request, roots, batch, snapshot, registry)
+        for plan in plans:
+            print(launcher.preview(plan))
+        for note in checks.confirmations:
+            print(f"note: {note} (--yes)", file=sys.stderr)
+        return EXIT_OK
+    num_refused = 0
+    for fold, fold_request in launcher.fold_requests(request):
+        got, why = launcher.plan_launch(fold_request, roots, batch, snapshot, registry)
+        for plan in got:
+            print(launcher.preview(plan))
+        for problem in why:
+            print(f"refused: fold {fold}: {problem}", file=sys.stderr)
+        num_refused += bool(why)
+    if not num_refused:  # a problem of the whole request (e.g. folds vs GPUs)
+        for problem in problems:
+            print(f"refused: {problem}", file=sys.stderr)
+    return EXIT_REFUSED
 
 
 def chosen_gpus(options: argparse.Namespace) -> tuple[list[str], str | None]:
@@ -488,9 +533,13 @@ def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
         sequential=options.sequential,
         engine=options.engine,
         schedule=schedule,
+        nice=options.nice,
+        threads=options.threads,
     )
     snapshot = None if options.cpu else _snapshot(options)
-    return _launch_plans(request, roots_of(options), registry, snapshot, options.dry_run)
+    return _launch_plans(
+        request, roots_of(options), registry, snapshot, options.dry_run, options.yes
+    )
 
 
 def start_predictions(plans: list[launcher.LaunchPlan], registry: Registry) -> int:
@@ -529,10 +578,15 @@ def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:
             f"folder {expected}",
             EXIT_REFUSED,
         )
-    # A simulated or CPU job needs no GPU readings; a CUDA one gets the real busy checks.
-    real_gpus = request.device == "cuda" and not request.simulated
-    snapshot = _snapshot(argparse.Namespace(simulate_gpus=None)) if real_gpus else None
-    return _launch_plans(request, roots_of(options), registry, snapshot)
+    # A CPU job needs no GPU readings; a CUDA or simulated one gets the busy checks.
+    snapshot = None
+    if request.device == "cuda" and not request.simulated:
+        snapshot = _snapshot(argparse.Namespace(simulate_gpus=None))
+    elif request.simulated:
+        highest = max((int(g) for g in request.gpus if g.isdigit()), default=0)
+        count = options.simulate_gpus or highest + 1
+        snapshot = _snapshot(argparse.Namespace(simulate_gpus=count))
+    return _launch_plans(request, roots_of(options), registry, snapshot, yes=options.yes)
 
 
 def cmd_kill(options: argparse.Namespace, registry: Registry) -> int:

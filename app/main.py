@@ -39,6 +39,10 @@ def _common(parser: argparse.ArgumentParser, top: bool) -> None:
         "--simulate-gpus", type=int, metavar="N", default=default,
         help="a labelled simulated machine with N GPUs (jobs run with -device cpu)",
     )  # fmt: skip
+    group.add_argument(
+        "--simulate-busy", action="append", metavar="GPU:USER:GIB", default=default,
+        help="the simulated machine: another user's process on GPU (repeatable)",
+    )  # fmt: skip
     group.add_argument("-v", "--verbose", action="store_true", default=False if top else default)
 
 
@@ -78,6 +82,18 @@ def _schedule_flags(launch: argparse.ArgumentParser) -> None:
         "--stall-min-s", type=float, metavar="S",
         help="the stall rule's floor: never stalled sooner than S seconds (default 300)",
     )  # fmt: skip
+
+
+def _manners_flags(launch: argparse.ArgumentParser) -> None:
+    group = launch.add_argument_group("shared-box manners")
+    group.add_argument("--yes", action="store_true", help="start on GPUs already in use")
+    group.add_argument(
+        "--nice", type=int, metavar="N",
+        help="the trainer's nice value (default: the user's own, not nnui's)",
+    )  # fmt: skip
+    group.add_argument(
+        "--threads", type=int, metavar="T", help="CPU threads per trainer (OMP_NUM_THREADS)"
+    )
 
 
 def _schedule_parsers(sub: argparse._SubParsersAction) -> None:
@@ -145,6 +161,7 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
     launch.add_argument("--c", dest="continue_training", action="store_true", help="resume")
     launch.add_argument("--dry-run", action="store_true", help="print the commands only")
     _schedule_flags(launch)
+    _manners_flags(launch)
     _common(launch, top=False)
 
 
@@ -171,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     resume = sub.add_parser("resume", help="continue a stopped job (--c) on the same GPUs")
     resume.add_argument("job")
+    resume.add_argument("--yes", action="store_true", help="resume on GPUs already in use")
     _common(resume, top=False)
 
     kill = sub.add_parser("kill", help="SIGTERM then SIGKILL to the job's own processes")
@@ -240,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     if options.simulate_gpus is not None and options.simulate_gpus < 1:
         print("error: --simulate-gpus needs N >= 1", file=sys.stderr)
         return EXIT_USAGE
+    problem = _simulated_busy_problem(options)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     problem = _state_dir_problem()
     if problem is not None:  # every command and the TUI keep their jobs there
         print(f"error: {problem}", file=sys.stderr)
@@ -263,6 +285,21 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `nnui status | head`
         sys.stderr.close()
         return EXIT_OK
+
+
+def _simulated_busy_problem(options: argparse.Namespace) -> str | None:
+    """--simulate-busy: written where the simulated GPUs (and the jobs' supervisors) read it."""
+    if not options.simulate_busy:
+        return None
+    if options.simulate_gpus is None:
+        return "--simulate-busy goes with --simulate-gpus N"
+    from app.services.simulate_busy import install
+
+    try:
+        install(options.simulate_busy, options.simulate_gpus)
+    except (ValueError, OSError) as error:
+        return str(error)
+    return None
 
 
 def _state_dir_problem() -> str | None:

@@ -76,7 +76,7 @@ def test_argv_and_env_per_mode(roots: Roots, changes: dict, expected: list) -> N
         assert plan.env["NNUI_JOB_ID"] == plan.job_id
         assert plan.env["nnUNet_results"] == str(roots.results)
         assert plan.run_dir == run_dir(roots.results, D, C, fold)
-        assert plan.console_path == plan.run_dir / "console.log"
+        assert plan.console_path == plan.run_dir / f"console.{plan.job_id}.1.log"
         assert isinstance(plan.argv, list)
 
 
@@ -237,7 +237,7 @@ def test_start_detaches_and_records_the_exit_code(env: dict) -> None:
     assert "trainer exited with code 0" in console
     # The claim went with the trainer: the fold is free for the next run.
     assert sorted(p.name for p in Path(done.run_dir).iterdir()) == [
-        "console.log", "events.jsonl", "status.json",
+        f"console.{job.job_id}.1.log", "events.jsonl", "status.json",
     ]  # fmt: skip
 
 

@@ -148,8 +148,12 @@ def test_kill_9_of_the_worker_resumes_with_c(env: dict) -> None:
     assert "restarts 1/2: exit 137 (SIGKILL)" in nnui(env, "status").stdout
     starts = [e for e in events(row["run_dir"]) if e["kind"] == "run_started"]
     assert len(starts) == 2 and "--c" not in starts[0]["argv"] and "--c" in starts[1]["argv"]
-    console = (Path(row["run_dir"]) / "console.log").read_text()
-    assert "epoch 0 loss" in console and "restart 1/2 with --c" in console  # both attempts
+    first = Path(row["run_dir"], f"console.{job_id}.1.log").read_text()
+    second = Path(row["console_path"])  # one file per attempt, the current one in the row
+    assert second.name == f"console.{job_id}.2.log"
+    assert "epoch 0 loss" in first and "restart 1/2 with --c" in first
+    assert "attempt 2" in second.read_text() and "epoch 5 loss" in second.read_text()
+    assert "epoch 5 loss" not in first
     kinds = [c["NNUI_EVENT"] for c in hook_calls(env)]
     assert kinds == ["restarted", "finished"]
     assert hook_calls(env)[0]["NNUI_REASON"] == "exit 137 (SIGKILL)"
@@ -343,5 +347,5 @@ def test_a_hook_that_cannot_start_costs_the_job_nothing(env: dict) -> None:
                               "0", "--gpus", "0", "--on-event", "/nonexistent/hook --x", "--",
                               "--epochs", "2", "--epoch-time", "0.2"))  # fmt: skip
     assert wait_until(lambda: status(env)[job_id]["state"] == "finished")
-    console = Path(status(env)[job_id]["run_dir"], "console.log")
+    console = Path(status(env)[job_id]["console_path"])
     assert wait_until(lambda: "--on-event command /nonexistent/hook" in console.read_text())

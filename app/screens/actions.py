@@ -223,6 +223,18 @@ def resume_plan(app: Any, job: Any) -> tuple[list[Any], list[str]]:
     )
 
 
+def busy_notes(app: Any, job: Any) -> list[str]:
+    """The GPUs of a resume that already run a process (the dialog names them)."""
+    if job.kind == PREDICT:
+        return []
+    request = launcher.resume_request(job)
+    batch = batch_size_of(request, app.config.roots)
+    checks = launcher.check_request(
+        request, app.config.roots, batch, app.snapshot, app.services.registry
+    )
+    return checks.confirmations
+
+
 def start_plans(app: Any, plans: Sequence[Any]) -> None:
     def work() -> list[str]:
         registry = app.services.registry
@@ -254,20 +266,21 @@ def _resume(app: Any, views: list[Any]) -> None:
     if not views:
         return
 
-    def plan() -> tuple[list[Any], list[str]]:
-        plans, problems = [], []
+    def plan() -> tuple[list[Any], list[str], list[str]]:
+        plans, problems, notes = [], [], []
         for view in views:
             got, why = resume_plan(app, view.job)
             plans += got
             problems += [f"{view.job.job_id}: {p}" for p in why]
-        return plans, problems
+            notes += [n for n in busy_notes(app, view.job) if n not in notes]
+        return plans, problems, notes
 
     def planned(result: Any) -> None:
         if _report_error(app, result):
             return
-        plans, problems = result
+        plans, problems, notes = result
         previews = [launcher.preview(p) for p in plans]
-        screen = LaunchConfirmScreen("Resume (--c, same GPUs)", previews, problems)
+        screen = LaunchConfirmScreen("Resume (--c, same GPUs)", previews, problems, notes)
         app.push_screen(screen, lambda ok: start_plans(app, plans) if ok else None)
 
     app.run_in_thread(plan, planned)

@@ -163,17 +163,23 @@ class LaunchConfirmScreen(ModalScreen[bool]):
         Binding("n,escape", "cancel", "Cancel", id="cancel-launch"),
     ]
 
-    def __init__(self, title: str, previews: Sequence[str], problems: Sequence[str]) -> None:
+    def __init__(
+        self, title: str, previews: Sequence[str], problems: Sequence[str],
+        notes: Sequence[str] = (),
+    ) -> None:  # fmt: skip
         super().__init__(id="launch-confirm")
         self.title_text = title
         self.previews = list(previews)
         self.problems = list(problems)
+        self.notes = list(notes)  # what the user agrees to, e.g. a GPU already in use
 
     def compose(self) -> ComposeResult:
         ok = bool(self.previews) and not self.problems
         body = Text()
         for problem in self.problems:
             body.append(f"✗ {problem}\n", style="bold red")
+        for note in self.notes:
+            body.append(f"? {note}\n", style="bold yellow")
         body.append("\n\n".join(self.previews))
         with Vertical(classes="dialog"):
             yield Static(self.title_text, classes="dialog-title")

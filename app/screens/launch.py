@@ -22,8 +22,9 @@ from textual.screen import Screen
 from textual.widgets import Checkbox, Footer, Input, RadioButton, RadioSet, Static
 
 from app.screens import actions, keys
+from app.screens.confirm import LaunchConfirmScreen
 from app.screens.predict_form import PredictScreen, form_defaults
-from app.services import catalog, engines, launcher
+from app.services import catalog, engines, launcher, niceness
 from app.services.schedule import Schedule
 from app.widgets.dataset_picker import DatasetPicker
 from app.widgets.fold_board import CPU_COLUMN, FoldBoard
@@ -43,6 +44,7 @@ class LaunchScreen(Screen):
         self.plans: list[Any] = []
         self.problems: list[str] = []
         self.warnings: list[str] = []
+        self.confirmations: list[str] = []  # GPUs already in use: g asks first (busy_gpus.py)
         self.resumable: list[str] = []  # folds with an earlier, stopped run: offer --c
         self.preview_text = ""
         self._shown: tuple[str, str] | None = None
@@ -73,6 +75,7 @@ class LaunchScreen(Screen):
                 yield Checkbox("resume (--c)", id="resume")
                 yield Checkbox("when free (wait for the GPUs)", id="when-free")
                 yield OrderedInput(placeholder="trainer flags, e.g. --epochs 3", id="flags")
+                yield OrderedInput(placeholder="nice N threads T (default: as now)", id="manners")
         yield Static(id="launch-checks")
         with VerticalScroll(id="launch-preview-box"):
             yield Static(id="launch-preview")
@@ -179,6 +182,11 @@ class LaunchScreen(Screen):
         except ValueError as error:
             trainer_args = []
             problems.append(f"trainer flags: {error}")
+        try:
+            nice, threads = niceness.parse_field(self.query_one("#manners", Input).value)
+        except ValueError as error:
+            nice, threads = None, None
+            problems.append(str(error))
         if self.datasets_engine != self.engine:
             return [], None, [*problems, "reading the datasets ..."]
         if choice is None:
@@ -203,6 +211,8 @@ class LaunchScreen(Screen):
                 sequential=spec.sequential and not when_free,  # waiting queues them anyway
                 engine=self.engine,
                 schedule=Schedule(when_free=when_free),
+                nice=nice,
+                threads=threads,
             )
             for spec in board.model.specs()
         ]
@@ -227,21 +237,22 @@ class LaunchScreen(Screen):
         app = self.app
         snapshot, registry, roots = app.snapshot, app.services.registry, app.config.roots
 
-        def plan() -> tuple[list[Any], list[str], list[str], list[str]]:
+        def plan() -> tuple[list[Any], list[str], list[str], list[str], list[str]]:
             # The full checks: busy GPUs, other users, a fold already running (registry and
             # run folder), a finished or stopped fold (offer resume).
             plans: list[Any] = []
-            errors, warnings, resumable = list(problems), [], []
+            errors, warnings, resumable, asks = list(problems), [], [], []
             for request in requests:
                 checks = launcher.check_request(request, roots, batch_size, snapshot, registry)
                 errors += [e for e in checks.errors if e not in errors]
                 warnings += [w for w in checks.warnings if w not in warnings]
+                asks += [c for c in checks.confirmations if c not in asks]
                 resumable += checks.resumable_folds
                 if not checks.errors:
                     got, why = launcher.plan_launch(request, roots, batch_size, snapshot, registry)
                     plans += got
                     errors += [e for e in why if e not in errors]
-            return plans, errors, warnings, resumable
+            return plans, errors, warnings, resumable, asks
 
         app.run_in_thread(plan, lambda result: self._planned(generation, result))
 
@@ -251,8 +262,9 @@ class LaunchScreen(Screen):
         self.planned_generation = generation
         if isinstance(result, Exception):
             plans, problems, warnings, resumable = [], [f"cannot plan: {result}"], [], []
+            self.confirmations = []
         else:
-            plans, problems, warnings, resumable = result
+            plans, problems, warnings, resumable, self.confirmations = result
         self.plans = [] if problems else plans
         self.problems, self.warnings, self.resumable = problems, warnings, resumable
         self.preview_text = "\n\n".join(launcher.preview(p) for p in plans)
@@ -267,6 +279,8 @@ class LaunchScreen(Screen):
             checks.append(f"✗ {problem}\n", style="bold red")
         for warning in self.warnings:
             checks.append(f"! {warning}\n", style="yellow")
+        for note in self.confirmations:
+            checks.append(f"? {note} (g asks)\n", style="bold yellow")
         if self.resumable:
             folds = ", ".join(self.resumable)
             checks.append(
@@ -287,8 +301,10 @@ class LaunchScreen(Screen):
 
     # ---- actions ----------------------------------------------------------------------
 
-    def _in_flags(self) -> bool:
-        return self.is_mounted and self.focused is self.query_one("#flags", Input)
+    def _in_flags(self) -> bool:  # the trainer flags field or the nice/threads one
+        if not self.is_mounted:
+            return False
+        return self.focused in (self.query_one("#flags", Input), self.query_one("#manners", Input))
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "leave_flags":
@@ -340,8 +356,18 @@ class LaunchScreen(Screen):
                 "Cannot start: " + "; ".join(self.problems or ["nothing"]), severity="error"
             )
             return
-        actions.start_plans(self.app, self.plans)
-        self.app.pop_screen()
+        if self.confirmations:  # shared-box manners: starting beside a process is confirmed
+            plans, previews = self.plans, [launcher.preview(p) for p in self.plans]
+            title = "GPU already in use: start beside it?"
+            confirm = LaunchConfirmScreen(title, previews, [], self.confirmations)
+            self.app.push_screen(confirm, lambda ok: self._start(plans) if ok else None)
+            return
+        self._start(self.plans)
+
+    def _start(self, plans: list[Any]) -> None:
+        actions.start_plans(self.app, plans)
+        if self.app.screen is self:
+            self.app.pop_screen()
 
     def action_toggle_launcher(self) -> None:
         other = "torchrun" if self.query_one(FoldBoard).model.ddp_launcher == "spawn" else "spawn"

@@ -270,6 +270,8 @@ class JobTracker:
         if run is None:
             run = _RunState(JobEvents(job.run_dir), TextTail(Path(job.console_path)))
             self._runs[job.job_id] = run
+        if run.console.path != Path(job.console_path):  # a restart: the new attempt's file
+            run.console = TextTail(Path(job.console_path))
         run.absorb(run.events.poll(job))
         while True:
             run.console.poll()

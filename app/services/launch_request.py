@@ -10,13 +10,15 @@ checks the folder once more under the claims lock. A resume uses the job's own r
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from app.services import claims, engines
+from app.services import claims, engines, flag_check
+from app.services.busy_gpus import occupied_note
 from app.services.claims import ClaimRefused
 from app.services.engines import ENGINES, NNUI, NNUNET_MISSING, Engine, engine
 from app.services.gpus import MachineSnapshot
+from app.services.niceness import NICE_ENV, THREADS_ENV, env_int, inherited_warning, nice_problems
 from app.services.registry import Job, Registry, valid_pid
 from app.services.schedule import Schedule, resumed_schedule
 from app.services.signals import job_alive, proc_info
@@ -56,6 +58,8 @@ class LaunchRequest:
     schedule: Schedule = field(
         default_factory=Schedule
     )  # --when-free, --retries, --on-event (schedule.py)
+    nice: int | None = None  # the trainer's nice value (niceness.py); None: as nnui's
+    threads: int | None = None  # CPU threads per trainer (OMP_NUM_THREADS); None: its own
 
 
 @dataclass
@@ -64,6 +68,7 @@ class LaunchChecks:
     warnings: list[str] = field(default_factory=list)
     resumable_folds: list[str] = field(default_factory=list)  # folds with a stopped run
     usage_errors: list[str] = field(default_factory=list)  # arguments that name nothing
+    confirmations: list[str] = field(default_factory=list)  # GPUs in use: ask (busy_gpus.py)
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,8 @@ def resume_request(job: Job) -> LaunchRequest:
         roots=job_roots(job),
         engine=job.engine,
         schedule=resumed_schedule(job),
+        nice=env_int(job.env, NICE_ENV),
+        threads=env_int(job.env, THREADS_ENV),
     )
 
 
@@ -168,6 +175,7 @@ def check_arguments(request: LaunchRequest, roots: Roots) -> list[str]:
         errors.append("a fold is listed twice")
     cpu = request.device == "cpu" and not request.simulated
     errors += request.schedule.problems(request.sequential, cpu)
+    errors += nice_problems(request.nice, request.threads)
     if request.engine not in ENGINES:
         return [*errors, f"unknown engine {request.engine!r} (one of {', '.join(ENGINES)})"]
     if request.engine != NNUI and not engines.nnunet_available():
@@ -177,6 +185,12 @@ def check_arguments(request: LaunchRequest, roots: Roots) -> list[str]:
     except DatasetNotFound as error:
         return [*errors, str(error)]
     who = identity(request)
+    if flag_check.checked(request.trainer_entry):  # a typo refused here, not a dead job
+        flags = tuple(request.trainer_args)
+        problem = flag_check.flag_problem(
+            request.engine, dataset_name, request.configuration, flags
+        )
+        errors += [problem] if problem else []
     plans = who.plans
     names = configuration_names(roots.preprocessed / dataset_name, who.engine.plans_file(plans))
     if names is None:
@@ -217,6 +231,18 @@ def _assignments(request: LaunchRequest) -> tuple[list[tuple[str, list[str]]], l
     return [], [
         f"{len(folds)} folds on {len(gpus)} GPUs: give one GPU per fold, or --sequential "
         "to run several folds on a GPU one after another"
+    ]
+
+
+def fold_requests(request: LaunchRequest) -> list[tuple[str, LaunchRequest]]:
+    """The request split into one request per fold, each with the GPUs it would get (so a
+    dry run can say which folds would start and which not)."""
+    assignments, errors = _assignments(request)
+    if errors or request.mode != "per_gpu" or request.schedule.when_free:
+        return [(fold, replace(request, folds=[fold])) for fold in request.folds]
+    return [
+        (fold, replace(request, folds=[fold], gpus=list(gpus), sequential=False))
+        for fold, gpus in assignments
     ]
 
 
@@ -288,12 +314,15 @@ def check_request(
     checks.errors.extend(assignment_errors)
     if request.mode == "per_gpu" and not (request.sequential or request.schedule.when_free):
         _shared_gpu_warnings(request, checks)
+    inherited = inherited_warning(request.nice)
+    if inherited is not None:
+        checks.warnings.append(inherited)
     try:
         dataset_name = find_dataset(roots.preprocessed, request.dataset)
     except DatasetNotFound as error:
         checks.errors.append(str(error))
         return checks
-    if snapshot is not None and not request.simulated and request.device == "cuda":
+    if snapshot is not None and (request.simulated or request.device == "cuda"):
         _gpu_checks(request, snapshot, checks)
     _fold_checks(request, roots, dataset_name, registry, checks)
     return checks
@@ -318,6 +347,9 @@ def _gpu_checks(request: LaunchRequest, snapshot: MachineSnapshot, checks: Launc
             )
         if reading.other_users:
             checks.warnings.append(f"GPU {gpu} is used by {', '.join(reading.other_users)}")
+        note = occupied_note(gpu, reading)
+        if note is not None:
+            checks.confirmations.append(note)
 
 
 def _running_jobs(registry: Registry | None, dataset_name: str, configuration: str) -> list[Job]:

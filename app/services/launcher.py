@@ -4,7 +4,7 @@ A launch request (launch_request.py: the request, its checks, its roots) becomes
 per job: argv list, environment additions, run folder. `start()` claims the run folder
 atomically (claims.py: the folder checks again, then an exclusive claim, under one lock
 with the registration), runs the plan under a small supervisor in a new session with
-stdin from /dev/null and stdout/stderr into the run folder's console.log, so the job
+stdin from /dev/null and stdout/stderr into the run folder's console.<job>.<attempt>.log, so the job
 outlives nnui and the SSH session, and records it in the registry.
 """
 
@@ -21,6 +21,7 @@ from pathlib import Path
 import app
 from app.services import claims
 from app.services.claims import ClaimRefused
+from app.services.consoles import console_name
 from app.services.engines import NNUI, NNUNET
 from app.services.gpus import MachineSnapshot
 from app.services.launch_request import (
@@ -35,18 +36,19 @@ from app.services.launch_request import (
     configuration_names,
     effective_roots,
     flag_value,
+    fold_requests,
     folder_problem,
     identity,
     job_roots,
     request_run_dir,
     resume_request,
 )
+from app.services.niceness import job_env
 from app.services.registry import PREDICT, TRAIN, Job, ProcessRecord, Registry, new_job_id
 from app.services.schedule import Schedule
 from app.services.signals import process_identity
 from app.services.trainer_flags import without_flags
 from trainer.schema import (
-    CONSOLE_FILE,
     JOB_ID_ENV,
     NNUNET_EXT_ENV,
     ROOT_ENVS,
@@ -66,6 +68,7 @@ __all__ = [  # the request side lives in launch_request.py; re-exported as launc
     "configuration_names",
     "effective_roots",
     "flag_value",
+    "fold_requests",
     "folder_problem",
     "identity",
     "job_roots",
@@ -149,6 +152,7 @@ def plan_launch(
         folder = request_run_dir(request, roots, dataset_name, fold)
         argv = _argv(request, who, dataset_name, fold, device, job_mode, len(gpus))
         env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", JOB_ID_ENV: job_id}
+        env.update(job_env(request.nice, request.threads))  # --nice, --threads (niceness.py)
         # The trainer finds the same roots as nnui, whichever way nnui was given them.
         env.update({ROOT_ENVS[name]: str(getattr(roots, name)) for name in ROOT_ENVS})
         if who.engine.name == NNUNET:
@@ -167,7 +171,7 @@ def plan_launch(
                 gpus=list(gpus) if (device == "cuda" or request.simulated) else [],
                 mode=job_mode,
                 run_dir=folder,
-                console_path=folder / CONSOLE_FILE,
+                console_path=folder / console_name(job_id),
                 after=after,
                 dataset=dataset_name,
                 configuration=request.configuration,

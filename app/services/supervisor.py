@@ -10,7 +10,8 @@ the workers and delivers a stop queued before they were up (RunWatch) — the on
 that does. It ignores SIGUSR1 and SIGHUP: it is never a stop target and outlives an SSH
 hang-up. (The trainer inherits the ignored SIGUSR1 until it installs its own handler, so
 an early stop cannot kill it.)
-Its stdout/stderr are the job's console.log, which the trainer inherits.
+Its stdout/stderr are the job's console file, which the trainer inherits; a restart moves
+both to the next attempt's file (consoles.py).
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from typing import Any
 from app.services import claims
 from app.services.announce import announce
 from app.services.claims import ClaimRefused
+from app.services.consoles import next_attempt_path, redirect_output
 from app.services.gpu_claims import GpuClaims
 from app.services.hooks import JobEvent, final_kind
 from app.services.job_events import JobEvents
 from app.services.jobs import simulated_gpu_load
+from app.services.niceness import child_setup
 from app.services.registry import PREDICT, Job, ProcessRecord, Registry
 from app.services.retries import (
     AttemptEnd,
@@ -62,7 +65,7 @@ START_GRACE_S = 30.0  # an earlier job with no process recorded after this long 
 
 
 def _say(message: str) -> None:
-    # One write per line: several processes share console.log.
+    # One write per line: the supervisor and the trainer share the console file.
     sys.stdout.write(f"[nnui] {message}\n")
     sys.stdout.flush()
 
@@ -224,7 +227,9 @@ def _wait_for_gpus(registry: Registry, job: Job, held: GpuClaims) -> dict[str, s
 
 def _start_trainer(registry: Registry, job_id: str, command: list[str], env: dict | None) -> Any:
     try:
-        trainer = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
+        trainer = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, env=env, preexec_fn=child_setup(env)
+        )
     except OSError as error:
         _say(f"could not start {command[0]}: {error}")
         return error
@@ -261,6 +266,22 @@ def _run_attempts(
         if not _back_off(registry, job_id, delay_s):
             return code
         command = with_continue(command)
+        _next_console(registry, job_id, reason)
+
+
+def _next_console(registry: Registry, job_id: str, reason: str) -> None:
+    """A restart writes into its own console file, named in the registry for the readers."""
+    job = registry.get(job_id)
+    path = next_attempt_path(Path(job.console_path), job_id)
+    if path is None:  # a legacy shared console.log: keep appending
+        return
+    try:
+        redirect_output(path)
+    except OSError as error:
+        log.warning("could not open %s: %s; the console stays %s", path, error, job.console_path)
+        return
+    registry.update(job_id, console_path=str(path))
+    _say(f"job {job_id} attempt {len(job.restarts) + 1} (restarted with --c: {reason})")
 
 
 def _record_restart(job: Job, reason: str) -> None:
