@@ -28,11 +28,13 @@ from app.widgets.job_table import JobTable
 __all__ = ["ACTION_IDS", "DashboardScreen", "cv_text", "summary_text"]
 
 
-def cv_text(views: list[Any], cv_eta_s: float | None) -> Text:
+def cv_text(views: list[Any], cv_eta_s: float | None, problems: tuple[str, ...] = ()) -> Text:
     running = sum(1 for v in views if v.state == "running")
     text = Text()
     text.append(f" {len(views)} job{'s' if len(views) != 1 else ''}, {running} running", "bold")
     text.append(f"   cross-validation ETA: {fmt_duration_s(cv_eta_s)}")
+    for problem in problems:  # a job file that could not be read: named, never hidden
+        text.append(f"\n ⚠ warning: {problem}", style="bold yellow")
     return text
 
 
@@ -45,6 +47,7 @@ class DashboardScreen(Screen):
         self._bindings = BindingsMap(DASHBOARD_NAV + acting + DASHBOARD_VIEW)
         self._alerts_seen: set[tuple[str, str]] = set()
         self._states_seen: dict[str, str] = {}
+        self._problems_seen: set[str] = set()
         self._summary: str | None = None
         self._cv: str | None = None
         self._ready = False  # data messages can arrive before the widgets are composed
@@ -82,11 +85,16 @@ class DashboardScreen(Screen):
             return
         self.query_one(JobTable).show(job_list.arrange(views, self.filter_text, self.sort))
         self._show_summary()
-        cv = cv_text(views, cv_eta_s)
+        problems = tuple(getattr(self.app, "problems", ()))
+        cv = cv_text(views, cv_eta_s, problems)
         if cv.plain != self._cv:
             self._cv = cv.plain
             self.query_one("#cv-line", Static).update(cv)
         self._notify_changes(views)
+        for problem in problems:
+            if problem not in self._problems_seen:
+                self._problems_seen.add(problem)
+                self.notify(f"warning: {problem}", severity="warning", timeout=10)
 
     def _notify_changes(self, views: list[Any]) -> None:
         for view in views:
@@ -107,7 +115,9 @@ class DashboardScreen(Screen):
             return
         table = self.query_one(JobTable)
         job_id = table.current_job_id
-        text = summary_text(self.app.view_of(job_id) if job_id else None, self.app.first_step)
+        view = self.app.view_of(job_id) if job_id else None
+        loading = self.app.num_jobs_messages == 0
+        text = summary_text(view, self.app.first_step, len(self.app.problems), loading)
         if text.plain != self._summary:
             self._summary = text.plain
             self.query_one("#job-summary", Static).update(text)
@@ -162,7 +172,23 @@ class DashboardScreen(Screen):
     def target_job_ids(self) -> list[str]:
         return self.query_one(JobTable).target_job_ids()
 
+    def _loading(self, gpus: bool = False) -> bool:
+        """True (and says so) while the first job reading, or for `gpus` the first GPU
+        reading, has not come: an action now would act on a table that is not there yet."""
+        missing = []
+        if gpus and self.app.snapshot is None:
+            missing.append("GPUs")
+        if self.app.num_jobs_messages == 0:
+            missing.append("jobs")
+        if missing:
+            what = " and ".join(missing)
+            self.notify(f"loading: reading the {what} for the first time, try again in a moment",
+                        severity="information", timeout=3)  # fmt: skip
+        return bool(missing)
+
     def action_detail(self) -> None:
+        if self._loading():
+            return
         job_id = self.query_one(JobTable).current_job_id
         if job_id is None:
             self.notify("No job selected", severity="warning")
@@ -175,13 +201,15 @@ class DashboardScreen(Screen):
     def action_quit(self) -> None:
         self.app.exit()
 
-    def _allowed(self) -> bool:
+    def _allowed(self, gpus: bool = False) -> bool:
+        if self._loading(gpus):
+            return False
         if self.readonly:
             self.notify("read-only: actions are disabled", severity="warning")
         return not self.readonly
 
     def action_launch(self) -> None:
-        if self._allowed():
+        if self._allowed(gpus=True):  # the board's columns are the GPUs of the first reading
             self.app.push_screen(LaunchScreen())
 
     def action_stop(self) -> None:

@@ -27,10 +27,22 @@ def watch_only_text(run: Any) -> Text:
     return text
 
 
-def summary_text(view: Any | None, first_step: str | None = None) -> Text:
+def summary_text(
+    view: Any | None,
+    first_step: str | None = None,
+    num_unreadable: int = 0,
+    loading: bool = False,
+) -> Text:
     """One or a few lines about the highlighted job (exit code and console of a failure);
-    with no job, what to do first (`first_step`: no dataset to train yet)."""
+    with no job, what to do first (`first_step`: no dataset to train yet). Never "No jobs
+    yet" before the first reading (`loading`) or when job files could not be read."""
     if view is None:
+        if loading:
+            return Text("Reading the jobs ...", style="dim")
+        if num_unreadable:
+            files = "file" if num_unreadable == 1 else "files"
+            return Text(f"No readable job: {num_unreadable} job {files} could not be read "
+                        "(named in the warning below).", style="bold yellow")  # fmt: skip
         if first_step:
             return Text(f"No jobs yet. First: {first_step}.", style="bold yellow")
         return Text("No jobs yet. Press l to launch folds (? for help).", style="dim")

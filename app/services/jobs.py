@@ -245,6 +245,7 @@ class JobTracker:
         self._watcher = NnunetRunWatcher()
         self._watch_consoles: dict[str, TextTail] = {}
         self.watch_only: list[JobView] = []
+        self.problems: list[str] = []  # job files the newest refresh() could not read
 
     def refresh_watch_only(
         self,
@@ -291,6 +292,7 @@ class JobTracker:
             alive = job.exit_code is None and job_alive(job, proc_info)
             views.append(self._view(job, run, alive, snapshot))
         self.views = views
+        self.problems = list(getattr(self.registry, "list_problems", ()))
         return views
 
     def _view(
