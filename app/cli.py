@@ -20,7 +20,13 @@ from app.cli_schedule import cmd_priority, cmd_watch, schedule_notes, schedule_o
 from app.services import catalog, job_list, launcher, prediction
 from app.services.claims import ClaimRefused
 from app.services.gpus import GpuMonitor, MachineSnapshot
-from app.services.jobs import JobTracker, JobView, simulated_gpu_load
+from app.services.jobs import (
+    JobTracker,
+    JobView,
+    resume_from,
+    simulated_gpu_load,
+    state_label,
+)
 from app.services.nnunet_runs import RUN_ID_PREFIX, WatchOnlyRun, is_train_cmdline, stop_refusal
 from app.services.procs import proc_info
 from app.services.registry import PREDICT, Job, Registry
@@ -133,6 +139,11 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "retries": job.retries,
         "restarts": list(job.restarts),
         "forgotten": getattr(job, "forgotten_at", None) is not None,  # `nnui forget` (--all)
+        "state_text": state_label(view),  # what the table says ("killed by you", ...)
+        "final_dice": view.final_dice,  # validation_finished's mean foreground Dice
+        "validation_done": view.validation_done,  # while validating: cases done, of
+        "validation_cases": view.validation_cases,
+        "run_dir_gone": view.run_dir_gone,
     }
 
 
@@ -214,7 +225,7 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
         mode, epoch, speed = progress_cells(v)
         rows.append(
             (
-                job.job_id, job.dataset, job.configuration, job.fold, mode, gpus, v.state,
+                job.job_id, job.dataset, job.configuration, job.fold, mode, gpus, state_label(v),
                 epoch, _f(v.train_loss), _f(v.val_loss), _f(v.ema_dice, "{:.3f}"),
                 speed, fmt_duration(v.eta_s),
                 "" if v.exit_code is None else str(v.exit_code),
@@ -226,6 +237,8 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
     ]
     for v in views:
         lines.extend(f"  {v.job.job_id}: {note}" for note in schedule_notes(v))
+        if v.final_dice is not None:
+            lines.append(f"  {v.job.job_id}: final validation Dice {v.final_dice:.3f}")
         for alert in v.alerts:
             lines.append(f"! {v.job.job_id}: {alert}")
         if v.state == "failed" and v.console_tail:
@@ -271,7 +284,8 @@ def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
         print(json.dumps([_json_safe(row) for row in rows], indent=1))
         return EXIT_OK
     if not views and not watched:
-        print("no jobs")
+        # An unreadable job file is not "no jobs": the warning below names it.
+        print("no readable jobs" if registry.list_problems else "no jobs")
         return EXIT_OK
     if views:
         # One row per run folder (a resume continues its row); --all: every job, grouped.
@@ -531,6 +545,7 @@ def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:
     # A simulated or CPU job needs no GPU readings; a CUDA one gets the real busy checks.
     real_gpus = request.device == "cuda" and not request.simulated
     snapshot = _snapshot(argparse.Namespace(simulate_gpus=None)) if real_gpus else None
+    print(f"resume {view.job.job_id}: {resume_from(view)}")
     return _launch_plans(request, roots_of(options), registry, snapshot)
 
 

@@ -71,7 +71,7 @@ def simulated_load(views: list[Any]) -> dict[int, list[tuple[int, str]]]:
     load: dict[int, list[tuple[int, str]]] = {}
     for view in views:
         job = view.job
-        if not job.simulated or view.state not in ("starting", "running", "stopping"):
+        if not job.simulated or view.state not in ("starting", "running", "stopping", "validating"):
             continue
         ranks = (view.topology or {}).get("ranks") or []
         trainer = job.process("trainer") if hasattr(job, "process") else None

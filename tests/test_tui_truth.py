@@ -117,3 +117,35 @@ async def test_only_a_corrupt_job_file_never_says_no_jobs_yet(tmp_path: Path) ->
         await wait_for(lambda: bad.name in dashboard.query_one("#cv-line").render().plain, pilot)
         summary = dashboard.query_one("#job-summary").render().plain
         assert "No jobs yet" not in summary and "could not be read" in summary, summary
+
+
+class _StallingTracker(JobTracker):
+    """Every reading says the same stall with a new number of seconds (as a real one does)."""
+
+    def refresh(self, snapshot=None):
+        import dataclasses
+
+        views = super().refresh(snapshot)
+        self.num_reads = getattr(self, "num_reads", 0) + 1
+        alert = f"stalled: no event for {200 + self.num_reads} s"
+        return [dataclasses.replace(v, alerts=(alert,)) for v in views]
+
+
+async def test_one_toast_per_alert_condition_not_per_second(tmp_path: Path) -> None:
+    """Was: "stalled: no event for 208 s", "209 s", ... one toast a second."""
+    from test_tui_fixtures import write_frozen_runs
+
+    from app.services.gpus import GpuMonitor
+
+    roots, state = make_roots(tmp_path), tmp_path / "state"
+    ids = write_frozen_runs(roots, state)
+    registry = Registry(state)
+    tracker = _StallingTracker(registry)
+    services = Services(GpuMonitor(simulate=2), registry, tracker)
+    config = TuiConfig(roots=roots, state_dir=state, simulate_gpus=2, jobs_interval_s=0.05)
+    app = make_app(config, services)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await screen_of(app, pilot, DashboardScreen)
+        await wait_for(lambda: app.num_jobs_messages >= 6, pilot)
+        stalls = [t for t in _toasts(app) if "stalled" in t]
+        assert len(stalls) == len(ids), stalls

@@ -21,6 +21,7 @@ from app.screens.job_summary import summary_text
 from app.screens.keys import ACTION_IDS, DASHBOARD_ACTIONS, DASHBOARD_NAV, DASHBOARD_VIEW
 from app.screens.launch import LaunchScreen
 from app.services import job_list
+from app.services.jobs import alert_condition
 from app.widgets.formatting import fmt_duration_s
 from app.widgets.gpu_panel import GpuPanel
 from app.widgets.job_table import JobTable
@@ -97,11 +98,15 @@ class DashboardScreen(Screen):
                 self.notify(f"warning: {problem}", severity="warning", timeout=10)
 
     def _notify_changes(self, views: list[Any]) -> None:
+        # One toast per condition while it lasts ("stalled ... 208 s", "209 s" are one); it
+        # toasts again only after it cleared and came back.
+        active: set[tuple[str, str]] = set()
         for view in views:
             job_id = view.job.job_id
             for alert in view.alerts:
-                if (job_id, alert) not in self._alerts_seen:
-                    self._alerts_seen.add((job_id, alert))
+                condition = (job_id, alert_condition(alert))
+                active.add(condition)
+                if condition not in self._alerts_seen:
                     self.notify(f"{job_id}: {alert}", severity="warning", timeout=8)
             before = self._states_seen.get(job_id)
             if before is not None and before != view.state and view.state == "failed":
@@ -109,6 +114,7 @@ class DashboardScreen(Screen):
                     f"{job_id} failed (exit {view.exit_code})", severity="error", timeout=10
                 )
             self._states_seen[job_id] = view.state
+        self._alerts_seen = active
 
     def _show_summary(self) -> None:
         if not self._ready:

@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.text import Text
 
+from app.services.jobs import state_label
 from app.widgets.formatting import fmt_duration_s
 
 FAILED_TAIL_LINES = 4
@@ -50,14 +51,16 @@ def summary_text(
     text = Text()
     # Separating spaces end the previous span (SVG renderers drop a span's leading spaces).
     text.append(f"{job.job_id}  ", style="bold")
-    text.append(f"{job.dataset} {job.configuration} fold {job.fold}  {view.state}  ")
+    text.append(f"{job.dataset} {job.configuration} fold {job.fold}  {state_label(view)}  ")
     if getattr(view, "watch", None) is not None:
         return text + watch_only_text(view.watch)
     if getattr(job, "kind", "train") == "predict":
         text.append(f"predict -> {job.output_dir}  ", style="cyan")
     if getattr(job, "engine", "nnui") == "nnunet":
         text.append("nnU-Net  ", style="cyan")
-    if view.exit_code:
+    if getattr(view, "final_dice", None) is not None:
+        text.append(f"final validation Dice {view.final_dice:.3f}  ", style="bold")
+    if view.exit_code and view.state not in ("killed", "failed"):  # the state names those
         text.append(f"exit code {view.exit_code}  ", style="bold red")
     if job.queued_stop:
         text.append("stop queued (sent when the ranks report their topology)  ", style="yellow")

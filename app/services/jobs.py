@@ -10,6 +10,8 @@ job's supervisor records the workers and delivers a stop queued before they were
 from __future__ import annotations
 
 import math
+import os
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -25,7 +27,14 @@ from app.services.nnunet_runs import NnunetRunWatcher, WatchOnlyRun
 from app.services.procs import ProcRow, job_alive, proc_info
 from app.services.registry import PREDICT, TRAIN, Job, ProcessRecord, Registry
 from app.services.tail import TextTail
-from trainer.schema import ACTIVE_STATES, START_KINDS, Kind, State
+from trainer.schema import (
+    ACTIVE_STATES,
+    ENDED_STATES,
+    START_KINDS,
+    Kind,
+    State,
+    checkpoint_file,
+)
 
 STALL_MIN_S = 60.0
 RECENT_EPOCHS = 5
@@ -64,6 +73,13 @@ class JobView:
     cases_done: int | None = None
     seconds_per_case: float | None = None
     running_loss: tuple[RunningPoint, ...] = ()  # train_loss_running points, in file order
+    final_dice: float | None = None  # validation_finished's mean foreground Dice
+    validation_done: int | None = None  # final validation: cases done (while validating)
+    validation_cases: int | None = None  # ... of all the validation cases
+    run_dir_gone: bool = False  # the job's results folder no longer exists
+    # checkpoint_saved events of every run in the folder: (kind, epochs completed), newest
+    # save of each kind (what a --c resume can continue from, if the file is still there).
+    checkpoints: tuple[tuple[str, int], ...] = ()
 
 
 def _finite(value: float) -> float | None:
@@ -86,6 +102,11 @@ class _RunState:
     last_event_t: float | None = None
     nan_epoch: int | None = None
     cases: CaseProgress = field(default_factory=CaseProgress)  # a prediction's
+    last_epoch_t: float | None = None  # when this run's newest epoch_ended was written
+    validation: tuple[int, int] | None = None  # (cases done, of) while final validation runs
+    validation_t: float | None = None  # when the final validation began
+    final_dice: float | None = None
+    checkpoints: dict[str, int] = field(default_factory=dict)  # kind -> epochs completed
 
     @property
     def topology(self) -> dict | None:
@@ -104,6 +125,8 @@ class _RunState:
             self.num_epochs, self.last_kind, self.stop_requested = None, None, False
             self.nan_epoch, self.last_event_t = None, None
             self.cases = CaseProgress()
+            self.last_epoch_t, self.validation, self.final_dice = None, None, None
+            self.checkpoints = {}
         for scope, record in batch.records:
             if scope is Scope.LATER:
                 continue  # a later run (a resume) in the same folder: that job's view shows it
@@ -122,6 +145,8 @@ class _RunState:
             if len(self.running) > MAX_RUNNING_POINTS:
                 self.running.pop(next(iter(self.running)))
             self._running_tuple = None
+        elif kind == Kind.CHECKPOINT_SAVED and isinstance(record.get("epoch"), int):
+            self.checkpoints[record["checkpoint"]] = record["epoch"] + 1
         elif kind == Kind.EPOCH_ENDED:
             point = epoch_point(record)
             self.history[point.epoch] = point
@@ -134,6 +159,9 @@ class _RunState:
     def _absorb_mine(self, record: dict[str, Any]) -> None:
         kind = record["kind"]
         self.last_event_t = record["t"]
+        self._absorb_validation(record)
+        if kind == Kind.EPOCH_ENDED:
+            self.last_epoch_t = record["t"]
         if kind in START_KINDS:
             self.last_kind, self.stop_requested = None, False
             if kind == Kind.PREDICTION_STARTED:
@@ -146,6 +174,104 @@ class _RunState:
             self.last_kind = kind
         elif kind == Kind.EPOCH_ENDED and self.last_kind is None:
             self.last_kind = Kind.RUN_STARTED
+
+    def _absorb_validation(self, record: dict[str, Any]) -> None:
+        kind = record["kind"]
+        if kind == Kind.VALIDATION_STARTED:
+            self.validation = (0, int(record.get("num_cases") or 0))
+            self.validation_t = record["t"]
+        elif kind == Kind.VALIDATION_CASE:
+            self.validation = (record["index"], record["num_cases"])
+        elif kind == Kind.VALIDATION_FINISHED:
+            self.validation = None
+            dice = record.get("mean_fg_dice")
+            self.final_dice = dice if isinstance(dice, (int, float)) else None
+        elif kind in (*START_KINDS, Kind.STOPPED, Kind.FINISHED, Kind.FAILED):
+            self.validation = None
+            if kind in START_KINDS:
+                self.final_dice = None
+
+
+def state_label(view: JobView) -> str:
+    """The state as users read it, the same in the jobs table and `nnui status`: a kill
+    is "killed by you" (not a failure with exit 143), a final validation shows its cases,
+    a run whose results folder vanished says so."""
+    state = str(view.state)
+    cases = getattr(view, "validation_cases", None)  # getattr: also plain stand-in views
+    if state == State.FAILED and view.exit_code is not None:
+        state = f"failed (exit {view.exit_code})"
+    elif state == State.KILLED:
+        state = "killed by you"  # nnui kill / k: whatever exit code the kill caused
+    elif state == State.VALIDATING and cases:
+        state = f"validating {getattr(view, 'validation_done', 0) or 0}/{cases} cases"
+    if getattr(view, "run_dir_gone", False) and view.state in ENDED_STATES:
+        state += " (run folder gone)"
+    return state
+
+
+RESUME_ORDER = ("final", "latest", "best")  # the trainer's order on equal epochs (--c)
+
+
+def resume_from(view: JobView) -> str:
+    """What a `--c` resume of this job continues from, in words: the checkpoint the trainer
+    will pick (the newest saved one whose file is still there) and its epoch, or that it
+    starts from scratch. Reads only whether the files exist."""
+    folder = Path(view.job.run_dir)
+    if getattr(view.job, "engine", "nnui") == "nnunet":
+        found = [n for n in ("checkpoint_final.pth", "checkpoint_latest.pth")
+                 if (folder / n).is_file()]  # fmt: skip
+        if found:
+            return f"continues from nnU-Net's {found[0]} in {folder}"
+        return f"no checkpoint in {folder}: nnU-Net starts from scratch (epoch 1)"
+    saved = [(kind, done) for kind, done in view.checkpoints
+             if (folder / checkpoint_file(kind)).is_file()]  # fmt: skip
+    if not saved:
+        return f"no checkpoint in {folder}: starts from scratch (epoch 1)"
+    kind, done = min(saved, key=lambda s: (-s[1], RESUME_ORDER.index(s[0])))
+    total = view.num_epochs or "?"
+    return (
+        f"continues from {checkpoint_file(kind)}: {done}/{total} epochs done, next epoch {done + 1}"
+    )
+
+
+def _run_dir_gone(job: Job, run: _RunState) -> bool:
+    """The results folder this job wrote its events into no longer exists (moved, deleted)."""
+    started = run.last_event_t is not None or job.exit_code is not None
+    started = started or job.process("trainer") is not None
+    return started and not os.path.isdir(job.run_dir)
+
+
+def stall_s(
+    state: State, last_event_t: float | None, epoch_s: float | None, now: float
+) -> float | None:
+    """How long a running training has been quiet, when that is a stall (else None): over
+    three epochs' time and at least STALL_MIN_S. The one stall rule; a final validation
+    (State.VALIDATING, a case can take minutes) and a start-up are never a stall."""
+    if state != State.RUNNING or last_event_t is None or epoch_s is None:
+        return None
+    quiet_s = now - last_event_t
+    return quiet_s if quiet_s > max(3 * epoch_s, STALL_MIN_S) else None
+
+
+def alert_condition(alert: str) -> str:
+    """What an alert is about, without its changing numbers ("stalled: no event for 208 s"
+    and "... 209 s" are one condition): notifications are de-duplicated by it."""
+    return re.sub(r"(?<!GPU )\d+(\.\d+)?", "#", alert)  # a GPU's index names the condition
+
+
+def training_eta_s(
+    num_remaining: int, epoch_s: float, last_epoch_t: float | None, now: float
+) -> float | None:
+    """Seconds until the remaining epochs are done, counting down between epoch ends (from
+    the newest epoch_ended's time); never 0 while an epoch remains (an overrunning epoch
+    still leaves the ones after it, and at least a second)."""
+    if num_remaining <= 0:
+        return None
+    total = num_remaining * epoch_s
+    if last_epoch_t is None:
+        return total
+    elapsed = max(0.0, now - last_epoch_t)
+    return max(total - elapsed, (num_remaining - 1) * epoch_s, 1.0)
 
 
 _ENDING = {Kind.STOPPED: State.STOPPED, Kind.FINISHED: State.FINISHED, Kind.FAILED: State.FAILED}
@@ -167,6 +293,8 @@ def derive_state(job: Job, run: _RunState, alive: bool) -> State:
         return State.QUEUED  # between attempts: restarted with --c after the back-off
     if ending is not None:
         return ending
+    if run.validation is not None:
+        return State.VALIDATING
     if (job.after or job.when_free) and not job.process("trainer"):
         return State.STOPPING if job.queued_stop else State.QUEUED
     stop_sent = any(s.signal == "SIGUSR1" and s.result == "sent" for s in job.signals)
@@ -304,16 +432,7 @@ class JobTracker:
         recent = [p.epoch_time_s for p in history[-RECENT_EPOCHS:] if math.isfinite(p.epoch_time_s)]
         mean_epoch_s = statistics.fmean(recent) if recent else None
         done = last.epoch + 1 if last else (0 if run.num_epochs else None)
-        eta = None
-        if (
-            state in ACTIVE_STATES
-            and mean_epoch_s is not None
-            and run.num_epochs is not None
-            and done is not None
-        ):
-            eta = max(0, run.num_epochs - done) * mean_epoch_s
-        if job.kind == PREDICT and state in ACTIVE_STATES:
-            eta = run.cases.eta_s()
+        eta = self._eta_s(job, run, state, statistics.median(recent) if recent else None, done)
         alerts = self._alerts(job, run, state, mean_epoch_s, snapshot)
         console = tuple(run.console.lines)[-CONSOLE_LINES:]
         return JobView(
@@ -340,7 +459,30 @@ class JobTracker:
             cases_done=run.cases.num_done,
             seconds_per_case=run.cases.seconds_per_case,
             running_loss=run.running_points(),
+            final_dice=run.final_dice,
+            validation_done=run.validation[0] if run.validation else None,
+            validation_cases=run.validation[1] if run.validation else None,
+            run_dir_gone=_run_dir_gone(job, run),
+            checkpoints=tuple(run.checkpoints.items()),
         )
+
+    def _eta_s(
+        self, job: Job, run: _RunState, state: State, epoch_s: float | None, done: int | None
+    ) -> float | None:
+        if state not in ACTIVE_STATES:
+            return None
+        if job.kind == PREDICT:
+            return run.cases.eta_s()
+        now = time.time()
+        if state == State.VALIDATING and run.validation and run.validation_t is not None:
+            num_done, num_cases = run.validation
+            if num_done <= 0:
+                return None  # no case done yet: no honest figure
+            per_case_s = max(0.0, now - run.validation_t) / num_done
+            return max(1.0, (num_cases - num_done) * per_case_s)
+        if epoch_s is None or run.num_epochs is None or done is None:
+            return None
+        return training_eta_s(run.num_epochs - done, epoch_s, run.last_epoch_t, now)
 
     def _alerts(
         self,
@@ -353,16 +495,17 @@ class JobTracker:
         alerts = []
         if run.nan_epoch is not None:
             alerts.append(f"NaN loss at epoch {run.nan_epoch}")
-        if state == State.RUNNING and run.last_event_t is not None and mean_epoch_s is not None:
-            quiet_s = time.time() - run.last_event_t
-            if quiet_s > max(3 * mean_epoch_s, STALL_MIN_S):
-                alerts.append(f"stalled: no event for {quiet_s:.0f} s")
+        quiet_s = stall_s(state, run.last_event_t, mean_epoch_s, time.time())
+        if quiet_s is not None:
+            alerts.append(f"stalled: no event for {quiet_s:.0f} s")
+        if _run_dir_gone(job, run):
+            alerts.append(f"run folder gone: {job.run_dir}")
         if run.events.num_invalid:
             alerts.append(f"{run.events.num_invalid} invalid event lines skipped")
         if (
             snapshot is not None
             and not snapshot.simulated
-            and state in (State.RUNNING, State.STARTING)
+            and state in (State.RUNNING, State.STARTING, State.VALIDATING)
         ):
             for gpu in job.gpus:
                 reading = snapshot.gpu(gpu) if gpu.isdigit() else None

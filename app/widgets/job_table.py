@@ -14,6 +14,7 @@ from textual.binding import Binding, BindingType
 from textual.widgets import DataTable
 from textual.widgets.data_table import CellDoesNotExist
 
+from app.services.jobs import state_label
 from app.widgets.formatting import bar, fmt_duration_s, fmt_or_na
 from trainer.schema import State
 
@@ -49,6 +50,7 @@ STATE_STYLES: dict[str, str] = {
     State.FAILED: "bold red",
     State.LOST: "bold magenta",
     State.KILLED: "magenta",
+    State.VALIDATING: "bold green",
 }
 
 
@@ -89,14 +91,21 @@ def prediction_cells(view: JobView) -> tuple[str, str, str]:
     return fold, cases, fmt_or_na(view.seconds_per_case, "{:.1f} s/case")
 
 
+def dice_cell(view: JobView) -> str:
+    """The final validation's Dice once there is one ("final 0.812"), else the pseudo Dice
+    of the newest epoch."""
+    final = getattr(view, "final_dice", None)
+    if final is not None:
+        return f"final {final:.3f}"
+    return fmt_or_na(view.mean_dice, "{:.3f}")
+
+
 def row_cells(
     view: JobView, selected: bool, after_fold: str | None = None
 ) -> dict[str, Text | str]:
     """The text of every cell of one job's row."""
     job = view.job
-    state = view.state
-    if state == "failed" and view.exit_code is not None:
-        state = f"failed (exit {view.exit_code})"
+    state = state_label(view)
     if job.after and view.state in ("starting", "queued"):
         state = f"{view.state} (after fold {after_fold or '?'})"
     if getattr(view, "watch_only", False):
@@ -127,10 +136,10 @@ def row_cells(
         "epoch": epoch,
         "train": _loss(view.train_loss),
         "val": _loss(view.val_loss),
-        "dice": fmt_or_na(view.mean_dice, "{:.3f}"),
+        "dice": dice_cell(view),
         "ema": fmt_or_na(view.ema_dice, "{:.3f}"),
         "its": its,
-        "eta": fmt_duration_s(view.eta_s) if view.state == "running" else "",
+        "eta": fmt_duration_s(view.eta_s) if view.state in ("running", "validating") else "",
         "alerts": alerts,
     }
 
