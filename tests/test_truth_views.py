@@ -189,3 +189,14 @@ def test_validation_case_is_a_valid_additive_event() -> None:
     assert validate_event({"v": 1, "t": 1.0, "kind": "validation_case", "index": 1,
                            "num_cases": 3}) is None  # fmt: skip
     assert validate_event({"v": 1, "t": 1.0, "kind": "validation_case", "num_cases": 3})
+
+
+def test_cross_validation_eta_is_unknown_not_zero_while_a_fold_validates(tmp_path: Path) -> None:
+    import dataclasses
+
+    from test_jobs import view
+
+    running = view("a", "running", 20.0)
+    validating = dataclasses.replace(view("b", "validating", None), epoch=10)  # all epochs done
+    eta = JobTracker(Registry(tmp_path)).cross_validation_eta_s([running, validating])
+    assert eta is None  # was 20 s: as if the validation took no time ("0s" on its own)

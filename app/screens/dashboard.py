@@ -30,7 +30,7 @@ __all__ = ["ACTION_IDS", "DashboardScreen", "cv_text", "summary_text"]
 
 
 def cv_text(views: list[Any], cv_eta_s: float | None, problems: tuple[str, ...] = ()) -> Text:
-    running = sum(1 for v in views if v.state == "running")
+    running = sum(1 for v in views if v.state in ("running", "validating"))
     text = Text()
     text.append(f" {len(views)} job{'s' if len(views) != 1 else ''}, {running} running", "bold")
     text.append(f"   cross-validation ETA: {fmt_duration_s(cv_eta_s)}")

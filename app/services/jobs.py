@@ -530,9 +530,10 @@ class JobTracker:
             if view.eta_s is not None:
                 return view.eta_s
             num_epochs = view.num_epochs or fallback_epochs
-            if num_epochs and fallback_epoch_s:
-                return max(0, num_epochs - (view.epoch or 0)) * fallback_epoch_s
-            return None
+            remaining = max(0, (num_epochs or 0) - (view.epoch or 0))
+            if remaining and fallback_epoch_s:
+                return remaining * fallback_epoch_s
+            return None  # e.g. its final validation, no case done yet: unknown, not "0s"
 
         def chain(view: JobView, depth: int = 0) -> float | None:
             mine = own(view)
