@@ -340,6 +340,9 @@ def test_full_run_writes_every_file_and_event_and_lines_stay_whole(demo_preproce
     progress = [e["index"] for e in records if e["kind"] == "validation_case"]
     assert progress == list(range(1, started["num_cases"] + 1)) and started["num_cases"] == 2
     assert kinds.index("validation_started") < kinds.index("validation_finished")
+    # One epoch numbering: the console's line for the first epoch says 1/2, as the table.
+    console = (tmp_path / "console.log").read_text()
+    assert "epoch 1/2 lr" in console and "epoch 2/2 lr" in console and "epoch 0/2" not in console
     for record in records:
         assert EVENT_FIELDS[record["kind"]] <= set(record), record
     topology = next(e for e in records if e["kind"] == "topology")
