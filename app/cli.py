@@ -545,7 +545,8 @@ def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:
     # A simulated or CPU job needs no GPU readings; a CUDA one gets the real busy checks.
     real_gpus = request.device == "cuda" and not request.simulated
     snapshot = _snapshot(argparse.Namespace(simulate_gpus=None)) if real_gpus else None
-    print(f"resume {view.job.job_id}: {resume_from(view)}")
+    # On stderr: stdout stays one started job id per line, for scripts.
+    print(f"resume {view.job.job_id}: {resume_from(view)}", file=sys.stderr)
     return _launch_plans(request, roots_of(options), registry, snapshot)
 
 

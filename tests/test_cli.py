@@ -299,7 +299,10 @@ def test_resume_continues_in_the_jobs_own_roots(env: dict, tmp_path: Path) -> No
     make_preprocessed(elsewhere / "preprocessed")
     other_env = {**env, "nnUNet_preprocessed": str(elsewhere / "preprocessed"),
                  "nnUNet_results": str(elsewhere / "results")}  # fmt: skip
-    (resumed,) = launched_ids(nnui(other_env, "resume", first))
+    result = nnui(other_env, "resume", first)
+    # It says what --c continues from (the fake trainer saves no checkpoint file).
+    assert f"resume {first}: no checkpoint in " in result.stderr, result.stderr
+    (resumed,) = launched_ids(result)
     row = status(other_env)[resumed]
     assert row["run_dir"] == run
     assert wait_until(lambda: (status(other_env)[resumed]["epoch"] or 0) > stopped_epoch, 20)
