@@ -20,13 +20,8 @@ from app.cli_schedule import cmd_priority, cmd_watch, schedule_notes, schedule_o
 from app.services import catalog, job_list, launcher, prediction
 from app.services.claims import ClaimRefused
 from app.services.gpus import GpuMonitor, MachineSnapshot
-from app.services.jobs import (
-    JobTracker,
-    JobView,
-    resume_from,
-    simulated_gpu_load,
-    state_label,
-)
+from app.services.job_text import resume_from, state_label
+from app.services.jobs import JobTracker, JobView, simulated_gpu_load
 from app.services.nnunet_runs import RUN_ID_PREFIX, WatchOnlyRun, is_train_cmdline, stop_refusal
 from app.services.procs import proc_info
 from app.services.registry import PREDICT, Job, Registry

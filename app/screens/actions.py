@@ -19,7 +19,7 @@ from app.screens.confirm import (
     RefusalScreen,
     StopConfirmScreen,
 )
-from app.services import catalog, jobs, launcher, nnunet_runs, prediction, signals
+from app.services import catalog, job_text, launcher, nnunet_runs, prediction, signals
 from app.services.registry import PREDICT
 from app.services.waiting import between_attempts
 from trainer.schema import DatasetNotFound, find_dataset
@@ -262,7 +262,7 @@ def _resume(app: Any, views: list[Any]) -> None:
         for view in views:
             got, why = resume_plan(app, view.job)
             if view.job.kind != PREDICT:  # say what --c continues from, or that it cannot
-                got = [(p, jobs.resume_from(view)) for p in got]
+                got = [(p, job_text.resume_from(view)) for p in got]
             plans += got
             problems += [f"{view.job.job_id}: {p}" for p in why]
         return plans, problems

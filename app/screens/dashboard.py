@@ -21,7 +21,7 @@ from app.screens.job_summary import summary_text
 from app.screens.keys import ACTION_IDS, DASHBOARD_ACTIONS, DASHBOARD_NAV, DASHBOARD_VIEW
 from app.screens.launch import LaunchScreen
 from app.services import job_list
-from app.services.jobs import alert_condition
+from app.services.job_text import alert_condition
 from app.widgets.formatting import fmt_duration_s
 from app.widgets.gpu_panel import GpuPanel
 from app.widgets.job_table import JobTable

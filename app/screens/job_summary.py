@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.text import Text
 
-from app.services.jobs import state_label
+from app.services.job_text import state_label
 from app.widgets.formatting import fmt_duration_s
 
 FAILED_TAIL_LINES = 4

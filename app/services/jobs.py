@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -27,14 +26,7 @@ from app.services.nnunet_runs import NnunetRunWatcher, WatchOnlyRun
 from app.services.procs import ProcRow, job_alive, proc_info
 from app.services.registry import PREDICT, TRAIN, Job, ProcessRecord, Registry
 from app.services.tail import TextTail
-from trainer.schema import (
-    ACTIVE_STATES,
-    ENDED_STATES,
-    START_KINDS,
-    Kind,
-    State,
-    checkpoint_file,
-)
+from trainer.schema import ACTIVE_STATES, START_KINDS, Kind, State
 
 STALL_MIN_S = 60.0
 RECENT_EPOCHS = 5
@@ -192,48 +184,6 @@ class _RunState:
                 self.final_dice = None
 
 
-def state_label(view: JobView) -> str:
-    """The state as users read it, the same in the jobs table and `nnui status`: a kill
-    is "killed by you" (not a failure with exit 143), a final validation shows its cases,
-    a run whose results folder vanished says so."""
-    state = str(view.state)
-    cases = getattr(view, "validation_cases", None)  # getattr: also plain stand-in views
-    if state == State.FAILED and view.exit_code is not None:
-        state = f"failed (exit {view.exit_code})"
-    elif state == State.KILLED:
-        state = "killed by you"  # nnui kill / k: whatever exit code the kill caused
-    elif state == State.VALIDATING and cases:
-        state = f"validating {getattr(view, 'validation_done', 0) or 0}/{cases} cases"
-    if getattr(view, "run_dir_gone", False) and view.state in ENDED_STATES:
-        state += " (run folder gone)"
-    return state
-
-
-RESUME_ORDER = ("final", "latest", "best")  # the trainer's order on equal epochs (--c)
-
-
-def resume_from(view: JobView) -> str:
-    """What a `--c` resume of this job continues from, in words: the checkpoint the trainer
-    will pick (the newest saved one whose file is still there) and its epoch, or that it
-    starts from scratch. Reads only whether the files exist."""
-    folder = Path(view.job.run_dir)
-    if getattr(view.job, "engine", "nnui") == "nnunet":
-        found = [n for n in ("checkpoint_final.pth", "checkpoint_latest.pth")
-                 if (folder / n).is_file()]  # fmt: skip
-        if found:
-            return f"continues from nnU-Net's {found[0]} in {folder}"
-        return f"no checkpoint in {folder}: nnU-Net starts from scratch (epoch 1)"
-    saved = [(kind, done) for kind, done in view.checkpoints
-             if (folder / checkpoint_file(kind)).is_file()]  # fmt: skip
-    if not saved:
-        return f"no checkpoint in {folder}: starts from scratch (epoch 1)"
-    kind, done = min(saved, key=lambda s: (-s[1], RESUME_ORDER.index(s[0])))
-    total = view.num_epochs or "?"
-    return (
-        f"continues from {checkpoint_file(kind)}: {done}/{total} epochs done, next epoch {done + 1}"
-    )
-
-
 def _run_dir_gone(job: Job, run: _RunState) -> bool:
     """The results folder this job wrote its events into no longer exists (moved, deleted)."""
     started = run.last_event_t is not None or job.exit_code is not None
@@ -251,12 +201,6 @@ def stall_s(
         return None
     quiet_s = now - last_event_t
     return quiet_s if quiet_s > max(3 * epoch_s, STALL_MIN_S) else None
-
-
-def alert_condition(alert: str) -> str:
-    """What an alert is about, without its changing numbers ("stalled: no event for 208 s"
-    and "... 209 s" are one condition): notifications are de-duplicated by it."""
-    return re.sub(r"(?<!GPU )\d+(\.\d+)?", "#", alert)  # a GPU's index names the condition
 
 
 def training_eta_s(

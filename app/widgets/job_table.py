@@ -14,7 +14,7 @@ from textual.binding import Binding, BindingType
 from textual.widgets import DataTable
 from textual.widgets.data_table import CellDoesNotExist
 
-from app.services.jobs import state_label
+from app.services.job_text import state_label
 from app.widgets.formatting import bar, fmt_duration_s, fmt_or_na
 from trainer.schema import State
 
