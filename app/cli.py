@@ -20,6 +20,7 @@ from app.cli_schedule import cmd_priority, cmd_watch, schedule_notes, schedule_o
 from app.services import busy_gpus, catalog, job_list, launcher, prediction
 from app.services.claims import ClaimRefused
 from app.services.gpus import GpuMonitor, MachineSnapshot
+from app.services.job_text import resume_from, state_label
 from app.services.jobs import JobTracker, JobView, simulated_gpu_load
 from app.services.nnunet_runs import RUN_ID_PREFIX, WatchOnlyRun, is_train_cmdline, stop_refusal
 from app.services.procs import proc_info
@@ -135,6 +136,11 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "retries": job.retries,
         "restarts": list(job.restarts),
         "forgotten": getattr(job, "forgotten_at", None) is not None,  # `nnui forget` (--all)
+        "state_text": state_label(view),  # what the table says ("killed by you", ...)
+        "final_dice": view.final_dice,  # validation_finished's mean foreground Dice
+        "validation_done": view.validation_done,  # while validating: cases done, of
+        "validation_cases": view.validation_cases,
+        "run_dir_gone": view.run_dir_gone,
     }
 
 
@@ -216,7 +222,7 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
         mode, epoch, speed = progress_cells(v)
         rows.append(
             (
-                job.job_id, job.dataset, job.configuration, job.fold, mode, gpus, v.state,
+                job.job_id, job.dataset, job.configuration, job.fold, mode, gpus, state_label(v),
                 epoch, _f(v.train_loss), _f(v.val_loss), _f(v.ema_dice, "{:.3f}"),
                 speed, fmt_duration(v.eta_s),
                 "" if v.exit_code is None else str(v.exit_code),
@@ -228,6 +234,8 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
     ]
     for v in views:
         lines.extend(f"  {v.job.job_id}: {note}" for note in schedule_notes(v))
+        if v.final_dice is not None:
+            lines.append(f"  {v.job.job_id}: final validation Dice {v.final_dice:.3f}")
         for alert in v.alerts:
             lines.append(f"! {v.job.job_id}: {alert}")
         if v.state == "failed" and v.console_tail:
@@ -273,7 +281,8 @@ def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
         print(json.dumps([_json_safe(row) for row in rows], indent=1))
         return EXIT_OK
     if not views and not watched:
-        print("no jobs")
+        # An unreadable job file is not "no jobs": the warning below names it.
+        print("no readable jobs" if registry.list_problems else "no jobs")
         return EXIT_OK
     if views:
         # One row per run folder (a resume continues its row); --all: every job, grouped.
@@ -586,6 +595,8 @@ def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:
         highest = max((int(g) for g in request.gpus if g.isdigit()), default=0)
         count = options.simulate_gpus or highest + 1
         snapshot = _snapshot(argparse.Namespace(simulate_gpus=count))
+    # On stderr: stdout stays one started job id per line, for scripts.
+    print(f"resume {view.job.job_id}: {resume_from(view)}", file=sys.stderr)
     return _launch_plans(request, roots_of(options), registry, snapshot, yes=options.yes)
 
 

@@ -76,7 +76,7 @@ def simulated_load(views: list[Any]) -> dict[int, list[tuple[int, str]]]:
     load: dict[int, list[tuple[int, str]]] = {}
     for view in views:
         job = view.job
-        if not job.simulated or view.state not in ("starting", "running", "stopping"):
+        if not job.simulated or view.state not in ("starting", "running", "stopping", "validating"):
             continue
         ranks = (view.topology or {}).get("ranks") or []
         trainer = job.process("trainer") if hasattr(job, "process") else None
@@ -101,9 +101,14 @@ class MachineRead(Message):
 
 class JobsRead(Message):
     def __init__(
-        self, views: list[Any], cv_eta_s: float | None, first_step: str | None = None
+        self,
+        views: list[Any],
+        cv_eta_s: float | None,
+        first_step: str | None = None,
+        problems: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
+        self.problems = problems  # registry files that could not be read, each named
         self.views = views
         self.cv_eta_s = cv_eta_s
         self.first_step = first_step  # what to run first, while there is nothing to train
@@ -130,6 +135,7 @@ class NnuiApp(App):
         self.views: list[Any] = []
         self.cv_eta_s: float | None = None
         self.first_step: str | None = None
+        self.problems: tuple[str, ...] = ()  # unreadable registry files (shown as warnings)
         self._busy: dict[str, threading.Lock] = {
             "gpus": threading.Lock(),
             "jobs": threading.Lock(),
@@ -216,7 +222,8 @@ class NnuiApp(App):
             views = tracker.refresh(self.snapshot)
             eta_s = tracker.cross_validation_eta_s(views)  # nnui's own cross-validation
             views = [*views, *self._watch_only(tracker)]
-            return JobsRead(views, eta_s, None if views else self._first_step())
+            problems = tuple(getattr(tracker, "problems", ()))
+            return JobsRead(views, eta_s, None if views else self._first_step(), problems)
 
         self._in_thread("jobs", read)
 
@@ -265,6 +272,7 @@ class NnuiApp(App):
         self.views = message.views
         self.cv_eta_s = message.cv_eta_s
         self.first_step = message.first_step
+        self.problems = message.problems
         for screen in self.screen_stack:
             show = getattr(screen, "show_jobs", None)
             if show is not None:

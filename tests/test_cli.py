@@ -299,10 +299,25 @@ def test_resume_continues_in_the_jobs_own_roots(env: dict, tmp_path: Path) -> No
     make_preprocessed(elsewhere / "preprocessed")
     other_env = {**env, "nnUNet_preprocessed": str(elsewhere / "preprocessed"),
                  "nnUNet_results": str(elsewhere / "results")}  # fmt: skip
-    (resumed,) = launched_ids(nnui(other_env, "resume", first))
+    result = nnui(other_env, "resume", first)
+    # It says what --c continues from (the fake trainer saves no checkpoint file).
+    assert f"resume {first}: no checkpoint in " in result.stderr, result.stderr
+    (resumed,) = launched_ids(result)
     row = status(other_env)[resumed]
     assert row["run_dir"] == run
     assert wait_until(lambda: (status(other_env)[resumed]["epoch"] or 0) > stopped_epoch, 20)
     assert status(other_env)[resumed]["epoch"] > stopped_epoch  # continued, not from zero
     assert not (elsewhere / "results").exists()
     assert nnui(other_env, "stop", resumed, "--yes").returncode == 0
+
+
+def test_only_a_bad_registry_file_is_not_no_jobs(env: dict) -> None:
+    """Was "no jobs" on stdout while the warning said a job file could not be read."""
+    from app.services.registry import Registry
+
+    registry = Registry(Path(env["NNUI_STATE_DIR"]))
+    (registry.jobs_dir / "1130-120000-f1-bad.json").write_text('{"job_id": "1130-')
+    result = nnui(env, "status")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "no readable jobs"
+    assert "1130-120000-f1-bad.json" in result.stderr and "Traceback" not in result.stderr

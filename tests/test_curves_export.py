@@ -124,8 +124,8 @@ def test_the_jobs_reader_keeps_running_points_and_per_class_dice(tmp_path: Path)
         epoch_line(NOW - 87, 0, [0.5, None]),
     )
     (view,) = JobTracker(registry).refresh()
-    assert next((p.x, p.loss) for p in view.running_loss) == (-0.5, 0.9)
-    assert view.running_loss[1].x == 0.0  # the epoch's end sits where its epoch_ended is
+    assert next((p.x, p.loss) for p in view.running_loss) == (0.5, 0.9)
+    assert view.running_loss[1].x == 1.0  # the epoch's end sits where its epoch_ended is
     assert view.history[0].dice_per_class[0] == 0.5 and view.history[0].dice_per_class[1] != 0.5
 
 
@@ -187,7 +187,7 @@ def test_export_writes_csv_rows_equal_to_the_events_and_a_png(tmp_path: Path, mo
     width, height, colours, text = decode_png((out / f"{job.job_id}_curves.png").read_bytes())
     assert (width, height) == (960, 3 * 280)
     assert set(distinct_colours(4)) <= colours  # Dice: mean, EMA, class 1, class 2
-    assert "class 2" in text["Comment"] and "x (epoch) 0..2" in text["Comment"]
+    assert "class 2" in text["Comment"] and "x (epoch) 1..3" in text["Comment"]  # epochs done
     printed = capsys.readouterr().out
     assert "loss: x (epoch)" in printed and "#1f77b4 train" in printed
 

@@ -390,6 +390,8 @@ def test_final_validation_writes_what_nnui_predict_writes_and_nnui_evaluate_agre
     assert finished["mean_fg_dice"] == summary["foreground_mean"]["Dice"]
     assert finished["dice_per_class"] == [summary["mean"][k]["Dice"] for k in ("1", "2")]
     assert finished["num_cases"] == len(cases)
+    progress = [e for e in events(run_dir(results)) if e["kind"] == "validation_case"]
+    assert [e["index"] for e in progress][-len(cases) :] == list(range(1, len(cases) + 1))
 
     # --val --val_best: checkpoint_best of a one-epoch run holds the final weights.
     (validation / schema.SUMMARY_FILE).unlink()

@@ -55,6 +55,7 @@ def _valid_record(rng: random.Random, kind: Kind, t: float) -> dict:
         Kind.STOPPED: dict(epoch=2, reason="SIGUSR1"),
         Kind.VALIDATION_STARTED: dict(epoch=9, num_cases=2),
         Kind.VALIDATION_FINISHED: dict(mean_fg_dice=0.7, dice_per_class=[0.7], num_cases=2),
+        Kind.VALIDATION_CASE: dict(index=rng.randint(1, 9), num_cases=9),
         Kind.FINISHED: dict(epoch=9),
         Kind.FAILED: dict(message="boom", traceback=""),
         Kind.TRAIN_LOSS_RUNNING: dict(epoch=1, iteration=3, num_iterations=4, loss=0.5),

@@ -46,6 +46,7 @@ EXAMPLES: dict[schema.Kind, dict] = {
     schema.Kind.STOPPED: dict(epoch=3, reason="SIGUSR1"),
     schema.Kind.VALIDATION_STARTED: dict(epoch=9, num_cases=2),
     schema.Kind.VALIDATION_FINISHED: dict(mean_fg_dice=0.7, dice_per_class=[0.7], num_cases=2),
+    schema.Kind.VALIDATION_CASE: dict(index=1, num_cases=2),
     schema.Kind.FINISHED: dict(epoch=9),
     schema.Kind.FAILED: dict(message="boom", traceback="Traceback ...", epoch=None),
     schema.Kind.PREDICTION_STARTED: dict(

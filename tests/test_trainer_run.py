@@ -54,6 +54,8 @@ EVENT_FIELDS = {
     "checkpoint_saved": {"checkpoint", "path", "epoch", "write_time_s"},
     "stop_requested": {"epoch", "ranks"},
     "stopped": {"epoch", "reason"},
+    "validation_started": {"num_cases"},
+    "validation_case": {"index", "num_cases"},
     "validation_finished": {"mean_fg_dice", "dice_per_class"},
     "finished": set(),
     "failed": {"message", "traceback"},
@@ -333,6 +335,14 @@ def test_full_run_writes_every_file_and_event_and_lines_stay_whole(demo_preproce
         "finished",
     ]
     assert kinds.count("epoch_ended") == 2
+    # The final validation's own progress: started with its case count, then every case.
+    (started,) = [e for e in records if e["kind"] == "validation_started"]
+    progress = [e["index"] for e in records if e["kind"] == "validation_case"]
+    assert progress == list(range(1, started["num_cases"] + 1)) and started["num_cases"] == 2
+    assert kinds.index("validation_started") < kinds.index("validation_finished")
+    # One epoch numbering: the console's line for the first epoch says 1/2, as the table.
+    console = (tmp_path / "console.log").read_text()
+    assert "epoch 1/2 lr" in console and "epoch 2/2 lr" in console and "epoch 0/2" not in console
     for record in records:
         assert EVENT_FIELDS[record["kind"]] <= set(record), record
     topology = next(e for e in records if e["kind"] == "topology")
@@ -361,7 +371,7 @@ def test_full_run_writes_every_file_and_event_and_lines_stay_whole(demo_preproce
                      simulated=False, argv=[], env={}, run_dir=str(folder),
                      console_path=str(tmp_path / "console.log"), exit_code=0))  # fmt: skip
     (view,) = JobTracker(registry).refresh()
-    assert [p.x for p in view.running_loss] == [-0.5, 0.0, 0.5, 1.0]
+    assert [p.x for p in view.running_loss] == [0.5, 1.0, 1.5, 2.0]
     assert all(0 <= e["data_wait_s"] < e["epoch_time_s"] for e in epochs)
     validated = next(e for e in records if e["kind"] == "validation_finished")
     # The same shape as in epoch_ended: a list indexed by foreground class.

@@ -105,6 +105,8 @@ async def test_launch_then_graceful_stop_then_resume(tmp_path: Path, monkeypatch
             await screen_of(app, pilot, LaunchConfirmScreen)
             preview = app.screen.query_one("#launch-preview-text").render().plain
             assert "--c" in preview and " 0 -device cpu" in preview
+            # ... and what it continues from (the fake trainer saves no checkpoint file).
+            assert "starts from scratch (epoch 1)" in preview, preview
             await pilot.press("y")
             await wait_for(lambda: len(Registry(state).list()) == 2, pilot)
             resumed = next(j for j in Registry(state).list() if j.job_id != job_id)

@@ -158,7 +158,7 @@ def test_epoch_ticks_and_series() -> None:
         train_loss: float
 
     assert series([Point(0, 1.0), Point(1, float("nan")), Point(2, 0.5)], "train_loss") == (
-        [0, 2],
+        [1, 3],  # epochs done: the first epoch ends at 1
         [1.0, 0.5],
     )
 

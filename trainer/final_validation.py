@@ -213,7 +213,8 @@ def _transfer_dtypes(label_values: list[int]) -> tuple[Any, Any]:
 
 
 def make_sink(topology: Any, shares: list[list[str]], collector: Collector | None,
-              target: Target, npz: bool, on_case: Callable[[], None]) -> CaseSink:  # fmt: skip
+              target: Target, npz: bool, on_case: Callable[[], None],
+              on_round: Callable[[int], None] | None = None) -> CaseSink:  # fmt: skip
     """Ranks > 0 send each case (segmentation, then probabilities with --npz) to rank 0,
     which writes its own case of the round, then that round's case of every other rank
     (rank 0 holds the most cases, so its rounds cover everyone's)."""
@@ -246,13 +247,16 @@ def make_sink(topology: Any, shares: list[list[str]], collector: Collector | Non
             if npz:
                 probabilities = distributed.recv_from(rank, torch.float32).numpy()
             collector.add(shares[rank][index], RawPrediction(segmentation, probabilities))
+        if on_round is not None:  # rank 0 has every rank's case of this round now
+            on_round(sum(min(index + 1, len(share)) for share in shares))
 
     return sink
 
 
 def validate(config: Any, topology: Any, model: Any, cases: Any, val_ids: list[str],
              plans: Any, cplan: Any, device: Any,
-             on_case: Callable[[], None]) -> dict | None:  # fmt: skip
+             on_case: Callable[[], None],
+             on_progress: Callable[[int, int], None] | None = None) -> dict | None:  # fmt: skip
     """Every rank: predict its share; rank 0: write the files and validation/summary.json.
     Returns the summary on rank 0, None elsewhere."""
     from trainer import distributed
@@ -265,7 +269,12 @@ def validate(config: Any, topology: Any, model: Any, cases: Any, val_ids: list[s
     world = topology.world_size
     shares = [list(val_ids)[rank::world] for rank in range(world)]
     collector = Collector(target) if topology.is_main else None
-    sink = make_sink(topology, shares, collector, target, config.npz, on_case)
+
+    def on_round(num_done: int) -> None:  # progress: cases of every rank done, of all
+        if on_progress is not None:
+            on_progress(num_done, len(val_ids))
+
+    sink = make_sink(topology, shares, collector, target, config.npz, on_case, on_round)
     mine = predict_share(
         model, cases, shares[topology.global_rank], cplan, plans.num_classes, device,
         config.val_mirror, target, config.npz, sink,

@@ -197,7 +197,8 @@ def record_stop(
     recorder.status(State.STOPPING)
     recorder.event(Kind.STOP_REQUESTED, epoch=epoch, ranks=signalled)
     if ranks is not None:  # rank 0 knows who was signalled
-        log.info("SIGUSR1 received (ranks %s): stopping after epoch %d", signalled, epoch)
+        # Epochs are shown 1-based (epoch 3/300 = the third, done): as nnui's table.
+        log.info("SIGUSR1 received (ranks %s): stopping after epoch %d", signalled, epoch + 1)
     if write_latest:
         checkpointer.save("latest", state)
     recorder.event(Kind.STOPPED, epoch=epoch, reason="SIGUSR1")
@@ -314,7 +315,7 @@ def _report_epoch(
     log.info(
         "epoch %d/%d lr %.6f train_loss %.4f val_loss %.4f pseudo_dice %s ema %.4f "
         "epoch_time %.2f s",
-        epoch,
+        epoch + 1,  # 1-based, so the line of the third epoch says 3/N as nnui's table does
         config.num_epochs,
         m.lr,
         m.train_loss,

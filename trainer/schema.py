@@ -161,6 +161,9 @@ class Kind(_StrEnum):
     # Additive in v1: the mean training loss of the steps since the previous point, a few
     # times per epoch (rank 0's own batch share; `iteration` counts steps done this epoch).
     TRAIN_LOSS_RUNNING = "train_loss_running"
+    # Additive in v1: final validation progress, once per round of cases on rank 0
+    # (`index` = cases of every rank done so far, 1-based; `num_cases` = all of them).
+    VALIDATION_CASE = "validation_case"
 
 
 # The kinds that begin a job's own run in its events file.
@@ -182,11 +185,14 @@ class State(_StrEnum):
     QUEUED = "queued"
     LOST = "lost"
     KILLED = "killed"
+    VALIDATING = "validating"  # derived by the app: the final validation runs
 
 
 TERMINAL_STATES = frozenset({State.STOPPED, State.FINISHED, State.FAILED})
 ENDED_STATES = TERMINAL_STATES | {State.LOST, State.KILLED}  # nothing runs any more
-ACTIVE_STATES = frozenset({State.STARTING, State.QUEUED, State.RUNNING, State.STOPPING})
+ACTIVE_STATES = frozenset(
+    {State.STARTING, State.QUEUED, State.RUNNING, State.STOPPING, State.VALIDATING}
+)
 
 
 # ---- what a valid event is (checked by every reader; a record that fails is skipped) ------
@@ -275,6 +281,7 @@ REQUIRED_KEYS: dict[Kind, dict[str, Check]] = {
     Kind.PREDICTION_STARTED: {"num_cases": COUNT},
     Kind.CASE_PREDICTED: {"case": TEXT},
     Kind.TRAIN_LOSS_RUNNING: {"epoch": COUNT, "iteration": POSITIVE, "loss": METRIC},
+    Kind.VALIDATION_CASE: {"index": POSITIVE, "num_cases": POSITIVE},
 }
 _EPOCH_METRICS = ("train_loss", "val_loss", "mean_fg_dice", "ema_fg_dice", "lr",
                   "epoch_time_s", "iterations_per_s", "data_wait_s")  # fmt: skip
@@ -330,6 +337,7 @@ OPTIONAL_KEYS: dict[Kind, dict[str, Check]] = {
         "shape": _list_of("non-negative integers", COUNT.ok),
     },
     Kind.TRAIN_LOSS_RUNNING: {"num_iterations": POSITIVE},
+    Kind.VALIDATION_CASE: {},
 }
 
 

@@ -379,9 +379,15 @@ def _final_validation(config: TrainConfig, topology: Any, trainee: Any, cases: A
 
     recorder.status(State.RUNNING, message="final validation")
     model = evaluation_model(plans, cplan, trainee.raw_model, trainee.device)
+    recorder.event(Kind.VALIDATION_STARTED, num_cases=len(val_ids))
+
+    def progress(num_done: int, num_cases: int) -> None:
+        recorder.event(Kind.VALIDATION_CASE, index=num_done, num_cases=num_cases)
+
     summary = validate(
-        config, topology, model, cases, val_ids, plans, cplan, trainee.device, stop_notice()
-    )
+        config, topology, model, cases, val_ids, plans, cplan, trainee.device, stop_notice(),
+        progress,
+    )  # fmt: skip
     del model
     if summary is None:
         return

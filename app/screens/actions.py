@@ -19,13 +19,13 @@ from app.screens.confirm import (
     RefusalScreen,
     StopConfirmScreen,
 )
-from app.services import catalog, launcher, nnunet_runs, prediction, signals
+from app.services import catalog, job_text, launcher, nnunet_runs, prediction, signals
 from app.services.registry import PREDICT
 from app.services.waiting import between_attempts
 from trainer.schema import DatasetNotFound, find_dataset
 
-NOTHING_TO_STOP = frozenset({"stopped", "finished", "failed", "lost"})
-ACTIVE = frozenset({"starting", "running", "stopping", "queued"})
+NOTHING_TO_STOP = frozenset({"stopped", "finished", "failed", "lost", "killed"})
+ACTIVE = frozenset({"starting", "running", "stopping", "queued", "validating"})
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,9 @@ def plan_stop_choice(view: Any) -> StopChoice:
     note = "waiting (for a free GPU or to restart): the stop cancels it" if waits else None
     if view.state == "stopping":
         note = "already stopping: sending SIGUSR1 again is harmless (the flag is already set)"
+    elif view.state == "validating":
+        note = ("the final validation is running: the trainer finishes it first, then ends "
+                "as finished (every epoch is trained; nothing is left to resume)")  # fmt: skip
     elif view.job.queued_stop and plan.queued:
         note = "a stop is already queued: it is sent as soon as the ranks report"
     return StopChoice(view, plan, note)
@@ -270,6 +273,8 @@ def _resume(app: Any, views: list[Any]) -> None:
         plans, problems, notes = [], [], []
         for view in views:
             got, why = resume_plan(app, view.job)
+            if view.job.kind != PREDICT:  # say what --c continues from, or that it cannot
+                got = [(p, job_text.resume_from(view)) for p in got]
             plans += got
             problems += [f"{view.job.job_id}: {p}" for p in why]
             notes += [n for n in busy_notes(app, view.job) if n not in notes]
@@ -278,8 +283,10 @@ def _resume(app: Any, views: list[Any]) -> None:
     def planned(result: Any) -> None:
         if _report_error(app, result):
             return
-        plans, problems, notes = result
-        previews = [launcher.preview(p) for p in plans]
+        pairs, problems, notes = result
+        plans = [p[0] if isinstance(p, tuple) else p for p in pairs]
+        previews = [f"# {p[1]}\n{launcher.preview(p[0])}" if isinstance(p, tuple)
+                    else launcher.preview(p) for p in pairs]  # fmt: skip
         screen = LaunchConfirmScreen("Resume (--c, same GPUs)", previews, problems, notes)
         app.push_screen(screen, lambda ok: start_plans(app, plans) if ok else None)
 

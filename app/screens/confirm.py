@@ -19,6 +19,14 @@ from textual.widgets import Button, Input, Static
 KILL_WORD = "kill"
 
 
+def _before_first_epoch(view: Any) -> bool:
+    """No epoch has ended and no training step of epoch 1 reported: a stop now ends the
+    start-up (trainer.worker: stop before the first epoch, nothing to save)."""
+    if view.epoch not in (0, None) or view.history:
+        return False
+    return not any(p.epoch == 0 for p in getattr(view, "running_loss", ()))
+
+
 def stop_text(choices: Sequence[Any]) -> Text:
     text = Text()
     for i, choice in enumerate(choices):
@@ -52,6 +60,15 @@ def stop_text(choices: Sequence[Any]) -> Text:
                 else f"the running epoch (epoch {plan.epoch + 1}/{view.num_epochs or '?'})"
             )
             ending = f"It stops at the end of {at}, writes checkpoint_latest and exits 0."
+            if view.state == "validating":
+                ending = "The final validation finishes first; the run then ends as finished."
+            elif _before_first_epoch(view):
+                first = f"epoch 1/{view.num_epochs or '?'}"
+                ending = (
+                    f"No step of {first} has reported yet. Still starting up: it stops before "
+                    f"{first}, with no checkpoint (a resume starts from scratch). Already in "
+                    f"{first}: it stops at its end, writes checkpoint_latest and exits 0."
+                )
             if predicting:
                 ending = (
                     "It writes the case it is predicting, then exits 0 (resume with r: "

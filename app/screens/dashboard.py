@@ -22,6 +22,7 @@ from app.screens.keys import ACTION_IDS, DASHBOARD_ACTIONS, DASHBOARD_NAV, DASHB
 from app.screens.launch import LaunchScreen
 from app.services import job_list
 from app.services.bell import BellRule
+from app.services.job_text import alert_condition
 from app.widgets.formatting import fmt_duration_s
 from app.widgets.gpu_panel import GpuPanel
 from app.widgets.job_table import JobTable
@@ -29,11 +30,13 @@ from app.widgets.job_table import JobTable
 __all__ = ["ACTION_IDS", "DashboardScreen", "cv_text", "summary_text"]
 
 
-def cv_text(views: list[Any], cv_eta_s: float | None) -> Text:
-    running = sum(1 for v in views if v.state == "running")
+def cv_text(views: list[Any], cv_eta_s: float | None, problems: tuple[str, ...] = ()) -> Text:
+    running = sum(1 for v in views if v.state in ("running", "validating"))
     text = Text()
     text.append(f" {len(views)} job{'s' if len(views) != 1 else ''}, {running} running", "bold")
     text.append(f"   cross-validation ETA: {fmt_duration_s(cv_eta_s)}")
+    for problem in problems:  # a job file that could not be read: named, never hidden
+        text.append(f"\n ⚠ warning: {problem}", style="bold yellow")
     return text
 
 
@@ -48,6 +51,7 @@ class DashboardScreen(Screen):
         self._alerts_seen: set[tuple[str, str]] = set()
         self._states_seen: dict[str, str] = {}
         self._bell = BellRule()  # the terminal bell, once per job and event
+        self._problems_seen: set[str] = set()
         self._summary: str | None = None
         self._cv: str | None = None
         self._ready = False  # data messages can arrive before the widgets are composed
@@ -85,20 +89,29 @@ class DashboardScreen(Screen):
             return
         self.query_one(JobTable).show(job_list.arrange(views, self.filter_text, self.sort))
         self._show_summary()
-        cv = cv_text(views, cv_eta_s)
+        problems = tuple(getattr(self.app, "problems", ()))
+        cv = cv_text(views, cv_eta_s, problems)
         if cv.plain != self._cv:
             self._cv = cv.plain
             self.query_one("#cv-line", Static).update(cv)
         self._notify_changes(views)
+        for problem in problems:
+            if problem not in self._problems_seen:
+                self._problems_seen.add(problem)
+                self.notify(f"warning: {problem}", severity="warning", timeout=10)
 
     def _notify_changes(self, views: list[Any]) -> None:
         if self._bell.rings(views) and self.app.config.bell:
             self.app.bell()
+        # One toast per condition while it lasts ("stalled ... 208 s", "209 s" are one); it
+        # toasts again only after it cleared and came back.
+        active: set[tuple[str, str]] = set()
         for view in views:
             job_id = view.job.job_id
             for alert in view.alerts:
-                if (job_id, alert) not in self._alerts_seen:
-                    self._alerts_seen.add((job_id, alert))
+                condition = (job_id, alert_condition(alert))
+                active.add(condition)
+                if condition not in self._alerts_seen:
                     self.notify(f"{job_id}: {alert}", severity="warning", timeout=8)
             before = self._states_seen.get(job_id)
             if before is not None and before != view.state and view.state == "failed":
@@ -106,13 +119,16 @@ class DashboardScreen(Screen):
                     f"{job_id} failed (exit {view.exit_code})", severity="error", timeout=10
                 )
             self._states_seen[job_id] = view.state
+        self._alerts_seen = active
 
     def _show_summary(self) -> None:
         if not self._ready:
             return
         table = self.query_one(JobTable)
         job_id = table.current_job_id
-        text = summary_text(self.app.view_of(job_id) if job_id else None, self.app.first_step)
+        view = self.app.view_of(job_id) if job_id else None
+        loading = self.app.num_jobs_messages == 0
+        text = summary_text(view, self.app.first_step, len(self.app.problems), loading)
         if text.plain != self._summary:
             self._summary = text.plain
             self.query_one("#job-summary", Static).update(text)
@@ -172,7 +188,23 @@ class DashboardScreen(Screen):
     def target_job_ids(self) -> list[str]:
         return self.query_one(JobTable).target_job_ids()
 
+    def _loading(self, gpus: bool = False) -> bool:
+        """True (and says so) while the first job reading, or for `gpus` the first GPU
+        reading, has not come: an action now would act on a table that is not there yet."""
+        missing = []
+        if gpus and self.app.snapshot is None:
+            missing.append("GPUs")
+        if self.app.num_jobs_messages == 0:
+            missing.append("jobs")
+        if missing:
+            what = " and ".join(missing)
+            self.notify(f"loading: reading the {what} for the first time, try again in a moment",
+                        severity="information", timeout=3)  # fmt: skip
+        return bool(missing)
+
     def action_detail(self) -> None:
+        if self._loading():
+            return
         job_id = self.query_one(JobTable).current_job_id
         if job_id is None:
             self.notify("No job selected", severity="warning")
@@ -199,13 +231,15 @@ class DashboardScreen(Screen):
     def action_quit(self) -> None:
         self.app.exit()
 
-    def _allowed(self) -> bool:
+    def _allowed(self, gpus: bool = False) -> bool:
+        if self._loading(gpus):
+            return False
         if self.readonly:
             self.notify("read-only: actions are disabled", severity="warning")
         return not self.readonly
 
     def action_launch(self) -> None:
-        if self._allowed():
+        if self._allowed(gpus=True):  # the board's columns are the GPUs of the first reading
             self.app.push_screen(LaunchScreen())
 
     def action_stop(self) -> None:

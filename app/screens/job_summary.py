@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.text import Text
 
+from app.services.job_text import state_label
 from app.widgets.formatting import fmt_duration_s
 
 FAILED_TAIL_LINES = 4
@@ -27,10 +28,22 @@ def watch_only_text(run: Any) -> Text:
     return text
 
 
-def summary_text(view: Any | None, first_step: str | None = None) -> Text:
+def summary_text(
+    view: Any | None,
+    first_step: str | None = None,
+    num_unreadable: int = 0,
+    loading: bool = False,
+) -> Text:
     """One or a few lines about the highlighted job (exit code and console of a failure);
-    with no job, what to do first (`first_step`: no dataset to train yet)."""
+    with no job, what to do first (`first_step`: no dataset to train yet). Never "No jobs
+    yet" before the first reading (`loading`) or when job files could not be read."""
     if view is None:
+        if loading:
+            return Text("Reading the jobs ...", style="dim")
+        if num_unreadable:
+            files = "file" if num_unreadable == 1 else "files"
+            return Text(f"No readable job: {num_unreadable} job {files} could not be read "
+                        "(named in the warning below).", style="bold yellow")  # fmt: skip
         if first_step:
             return Text(f"No jobs yet. First: {first_step}.", style="bold yellow")
         return Text("No jobs yet. Press l to launch folds (? for help).", style="dim")
@@ -38,14 +51,16 @@ def summary_text(view: Any | None, first_step: str | None = None) -> Text:
     text = Text()
     # Separating spaces end the previous span (SVG renderers drop a span's leading spaces).
     text.append(f"{job.job_id}  ", style="bold")
-    text.append(f"{job.dataset} {job.configuration} fold {job.fold}  {view.state}  ")
+    text.append(f"{job.dataset} {job.configuration} fold {job.fold}  {state_label(view)}  ")
     if getattr(view, "watch", None) is not None:
         return text + watch_only_text(view.watch)
     if getattr(job, "kind", "train") == "predict":
         text.append(f"predict -> {job.output_dir}  ", style="cyan")
     if getattr(job, "engine", "nnui") == "nnunet":
         text.append("nnU-Net  ", style="cyan")
-    if view.exit_code:
+    if getattr(view, "final_dice", None) is not None:
+        text.append(f"final validation Dice {view.final_dice:.3f}  ", style="bold")
+    if view.exit_code and view.state not in ("killed", "failed"):  # the state names those
         text.append(f"exit code {view.exit_code}  ", style="bold red")
     if job.queued_stop:
         text.append("stop queued (sent when the ranks report their topology)  ", style="yellow")

@@ -57,8 +57,9 @@ class RunningPoint:
 
     @property
     def x(self) -> float:
-        """Position on the epoch axis: epoch E's end is at x = E, where its epoch_ended is."""
-        return self.epoch - 1 + self.iteration / max(self.num_iterations, self.iteration)
+        """Position on the epoch axis (epochs done, as the table counts them): the end of
+        the epoch with index E is at x = E + 1, where its epoch_ended is."""
+        return self.epoch + self.iteration / max(self.num_iterations, self.iteration)
 
 
 def num(value: Any) -> float:
@@ -104,12 +105,13 @@ def num_classes(history: Sequence[EpochPoint]) -> int:
 
 
 def series(history: Sequence[EpochPoint], field: str) -> tuple[list[int], list[float]]:
-    """Epochs and values of one field, dropping NaN/inf (neither plot can draw them)."""
+    """Epochs done (x = index + 1: the first epoch ends at 1, as "epoch 1/N" in the table)
+    and values of one field, dropping NaN/inf (neither plot can draw them)."""
     xs, ys = [], []
     for point in history:
         value = epoch_field(point, field)
         if value is not None and math.isfinite(value):
-            xs.append(point.epoch)
+            xs.append(point.epoch + 1)
             ys.append(float(value))
     return xs, ys
 

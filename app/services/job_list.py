@@ -20,7 +20,8 @@ from trainer.schema import ACTIVE_STATES, State
 
 SORTS = ("fold", "newest", "state", "Dice", "ETA")  # `o` on the dashboard cycles these
 _STATE_ORDER = {state: i for i, state in enumerate(
-    (State.RUNNING, State.STOPPING, State.STARTING, State.QUEUED, State.FAILED, State.LOST,
+    (State.RUNNING, State.VALIDATING, State.STOPPING, State.STARTING, State.QUEUED, State.FAILED,
+     State.LOST,
      State.KILLED, State.STOPPED, State.FINISHED))}  # fmt: skip
 
 

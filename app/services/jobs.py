@@ -10,7 +10,9 @@ job's supervisor records the workers and delivers a stop queued before they were
 from __future__ import annotations
 
 import math
+import os
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,13 @@ class JobView:
     cases_done: int | None = None
     seconds_per_case: float | None = None
     running_loss: tuple[RunningPoint, ...] = ()  # train_loss_running points, in file order
+    final_dice: float | None = None  # validation_finished's mean foreground Dice
+    validation_done: int | None = None  # final validation: cases done (while validating)
+    validation_cases: int | None = None  # ... of all the validation cases
+    run_dir_gone: bool = False  # the job's results folder no longer exists
+    # checkpoint_saved events of every run in the folder: (kind, epochs completed), newest
+    # save of each kind (what a --c resume can continue from, if the file is still there).
+    checkpoints: tuple[tuple[str, int], ...] = ()
 
 
 def _finite(value: float) -> float | None:
@@ -84,6 +93,11 @@ class _RunState:
     last_event_t: float | None = None
     nan_epoch: int | None = None
     cases: CaseProgress = field(default_factory=CaseProgress)  # a prediction's
+    last_epoch_t: float | None = None  # when this run's newest epoch_ended was written
+    validation: tuple[int, int] | None = None  # (cases done, of) while final validation runs
+    validation_t: float | None = None  # when the final validation began
+    final_dice: float | None = None
+    checkpoints: dict[str, int] = field(default_factory=dict)  # kind -> epochs completed
 
     @property
     def topology(self) -> dict | None:
@@ -102,6 +116,8 @@ class _RunState:
             self.num_epochs, self.last_kind, self.stop_requested = None, None, False
             self.nan_epoch, self.last_event_t = None, None
             self.cases = CaseProgress()
+            self.last_epoch_t, self.validation, self.final_dice = None, None, None
+            self.checkpoints = {}
         for scope, record in batch.records:
             if scope is Scope.LATER:
                 continue  # a later run (a resume) in the same folder: that job's view shows it
@@ -120,6 +136,8 @@ class _RunState:
             if len(self.running) > MAX_RUNNING_POINTS:
                 self.running.pop(next(iter(self.running)))
             self._running_tuple = None
+        elif kind == Kind.CHECKPOINT_SAVED and isinstance(record.get("epoch"), int):
+            self.checkpoints[record["checkpoint"]] = record["epoch"] + 1
         elif kind == Kind.EPOCH_ENDED:
             point = epoch_point(record)
             self.history[point.epoch] = point
@@ -132,6 +150,9 @@ class _RunState:
     def _absorb_mine(self, record: dict[str, Any]) -> None:
         kind = record["kind"]
         self.last_event_t = record["t"]
+        self._absorb_validation(record)
+        if kind == Kind.EPOCH_ENDED:
+            self.last_epoch_t = record["t"]
         if kind in START_KINDS:
             self.last_kind, self.stop_requested = None, False
             if kind == Kind.PREDICTION_STARTED:
@@ -144,6 +165,44 @@ class _RunState:
             self.last_kind = kind
         elif kind == Kind.EPOCH_ENDED and self.last_kind is None:
             self.last_kind = Kind.RUN_STARTED
+
+    def _absorb_validation(self, record: dict[str, Any]) -> None:
+        kind = record["kind"]
+        if kind == Kind.VALIDATION_STARTED:
+            self.validation = (0, int(record.get("num_cases") or 0))
+            self.validation_t = record["t"]
+        elif kind == Kind.VALIDATION_CASE:
+            self.validation = (record["index"], record["num_cases"])
+        elif kind == Kind.VALIDATION_FINISHED:
+            self.validation = None
+            dice = record.get("mean_fg_dice")
+            self.final_dice = dice if isinstance(dice, (int, float)) else None
+        elif kind in (*START_KINDS, Kind.STOPPED, Kind.FINISHED, Kind.FAILED):
+            self.validation = None
+            if kind in START_KINDS:
+                self.final_dice = None
+
+
+def _run_dir_gone(job: Job, run: _RunState) -> bool:
+    """The results folder this job wrote its events into no longer exists (moved, deleted)."""
+    started = run.last_event_t is not None or job.exit_code is not None
+    started = started or job.process("trainer") is not None
+    return started and not os.path.isdir(job.run_dir)
+
+
+def training_eta_s(
+    num_remaining: int, epoch_s: float, last_epoch_t: float | None, now: float
+) -> float | None:
+    """Seconds until the remaining epochs are done, counting down between epoch ends (from
+    the newest epoch_ended's time); never 0 while an epoch remains (an overrunning epoch
+    still leaves the ones after it, and at least a second)."""
+    if num_remaining <= 0:
+        return None
+    total = num_remaining * epoch_s
+    if last_epoch_t is None:
+        return total
+    elapsed = max(0.0, now - last_epoch_t)
+    return max(total - elapsed, (num_remaining - 1) * epoch_s, 1.0)
 
 
 _ENDING = {Kind.STOPPED: State.STOPPED, Kind.FINISHED: State.FINISHED, Kind.FAILED: State.FAILED}
@@ -165,6 +224,8 @@ def derive_state(job: Job, run: _RunState, alive: bool) -> State:
         return State.QUEUED  # between attempts: restarted with --c after the back-off
     if ending is not None:
         return ending
+    if run.validation is not None:
+        return State.VALIDATING
     if (job.after or job.when_free) and not job.process("trainer"):
         return State.STOPPING if job.queued_stop else State.QUEUED
     stop_sent = any(s.signal == "SIGUSR1" and s.result == "sent" for s in job.signals)
@@ -243,6 +304,7 @@ class JobTracker:
         self._watcher = NnunetRunWatcher()
         self._watch_consoles: dict[str, TextTail] = {}
         self.watch_only: list[JobView] = []
+        self.problems: list[str] = []  # job files the newest refresh() could not read
 
     def refresh_watch_only(
         self,
@@ -291,6 +353,7 @@ class JobTracker:
             alive = job.exit_code is None and job_alive(job, proc_info)
             views.append(self._view(job, run, alive, snapshot))
         self.views = views
+        self.problems = list(getattr(self.registry, "list_problems", ()))
         return views
 
     def _view(
@@ -302,16 +365,7 @@ class JobTracker:
         recent = [p.epoch_time_s for p in history[-RECENT_EPOCHS:] if math.isfinite(p.epoch_time_s)]
         mean_epoch_s = statistics.fmean(recent) if recent else None
         done = last.epoch + 1 if last else (0 if run.num_epochs else None)
-        eta = None
-        if (
-            state in ACTIVE_STATES
-            and mean_epoch_s is not None
-            and run.num_epochs is not None
-            and done is not None
-        ):
-            eta = max(0, run.num_epochs - done) * mean_epoch_s
-        if job.kind == PREDICT and state in ACTIVE_STATES:
-            eta = run.cases.eta_s()
+        eta = self._eta_s(job, run, state, statistics.median(recent) if recent else None, done)
         alerts = self._alerts(job, run, state, mean_epoch_s, snapshot)
         console = tuple(run.console.lines)[-CONSOLE_LINES:]
         return JobView(
@@ -338,7 +392,30 @@ class JobTracker:
             cases_done=run.cases.num_done,
             seconds_per_case=run.cases.seconds_per_case,
             running_loss=run.running_points(),
+            final_dice=run.final_dice,
+            validation_done=run.validation[0] if run.validation else None,
+            validation_cases=run.validation[1] if run.validation else None,
+            run_dir_gone=_run_dir_gone(job, run),
+            checkpoints=tuple(run.checkpoints.items()),
         )
+
+    def _eta_s(
+        self, job: Job, run: _RunState, state: State, epoch_s: float | None, done: int | None
+    ) -> float | None:
+        if state not in ACTIVE_STATES:
+            return None
+        if job.kind == PREDICT:
+            return run.cases.eta_s()
+        now = time.time()
+        if state == State.VALIDATING and run.validation and run.validation_t is not None:
+            num_done, num_cases = run.validation
+            if num_done <= 0:
+                return None  # no case done yet: no honest figure
+            per_case_s = max(0.0, now - run.validation_t) / num_done
+            return max(1.0, (num_cases - num_done) * per_case_s)
+        if epoch_s is None or run.num_epochs is None or done is None:
+            return None
+        return training_eta_s(run.num_epochs - done, epoch_s, run.last_epoch_t, now)
 
     def _alerts(
         self,
@@ -355,12 +432,14 @@ class JobTracker:
             # One rule (stall.py), applied by the job's supervisor, which also sees CPU time
             # and final validation; a view only reads its verdict.
             alerts.append(f"stalled: {job.stall_reason or 'no progress'}")
+        if _run_dir_gone(job, run):
+            alerts.append(f"run folder gone: {job.run_dir}")
         if run.events.num_invalid:
             alerts.append(f"{run.events.num_invalid} invalid event lines skipped")
         if (
             snapshot is not None
             and not snapshot.simulated
-            and state in (State.RUNNING, State.STARTING)
+            and state in (State.RUNNING, State.STARTING, State.VALIDATING)
         ):
             for gpu in job.gpus:
                 reading = snapshot.gpu(gpu) if gpu.isdigit() else None
@@ -385,9 +464,10 @@ class JobTracker:
             if view.eta_s is not None:
                 return view.eta_s
             num_epochs = view.num_epochs or fallback_epochs
-            if num_epochs and fallback_epoch_s:
-                return max(0, num_epochs - (view.epoch or 0)) * fallback_epoch_s
-            return None
+            remaining = max(0, (num_epochs or 0) - (view.epoch or 0))
+            if remaining and fallback_epoch_s:
+                return remaining * fallback_epoch_s
+            return None  # e.g. its final validation, no case done yet: unknown, not "0s"
 
         def chain(view: JobView, depth: int = 0) -> float | None:
             mine = own(view)

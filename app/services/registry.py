@@ -317,6 +317,9 @@ class Registry:
         self._lock_path = self.state_dir / "lock"
         check_state_dir(self.state_dir)
         self.problems: list[str] = []
+        # The problems of the newest list() alone: a file fixed or moved away drops out
+        # (a long-lived reader such as the TUI shows these, not every one ever seen).
+        self.list_problems: list[str] = []
 
     # ---- locking and files ---------------------------------------------------------------
 
@@ -374,6 +377,8 @@ class Registry:
         )
 
     def _report(self, message: str) -> None:
+        if message not in self.list_problems:
+            self.list_problems.append(message)
         if message not in self.problems:
             log.info(message)  # the user sees `problems` (nnui prints them once, as warnings)
             self.problems.append(message)
@@ -394,6 +399,7 @@ class Registry:
 
     def list(self) -> list[Job]:
         jobs = []
+        self.list_problems = []
         for path in sorted(self.jobs_dir.glob("*.json")):
             job = self._read(path)
             if job is not None:

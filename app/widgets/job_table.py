@@ -14,6 +14,7 @@ from textual.binding import Binding, BindingType
 from textual.widgets import DataTable
 from textual.widgets.data_table import CellDoesNotExist
 
+from app.services.job_text import state_label
 from app.widgets.formatting import bar, fmt_duration_s, fmt_or_na
 from trainer.schema import State
 
@@ -54,6 +55,7 @@ DARK_STATE_STYLES: dict[str, str] = {
     State.FAILED: "bold red",
     State.LOST: "bold magenta",
     State.KILLED: "magenta",
+    State.VALIDATING: "bold green",
     "alerts": "bold red",
 }
 LIGHT_STATE_STYLES: dict[str, str] = {
@@ -66,6 +68,7 @@ LIGHT_STATE_STYLES: dict[str, str] = {
     State.FAILED: "bold #a40e26",
     State.LOST: "bold #6639ba",
     State.KILLED: "#6639ba",
+    State.VALIDATING: "bold #007a1f",
     "alerts": "bold #a40e26",
 }
 MONO_STATE_STYLES: dict[str, str] = {
@@ -78,6 +81,7 @@ MONO_STATE_STYLES: dict[str, str] = {
     State.FAILED: "bold reverse",
     State.LOST: "bold reverse",
     State.KILLED: "reverse",
+    State.VALIDATING: "bold italic",
     "alerts": "bold reverse",
 }
 STATE_STYLES = DARK_STATE_STYLES  # the default palette (kept under its old name)
@@ -125,6 +129,15 @@ def prediction_cells(view: JobView) -> tuple[str, str, str]:
     return fold, cases, fmt_or_na(view.seconds_per_case, "{:.1f} s/case")
 
 
+def dice_cell(view: JobView) -> str:
+    """The final validation's Dice once there is one ("final 0.812"), else the pseudo Dice
+    of the newest epoch."""
+    final = getattr(view, "final_dice", None)
+    if final is not None:
+        return f"final {final:.3f}"
+    return fmt_or_na(view.mean_dice, "{:.3f}")
+
+
 def row_cells(
     view: JobView,
     selected: bool,
@@ -135,9 +148,7 @@ def row_cells(
     """The text of every cell of one job's row (`short`: the abbreviated cells of a narrow
     layout — the epoch without its bar)."""
     job = view.job
-    state = view.state
-    if state == "failed" and view.exit_code is not None:
-        state = f"failed (exit {view.exit_code})"
+    state = state_label(view)
     if job.after and view.state in ("starting", "queued"):
         state = f"{view.state} (after fold {after_fold or '?'})"
     if getattr(view, "watch_only", False):
@@ -170,10 +181,10 @@ def row_cells(
         "epoch": epoch,
         "train": _loss(view.train_loss),
         "val": _loss(view.val_loss),
-        "dice": fmt_or_na(view.mean_dice, "{:.3f}"),
+        "dice": dice_cell(view),
         "ema": fmt_or_na(view.ema_dice, "{:.3f}"),
         "its": its,
-        "eta": fmt_duration_s(view.eta_s) if view.state == "running" else "",
+        "eta": fmt_duration_s(view.eta_s) if view.state in ("running", "validating") else "",
         "alerts": alerts,
     }
 
