@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from fake_trainer import cleanup_jobs, fake_env, wait_until
+from test_cli import nnui, status
 from test_scheduler_e2e import job as a_job
 
 from app.services.registry import Registry
@@ -91,25 +90,12 @@ def env(tmp_path: Path):
         cleanup_jobs(Path(values["NNUI_STATE_DIR"]))
 
 
-def nnui(env: dict, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "app.main", *args], env=env, cwd=ROOT, capture_output=True,
-        text=True, timeout=120, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-
-
 def launch(env: dict, *flags: str, trainer: tuple[str, ...]) -> str:
     result = nnui(env, "launch", "4", "3d_fullres", "--simulate-gpus", "1", "--folds", "0",
                   "--gpus", "0", *flags, "--", "--epochs", "6", "--epoch-time", "0.2",
                   *trainer)  # fmt: skip
     assert result.returncode == 0, result.stderr
     return result.stdout.split()[0]
-
-
-def status(env: dict) -> dict[str, dict]:
-    result = nnui(env, "status", "--json")
-    assert result.returncode == 0, result.stderr
-    return {row["id"]: row for row in json.loads(result.stdout)}
 
 
 def job_events(env: dict) -> list[dict]:
