@@ -108,7 +108,7 @@ class Checkpointer:
             write_time_s=round(write_time_s, 4),
         )
         self.recorder.status(last_checkpoint=str(path))
-        log.info("saved %s (epoch next %d) in %.3f s", path.name, state.epoch_next, write_time_s)
+        log.info("saved %s (%d epochs done) in %.3f s", path.name, state.epoch_next, write_time_s)
 
 
 def _autocast(trainee: Trainee):
