@@ -605,6 +605,12 @@ def cmd_kill(options: argparse.Namespace, registry: Registry) -> int:
         return error(
             "kill loses the current epoch; confirm with --yes (or use nnui stop)", EXIT_USAGE
         )
+    if options.job.startswith(RUN_ID_PREFIX):  # a watch-only nnU-Net run: never nnui's to end
+        return error(
+            f"refused to kill {options.job}: an nnU-Net training nnui did not start "
+            "(watch-only); nnui never signals it; nothing sent",
+            EXIT_REFUSED,
+        )
     try:
         job: Job = registry.resolve(options.job)
     except KeyError as problem:

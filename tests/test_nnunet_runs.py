@@ -436,6 +436,10 @@ def test_status_lists_and_stop_refuses_a_hand_started_run(tmp_path: Path, handle
             assert "-tr nnUNetTrainer_nnui -device cpu --c" in stop.stderr
         bare = _nnui(env, "stop", str(process.pid))  # a bare pid is refused the same way
         assert bare.returncode == 1 and "watch-only" in bare.stderr
+        kill = _nnui(env, "kill", f"nnunet:{process.pid}", "--yes")  # never ended by nnui
+        assert (
+            kill.returncode == 1 and "watch-only" in kill.stderr and "nothing sent" in kill.stderr
+        )
         assert process.poll() is None and process_start_ticks(process.pid) == ticks
         assert read_sigcgt_usr1(process.pid) is handler
     finally:
