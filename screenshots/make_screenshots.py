@@ -103,7 +103,7 @@ async def until(condition, pilot, timeout_s: float) -> bool:
 
 async def drive(app, flags: str, min_epochs: int, timeout_s: float) -> None:
     async with app.run_test(size=SIZE) as pilot:
-        await until(lambda: app.snapshot is not None, pilot, 60)
+        await until(lambda: app.snapshot is not None and app.num_jobs_messages >= 1, pilot, 60)
         await until(lambda: app.screen.id == "dashboard" and app.screen.is_mounted, pilot, 60)
         await pilot.press("l")
         await until(lambda: app.screen.id == "launch" and app.screen.is_mounted, pilot, 60)

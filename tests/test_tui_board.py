@@ -81,7 +81,7 @@ def test_toggle_twice_removes_the_assignment() -> None:
 
 async def open_board(app, pilot) -> LaunchScreen:
     # The board's columns come from the first GPU reading.
-    await wait_for(lambda: app.snapshot is not None, pilot)
+    await wait_for(lambda: app.snapshot is not None and app.num_jobs_messages >= 1, pilot)
     await screen_of(app, pilot, DashboardScreen)
     await pilot.press("l")
     screen = await screen_of(app, pilot, LaunchScreen)

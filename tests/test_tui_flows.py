@@ -31,7 +31,7 @@ from app.services.registry import Registry
 
 async def launch_one_fold(app, pilot, flags: str) -> str:
     # The board's columns come from the first GPU reading.
-    await wait_for(lambda: app.snapshot is not None, pilot)
+    await wait_for(lambda: app.snapshot is not None and app.num_jobs_messages >= 1, pilot)
     await screen_of(app, pilot, DashboardScreen)
     await pilot.press("l")
     screen = await screen_of(app, pilot, LaunchScreen)
@@ -248,7 +248,7 @@ async def test_go_right_after_typing_flags_uses_the_new_flags(tmp_path: Path, mo
     app = tui_app(roots, state)
     try:
         async with app.run_test(size=(150, 48)) as pilot:
-            await wait_for(lambda: app.snapshot is not None, pilot)
+            await wait_for(lambda: app.snapshot is not None and app.num_jobs_messages >= 1, pilot)
             await screen_of(app, pilot, DashboardScreen)
             await pilot.press("l")
             screen = await screen_of(app, pilot, LaunchScreen)

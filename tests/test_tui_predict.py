@@ -43,7 +43,7 @@ def trained_tree(roots) -> None:
 
 
 async def open_form(app, pilot) -> PredictScreen:
-    await wait_for(lambda: app.snapshot is not None, pilot)
+    await wait_for(lambda: app.snapshot is not None and app.num_jobs_messages >= 1, pilot)
     await screen_of(app, pilot, DashboardScreen)
     await pilot.press("l")
     board = await screen_of(app, pilot, LaunchScreen)
