@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -401,3 +405,14 @@ def append_results_md(lines: list[str]) -> None:
     """Append a section (lines joined by newlines) to bench/RESULTS.md."""
     with open(RESULTS_MD, "a") as handle:
         handle.write("\n".join(lines))
+
+
+def parsed_or_exit_code(parse_args: Callable[[list[str]], Any], argv: list[str] | None) -> Any:
+    """A bench's arguments (and its log format set), or the exit code argparse chose: 2 for a
+    usage error, 0 for --help. One preamble for every bench's main()."""
+    try:
+        parsed = parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exit_:
+        return 2 if exit_.code else 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    return parsed

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # compare_nnunet adds the repo
 
-from _common import append_results_md, machine_line, ratio, run_sampled
+from _common import append_results_md, machine_line, parsed_or_exit_code, ratio, run_sampled
 from compare_nnunet import (
     BENCH_DIR,
     DATASET,
@@ -282,12 +282,9 @@ def prepare(a: AccuracyArgs) -> tuple[Path, dict[str, str], dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        a = parse_args(argv)
-    except SystemExit as exit_:
-        return 2 if exit_.code else 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    a = parsed_or_exit_code(parse_args, argv)
+    if isinstance(a, int):
+        return a
     machine = machine_line()
     try:
         venv, roots, plan = prepare(a)

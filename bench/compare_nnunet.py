@@ -33,6 +33,7 @@ from _common import (  # noqa: E402
     append_results_md,
     machine_line,
     median_or_nan,
+    parsed_or_exit_code,
     ratio,
     run_logged,
     run_sampled,
@@ -501,12 +502,9 @@ def parse_args(argv: list[str]) -> BenchArgs:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        a = parse_args(argv)
-    except SystemExit as exit_:
-        return 2 if exit_.code else 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    a = parsed_or_exit_code(parse_args, argv)
+    if isinstance(a, int):
+        return a
     machine = machine_line()
     raw, nnunet_pre, nnui_pre = (
         a.work / "raw",

@@ -37,6 +37,7 @@ from _common import (  # noqa: E402
     TreeSampler,
     machine_line,
     median_or_nan,
+    parsed_or_exit_code,
     ratio,
     terminate_tree,
 )
@@ -363,12 +364,9 @@ def setup(a: PredictArgs) -> tuple:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        a = parse_args(argv)
-    except SystemExit as exit_:
-        return 2 if exit_.code else 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    a = parsed_or_exit_code(parse_args, argv)
+    if isinstance(a, int):
+        return a
     machine = machine_line()
     try:
         venv, roots, inputs, nnui_pre, nnui_results, info = setup(a)

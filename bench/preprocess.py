@@ -30,7 +30,13 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(REPO))
 
-from _common import machine_line, ratio, run_tree, side_ratio_lines  # noqa: E402
+from _common import (  # noqa: E402
+    machine_line,
+    parsed_or_exit_code,
+    ratio,
+    run_tree,
+    side_ratio_lines,
+)
 from compare_nnunet import (  # noqa: E402
     DATASET,
     DATASET_ID,
@@ -177,12 +183,9 @@ def parse_args(argv: list[str]) -> PrepArgs:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        a = parse_args(argv)
-    except SystemExit as exit_:
-        return 2 if exit_.code else 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    a = parsed_or_exit_code(parse_args, argv)
+    if isinstance(a, int):
+        return a
     machine = machine_line()
     try:
         venv = ensure_nnunet_venv(a.work, BENCH_DIR / "nnunet_short_trainer.py")
