@@ -18,9 +18,11 @@ from test_tui_fixtures import make_roots, screen_of, tui_app, wait_for, write_fr
 from test_tui_widgets import Gpu, View
 
 from app.screens.dashboard import DashboardScreen
+from app.screens.job_summary import summary_text
 from app.services.gpu_history import GpuHistory, HistorySeries
 from app.services.gpus import GpuProcess, MachineSnapshot
 from app.services.procs import HostSnapshot, LoadSampler, ProcLoad
+from app.widgets.formatting import readable_style
 from app.widgets.gpu_panel import (
     CardOptions,
     GpuCard,
@@ -188,6 +190,72 @@ async def test_no_color_keeps_states_readable(tmp_path, monkeypatch, theme) -> N
             assert contrast(fg, bg) >= 4.5, (text, fg, bg)
         assert state_segment(app, "failed (exit 3)").style.bold  # a cue beyond colour
         assert state_segment(app, "failed (exit 3)").style.reverse
+
+
+@pytest.mark.parametrize("theme", ["dark", "light"])
+async def test_no_color_keeps_the_failure_summary_readable(tmp_path, monkeypatch, theme) -> None:
+    """The summary of a failed job (its state with the exit code, its console's last lines)
+    at full contrast under NO_COLOR: no red turned near-black, no dim turned grey."""
+    monkeypatch.setenv("NO_COLOR", "1")
+    app = frozen(tmp_path, 1, theme=theme)
+    async with app.run_test(size=(120, 30)) as pilot:
+        screen = await drawn(app, pilot, 1)
+        summary = screen.query_one("#job-summary")
+        table = screen.query_one(JobTable)
+        for _ in range(table.row_count):  # down to the failed job
+            if app.view_of(table.current_job_id).state == "failed":
+                break
+            await pilot.press("down")
+        await wait_for(lambda: "Traceback" in " ".join(_texts(app, summary)), pilot)
+        segments = _segments(app, summary)
+        assert any("failed (exit 3)" in s.text for s in segments)
+        for segment in segments:
+            fg, bg = _fg_bg(segment.style)
+            assert contrast(fg, bg) >= 4.5, (segment.text, fg, bg)
+
+
+def _segments(app, widget) -> list:
+    """The non-blank segments of `widget`'s lines as the terminal receives them."""
+    screen, region = app.screen, widget.region
+    strips = screen._compositor.render_strips()
+    found = []
+    for y in range(region.y, region.bottom):
+        strip = strips[y].crop(region.x, region.right)
+        for line_filter in app.get_line_filters():
+            strip = strip.apply_filter(line_filter, screen.styles.background)
+        found += [s for s in strip if s.text.strip()]
+    return found
+
+
+def _texts(app, widget) -> list[str]:
+    return [s.text for s in _segments(app, widget)]
+
+
+def test_no_color_summary_styles_carry_no_colour_or_dim() -> None:
+    """Every span of the summary under NO_COLOR is text style only; the exit code and the
+    alerts stand out as bold reverse (what a red "failed" is in the mono table)."""
+    tail = ("Traceback (most recent call last):", "RuntimeError: boom")
+    view = View(state="lost", exit_code=137, alerts=("stalled 300 s",), console_tail=tail)
+    view.job = replace(view.job, queued_stop=True)
+    text = summary_text(view, mono=True)
+    words = {w for span in text.spans for w in str(span.style).split()}
+    assert words <= {"bold", "italic", "reverse"}, words
+    for part in ("exit code 137", "⚠ stalled 300 s"):
+        start = text.plain.index(part)
+        styles = {str(s.style) for s in text.spans if s.start <= start < s.end}
+        assert styles == {"bold reverse"}, (part, styles)
+    colour = summary_text(view)  # the colour themes keep their colours
+    assert any("red" in str(span.style) for span in colour.spans)
+
+
+@pytest.mark.parametrize(
+    ("style", "mono"),
+    [("bold red", "bold reverse"), ("red", ""), ("dim", "italic"), ("bold cyan", "bold"),
+     ("bold yellow", "bold"), ("green", ""), ("bold reverse", "bold reverse"), ("", "")],
+)  # fmt: skip
+def test_readable_style_keeps_only_text_style_under_no_color(style, mono) -> None:
+    assert readable_style(style, True) == mono
+    assert readable_style(style, False) == style
 
 
 async def test_light_theme_by_flag_and_key(tmp_path) -> None:

@@ -16,6 +16,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Static
 
+from app.widgets.formatting import readable_style
+
 KILL_WORD = "kill"
 
 
@@ -27,7 +29,7 @@ def _before_first_epoch(view: Any) -> bool:
     return not any(p.epoch == 0 for p in getattr(view, "running_loss", ()))
 
 
-def stop_text(choices: Sequence[Any]) -> Text:
+def stop_text(choices: Sequence[Any], mono: bool = False) -> Text:
     text = Text()
     for i, choice in enumerate(choices):
         view, plan = choice.view, choice.plan
@@ -42,7 +44,7 @@ def stop_text(choices: Sequence[Any]) -> Text:
         text.append(f"{job.dataset} {job.configuration} fold {job.fold}  ")
         text.append(f"{view.state}, {'cases' if predicting else 'epoch'} {epoch}")
         if choice.note:
-            text.append(f"\n{choice.note}", style="yellow")
+            text.append(f"\n{choice.note}", style=readable_style("yellow", mono))
         if plan is None:
             continue
         if plan.ok:
@@ -74,15 +76,17 @@ def stop_text(choices: Sequence[Any]) -> Text:
                     "It writes the case it is predicting, then exits 0 (resume with r: "
                     "--continue_prediction does the rest)."
                 )
-            text.append(f"\n{ending}", style="green")
+            text.append(f"\n{ending}", style=readable_style("green", mono))
         elif plan.queued:
             text.append(
                 f"\nQueued: {plan.reason or 'the ranks have not reported yet'}. "
                 "The stop is sent as soon as they do.",
-                style="yellow",
+                style=readable_style("yellow", mono),
             )
         else:
-            text.append(f"\nNothing will be sent: {plan.reason}", style="bold red")
+            text.append(
+                f"\nNothing will be sent: {plan.reason}", style=readable_style("bold red", mono)
+            )
     return text
 
 
@@ -101,7 +105,7 @@ class StopConfirmScreen(ModalScreen[bool]):
         with Vertical(classes="dialog"):
             yield Static("Graceful stop (SIGUSR1)", classes="dialog-title")
             with VerticalScroll(classes="dialog-body"):
-                yield Static(stop_text(self.choices), id="stop-plan")
+                yield Static(stop_text(self.choices, self.app.no_color), id="stop-plan")
             with Horizontal(classes="dialog-buttons"):
                 if self.actionable:
                     yield Button("Stop (y)", variant="warning", id="yes")
@@ -122,7 +126,7 @@ class StopConfirmScreen(ModalScreen[bool]):
         self.dismiss(event.button.id == "yes" and self.actionable)
 
 
-def kill_text(choices: Sequence[Any]) -> Text:
+def kill_text(choices: Sequence[Any], mono: bool = False) -> Text:
     text = Text()
     for i, choice in enumerate(choices):
         job = choice.view.job
@@ -131,10 +135,12 @@ def kill_text(choices: Sequence[Any]) -> Text:
         text.append(f"{job.job_id}  ", style="bold")
         text.append(f"{job.dataset} {job.configuration} fold {job.fold}  {choice.view.state}")
         if not choice.processes:
-            text.append("\nno live process of this job found", style="yellow")
+            text.append("\nno live process of this job found", style=readable_style("yellow", mono))
         for proc in choice.processes:
             cmd = " ".join(proc.cmdline)[:70]
-            text.append(f"\npid {proc.pid:<8d} {proc.name:<16s} {cmd}", style="red")
+            text.append(
+                f"\npid {proc.pid:<8d} {proc.name:<16s} {cmd}", style=readable_style("red", mono)
+            )
     text.append(
         "\n\nSIGTERM now, SIGKILL after 10 s. No checkpoint is written: the epoch is lost.",
         style="bold",
@@ -156,7 +162,7 @@ class KillConfirmScreen(ModalScreen[bool]):
         with Vertical(classes="dialog"):
             yield Static("Kill (SIGTERM, then SIGKILL)", classes="dialog-title danger")
             with VerticalScroll(classes="dialog-body"):
-                yield Static(kill_text(self.choices), id="kill-plan")
+                yield Static(kill_text(self.choices, self.app.no_color), id="kill-plan")
             yield Static(f'Type "{KILL_WORD}" and press enter to confirm, escape to cancel.')
             yield Input(placeholder=KILL_WORD, id="kill-word")
 
@@ -192,11 +198,11 @@ class LaunchConfirmScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         ok = bool(self.previews) and not self.problems
-        body = Text()
+        body, mono = Text(), self.app.no_color
         for problem in self.problems:
-            body.append(f"✗ {problem}\n", style="bold red")
+            body.append(f"✗ {problem}\n", style=readable_style("bold red", mono))
         for note in self.notes:
-            body.append(f"? {note}\n", style="bold yellow")
+            body.append(f"? {note}\n", style=readable_style("bold yellow", mono))
         body.append("\n\n".join(self.previews))
         with Vertical(classes="dialog"):
             yield Static(self.title_text, classes="dialog-title")
@@ -217,7 +223,7 @@ class LaunchConfirmScreen(ModalScreen[bool]):
         self.dismiss(event.button.id == "yes")
 
 
-def refusal_text(refusals: Sequence[tuple[Any, Any]]) -> Text:
+def refusal_text(refusals: Sequence[tuple[Any, Any]], mono: bool = False) -> Text:
     """(view, nnunet_runs.StopRefusal) pairs: the reason and the hints of each."""
     text = Text()
     for i, (view, refusal) in enumerate(refusals):
@@ -226,7 +232,7 @@ def refusal_text(refusals: Sequence[tuple[Any, Any]]) -> Text:
             text.append("\n\n")
         text.append(f"{job.job_id}  ", style="bold")
         text.append(f"{job.dataset} {job.configuration} fold {job.fold}  {view.state}\n")
-        text.append(refusal.reason, style="bold red")
+        text.append(refusal.reason, style=readable_style("bold red", mono))
         for hint in refusal.hints:
             text.append(f"\n{hint}")
     return text
@@ -248,7 +254,7 @@ class RefusalScreen(ModalScreen[None]):
         with Vertical(classes="dialog"):
             yield Static(self.title_text, classes="dialog-title danger")
             with VerticalScroll(classes="dialog-body"):
-                yield Static(refusal_text(self.refusals), id="refusal-text")
+                yield Static(refusal_text(self.refusals, self.app.no_color), id="refusal-text")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Close (n)", id="no")
 

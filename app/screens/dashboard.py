@@ -128,7 +128,9 @@ class DashboardScreen(Screen):
         job_id = table.current_job_id
         view = self.app.view_of(job_id) if job_id else None
         loading = self.app.num_jobs_messages == 0
-        text = summary_text(view, self.app.first_step, len(self.app.problems), loading)
+        text = summary_text(
+            view, self.app.first_step, len(self.app.problems), loading, self.app.no_color
+        )
         if text.plain != self._summary:
             self._summary = text.plain
             self.query_one("#job-summary", Static).update(text)

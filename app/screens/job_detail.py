@@ -22,6 +22,7 @@ from app.screens.keys import DETAIL_ACTIONS, DETAIL_NAV
 from app.services import job_list
 from app.services.curve_data import SMOOTHING_FACTORS
 from app.widgets.curves import CurvesPanel
+from app.widgets.formatting import readable_style
 from app.widgets.log_tail import LogTail
 from app.widgets.process_tree import ProcessTree
 
@@ -48,13 +49,14 @@ def fold_histories(views: list[Any], job: Any, overlay: bool) -> dict[str, tuple
     return {label: view.history for label, view in found.items()} or {f"fold {job.fold}": ()}
 
 
-def watch_only_processes(run: Any) -> Text:
+def watch_only_processes(run: Any, mono: bool = False) -> Text:
     text = Text()
     text.append(f"pid {run.pid:<8d} nnUNetv2_train  ({run.owner})", style="bold")
     for pid in run.pids:
         if pid != run.pid:
-            text.append(f"\npid {pid:<8d} worker or rank", style="dim")
-    text.append("\nwatch-only: nnui did not start these and never signals them", style="cyan")
+            text.append(f"\npid {pid:<8d} worker or rank", style=readable_style("dim", mono))
+    text.append("\nwatch-only: nnui did not start these and never signals them",
+                style=readable_style("cyan", mono))  # fmt: skip
     return text
 
 
@@ -89,7 +91,7 @@ class JobDetailScreen(Screen):
         view = self.app.view_of(self.job_id)
         if view is not None and view.watch is not None:
             self.query_one("#console-box").border_title = f"nnU-Net log {view.watch.log_path}"
-            self.query_one(ProcessTree).update(watch_only_processes(view.watch))
+            self.query_one(ProcessTree).update(watch_only_processes(view.watch, self.app.no_color))
             return  # not nnui's job: its processes are the run's, found by the watcher
         self.poll_processes()
         self.set_interval(self.app.config.procs_interval_s, self.poll_processes)
@@ -98,10 +100,12 @@ class JobDetailScreen(Screen):
         view = next((v for v in views if v.job.job_id == self.job_id), None)
         if view is None or not self._ready:
             return
-        header = summary_text(view)
-        header.append("· o: " + ("one fold" if self.overlay else "overlay all folds"), "dim")
+        mono = self.app.no_color
+        header = summary_text(view, mono=mono)
+        hint = readable_style("dim", mono)
+        header.append("· o: " + ("one fold" if self.overlay else "overlay all folds"), hint)
         smoothing = f"smoothing {self.smoothing:g}" if self.smoothing else "no smoothing"
-        header.append(f" · m: {smoothing}", "dim")
+        header.append(f" · m: {smoothing}", hint)
         if header.plain != self._header:
             self._header = header.plain
             self.query_one("#detail-header", Static).update(header)

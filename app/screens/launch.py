@@ -28,6 +28,7 @@ from app.services import catalog, engines, launcher, niceness
 from app.services.schedule import Schedule
 from app.widgets.dataset_picker import DatasetPicker
 from app.widgets.fold_board import CPU_COLUMN, FoldBoard
+from app.widgets.formatting import readable_style
 from app.widgets.key_order import OrderedInput
 
 
@@ -94,16 +95,17 @@ class LaunchScreen(Screen):
 
     def engine_text(self) -> Text:
         chosen = engines.engine(self.engine)
-        text = Text()
+        text, mono = Text(), self.app.no_color
         text.append("engine: ", style="bold")
-        text.append(chosen.label, style="bold cyan")
+        text.append(chosen.label, style=readable_style("bold cyan", mono))
         if not engines.nnunet_available():
-            text.append(f"   {engines.NNUNET_MISSING_SHORT}", style="yellow")
+            text.append(f"   {engines.NNUNET_MISSING_SHORT}", style=readable_style("yellow", mono))
             return text
         other = engines.engine(engines.NNUNET if self.engine == engines.NNUI else engines.NNUI)
-        text.append(f"   (e: switch to {other.label})", style="dim")
+        text.append(f"   (e: switch to {other.label})", style=readable_style("dim", mono))
         if self.engine == engines.NNUNET:
-            text.append(f"   trainer {chosen.default_trainer} (nnui's stop and events)", "dim")
+            text.append(f"   trainer {chosen.default_trainer} (nnui's stop and events)",
+                        readable_style("dim", mono))  # fmt: skip
         return text
 
     def _read_datasets(self) -> None:
@@ -274,21 +276,22 @@ class LaunchScreen(Screen):
             self._go()
 
     def _show(self) -> None:
-        checks = Text()
+        checks, mono = Text(), self.app.no_color
         for problem in self.problems:
-            checks.append(f"✗ {problem}\n", style="bold red")
+            checks.append(f"✗ {problem}\n", style=readable_style("bold red", mono))
         for warning in self.warnings:
-            checks.append(f"! {warning}\n", style="yellow")
+            checks.append(f"! {warning}\n", style=readable_style("yellow", mono))
         for note in self.confirmations:
-            checks.append(f"? {note} (g asks)\n", style="bold yellow")
+            checks.append(f"? {note} (g asks)\n", style=readable_style("bold yellow", mono))
         if self.resumable:
             folds = ", ".join(self.resumable)
             checks.append(
                 f"↻ fold {folds} can continue from its checkpoint: press c (resume --c)\n",
-                style="bold cyan",
+                style=readable_style("bold cyan", mono),
             )
         if not self.problems:
-            checks.append(f"✓ ready: {len(self.plans)} process(es); press g to start", "green")
+            checks.append(f"✓ ready: {len(self.plans)} process(es); press g to start",
+                          readable_style("green", mono))  # fmt: skip
         shown = (checks.plain, self.preview_text)
         if shown == self._shown:
             return

@@ -15,6 +15,7 @@ from textual.message import Message
 from textual.widgets import DataTable
 
 from app.services.catalog import DatasetInfo
+from app.widgets.formatting import readable_style
 from trainer.schema import DEFAULT_PLANS, FOLDS
 
 RESULT_STYLES = {"finished": "bold blue", "running": "green", "stopped": "yellow", "failed": "red"}
@@ -75,7 +76,8 @@ class DatasetPicker(DataTable):
             ]
             for fold in FOLDS:
                 state = choice.results.get(fold)
-                cells.append(Text(state or "-", style=RESULT_STYLES.get(state or "", "dim")))
+                style = RESULT_STYLES.get(state or "", "dim")
+                cells.append(Text(state or "-", style=readable_style(style, self.app.no_color)))
             self.add_row(*cells, key=str(i))
         self.post_message(self.Chosen(self.current))
 

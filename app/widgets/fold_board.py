@@ -18,6 +18,7 @@ from textual.message import Message
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from app.widgets.formatting import readable_style
 from app.widgets.key_order import KeysOnArrival
 from trainer.schema import FOLDS
 
@@ -147,6 +148,7 @@ class FoldBoard(KeysOnArrival, Widget, can_focus=True):
                 on = self.model.is_on(fold, col)
                 mark = ("[D]" if ddp else "[■]") if on else "[ ]"
                 style = ("bold magenta" if ddp else "bold green") if on else "dim"
+                style = readable_style(style, self.app.no_color)
                 if (row, col_i) == self.cursor and self.has_focus:
                     style += " reverse"
                 text.append(mark.center(cell), style=style)

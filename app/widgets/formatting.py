@@ -54,3 +54,23 @@ def short_uuid(uuid: str) -> str:
     """`GPU-8f3a1c2d-...` -> `8f3a1c2d` (enough to tell cards apart)."""
     core = uuid.removeprefix("GPU-").removeprefix("MIG-")
     return core[:8] if core else NA
+
+
+_ATTRIBUTES = ("bold", "italic", "reverse", "underline", "strike")
+
+
+def readable_style(style: str, mono: bool) -> str:
+    """`style`, or under NO_COLOR (`mono`) what keeps its cue readable: Textual turns each
+    colour into the grey of its luminance (red, green, magenta near-black on a dark theme,
+    yellow, cyan near-white on a light one) and dim into grey, so there only the text style
+    on the theme's own foreground is left: an error (bold red) is bold reverse, a hint (dim)
+    italic, other colours go."""
+    if not mono:
+        return style
+    words = style.split()
+    kept = [word for word in words if word in _ATTRIBUTES]
+    if "dim" in words:
+        kept.append("italic")
+    if "bold" in words and "red" in words:
+        kept.append("reverse")
+    return " ".join(dict.fromkeys(kept))

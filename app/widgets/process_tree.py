@@ -12,14 +12,16 @@ from typing import TYPE_CHECKING, Any
 from rich.text import Text
 from textual.widgets import Static
 
+from app.widgets.formatting import readable_style
+
 if TYPE_CHECKING:
     from app.services.proctree import TreeNode
 
 
-def tree_text(nodes: list[TreeNode]) -> Text:
+def tree_text(nodes: list[TreeNode], mono: bool = False) -> Text:
     """Indented tree: children under their parents, roots first."""
     if not nodes:
-        return Text("(no live processes)", style="dim")
+        return Text("(no live processes)", style=readable_style("dim", mono))
     by_parent: dict[int, list[TreeNode]] = {}
     pids = {n.pid for n in nodes}
     for node in nodes:
@@ -33,8 +35,8 @@ def tree_text(nodes: list[TreeNode]) -> Text:
             text.append("  " * depth + ("└ " if depth else ""))
             text.append(f"{node.pid:<8d}", style="bold")
             style = "bold green" if node.role == "rank" else "cyan"
-            text.append(f"{node.label:<26s}", style=style)
-            text.append(node.name, style="dim")
+            text.append(f"{node.label:<26s}", style=readable_style(style, mono))
+            text.append(node.name, style=readable_style("dim", mono))
             walk(node.pid, depth + 1)
 
     walk(-1, 0)
@@ -47,7 +49,7 @@ class ProcessTree(Static):
         self._shown: str | None = None
 
     def show(self, nodes: list[TreeNode]) -> None:
-        text = tree_text(nodes)
+        text = tree_text(nodes, self.app.no_color)
         if text.plain != self._shown:
             self._shown = text.plain
             self.update(text)
