@@ -17,6 +17,7 @@ from fake_trainer import cleanup_jobs, fake_env, wait_until
 
 from app.services import launcher
 from app.services.jobs import JobTracker
+from app.services.procs import any_cmdline
 from app.services.proctree import process_tree
 from app.services.registry import Job, ProcessRecord, Registry, SignalRecord
 from app.services.signals import (
@@ -189,6 +190,30 @@ def test_real_start_ticks_are_stable_and_exact() -> None:
     record = ProcessRecord(os.getpid(), me.create_time + 0.7, "trainer", None, me.start_ticks)
     assert record_alive(record)  # drifted wall-clock start time, same ticks
     assert not record_alive(replace(record, start_ticks=me.start_ticks + 1))
+
+
+def test_a_zombie_or_a_gone_child_is_not_alive() -> None:
+    """The cheap liveness read (/proc/PID/stat) agrees with proc_info: an exited child not
+    yet reaped is a zombie, a reaped one is gone; both are dead to the board."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    ticks = process_start_ticks(child.pid)
+    record = ProcessRecord(child.pid, 0.0, "trainer", None, ticks)
+    wait_until(lambda: (info := proc_info(child.pid)) is not None and info.zombie)
+    assert not record_alive(record)
+    child.wait()
+    assert not record_alive(record)
+
+
+def test_any_cmdline_finds_a_live_argv() -> None:
+    marker = f"nnui-any-cmdline-{os.getpid()}"
+    assert not any_cmdline(lambda argv: marker in argv)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", marker],
+                             stdin=subprocess.PIPE)  # fmt: skip
+    try:
+        wait_until(lambda: any_cmdline(lambda argv: marker in argv))
+    finally:
+        child.communicate(b"")
+    assert not any_cmdline(lambda argv: marker in argv)
 
 
 def test_second_stop_sends_nothing(tmp_path: Path) -> None:

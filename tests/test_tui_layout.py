@@ -342,6 +342,21 @@ def test_host_title() -> None:
     assert host_title(None) == "GPUs"
 
 
+async def test_a_new_host_line_reaches_the_screen(tmp_path) -> None:
+    """The host line repaints only the panel's border row: that row must show it."""
+    app = frozen(tmp_path, 2)
+    async with app.run_test(size=(120, 30)) as pilot:
+        screen = await drawn(app, pilot, 2)
+        panel = screen.query_one(GpuPanel)
+        assert "host CPU 12% of 16" in panel.border_title
+        busy = HostSnapshot(77.0, 30 * 2**30, 64 * 2**30, (3.25, 1.2, 0.9), 16)
+        panel.update_snapshot(app.snapshot, replace(app.readings, host=busy))
+        await wait_for(lambda: "77%" in app.export_screenshot(), pilot)
+        shot = app.export_screenshot()
+        assert "3.25" in shot and "12%" not in shot
+        assert panel.border_title == host_title(busy)
+
+
 async def test_panel_keys_toggle_commands_and_sort(tmp_path) -> None:
     app = frozen(tmp_path, 1, readonly=True)  # view keys exist in read-only mode too
     async with app.run_test(size=(120, 30)) as pilot:

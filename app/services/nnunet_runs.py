@@ -46,7 +46,14 @@ from app.services.nnunet_log import (
     read_schedule,
     sorted_logs,
 )
-from app.services.procs import ProcRow, descendants, process_table, read_sigcgt_mask, user_name
+from app.services.procs import (
+    ProcRow,
+    any_cmdline,
+    descendants,
+    process_table,
+    read_sigcgt_mask,
+    user_name,
+)
 from trainer.schema import (
     JOB_ID_ENV,
     NNUI_NNUNET_TRAINER,
@@ -312,7 +319,10 @@ class NnunetRunWatcher:
     ) -> list[WatchOnlyRun]:
         """The watch-only runs now. `procs`: a process table (default: read /proc)."""
         roots = [Path(r) for r in results_roots]
-        rows = process_table(detail=is_train_cmdline) if procs is None else list(procs)
+        if procs is None:
+            rows = process_table(detail=is_train_cmdline) if any_cmdline(is_train_cmdline) else []
+        else:
+            rows = list(procs)
         excluded = {os.path.realpath(d) for d in exclude_dirs}
         claims: dict[str, tuple[TrainProcess, Path, Path]] = {}
         for process in train_processes(rows):

@@ -225,6 +225,19 @@ def record_alive(
     record: ProcessRecord, proc_lookup: Callable[[int], ProcInfo | None] = proc_info
 ) -> bool:
     """The recorded process (supervisor, trainer, worker) is still the same one and alive."""
+    if proc_lookup is proc_info and record.start_ticks is not None:
+        # Liveness needs only /proc/PID/stat (state and start ticks, which pid reuse
+        # changes); the full proc_info (cmdline, environ, status) is for the stop checks.
+        # The board asks this for every process of every job each second.
+        fields = _stat_fields(record.pid)
+        try:
+            return (
+                bool(fields)
+                and fields[0] not in (b"Z", b"X")
+                and (int(fields[19]) == record.start_ticks)
+            )
+        except (ValueError, IndexError):
+            return False
     return is_same_process(record.pid, record.create_time, proc_lookup, record.start_ticks)
 
 
@@ -351,6 +364,27 @@ def process_table(detail: Callable[[tuple[str, ...]], bool] | None = None) -> li
             )  # fmt: skip
         rows.append(row)
     return rows
+
+
+def any_cmdline(match: Callable[[tuple[str, ...]], bool]) -> bool:
+    """Does any live process's argv satisfy `match`? One read per process (its cmdline),
+    a third of what process_table reads: the watch-only discovery asks this every 2 s and
+    builds the whole table only when some nnU-Net training runs."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return False
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as handle:
+                raw = handle.read()
+        except OSError:
+            continue
+        if raw and match(tuple(a.decode(errors="replace") for a in raw.split(b"\0") if a)):
+            return True
+    return False
 
 
 def descendants(rows: list[ProcRow], pid: int) -> list[int]:
