@@ -40,6 +40,9 @@ class TuiConfig:
     gpu_interval_s: float = 1.0  # DESIGN §6 refresh budget
     jobs_interval_s: float = 1.0  # logs 0.5-1 s
     procs_interval_s: float = 2.0
+    # The host line (CPU %, RAM, load): the kernel's load average moves every 5 s, and each
+    # change costs a frame, so the line follows the load average's pace.
+    host_interval_s: float = 5.0
     cpu_slots: int = 1
     theme: str = "dark"  # dark | light (THEMES); the palette can switch it at any time
     cache_dir: Path | None = None  # GPU history cache; None: $XDG_CACHE_HOME/nnui
@@ -132,6 +135,7 @@ class NnuiApp(App):
         self.theme = THEMES.get(config.theme, THEMES["dark"])
         self._panel_sampler: Any = None  # created in the gpus thread (it reads /proc)
         self._procs_read_at: float | None = None
+        self._host_read_at: float | None = None
         self.views: list[Any] = []
         self.cv_eta_s: float | None = None
         self.first_step: str | None = None
@@ -192,8 +196,8 @@ class NnuiApp(App):
         self._in_thread("gpus", self._read_machine)
 
     def _read_machine(self) -> MachineRead:
-        """NVML every call; the host line and the host side of GPU processes at the
-        processes' pace (2 s)."""
+        """NVML every call; the host side of GPU processes at the processes' pace (2 s),
+        the host line at its own (5 s)."""
         from app.services.gpu_history import GpuHistory, PanelReadings, default_cache_dir
         from app.services.procs import LoadSampler
 
@@ -212,7 +216,10 @@ class NnuiApp(App):
         if self._procs_read_at is None or now - self._procs_read_at >= self.config.procs_interval_s:
             self._procs_read_at = now
             pids = [p.pid for gpu in snapshot.gpus for p in gpu.processes]
-            loads, host = sampler.processes(pids), sampler.host()
+            loads = sampler.processes(pids)
+        if self._host_read_at is None or now - self._host_read_at >= self.config.host_interval_s:
+            self._host_read_at = now
+            host = sampler.host()
         series = {g.uuid: history.series(g.uuid, snapshot.taken_at) for g in snapshot.gpus}
         return MachineRead(snapshot, PanelReadings(series, host, loads))
 

@@ -236,3 +236,23 @@ def test_unwritable_state_dir_is_one_line(tmp_path: Path) -> None:
             Registry(tmp_path / "state")
     finally:
         (tmp_path / "state" / "jobs").chmod(0o700)
+
+
+def test_list_sees_every_change_and_hands_out_fresh_jobs(tmp_path: Path) -> None:
+    """list() reuses what it parsed for unchanged files: a write (update, another
+    writer's file, a corrupt overwrite) is seen at once, and a caller's change to a listed
+    Job never reaches the next list()."""
+    registry = Registry(tmp_path)
+    registry.add(make_job())
+    first = registry.list()
+    first[0].exit_code = 99  # a caller changing its copy
+    first[0].env["NNUI_JOB_ID"] = "changed"
+    again = registry.list()[0]
+    assert again.exit_code is None and again.env["NNUI_JOB_ID"] == "1130-120000-f0-abc"
+    registry.update("1130-120000-f0-abc", exit_code=0)
+    assert registry.list()[0].exit_code == 0
+    Registry(tmp_path).update("1130-120000-f0-abc", exit_code=3)  # another process's write
+    assert registry.list()[0].exit_code == 3
+    path = tmp_path / "jobs" / "1130-120000-f0-abc.json"
+    path.write_text("{not json")  # in place, same size class: still re-read
+    assert registry.list() == [] and "corrupt job file" in registry.list_problems[0]

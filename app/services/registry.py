@@ -320,6 +320,7 @@ class Registry:
         # The problems of the newest list() alone: a file fixed or moved away drops out
         # (a long-lived reader such as the TUI shows these, not every one ever seen).
         self.list_problems: list[str] = []
+        self._listed: dict[Path, tuple[tuple[int, int, int], str]] = {}  # list()'s cache
 
     # ---- locking and files ---------------------------------------------------------------
 
@@ -369,6 +370,27 @@ class Registry:
             self._set_aside(path, error)
             return None
 
+    def _read_listed(
+        self, path: Path, seen: dict[Path, tuple[tuple[int, int, int], str]]
+    ) -> Job | None:
+        """_read, skipping the read and parse of a file unchanged since the previous list():
+        the board lists every second and job files change a few times a run. Every write is
+        a rename onto the path (a new inode), so (inode, size, mtime) tells a change; the
+        cache holds JSON text, so each call builds fresh Jobs (callers may change theirs)."""
+        try:
+            info = path.stat()
+        except OSError:
+            return self._read(path)  # gone or unreadable: _read says which
+        key = (info.st_ino, info.st_size, info.st_mtime_ns)
+        cached = self._listed.get(path)
+        if cached is not None and cached[0] == key:
+            seen[path] = cached
+            return Job.from_dict(json.loads(cached[1]))
+        job = self._read(path)
+        if job is not None:
+            seen[path] = (key, json.dumps(job.to_dict()))
+        return job
+
     def _set_aside(self, path: Path, error: Exception) -> None:
         reason = " ".join(str(error).split())[:200] or type(error).__name__
         self._report(
@@ -400,10 +422,12 @@ class Registry:
     def list(self) -> list[Job]:
         jobs = []
         self.list_problems = []
+        seen: dict[Path, tuple[tuple[int, int, int], str]] = {}
         for path in sorted(self.jobs_dir.glob("*.json")):
-            job = self._read(path)
+            job = self._read_listed(path, seen)
             if job is not None:
                 jobs.append(job)
+        self._listed = seen
         jobs.sort(key=lambda j: (j.created_at, j.job_id))
         return jobs
 
