@@ -187,10 +187,14 @@ class NnuiApp(App):
                 message = work()
                 if message is not None:
                     self.post_message(message)
+            except Exception:  # a failed read is skipped; the next tick reads again
+                log.debug("background read %s failed", name, exc_info=True)
             finally:
                 lock.release()
 
-        self.run_worker(run, thread=True, group=name, exit_on_error=False)
+        # A plain thread, not a Textual worker: a worker's life posts state messages through
+        # the app's queue, and these reads run twice a second for as long as nnui is open.
+        threading.Thread(target=run, name=f"nnui-{name}", daemon=True).start()
 
     def poll_machine(self) -> None:
         self._in_thread("gpus", self._read_machine)

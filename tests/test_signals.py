@@ -17,7 +17,7 @@ from fake_trainer import cleanup_jobs, fake_env, wait_until
 
 from app.services import launcher
 from app.services.jobs import JobTracker
-from app.services.procs import any_cmdline
+from app.services.procs import process_table
 from app.services.proctree import process_tree
 from app.services.registry import Job, ProcessRecord, Registry, SignalRecord
 from app.services.signals import (
@@ -204,16 +204,27 @@ def test_a_zombie_or_a_gone_child_is_not_alive() -> None:
     assert not record_alive(record)
 
 
-def test_any_cmdline_finds_a_live_argv() -> None:
-    marker = f"nnui-any-cmdline-{os.getpid()}"
-    assert not any_cmdline(lambda argv: marker in argv)
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", marker],
-                             stdin=subprocess.PIPE)  # fmt: skip
+def test_process_table_roots_bring_their_descendants() -> None:
+    """roots= keeps the matching processes and everything below them (a worker forked by
+    the run, whatever its argv), and nothing else."""
+    marker = f"nnui-roots-{os.getpid()}"
+    code = (
+        "import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', "
+        "'import sys; sys.stdin.read()'], stdin=subprocess.PIPE); print(c.pid, flush=True); "
+        "sys.stdin.read(); c.communicate(b'')"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code, marker], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        wait_until(lambda: any_cmdline(lambda argv: marker in argv))
+        child = int(parent.stdout.readline())
+        rows = process_table(roots=lambda argv: marker in argv)
+        by_pid = {row.pid: row for row in rows}
+        assert set(by_pid) == {parent.pid, child}
+        assert by_pid[child].ppid == parent.pid and marker not in by_pid[child].cmdline
+        assert by_pid[parent.pid].start_ticks == process_start_ticks(parent.pid)
     finally:
-        child.communicate(b"")
-    assert not any_cmdline(lambda argv: marker in argv)
+        parent.communicate("")
+    assert not process_table(roots=lambda argv: marker in argv)
 
 
 def test_second_stop_sends_nothing(tmp_path: Path) -> None:

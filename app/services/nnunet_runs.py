@@ -48,7 +48,6 @@ from app.services.nnunet_log import (
 )
 from app.services.procs import (
     ProcRow,
-    any_cmdline,
     descendants,
     process_table,
     read_sigcgt_mask,
@@ -320,7 +319,7 @@ class NnunetRunWatcher:
         """The watch-only runs now. `procs`: a process table (default: read /proc)."""
         roots = [Path(r) for r in results_roots]
         if procs is None:
-            rows = process_table(detail=is_train_cmdline) if any_cmdline(is_train_cmdline) else []
+            rows = process_table(detail=is_train_cmdline, roots=is_train_cmdline)
         else:
             rows = list(procs)
         excluded = {os.path.realpath(d) for d in exclude_dirs}

@@ -325,10 +325,18 @@ def read_sigcgt_usr1(pid: int) -> bool | None:
     return None if mask is None else bool(mask & (1 << (signal.SIGUSR1 - 1)))
 
 
-def _read_row(pid: int) -> ProcRow | None:
+def _read_cmdline(pid: int) -> tuple[str, ...] | None:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as handle:
             raw = handle.read()
+    except OSError:  # gone meanwhile
+        return None
+    return tuple(a.decode(errors="replace") for a in raw.split(b"\0") if a)
+
+
+def _read_row(pid: int, cmdline: tuple[str, ...] | None = None) -> ProcRow | None:
+    args = _read_cmdline(pid) if cmdline is None else cmdline
+    try:
         uid = os.stat(f"/proc/{pid}").st_uid
         with open(f"/proc/{pid}/stat", "rb") as handle:
             stat = handle.read()
@@ -336,25 +344,63 @@ def _read_row(pid: int) -> ProcRow | None:
         ppid, ticks = int(fields[1]), int(fields[19])
     except (OSError, ValueError, IndexError):  # gone meanwhile, or a kernel thread
         return None
-    args = tuple(a.decode(errors="replace") for a in raw.split(b"\0") if a)
+    if args is None:
+        return None
     return ProcRow(pid=pid, ppid=ppid, uid=uid, start_ticks=ticks, cmdline=args)
 
 
-def process_table(detail: Callable[[tuple[str, ...]], bool] | None = None) -> list[ProcRow]:
-    """Every live process (pid, ppid, uid, start ticks, argv) from /proc, read-only.
-
-    For the rows whose argv `detail` accepts, the environ and cwd (own uid only) and the
-    SigCgt bit are read too. Processes that exit while the table is read are simply absent.
-    """
+def _children(pid: int) -> list[int]:
+    """Child pids from /proc/PID/task/*/children: every thread's children (a process
+    forked from a thread other than the main one is listed under that thread only)."""
+    found: list[int] = []
     try:
-        names = os.listdir("/proc")
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as handle:
+                found += [int(c) for c in handle.read().split()]
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _pids() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
     except OSError:
         return []
+
+
+def process_table(
+    detail: Callable[[tuple[str, ...]], bool] | None = None,
+    roots: Callable[[tuple[str, ...]], bool] | None = None,
+) -> list[ProcRow]:
+    """Live processes (pid, ppid, uid, start ticks, argv) from /proc, read-only.
+
+    `roots`: only the processes whose argv it accepts and their descendants (everything
+    else costs one cmdline read, not three reads). For the rows whose argv `detail`
+    accepts, the environ and cwd (own uid only) and the SigCgt bit are read too.
+    Processes that exit while the table is read are simply absent.
+    """
+    if roots is None:
+        wanted = {pid: None for pid in _pids()}
+    else:
+        wanted = {}
+        for pid in _pids():
+            args = _read_cmdline(pid)
+            if args and roots(args):
+                wanted[pid] = args
+        todo = list(wanted)
+        while todo:  # descendants: workers, torchrun's ranks
+            for child in _children(todo.pop()):
+                if child not in wanted:
+                    wanted[child] = None
+                    todo.append(child)
     rows = []
-    for name in names:
-        if not name.isdigit():
-            continue
-        row = _read_row(int(name))
+    for pid, args in wanted.items():
+        row = _read_row(pid, args)
         if row is None or not row.cmdline:
             continue
         if detail is not None and detail(row.cmdline):
@@ -364,27 +410,6 @@ def process_table(detail: Callable[[tuple[str, ...]], bool] | None = None) -> li
             )  # fmt: skip
         rows.append(row)
     return rows
-
-
-def any_cmdline(match: Callable[[tuple[str, ...]], bool]) -> bool:
-    """Does any live process's argv satisfy `match`? One read per process (its cmdline),
-    a third of what process_table reads: the watch-only discovery asks this every 2 s and
-    builds the whole table only when some nnU-Net training runs."""
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return False
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as handle:
-                raw = handle.read()
-        except OSError:
-            continue
-        if raw and match(tuple(a.decode(errors="replace") for a in raw.split(b"\0") if a)):
-            return True
-    return False
 
 
 def descendants(rows: list[ProcRow], pid: int) -> list[int]:
