@@ -502,6 +502,7 @@ def parse_args(argv: list[str]) -> BenchArgs:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)  # the command line in RESULTS.md
     a = parsed_or_exit_code(parse_args, argv)
     if isinstance(a, int):
         return a

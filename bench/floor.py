@@ -275,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         help="recompute norm+activation in backward (auto: as nnui-train on CPU, 3D only)",
     )
     p.add_argument("--flush-denormal", action="store_true", help="torch.set_flush_denormal")
+    p.add_argument(
+        "--omp-default-spin",
+        action="store_true",
+        help="libgomp's default spinning (nnui-train limits it on CPU: trainer/openmp.py)",
+    )
     p.add_argument("--data-batches", type=int, default=40, help="batches timed for data cost")
     p.add_argument("--profile", action="store_true", help="print a torch profiler table")
     p.add_argument("--json", default=None, help="also write the figures to this file")
@@ -283,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainer import allocator
 
         allocator.reexec_with_caching_allocator("cpu", args.malloc)
+    if argv is None and not args.omp_default_spin:  # and its OpenMP wait, as nnui-train
+        from trainer import openmp
+
+        openmp.limit_spinning("cpu")
     if args.iterations < 1 or args.data_batches < 1:
         print("error: --iterations and --data-batches must be >= 1", file=sys.stderr)
         return 2

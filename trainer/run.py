@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer import allocator
+from trainer import allocator, openmp
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER
 from trainer.train_args import build_parser
 
@@ -289,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     if as_program:  # not when called from Python (tests): the caller owns the process
         allocator.reexec_with_caching_allocator(args.device, args.malloc)
+        openmp.limit_spinning(args.device)  # before torch is imported
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
         config = resolve_config(args, argv)
