@@ -8,6 +8,7 @@ contrast; the GPU panel's parts are pure functions checked as tables.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import replace
@@ -20,7 +21,7 @@ from test_tui_widgets import Gpu, View
 from app.screens.dashboard import DashboardScreen
 from app.screens.job_summary import summary_text
 from app.services.gpu_history import GpuHistory, HistorySeries
-from app.services.gpus import GpuProcess, MachineSnapshot
+from app.services.gpus import SIMULATED_BUSY_ENV, GpuProcess, MachineSnapshot
 from app.services.procs import HostSnapshot, LoadSampler, ProcLoad
 from app.widgets.formatting import readable_style
 from app.widgets.gpu_panel import (
@@ -212,6 +213,27 @@ async def test_no_color_keeps_the_failure_summary_readable(tmp_path, monkeypatch
         for segment in segments:
             fg, bg = _fg_bg(segment.style)
             assert contrast(fg, bg) >= 4.5, (segment.text, fg, bg)
+
+
+@pytest.mark.parametrize("theme", ["dark", "light"])
+async def test_no_color_keeps_the_gpu_panel_readable(tmp_path, monkeypatch, theme) -> None:
+    """Bars, sparklines, names and another user's process at full contrast under NO_COLOR
+    (magenta and green bars were greys of contrast 2-3, the other-user warning near-white
+    on the light theme)."""
+    monkeypatch.setenv("NO_COLOR", "1")
+    busy = tmp_path / "busy.json"
+    busy.write_text(json.dumps({"1": [{"pid": 4411, "user": "bob", "used_gib": 30}]}))
+    monkeypatch.setenv(SIMULATED_BUSY_ENV, str(busy))
+    app = frozen(tmp_path, 2, theme=theme)
+    async with app.run_test(size=(160, 40)) as pilot:
+        screen = await drawn(app, pilot, 2)
+        app.poll_machine()
+        cards = list(screen.query(GpuCard))
+        await wait_for(lambda: any("bob" in " ".join(_texts(app, c)) for c in cards), pilot)
+        for card in cards:
+            for segment in _segments(app, card):
+                fg, bg = _fg_bg(segment.style)
+                assert contrast(fg, bg) >= 4.5, (segment.text, fg, bg)
 
 
 def _segments(app, widget) -> list:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from rich.text import Text
+from rich.text import Span, Text
 from textual.containers import VerticalScroll
 from textual.geometry import Region
 from textual.widgets import Static
@@ -25,7 +25,15 @@ from textual.widgets import Static
 from app.services.gpu_history import HistorySeries, PanelReadings
 from app.services.gpus import GpuProcess, GpuSnapshot, MachineSnapshot
 from app.services.procs import HostSnapshot, ProcLoad
-from app.widgets.formatting import NA, bar, fmt_duration_s, fmt_gib, fmt_or_na, short_uuid
+from app.widgets.formatting import (
+    NA,
+    bar,
+    fmt_duration_s,
+    fmt_gib,
+    fmt_or_na,
+    readable_style,
+    short_uuid,
+)
 
 HISTORY_POINTS = 24
 SPARK_LEVELS = "▁▁▂▃▄▅▆▇█"  # 0 % still draws a baseline
@@ -51,6 +59,7 @@ class CardOptions:
     compact: bool = False
     show_commands: bool = False
     sort_by: str = "memory"
+    mono: bool = False  # NO_COLOR: text styles only (formatting.readable_style)
 
 
 @dataclass(frozen=True)
@@ -199,13 +208,16 @@ def gpu_lines(
 ) -> Text:
     """The text of one GPU card (a pure function of what it is given, easy to diff)."""
     text = fitted_header(gpu, series, options, level)
-    if options.compact or not gpu.processes:
-        return text
-    text.append("\n")
-    text.append_text(history_line(series, options.width))
-    for proc in sorted_processes(gpu.processes, options.sort_by):
+    if not options.compact and gpu.processes:
         text.append("\n")
-        text.append_text(process_line(proc, (loads or {}).get(proc.pid), options))
+        text.append_text(history_line(series, options.width))
+        for proc in sorted_processes(gpu.processes, options.sort_by):
+            text.append("\n")
+            text.append_text(process_line(proc, (loads or {}).get(proc.pid), options))
+    if options.mono:  # colours would turn into greys of poor contrast (bars, the warning)
+        text.spans = [
+            Span(span.start, span.end, readable_style(str(span.style), True)) for span in text.spans
+        ]
     return text
 
 
@@ -283,7 +295,8 @@ class GpuPanel(VerticalScroll):
         # The panel may take half the screen (nnui.tcss), less its border and banner.
         budget = self.app.size.height // 2 - 2 - (1 if self._banner_text else 0)
         self.compact = sum(full_lines(g) for g in snapshot.gpus) > max(1, budget)
-        return CardOptions(width, self.compact, self.show_commands, self.sort_by)
+        mono = bool(getattr(self.app, "no_color", False))
+        return CardOptions(width, self.compact, self.show_commands, self.sort_by, mono)
 
     def update_snapshot(
         self, snapshot: MachineSnapshot, readings: PanelReadings | None = None
