@@ -28,9 +28,11 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from trainer.norm import InstanceNorm3d
+
 _CONV = {2: nn.Conv2d, 3: nn.Conv3d}
 _TRANSP = {2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
-_NORM = {2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}
+_NORM = {2: nn.InstanceNorm2d, 3: InstanceNorm3d}  # 3d: a channels_last inference path
 
 
 def _as_tuple(value: int | Sequence[int], ndim: int) -> tuple[int, ...]:
