@@ -364,6 +364,7 @@ def setup(a: PredictArgs) -> tuple:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)  # also echoed into RESULTS.md
     a = parsed_or_exit_code(parse_args, argv)
     if isinstance(a, int):
         return a

@@ -108,3 +108,52 @@ def test_cpu_predicts_one_window_per_pass_with_the_result_of_batched_passes(monk
         batched = sliding_window_probabilities([model], x, (4, 6, 8), 3, mirror=True)
     assert max(model.batch_sizes) == 5
     torch.testing.assert_close(one, batched, rtol=1e-5, atol=1e-6)
+
+
+def _small_unet(seed: int) -> torch.nn.Module:
+    from trainer.model import PlainConvUNet
+
+    torch.manual_seed(seed)
+    net = PlainConvUNet(1, 3, [4, 8], [[1, 3, 3], 3], [1, 2], [2, 2], [1], 3, False, False)
+    for module in net.modules():  # non-trivial affine parameters for the norms
+        if isinstance(module, torch.nn.InstanceNorm3d):
+            torch.nn.init.uniform_(module.weight, 0.5, 1.5)
+            torch.nn.init.uniform_(module.bias, -0.5, 0.5)
+    return net.eval()
+
+
+def test_channels_last_instance_norm_equals_instance_norm():
+    """trainer.norm's inference path (one channels_last sample) gives F.instance_norm's
+    result; with autograd on, or in NCDHW, it is nn.InstanceNorm3d itself."""
+    from trainer.norm import InstanceNorm3d
+
+    torch.manual_seed(3)
+    norm = InstanceNorm3d(5, eps=1e-5, affine=True)
+    torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    torch.nn.init.uniform_(norm.bias, -0.5, 0.5)
+    x = torch.randn(1, 5, 6, 7, 8) * 3 + 2
+    expected = torch.nn.functional.instance_norm(x, weight=norm.weight, bias=norm.bias)
+    channels_last = x.contiguous(memory_format=torch.channels_last_3d)
+    with torch.inference_mode():
+        got = norm(channels_last)
+    assert got.is_contiguous(memory_format=torch.channels_last_3d)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(norm(channels_last), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_3d_runs_channels_last_with_the_probabilities_of_the_default_layout(monkeypatch):
+    assert sliding.memory_format(torch.device("cpu"), 3) == torch.channels_last_3d
+    assert sliding.memory_format(torch.device("cpu"), 2) == torch.contiguous_format
+    assert sliding.memory_format(torch.device("cuda"), 3) == torch.contiguous_format
+    model = _small_unet(4)
+    x = torch.randn(1, 1, 6, 12, 10)
+    with torch.inference_mode():
+        fast = sliding_window_probabilities(
+            [model.to(memory_format=torch.channels_last_3d)], x, (4, 8, 8), 3
+        )
+        monkeypatch.setattr(sliding, "memory_format", lambda d, n: torch.contiguous_format)
+        plain = sliding_window_probabilities(
+            [model.to(memory_format=torch.contiguous_format)], x, (4, 8, 8), 3
+        )
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fast.argmax(1), plain.argmax(1))

@@ -28,9 +28,11 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from trainer.norm import InstanceNorm3d
+
 _CONV = {2: nn.Conv2d, 3: nn.Conv3d}
 _TRANSP = {2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
-_NORM = {2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}
+_NORM = {2: nn.InstanceNorm2d, 3: InstanceNorm3d}  # 3d: a channels_last inference path
 
 
 def _as_tuple(value: int | Sequence[int], ndim: int) -> tuple[int, ...]:
@@ -63,8 +65,11 @@ class ConvBlock(nn.Sequential):
         without in-place ops."""
         inplace = not torch.compiler.is_compiling()
         norm = self[1]
-        if not isinstance(norm, nn.modules.instancenorm._InstanceNorm) or norm.track_running_stats:
-            return F.leaky_relu(norm(z), NEGATIVE_SLOPE, inplace=inplace)  # e.g. GroupNorm
+        plain = not isinstance(norm, nn.modules.instancenorm._InstanceNorm)
+        if plain or norm.track_running_stats or not torch.is_grad_enabled():
+            # GroupNorm and the like; and inference, where no autograd is there to wrap and
+            # the norm module keeps a channels_last input in its layout (trainer.norm).
+            return F.leaky_relu(norm(z), NEGATIVE_SLOPE, inplace=inplace)
         # torch's instance_norm, spelled out (the same batch_norm call on the same view):
         # it returns a view of batch_norm's output, and an in-place activation on a view
         # makes autograd wrap its backward in CopySlices, 3 full-size copies and a fill

