@@ -44,3 +44,16 @@ def test_block_equals_torch_instance_norm_and_leaky_relu_bit_for_bit(ndim: int) 
     # The point of spelling it out: no CopySlices (3 full-size copies in backward).
     assert any("CopySlices" in name for name in _grad_fn_names(their_out))
     assert not any("CopySlices" in name for name in _grad_fn_names(our_out))
+
+
+def test_inference_keeps_channels_last_through_a_block() -> None:
+    """CPU inference runs 3D blocks in channels_last_3d: the block's norm and activation
+    must keep that layout (the training path's spelled-out batch_norm copies it back)."""
+    torch.manual_seed(0)
+    block = ConvBlock(3, 4, 4, (3, 3, 3), (1, 1, 1)).eval()
+    z = torch.randn(1, 4, 6, 7, 8)
+    with torch.no_grad():
+        plain = block.norm_act(z.clone())
+        fast = block.norm_act(z.to(memory_format=torch.channels_last_3d))
+    assert fast.is_contiguous(memory_format=torch.channels_last_3d)
+    assert torch.allclose(fast, plain, atol=1e-5)
