@@ -394,6 +394,7 @@ def train_all(a: AccuracyArgs, venv: Path, roots: dict[str, str]) -> list[FoldRu
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)  # also quoted in bench/RESULTS.md
     a = parsed_or_exit_code(parse_args, argv)
     if isinstance(a, int):
         return a
