@@ -3,15 +3,20 @@ validation (whole validation cases, raw geometry, each side's own summary.json).
 
     python bench/accuracy.py [--work DIR] [--cases 12] [--shape-scale 0.5]
                              [--configuration 2d] [--epochs 20] [--iterations 10]
-                             [--val-iterations 1] [--folds 0,1] [--num-workers 2]
+                             [--val-iterations 1] [--folds 0,1] [--repeats 1]
+                             [--num-workers 2] [--nnui-args "--recompute-norm off"]
 
 Same raw cases, folds (one splits_final.json), plan, patch, batch and network (nnU-Net's
 plan copied into nnui's plans, as bench/compare_nnunet.py does), same schedule (epochs x
 iterations); each side keeps its own augmentation, sampling, loss and optimiser. Folds run
-alternated A B A B. Both sides train with torch's threads = cores (nnU-Net sets it on CPU,
-nnui per rank) and --num-workers data workers (nnU-Net: nnUNet_n_proc_DA; nnui: loader
-threads); nnU-Net's final-validation export pool gets the same count (nnUNet_def_n_proc).
-Figures are appended to bench/RESULTS.md.
+alternated A B A B; --repeats R trains every fold R times per side (nnui with --seed
+12345 + r, nnU-Net, which takes no seed, with its own fresh randomness), so a difference can
+be set against the run-to-run spread. Both sides train with torch's threads = cores
+(nnU-Net sets it on CPU, nnui per rank) and --num-workers data workers (nnU-Net:
+nnUNet_n_proc_DA; nnui: loader threads); nnU-Net's final-validation export pool gets the
+same count (nnUNet_def_n_proc).
+The 1-minute load average before and after each run is kept (a shared box's load
+inflates wall time, not CPU-s). Figures are appended to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import shutil
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,6 +56,7 @@ from compare_nnunet import (
 
 log = logging.getLogger("bench")
 SIDES = ("nnU-Net", "nnui")
+NNUI_SEED = 12345  # nnui-train's default --seed; repeat r uses NNUI_SEED + r
 
 
 @dataclass(frozen=True)
@@ -62,8 +69,14 @@ class AccuracyArgs:
     iterations: int
     val_iterations: int
     folds: list[str]
+    repeats: int
     num_workers: int
+    order: str  # "alternate" (A B A B) or "together" (both sides of a pair at once)
     nnui_args: list[str]  # execution flags that keep results (e.g. --recompute-norm off)
+
+    def units(self) -> list[tuple[str, int]]:
+        """(fold, repeat) pairs in run order; each one is trained once by each side."""
+        return [(fold, r) for r in range(self.repeats) for fold in self.folds]
 
     def as_bench_args(self) -> BenchArgs:
         """compare_nnunet's arguments, for its data, plan and preprocessing steps."""
@@ -79,12 +92,16 @@ class FoldRun:
 
     side: str
     fold: str
+    repeat: int
     exit_code: int
     fg_dice: float  # validation/summary.json foreground_mean Dice (nan when missing)
     dice_per_label: dict[str, float]
     wall_s: float  # process start to exit: training and final validation
     tree_cpu_s: float
     pseudo_dice: list[float] = field(default_factory=list)  # per epoch, mean over labels
+    load_avg: tuple[float, float] = (float("nan"), float("nan"))  # 1-min, before / after
+    # {label: first epoch with pseudo Dice >= 0.5}: when each side learned each class
+    learned_epoch: dict[str, int | None] = field(default_factory=dict)
 
 
 def read_summary(path: Path) -> tuple[float, dict[str, float]]:
@@ -98,31 +115,60 @@ def read_summary(path: Path) -> tuple[float, dict[str, float]]:
     return (float(fg) if fg is not None else float("nan")), labels
 
 
-def nnunet_pseudo_dice(fold_dir: Path) -> list[float]:
-    """Per-epoch mean pseudo Dice from nnU-Net's training_log_*.txt ('Pseudo dice [...]')."""
-    curve = []
+def nnunet_pseudo_dice_per_label(fold_dir: Path) -> list[list[float]]:
+    """Per-epoch pseudo Dice of each label from nnU-Net's training_log_*.txt."""
+    curves = []
     for log_file in sorted(fold_dir.glob("training_log_*.txt")):
         for line in log_file.read_text().splitlines():
             if "Pseudo dice" in line:
                 values = [float(v) for v in re.findall(r"\d+\.\d+(?:e-?\d+)?", line.split("[")[-1])]
                 if values:
-                    curve.append(round(statistics.fmean(values), 3))
-    return curve
+                    curves.append(values)
+    return curves
+
+
+def nnunet_pseudo_dice(fold_dir: Path) -> list[float]:
+    """Per-epoch mean pseudo Dice from nnU-Net's training_log_*.txt ('Pseudo dice [...]')."""
+    return [round(statistics.fmean(v), 3) for v in nnunet_pseudo_dice_per_label(fold_dir)]
+
+
+def _epochs_ended(events_path: Path) -> list[dict]:
+    if not events_path.is_file():
+        return []
+    lines = events_path.read_text().splitlines()
+    return [
+        json.loads(line) for line in lines if '"epoch_ended"' in line and line.strip().endswith("}")
+    ]
 
 
 def nnui_pseudo_dice(events_path: Path) -> list[float]:
-    curve = []
-    if events_path.is_file():
-        for line in events_path.read_text().splitlines():
-            if '"epoch_ended"' in line and line.strip().endswith("}"):
-                value = json.loads(line).get("mean_fg_dice")
-                if value is not None:
-                    curve.append(round(float(value), 3))
-    return curve
+    values = [e.get("mean_fg_dice") for e in _epochs_ended(events_path)]
+    return [round(float(v), 3) for v in values if v is not None]
 
 
-def run_nnunet_fold(a: AccuracyArgs, venv: Path, roots: dict[str, str], fold: str) -> FoldRun:
-    results = a.work / "nnunet_results" / f"fold{fold}"
+def nnui_pseudo_dice_per_label(events_path: Path) -> list[list[float]]:
+    return [list(e["dice_per_class"]) for e in _epochs_ended(events_path) if "dice_per_class" in e]
+
+
+def learned_epoch(curves: list[list[float]], threshold: float = 0.5) -> dict[str, int | None]:
+    """{label: first epoch whose pseudo Dice reached threshold, None if none did}; label i+1
+    is column i (background has no column)."""
+    labels = max((len(c) for c in curves), default=0)
+    first: dict[str, int | None] = {}
+    for i in range(labels):
+        hits = [e for e, c in enumerate(curves) if i < len(c) and c[i] >= threshold]
+        first[str(i + 1)] = hits[0] if hits else None
+    return first
+
+
+def _unit_name(fold: str, repeat: int) -> str:
+    return f"fold{fold}" + (f"_r{repeat}" if repeat else "")
+
+
+def run_nnunet_fold(
+    a: AccuracyArgs, venv: Path, roots: dict[str, str], fold: str, repeat: int = 0
+) -> FoldRun:
+    results = a.work / "nnunet_results" / _unit_name(fold, repeat)
     shutil.rmtree(results, ignore_errors=True)
     argv, env = nnunet_train(a.as_bench_args(), venv, roots, results, fold)
     env.update(
@@ -130,24 +176,36 @@ def run_nnunet_fold(a: AccuracyArgs, venv: Path, roots: dict[str, str], fold: st
         nnUNet_def_n_proc=str(a.num_workers),  # its final validation's export processes
         NNUI_BENCH_FINAL_VALIDATION="1",
     )
-    run = run_sampled(argv, a.work / "logs" / f"nnunet_fold{fold}.log", env=env)
+    load_before = os.getloadavg()[0]
+    run = run_sampled(argv, a.work / "logs" / f"nnunet_{_unit_name(fold, repeat)}.log", env=env)
     fold_dir = nnunet_fold_dir(a.as_bench_args(), results, fold)
     fg, labels = read_summary(fold_dir / "validation" / "summary.json")
     curve = nnunet_pseudo_dice(fold_dir)
-    return FoldRun("nnU-Net", fold, run.exit_code, fg, labels, run.wall_s, run.tree_cpu_s, curve)
+    learned = learned_epoch(nnunet_pseudo_dice_per_label(fold_dir))
+    return FoldRun(
+        "nnU-Net", fold, repeat, run.exit_code, fg, labels, run.wall_s, run.tree_cpu_s, curve,
+        (load_before, os.getloadavg()[0]), learned,
+    )  # fmt: skip
 
 
-def run_nnui_fold(a: AccuracyArgs, raw: Path, pre_root: Path, fold: str) -> FoldRun:
-    results = a.work / "nnui_results" / f"fold{fold}"
+def run_nnui_fold(
+    a: AccuracyArgs, raw: Path, pre_root: Path, fold: str, repeat: int = 0
+) -> FoldRun:
+    results = a.work / "nnui_results" / _unit_name(fold, repeat)
     shutil.rmtree(results, ignore_errors=True)
     argv = [*nnui_train_argv(a.as_bench_args(), pre_root, results, fold), "--raw", str(raw)]
-    argv += a.nnui_args
-    log_path = a.work / "logs" / f"nnui_fold{fold}.log"
+    argv += [*a.nnui_args, "--seed", str(NNUI_SEED + repeat)]
+    log_path = a.work / "logs" / f"nnui_{_unit_name(fold, repeat)}.log"
+    load_before = os.getloadavg()[0]
     run = run_sampled(argv, log_path, cwd=REPO, thread_name="nnui-loader")
     fold_dir = nnui_fold_dir(a.as_bench_args(), results, fold)
     fg, labels = read_summary(fold_dir / "validation" / "summary.json")
     curve = nnui_pseudo_dice(fold_dir / "events.jsonl")
-    return FoldRun("nnui", fold, run.exit_code, fg, labels, run.wall_s, run.tree_cpu_s, curve)
+    learned = learned_epoch(nnui_pseudo_dice_per_label(fold_dir / "events.jsonl"))
+    return FoldRun(
+        "nnui", fold, repeat, run.exit_code, fg, labels, run.wall_s, run.tree_cpu_s, curve,
+        (load_before, os.getloadavg()[0]), learned,
+    )  # fmt: skip
 
 
 # ---- report ---------------------------------------------------------------------------
@@ -157,38 +215,57 @@ def _spread(values: list[float]) -> float:
     return statistics.stdev(values) if len(values) > 1 else float("nan")
 
 
+def _unit_label(fold: str, repeat: int, repeats: int) -> str:
+    return f"fold {fold}" + (f" repeat {repeat}" if repeats > 1 else "")
+
+
 def summarize(a: AccuracyArgs, runs: list[FoldRun]) -> list[str]:
-    by = {(r.side, r.fold): r for r in runs}
+    by = {(r.side, r.fold, r.repeat): r for r in runs}
+    units = a.units()
     lines = []
-    for fold in a.folds:
-        them, us = by[("nnU-Net", fold)], by[("nnui", fold)]
+    for fold, repeat in units:
+        them, us = by[("nnU-Net", fold, repeat)], by[("nnui", fold, repeat)]
+        name = _unit_label(fold, repeat, a.repeats)
         lines.append(
-            f"fold {fold}: foreground Dice nnU-Net {them.fg_dice:.3f} {_labels(them)}  "
+            f"{name}: foreground Dice nnU-Net {them.fg_dice:.3f} {_labels(them)}  "
             f"nnui {us.fg_dice:.3f} {_labels(us)}  difference {us.fg_dice - them.fg_dice:+.3f}"
         )
         lines.append(
-            f"fold {fold}: wall nnU-Net {them.wall_s:.0f} s nnui {us.wall_s:.0f} s; "
-            f"CPU-s nnU-Net {them.tree_cpu_s:.0f} nnui {us.tree_cpu_s:.0f}"
+            f"{name}: wall nnU-Net {them.wall_s:.0f} s nnui {us.wall_s:.0f} s; "
+            f"CPU-s nnU-Net {them.tree_cpu_s:.0f} nnui {us.tree_cpu_s:.0f}; load "
+            f"nnU-Net {_load(them)} nnui {_load(us)}"
         )
-    dice = {s: [by[(s, f)].fg_dice for f in a.folds] for s in SIDES}
+        lines.append(
+            f"{name}: first epoch with pseudo Dice >= 0.5 per label: nnU-Net "
+            f"{_learned(them)} nnui {_learned(us)}"
+        )
+    dice = {s: [by[(s, *u)].fg_dice for u in units] for s in SIDES}
     diffs = [u - t for u, t in zip(dice["nnui"], dice["nnU-Net"], strict=True)]
     for side in SIDES:
         lines.append(
             f"{side}: mean foreground Dice {statistics.fmean(dice[side]):.3f} "
-            f"(fold-to-fold SD {_spread(dice[side]):.3f})"
+            f"(run-to-run SD {_spread(dice[side]):.3f})"
         )
-    wall = {s: sum(by[(s, f)].wall_s for f in a.folds) for s in SIDES}
-    cpu = {s: sum(by[(s, f)].tree_cpu_s for f in a.folds) for s in SIDES}
+    wall = {s: sum(by[(s, *u)].wall_s for u in units) for s in SIDES}
+    cpu = {s: sum(by[(s, *u)].tree_cpu_s for u in units) for s in SIDES}
     lines.append(f"wall time: nnui {wall['nnui']:.0f} s  nnU-Net {wall['nnU-Net']:.0f} s")
     lines.append(f"CPU-s (process tree): nnui {cpu['nnui']:.0f}  nnU-Net {cpu['nnU-Net']:.0f}")
     lines.append(f"CPU-s ratio nnui/nnU-Net = {ratio(cpu['nnui'], cpu['nnU-Net']):.2f}")
     lines.append(
-        f"Dice difference per fold: {' '.join(f'{d:+.3f}' for d in diffs)} "
-        f"(SD {_spread(diffs):.3f})"
+        f"Dice difference per run: {' '.join(f'{d:+.3f}' for d in diffs)} "
+        f"(SD {_spread(diffs):.3f}, standard error {_spread(diffs) / len(diffs) ** 0.5:.3f})"
     )
     lines.append(f"mean foreground Dice difference nnui - nnU-Net = {statistics.fmean(diffs):+.3f}")
     lines.append(f"wall time ratio nnui/nnU-Net = {ratio(wall['nnui'], wall['nnU-Net']):.2f}")
     return lines
+
+
+def _learned(run: FoldRun) -> str:
+    return " ".join(f"{k}:{'never' if v is None else v}" for k, v in run.learned_epoch.items())
+
+
+def _load(run: FoldRun) -> str:
+    return f"{run.load_avg[0]:.1f}->{run.load_avg[1]:.1f}"
 
 
 def _labels(run: FoldRun) -> str:
@@ -199,9 +276,10 @@ def config_line(a: AccuracyArgs, plan: dict) -> str:
     arch = plan["architecture"]
     return (
         f"{a.configuration}, {a.cases} demo cases at shape scale {a.shape_scale}, folds "
-        f"{','.join(a.folds)} (5-fold split), patch {plan['patch_size']}, batch "
-        f"{plan['batch_size']}, features {arch['features_per_stage']}, {a.epochs} epochs x "
-        f"{a.iterations} iterations (+{a.val_iterations} val), torch threads = "
+        f"{','.join(a.folds)} (5-fold split) x {a.repeats} repeat(s), patch "
+        f"{plan['patch_size']}, batch {plan['batch_size']}, features "
+        f"{arch['features_per_stage']}, {a.epochs} epochs x {a.iterations} iterations "
+        f"(+{a.val_iterations} val), torch threads = "
         f"{os.cpu_count()} both, {a.num_workers} data workers each (nnU-Net processes, nnui "
         "threads), final validation with mirroring on both; nnui flags: "
         f"{' '.join(a.nnui_args) or 'defaults'}"
@@ -240,7 +318,16 @@ def parse_args(argv: list[str]) -> AccuracyArgs:
     p.add_argument("--iterations", type=int, default=10, help="training iterations per epoch")
     p.add_argument("--val-iterations", type=int, default=1, help="same for both sides")
     p.add_argument("--folds", default="0,1", help="comma-separated folds of the 5-fold split")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs per fold and side (nnui seed 12345 + r)"
+    )
     p.add_argument("--num-workers", type=int, default=2, help="data workers of each side")
+    p.add_argument(
+        "--order",
+        default="alternate",
+        choices=("alternate", "together"),
+        help="alternate: A B A B; together: both sides of each fold at the same time",
+    )
     p.add_argument(
         "--nnui-args", default="", help="extra nnui-train flags, e.g. '--recompute-norm off'"
     )
@@ -250,19 +337,21 @@ def parse_args(argv: list[str]) -> AccuracyArgs:
         ns.epochs < 1
         or ns.iterations < 1
         or ns.cases < 5
+        or ns.repeats < 1
         or not folds
         or any(f not in "01234" or len(f) != 1 for f in folds)
         or not 0.1 <= ns.shape_scale <= 2.0
     ):
         print(
-            "error: need --epochs >= 1, --iterations >= 1, --cases >= 5, --folds among 0-4, "
-            "--shape-scale in [0.1, 2]",
+            "error: need --epochs >= 1, --iterations >= 1, --cases >= 5, --repeats >= 1, "
+            "--folds among 0-4, --shape-scale in [0.1, 2]",
             file=sys.stderr,
         )
         raise SystemExit(2)
     return AccuracyArgs(
         Path(ns.work).absolute(), ns.cases, ns.shape_scale, ns.configuration, ns.epochs,
-        ns.iterations, ns.val_iterations, folds, ns.num_workers, shlex.split(ns.nnui_args),
+        ns.iterations, ns.val_iterations, folds, ns.repeats, ns.num_workers, ns.order,
+        shlex.split(ns.nnui_args),
     )  # fmt: skip
 
 
@@ -281,6 +370,29 @@ def prepare(a: AccuracyArgs) -> tuple[Path, dict[str, str], dict]:
     return venv, roots, plan
 
 
+def train_all(a: AccuracyArgs, venv: Path, roots: dict[str, str]) -> list[FoldRun]:
+    """Every (fold, repeat) by both sides: one after the other (A B A B), or with --order
+    together both sides of a pair at once, so they share the same neighbours' load."""
+
+    def one(side: str, fold: str, repeat: int) -> FoldRun:
+        log.info("fold %s repeat %d: %s", fold, repeat, side)
+        if side == "nnU-Net":
+            run = run_nnunet_fold(a, venv, roots, fold, repeat)
+        else:
+            run = run_nnui_fold(a, a.work / "raw", a.work / "nnui_preprocessed", fold, repeat)
+        log.info("%s", json.dumps(asdict(run)))
+        return run
+
+    runs: list[FoldRun] = []
+    for fold, repeat in a.units():
+        if a.order == "together":
+            with ThreadPoolExecutor(len(SIDES)) as pool:
+                runs += list(pool.map(one, SIDES, [fold] * 2, [repeat] * 2))
+        else:  # A B A B: slow drift of the machine hits both sides alike
+            runs += [one(side, fold, repeat) for side in SIDES]
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)  # the command line in RESULTS.md
     a = parsed_or_exit_code(parse_args, argv)
@@ -294,16 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = config_line(a, plan)
     log.info("config: %s", config)
-    runs: list[FoldRun] = []
-    for fold in a.folds:
-        for side in SIDES:  # A B A B: slow drift of the machine hits both sides alike
-            log.info("fold %s: %s", fold, side)
-            if side == "nnU-Net":
-                run = run_nnunet_fold(a, venv, roots, fold)
-            else:
-                run = run_nnui_fold(a, a.work / "raw", a.work / "nnui_preprocessed", fold)
-            log.info("%s", json.dumps(asdict(run)))
-            runs.append(run)
+    runs = train_all(a, venv, roots)
     lines = summarize(a, runs)
     print(f"config: {config}")
     print("\n".join(lines))

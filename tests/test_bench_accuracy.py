@@ -16,7 +16,8 @@ import accuracy
 def _args(**overrides) -> accuracy.AccuracyArgs:
     values = dict(
         work=Path("/tmp/x"), cases=20, shape_scale=0.5, configuration="2d", epochs=3,
-        iterations=2, val_iterations=1, folds=["0", "1"], num_workers=2, nnui_args=[],
+        iterations=2, val_iterations=1, folds=["0", "1"], repeats=1, num_workers=2,
+        order="alternate", nnui_args=[],
     )  # fmt: skip
     values.update(overrides)
     return accuracy.AccuracyArgs(**values)
@@ -57,9 +58,22 @@ def test_nnui_pseudo_dice_reads_epoch_ended_events(tmp_path):
     assert accuracy.nnui_pseudo_dice(events) == [0.25, 0.5]
 
 
+def test_learned_epoch_is_the_first_epoch_each_label_reaches_half(tmp_path):
+    (tmp_path / "training_log_2026_1_1_00_00_00.txt").write_text(
+        "".join(f"x: Pseudo dice [{a}, {b}]\n" for a, b in [(0.3, 0.0), (0.8, 0.2), (0.9, 0.6)])
+    )
+    curves = accuracy.nnunet_pseudo_dice_per_label(tmp_path)
+    assert accuracy.learned_epoch(curves) == {"1": 1, "2": 2}
+    events = tmp_path / "events.jsonl"
+    rows = [{"kind": "epoch_ended", "dice_per_class": [0.7, x]} for x in (0.0, 0.1)]
+    events.write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+    per_label = accuracy.nnui_pseudo_dice_per_label(events)
+    assert accuracy.learned_epoch(per_label) == {"1": 0, "2": None}
+
+
 def test_summary_ends_with_the_difference_and_wall_ratio_lines():
     def run(side, fold, dice, wall):
-        return accuracy.FoldRun(side, fold, 0, dice, {"1": dice}, wall, 2 * wall)
+        return accuracy.FoldRun(side, fold, 0, 0, dice, {"1": dice}, wall, 2 * wall)
 
     runs = [
         run("nnU-Net", "0", 0.80, 100.0),
@@ -73,8 +87,33 @@ def test_summary_ends_with_the_difference_and_wall_ratio_lines():
     assert "CPU-s ratio nnui/nnU-Net = 0.60" in lines
 
 
+def test_repeats_run_every_fold_again_and_count_in_the_spread():
+    a = _args(folds=["0", "1"], repeats=2)
+    assert a.units() == [("0", 0), ("1", 0), ("0", 1), ("1", 1)]
+
+    def run(side, fold, repeat, dice):
+        return accuracy.FoldRun(side, fold, repeat, 0, dice, {"1": dice}, 10.0, 5.0)
+
+    runs = [
+        run(side, fold, repeat, 0.5 + (0.1 if side == "nnui" else 0.0) + 0.01 * repeat)
+        for fold, repeat in a.units()
+        for side in accuracy.SIDES
+    ]
+    lines = accuracy.summarize(a, runs)
+    assert sum(line.startswith("fold 1 repeat 1: foreground Dice") for line in lines) == 1
+    assert "Dice difference per run: +0.100 +0.100 +0.100 +0.100" in "\n".join(lines)
+    assert lines[-2] == "mean foreground Dice difference nnui - nnU-Net = +0.100"
+
+
 @pytest.mark.parametrize(
-    "argv", [["--folds", "7"], ["--epochs", "0"], ["--cases", "3"], ["--shape-scale", "9"]]
+    "argv",
+    [
+        ["--repeats", "0"],
+        ["--folds", "7"],
+        ["--epochs", "0"],
+        ["--cases", "3"],
+        ["--shape-scale", "9"],
+    ],
 )
 def test_bad_arguments_exit_2_with_one_error_line(argv, capsys):
     assert accuracy.main(argv) == 2

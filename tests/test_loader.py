@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import trainer.data.augment as augment_module
 from trainer.data.augment import AugmentConfig, augment_batch, spatial_transform
 from trainer.data.blosc_io import choose_layout, read_padded
 from trainer.data.dataset import MissingCaseError, PreprocessedCases
@@ -419,6 +420,20 @@ def test_inverted_gamma_keeps_mean_and_std_and_differs_from_gamma():
     torch.testing.assert_close(a.mean(dims), data.mean(dims), atol=1e-4, rtol=0)
     torch.testing.assert_close(a.std(dims), data.std(dims), atol=1e-4, rtol=1e-4)
     assert not torch.allclose(a, b)
+
+
+def test_noise_std_and_intensity_factors_are_drawn_as_nnunet_draws_them():
+    """batchgeneratorsv2 (nnU-Net 2.8.1): the noise's std (not its variance) lies in
+    noise_variance; brightness, contrast and gamma factors fall below 1 half the time
+    (BGContrast), also for gamma's asymmetric (0.7, 1.5)."""
+    data = torch.zeros(64, 1, 16, 16)
+    seg = torch.zeros(64, 1, 16, 16, dtype=torch.uint8)
+    d, _ = augment_batch(data, seg, torch.Generator().manual_seed(0), _only(p_noise=1))
+    stds = d.flatten(1).std(1)
+    assert stds.max() < 0.1 * 1.2 and stds.mean() > 0.03  # std uniform in (0, 0.1)
+    draws = [augment_module._below_or_above_one(u / 1000, (0.7, 1.5)) for u in range(1000)]
+    assert sum(g < 1 for g in draws) == 500 and min(draws) >= 0.7 and max(draws) < 1.5
+    assert augment_module._below_or_above_one(0.3, (0.75, 1.25)) == pytest.approx(0.9)
 
 
 def test_augmentation_does_not_depend_on_the_thread_count():

@@ -29,7 +29,7 @@ class AugmentConfig:
     scale_range: tuple[float, float] = (0.7, 1.4)
     p_mirror: float = 0.5
     p_noise: float = 0.1
-    noise_variance: tuple[float, float] = (0.0, 0.1)
+    noise_variance: tuple[float, float] = (0.0, 0.1)  # nnU-Net's name; the draw is the std
     p_blur: float = 0.2
     p_blur_per_channel: float = 0.5
     blur_sigma: tuple[float, float] = (0.5, 1.0)  # voxels, drawn per axis
@@ -47,6 +47,17 @@ class AugmentConfig:
 
 def _uniform(u: torch.Tensor, bounds: tuple[float, float]) -> torch.Tensor:
     return bounds[0] + (bounds[1] - bounds[0]) * u
+
+
+def _below_or_above_one(u: float, bounds: tuple[float, float]) -> float:
+    """nnU-Net's BGContrast draw (brightness, contrast, gamma): half the time from
+    (low, 1), else from (1, high), whatever the range's asymmetry; one uniform u in [0, 1)."""
+    low, high = bounds
+    if low >= 1 or high <= 1:
+        return _uniform(u, bounds)
+    if u < 0.5:
+        return low + (1.0 - low) * (2.0 * u)
+    return 1.0 + (high - 1.0) * (2.0 * u - 1.0)
 
 
 def _rotation_matrices(angles: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -265,7 +276,9 @@ def _intensities(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig) 
     dims = tuple(range(1, ndim + 1))  # spatial dims of one channel stack (C, *spatial)
     ui, vi, pc = draws.u[i], draws.v[i], draws.per_channel[i]
     if ui[9] < config.p_noise:
-        sigma = math.sqrt(_uniform(ui[10], config.noise_variance))
+        # nnU-Net draws the noise's standard deviation from this range (its argument is
+        # named noise_variance, but batchgeneratorsv2 uses the draw as the std).
+        sigma = _uniform(ui[10], config.noise_variance)
         noise = torch.randn(
             x.shape, generator=draws.noise_generator, device=x.device, dtype=x.dtype
         )
@@ -273,15 +286,15 @@ def _intensities(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig) 
     if vi[0] < config.p_blur:
         x = _blur_channels(x, pc, config, ndim)
     if ui[11] < config.p_brightness:
-        x = x * _uniform(ui[12], config.brightness_range)
+        x = x * _below_or_above_one(ui[12], config.brightness_range)
     if ui[13] < config.p_contrast:
-        x = _contrast(x, _uniform(ui[14], config.contrast_range), dims)
+        x = _contrast(x, _below_or_above_one(ui[14], config.contrast_range), dims)
     if vi[1] < config.p_low_res:
         x = _low_res_channels(x, pc, config, ndim)
     if vi[2] < config.p_gamma_inverted:
-        x = -_gamma(-x, _uniform(vi[3], config.gamma_range), dims)
+        x = -_gamma(-x, _below_or_above_one(vi[3], config.gamma_range), dims)
     if ui[15] < config.p_gamma:
-        x = _gamma(x, _uniform(ui[16], config.gamma_range), dims)
+        x = _gamma(x, _below_or_above_one(ui[16], config.gamma_range), dims)
     return x
 
 
