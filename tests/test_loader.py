@@ -496,3 +496,25 @@ def test_batch_seed_depends_on_all_four_numbers():
     base = batch_seed(1, 0, "train", 5).generate_state(2)
     for other in [(2, 0, "train", 5), (1, 1, "train", 5), (1, 0, "val", 5), (1, 0, "train", 6)]:
         assert not np.array_equal(batch_seed(*other).generate_state(2), base)
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_air_around_the_body_stays_zero_in_masked_channels(ndim):
+    """nnU-Net sets the voxels outside the body of use_mask_for_norm channels back to 0
+    after its intensity transforms; the network never sees painted air there."""
+    data, seg = _sample(ndim, b=2)
+    inside = torch.zeros(seg.shape, dtype=torch.bool)
+    inside[(..., *[slice(2, -2)] * ndim)] = True
+    data = data.masked_fill(~inside.expand_as(data), 0.0)  # what preprocessing writes
+    seg = seg.masked_fill(~inside, 0)
+    before = data.clone()
+    painted = _only(p_noise=1, p_brightness=1, p_gamma=1, noise_variance=(0.5, 0.5))
+    masked = AugmentConfig(**{**painted.__dict__, "mask_channels": (True, False)})
+    free, _ = augment_batch(data, seg, torch.Generator().manual_seed(3), painted)
+    kept, labels = augment_batch(data, seg, torch.Generator().manual_seed(3), masked)
+    air = ~inside[:, 0]
+    assert (free[:, 0][air] != 0).any()  # without the mask, noise reaches the air
+    assert (kept[:, 0][air] == 0).all()  # masked channel: exactly zero outside
+    assert (kept[:, 1][air] != 0).any()  # the other channel is not masked
+    assert torch.equal(kept[:, 0][~air], free[:, 0][~air])  # inside: same draws, same values
+    assert torch.equal(labels, seg) and torch.equal(data, before)  # inputs untouched

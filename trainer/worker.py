@@ -362,6 +362,7 @@ def _train(config: TrainConfig, topology: Any, trainee: Any, state: Any, cases: 
                 rank_batch.oversample_share, config.seed, topology.global_rank, trainee.device,
                 augment=stream == "train", start_iteration=start_iteration,
                 num_workers=config.num_workers, stream=stream,
+                mask_channels=tuple(cplan.use_mask_for_norm),
             )  # fmt: skip
             return iter(exits.enter_context(loader))
 

@@ -43,6 +43,11 @@ class AugmentConfig:
     p_gamma_inverted: float = 0.1
     p_gamma: float = 0.3
     gamma_range: tuple[float, float] = (0.7, 1.5)
+    # Channels normalised over the body only (plans' use_mask_for_norm): their voxels
+    # outside it are set back to 0 after the intensity transforms, as nnU-Net does
+    # (MaskImageTransform on its seg's -1 region), so noise, brightness and gamma never
+    # paint the air around the body the network then has to learn to ignore.
+    mask_channels: tuple[bool, ...] = ()
 
 
 def _uniform(u: torch.Tensor, bounds: tuple[float, float]) -> torch.Tensor:
@@ -298,6 +303,20 @@ def _intensities(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig) 
     return x
 
 
+def _outside_body(
+    image: torch.Tensor, label: torch.Tensor, channels: list[int]
+) -> torch.Tensor | None:
+    """(C, *spatial) mask of the voxels of `channels` outside the body, or None: background
+    where those channels are exactly 0 (preprocessing zeroes them outside the nonzero
+    region; nnui's seg has no -1 label for it, and the spatial transform's fill is 0 too)."""
+    if not channels:
+        return None
+    outside = (image[channels] == 0).all(0) & (label[0] == 0)
+    mask = torch.zeros(image.shape, dtype=torch.bool, device=image.device)
+    mask[channels] = outside
+    return mask
+
+
 def augment_batch(
     data: torch.Tensor,
     seg: torch.Tensor,
@@ -315,8 +334,12 @@ def augment_batch(
     images, labels = list(data.unbind(0)), list(seg.unbind(0))  # views; stacked at the end
     _rotate_and_scale(data, seg, draws.u, config, images, labels)
     # Samples in order: the noise generator's stream is consumed sample by sample.
+    masked = [c for c, on in enumerate(config.mask_channels) if on and c < data.shape[1]]
     for i in range(data.shape[0]):
+        outside = _outside_body(images[i], labels[i], masked)
         x = _intensities(images[i], draws, i, config)
+        if outside is not None:
+            x = x.masked_fill(outside, 0.0)
         # --- mirroring last (as nnU-Net): one exact flip per sample
         flips = [1 + axis for axis in range(ndim) if draws.u[i][6 + axis] < config.p_mirror]
         if flips:

@@ -85,13 +85,18 @@ def _check_arguments(
 
 
 def _default_augment_config(
-    cases: PreprocessedCases, case_id: str, patch_size: tuple[int, ...]
+    cases: PreprocessedCases,
+    case_id: str,
+    patch_size: tuple[int, ...],
+    mask_channels: tuple[bool, ...] = (),
 ) -> AugmentConfig:
     spacing = cases.properties(case_id)["spacing_after_resampling"]
     aniso = len(patch_size) == 3 and max(spacing) / min(spacing) > ANISO_THRESHOLD
     # nnU-Net-like: 2D slices rotate freely, 3D patches by up to 30 degrees.
     degrees = 180.0 if len(patch_size) == 2 else 30.0
-    return AugmentConfig(rotation_deg=degrees, in_plane_only=aniso)
+    return AugmentConfig(
+        rotation_deg=degrees, in_plane_only=aniso, mask_channels=tuple(mask_channels)
+    )
 
 
 def _start_workers(
@@ -138,6 +143,7 @@ class PatchLoader:
         stream: str = "train",
         worker_mode: str = "thread",
         augment_config: AugmentConfig | None = None,
+        mask_channels: tuple[bool, ...] = (),  # the plans' use_mask_for_norm
     ):
         _check_arguments(
             cases, case_ids, patch_size, batch_size, oversample_share, stream, worker_mode
@@ -155,7 +161,9 @@ class PatchLoader:
         self.device = torch.device(device)
         self.augment = augment
         if augment_config is None:
-            augment_config = _default_augment_config(cases, self.spec.case_ids[0], patch_size)
+            augment_config = _default_augment_config(
+                cases, self.spec.case_ids[0], patch_size, mask_channels
+            )
         self.augment_config = augment_config
         self.prefetch = max(1, int(prefetch))
         self._next_submit = int(start_iteration)
