@@ -214,3 +214,32 @@ def test_stop_message_matches_checkpointing(tmp_path, caplog, disable, expected,
             LoopState(epoch_next=1), 0, RunRecorder(tmp_path, False, 2), checkpointer, False
         )
     assert expected in caplog.text and absent not in caplog.text
+
+
+@pytest.mark.parametrize("outcome", ["returns", "raises"])
+def test_a_rank_ignores_a_late_stop_once_its_work_is_done(tmp_path, monkeypatch, outcome):
+    """A stop sent to every rank can reach one after the run already ended (another rank's
+    stop, short epochs): while the interpreter shuts down it must not die of SIGUSR1's
+    default action (exit -10), so the worker leaves SIGUSR1 ignored when it returns."""
+    import signal
+    from types import SimpleNamespace
+
+    from trainer import worker as worker_module
+
+    def work(*_args):
+        if outcome == "raises":
+            raise RuntimeError("boom")
+        return 0
+
+    monkeypatch.setattr(worker_module, "_train_and_validate", work)
+    monkeypatch.setattr(worker_module, "setup_logging", lambda rank: None)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        topology = SimpleNamespace(global_rank=0, is_main=True)
+        payload = TrainConfig(**{**BASE, "run_dir": str(tmp_path)}).to_dict()
+        code = worker_module.worker(topology, payload)
+        assert code == (0 if outcome == "returns" else 1)
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

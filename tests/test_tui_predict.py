@@ -99,7 +99,11 @@ async def test_form_starts_one_part_per_gpu_and_s_stops_one(tmp_path: Path, monk
             text = dialog.query_one("#stop-plan").render().plain
             assert "writes the case it is predicting" in text
             await pilot.press("y")
-            await wait_for(lambda: app.view_of(ids[0]).state == "stopped", pilot)
+            # The stopped event comes before the supervisor records the exit code.
+            await wait_for(
+                lambda: (v := app.view_of(ids[0])).state == "stopped" and v.exit_code is not None,
+                pilot,
+            )
             assert app.view_of(ids[0]).exit_code == 0
             assert app.view_of(ids[1]).state == "running"  # only the chosen part stopped
 

@@ -61,6 +61,11 @@ def worker(topology: Any, payload: dict[str, Any]) -> int:
         return 1
     finally:
         recorder.close()
+        # Past this point a stop has nothing left to do. Python's shutdown puts the default
+        # action back for a signal with a Python handler (SIGUSR1's kills), but keeps an
+        # ignored one ignored: a stop sent to every rank may reach one after another rank's
+        # stop already ended the run (short epochs, a sender descheduled between its kills).
+        stop.ignore()
 
 
 def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorder) -> int:
