@@ -13,6 +13,7 @@ used (a file in its place, no permission) raises `StateDirError` with a one-line
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import json
 import logging
@@ -320,7 +321,7 @@ class Registry:
         # The problems of the newest list() alone: a file fixed or moved away drops out
         # (a long-lived reader such as the TUI shows these, not every one ever seen).
         self.list_problems: list[str] = []
-        self._listed: dict[Path, tuple[tuple[int, int, int], str]] = {}  # list()'s cache
+        self._listed: dict[Path, tuple[tuple[int, int, int], Job]] = {}  # list()'s cache
 
     # ---- locking and files ---------------------------------------------------------------
 
@@ -370,13 +371,23 @@ class Registry:
             self._set_aside(path, error)
             return None
 
+    def _job_files(self) -> list[Path]:
+        """The *.json files of the jobs folder, sorted (os.scandir: Path.glob cost as much
+        as reading the files it found, every second on the board)."""
+        try:
+            with os.scandir(self.jobs_dir) as entries:
+                names = [e.name for e in entries if e.name.endswith(".json")]
+        except FileNotFoundError:
+            return []
+        return [self.jobs_dir / name for name in sorted(names) if not name.startswith(".")]
+
     def _read_listed(
-        self, path: Path, seen: dict[Path, tuple[tuple[int, int, int], str]]
+        self, path: Path, seen: dict[Path, tuple[tuple[int, int, int], Job]]
     ) -> Job | None:
         """_read, skipping the read and parse of a file unchanged since the previous list():
         the board lists every second and job files change a few times a run. Every write is
-        a rename onto the path (a new inode), so (inode, size, mtime) tells a change; the
-        cache holds JSON text, so each call builds fresh Jobs (callers may change theirs)."""
+        a rename onto the path (a new inode), so (inode, size, mtime) tells a change; each
+        call hands out a deep copy of the cached Job (callers may change theirs)."""
         try:
             info = path.stat()
         except OSError:
@@ -385,10 +396,10 @@ class Registry:
         cached = self._listed.get(path)
         if cached is not None and cached[0] == key:
             seen[path] = cached
-            return Job.from_dict(json.loads(cached[1]))
+            return copy.deepcopy(cached[1])
         job = self._read(path)
         if job is not None:
-            seen[path] = (key, json.dumps(job.to_dict()))
+            seen[path] = (key, copy.deepcopy(job))
         return job
 
     def _set_aside(self, path: Path, error: Exception) -> None:
@@ -422,8 +433,8 @@ class Registry:
     def list(self) -> list[Job]:
         jobs = []
         self.list_problems = []
-        seen: dict[Path, tuple[tuple[int, int, int], str]] = {}
-        for path in sorted(self.jobs_dir.glob("*.json")):
+        seen: dict[Path, tuple[tuple[int, int, int], Job]] = {}
+        for path in self._job_files():
             job = self._read_listed(path, seen)
             if job is not None:
                 jobs.append(job)
