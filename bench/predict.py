@@ -1,7 +1,7 @@
 """nnui-predict vs nnUNetv2_predict (2.8.1) on identical work: seconds per case, peak memory.
 
     python bench/predict.py [--work DIR] [--test-cases 3] [--repeats 2] [--tta on off]
-                            [--npp 1] [--nps 1] [--threads N]
+                            [--npp 1] [--nps 1] [--threads N] [--precision auto fp32]
 
 Same cases (the demo dataset's held-out imagesTs), same network (nnU-Net's plan written
 into nnui's plans by compare_nnunet's setup: 16.47 M parameters), same patch, step size
@@ -10,6 +10,11 @@ not depend on the weights' values, so each side gets its own cheapest checkpoint
 training iteration (ended once checkpoint_final is written), nnU-Net a freshly initialised
 network in its trainer's checkpoint layout (bench/nnunet_random_checkpoint.py). Runs
 alternate A B A B; figures and ratios are appended to bench/RESULTS.md.
+
+--precision: nnui-predict's --precision values to run, each a side of its own ("nnui" is
+its default, auto: bf16 autocast on CPUs with AMX; "nnui fp32" computes in float32, as
+nnUNetv2_predict does on CPU). With more than one, the segmentations of each nnui side are
+compared voxel by voxel with those of the first.
 """
 
 from __future__ import annotations
@@ -72,6 +77,14 @@ class PredictArgs:
     nps: int
     threads: int
     shape_scale: float
+    precisions: tuple[str, ...] = ("auto",)
+
+    def nnui_sides(self) -> list[str]:
+        return [nnui_side(p) for p in self.precisions]
+
+
+def nnui_side(precision: str) -> str:
+    return "nnui" if precision == "auto" else f"nnui {precision}"
 
 
 @dataclass
@@ -187,11 +200,14 @@ def _thread_env(threads: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
-def nnui_argv(inputs: Path, a: PredictArgs, tta: bool, pre: Path, res: Path, out: Path) -> list:
+def nnui_argv(
+    inputs: Path, a: PredictArgs, tta: bool, pre: Path, res: Path, precision: str, out: Path
+) -> list:
     # fmt: off
     argv = [sys.executable, "-m", "trainer.predict", "-i", str(inputs), "-o", str(out),
             "-d", str(DATASET_ID), "-c", a.configuration, "-f", FOLD, "-device", "cpu",
-            "-step_size", str(STEP_SIZE), "--preprocessed", str(pre), "--results", str(res)]
+            "-step_size", str(STEP_SIZE), "--preprocessed", str(pre), "--results", str(res),
+            "--precision", precision]
     # fmt: on
     return argv if tta else [*argv, "--disable_tta"]
 
@@ -225,9 +241,16 @@ def timed_run(argv: list, env: dict, out: Path, log_path: Path) -> tuple:
     return proc.returncode, started, wall_s, usage, sampler, done
 
 
+def prediction_dir(a: PredictArgs, side: str, tta: bool, repeat: int) -> Path:
+    side_tag = side.lower().replace("-", "").replace(" ", "_")
+    return a.work / "predictions" / f"{side_tag}_{'tta' if tta else 'notta'}_run{repeat}"
+
+
 def measure(side: str, tta: bool, repeat: int, make_argv, env: dict, a: PredictArgs) -> PredictRun:
     """One run of one side; make_argv(output folder) gives its command."""
-    tag = f"{side.lower().replace('-', '')}_{'tta' if tta else 'notta'}_run{repeat}"
+    tag = (
+        f"{side.lower().replace('-', '').replace(' ', '_')}_{'tta' if tta else 'notta'}_run{repeat}"
+    )
     out = a.work / "predictions" / tag
     argv = make_argv(out)
     rc, started, wall_s, usage, sampler, done = timed_run(
@@ -268,31 +291,59 @@ FIGURES = (  # label, how one run gives it, unit
 )
 
 
-def summarize(runs: list[PredictRun], tta: bool) -> list[str]:
-    """Medians over the repeats of one TTA mode, and their ratio nnui/nnU-Net."""
+def summarize(runs: list[PredictRun], tta: bool, nnui_sides: list[str]) -> list[str]:
+    """Medians over the repeats of one TTA mode, and each nnui side's ratio to nnU-Net."""
     lines = [f"TTA (mirroring) {'on' if tta else 'off'}:"]
-    ratios = {}
-    for label, figure, unit in FIGURES:
-        med = {
-            side: median_or_nan(
-                [figure(r) for r in runs if r.side == side and r.tta == tta and r.exit_code == 0]
+    for nnui in nnui_sides:
+        if len(nnui_sides) > 1:
+            lines.append(f" {nnui}:")
+        ratios = {}
+        for label, figure, unit in FIGURES:
+            med = {
+                side: median_or_nan(
+                    [
+                        figure(r)
+                        for r in runs
+                        if r.side == side and r.tta == tta and r.exit_code == 0
+                    ]
+                )
+                for side in (nnui, "nnU-Net")
+            }
+            ratios[label] = ratio(med[nnui], med["nnU-Net"])
+            lines.append(
+                f"  {label}: {nnui} {med[nnui]:.2f} {unit}  nnU-Net {med['nnU-Net']:.2f} {unit}"
+                f"  ratio {nnui}/nnU-Net = {ratios[label]:.2f}"
             )
-            for side in ("nnui", "nnU-Net")
-        }
-        ratios[label] = ratio(med["nnui"], med["nnU-Net"])
+        speed = ratios["CPU-s/case (whole run, process tree)"]
+        wall = ratios["s/case (whole run, wall)"]
+        memory = ratios["peak memory (PSS sum)"]
         lines.append(
-            f"  {label}: nnui {med['nnui']:.2f} {unit}  nnU-Net {med['nnU-Net']:.2f} {unit}"
-            f"  ratio nnui/nnU-Net = {ratios[label]:.2f}"
+            f"  goal s/case <= {GOAL_S_PER_CASE}x: wall {wall:.2f} CPU-s {speed:.2f}"
+            f" -> {'met' if max(wall, speed) <= GOAL_S_PER_CASE else 'missed'}; "
+            f"peak memory <= {GOAL_MEMORY}x: PSS {memory:.2f} RSS "
+            f"{ratios['peak memory (RSS sum)']:.2f} -> "
+            f"{'met' if memory <= GOAL_MEMORY else 'missed'}"
         )
-    speed = ratios["CPU-s/case (whole run, process tree)"]
-    wall = ratios["s/case (whole run, wall)"]
-    memory = ratios["peak memory (PSS sum)"]
-    lines.append(
-        f"  goal s/case <= {GOAL_S_PER_CASE}x: wall {wall:.2f} CPU-s {speed:.2f}"
-        f" -> {'met' if max(wall, speed) <= GOAL_S_PER_CASE else 'missed'}; "
-        f"peak memory <= {GOAL_MEMORY}x: PSS {memory:.2f} RSS "
-        f"{ratios['peak memory (RSS sum)']:.2f} -> {'met' if memory <= GOAL_MEMORY else 'missed'}"
-    )
+    return lines
+
+
+def agreement(a: PredictArgs, tta: bool) -> list[str]:
+    """Voxels where each further nnui side's segmentation equals the first side's (run 0)."""
+    import nibabel as nib
+    import numpy as np
+
+    def folder(side: str) -> Path:
+        return prediction_dir(a, side, tta, 0)
+
+    first, lines = a.nnui_sides()[0], []
+    for other in a.nnui_sides()[1:]:
+        same = total = 0
+        for path in sorted(folder(first).glob("*.nii.gz")):
+            x = np.asarray(nib.load(str(path)).dataobj)
+            y = np.asarray(nib.load(str(folder(other) / path.name)).dataobj)
+            same, total = same + int((x == y).sum()), total + x.size
+        share = same / total if total else float("nan")
+        lines.append(f"  segmentations {first} vs {other}: {100 * share:.3f} % of voxels equal")
     return lines
 
 
@@ -323,6 +374,13 @@ def parse_args(argv: list[str]) -> PredictArgs:
     p.add_argument("--npp", type=int, default=1, help="nnU-Net's preprocessing processes")
     p.add_argument("--nps", type=int, default=1, help="nnU-Net's export processes")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    p.add_argument(
+        "--precision",
+        nargs="+",
+        default=["auto"],
+        choices=("auto", "fp32", "bf16"),
+        help="nnui-predict --precision values, one side each (default: auto)",
+    )
     ns = p.parse_args(argv)
     if ns.test_cases < 2 or ns.repeats < 1 or ns.threads < 1 or not 0.05 <= ns.shape_scale <= 4:
         print(
@@ -343,6 +401,7 @@ def parse_args(argv: list[str]) -> PredictArgs:
         ns.nps,
         ns.threads,
         ns.shape_scale,
+        tuple(dict.fromkeys(ns.precision)),
     )
 
 
@@ -380,17 +439,24 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[PredictRun] = []
     for tta in a.tta_modes:
         for repeat in range(a.repeats):  # A B A B: drift of the machine hits both sides
-            for side in ("nnU-Net", "nnui"):
+            for side, precision in [
+                ("nnU-Net", ""),
+                *zip(a.nnui_sides(), a.precisions, strict=True),
+            ]:
                 log.info("TTA %s run %d: %s", tta, repeat, side)
-                if side == "nnui":
-                    make = partial(nnui_argv, inputs, a, tta, nnui_pre, nnui_results)
+                if side != "nnU-Net":
+                    make = partial(nnui_argv, inputs, a, tta, nnui_pre, nnui_results, precision)
                     r = measure(side, tta, repeat, make, nnui_env, a)
                 else:
                     make = partial(nnunet_argv, inputs, a, tta, venv)
                     r = measure(side, tta, repeat, make, nnunet_env, a)
                 log.info("%s", json.dumps(asdict(r)))
                 runs.append(r)
-    lines = [line for tta in a.tta_modes for line in summarize(runs, tta)]
+    lines = [
+        line
+        for tta in a.tta_modes
+        for line in [*summarize(runs, tta, a.nnui_sides()), *agreement(a, tta)]
+    ]
     print("\n".join(lines))
     plan = info["plan"]
     config = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from trainer import precision
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS, LEGACY_TRAINER
 
 DEVICE_TYPES = ("cuda", "cpu", "mps")
@@ -38,6 +39,8 @@ class TrainConfig:
     # Recompute norm + activation in backward instead of keeping them (trainer.model):
     # "auto" = on for 3D on CPU (host memory is the scarce resource), off for 2D and GPUs.
     recompute_norm: str = "auto"
+    # Compute format (trainer.precision): "auto" = autocast on CUDA and on AMX CPUs.
+    precision: str = "auto"
     num_workers: int = 2
     npz: bool = False
     continue_training: bool = False
@@ -91,6 +94,7 @@ class TrainConfig:
                 f"--recompute-norm must be one of {', '.join(RECOMPUTE_CHOICES)}, "
                 f"got {self.recompute_norm!r}"
             )
+        precision.check(self.precision, self.device_type)
         if self.trainer not in (DEFAULT_TRAINER, LEGACY_TRAINER):
             raise ValueError(
                 f"unknown trainer {self.trainer!r}; available: {DEFAULT_TRAINER} "

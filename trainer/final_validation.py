@@ -142,7 +142,7 @@ CaseSink = Callable[[int, str, Any], None]
 
 def predict_share(model: Any, cases: Any, case_ids: list[str], cplan: Any, num_classes: int,
                   device: Any, mirror: bool, target: Target, keep_probabilities: bool,
-                  sink: CaseSink) -> list[list]:  # fmt: skip
+                  sink: CaseSink, autocast_dtype: Any = None) -> list[list]:  # fmt: skip
     """Predict this rank's cases in order; each goes to `sink` in the raw geometry. Returns
     [case id, summary entry] scored in the preprocessed space (only without raw data)."""
     import numpy as np
@@ -156,8 +156,9 @@ def predict_share(model: Any, cases: Any, case_ids: list[str], cplan: Any, num_c
     for index, case_id in enumerate(case_ids):
         image, seg, properties = cases.load_case(case_id)
         probs = predict_probabilities(
-            [model], np.asarray(image), cplan.patch_size, num_classes, device, mirror=mirror
-        ).cpu()
+            [model], np.asarray(image), cplan.patch_size, num_classes, device,
+            mirror=mirror, autocast_dtype=autocast_dtype,
+        ).cpu()  # fmt: skip
         if target.raw_dataset is None:
             prediction = values[probs.argmax(0).numpy()]
             reference = np.maximum(np.asarray(seg)[0], 0)
@@ -259,7 +260,7 @@ def validate(config: Any, topology: Any, model: Any, cases: Any, val_ids: list[s
              on_progress: Callable[[int, int], None] | None = None) -> dict | None:  # fmt: skip
     """Every rank: predict its share; rank 0: write the files and validation/summary.json.
     Returns the summary on rank 0, None elsewhere."""
-    from trainer import distributed
+    from trainer import distributed, precision
     from trainer.evaluate_folder import summarize, write_summary
     from trainer.schema import SUMMARY_FILE
 
@@ -278,6 +279,7 @@ def validate(config: Any, topology: Any, model: Any, cases: Any, val_ids: list[s
     mine = predict_share(
         model, cases, shares[topology.global_rank], cplan, plans.num_classes, device,
         config.val_mirror, target, config.npz, sink,
+        precision.autocast_dtype(config.precision, device.type),  # as nnui-predict's default
     )  # fmt: skip
     gathered = distributed.gather_objects(mine, slow=True)  # also: every rank is done
     if gathered is None:

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from trainer.norm import InstanceNorm3d
+from trainer.norm import InstanceNorm3d, instance_norm_on_base
 
 _CONV = {2: nn.Conv2d, 3: nn.Conv3d}
 _TRANSP = {2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
@@ -70,19 +70,9 @@ class ConvBlock(nn.Sequential):
             # GroupNorm and the like; and inference, where no autograd is there to wrap and
             # the norm module keeps a channels_last input in its layout (trainer.norm).
             return F.leaky_relu(norm(z), NEGATIVE_SLOPE, inplace=inplace)
-        # torch's instance_norm, spelled out (the same batch_norm call on the same view):
-        # it returns a view of batch_norm's output, and an in-place activation on a view
-        # makes autograd wrap its backward in CopySlices, 3 full-size copies and a fill
-        # per block (~5 % of a 2d CPU step). On the base tensor the gradients are the same
-        # bits without them.
-        b = z.shape[0]
-        flat = z.contiguous().view(1, b * z.shape[1], *z.shape[2:])
-        weight, bias = (
-            (None, None) if not norm.affine else (norm.weight.repeat(b), norm.bias.repeat(b))
+        return instance_norm_on_base(
+            norm, z, lambda t: F.leaky_relu(t, NEGATIVE_SLOPE, inplace=inplace)
         )
-        out = torch.batch_norm(flat, weight, bias, None, None, True, norm.momentum or 0.0, norm.eps,
-                               torch.backends.cudnn.enabled)  # fmt: skip
-        return F.leaky_relu(out, NEGATIVE_SLOPE, inplace=inplace).view(z.shape)
 
 
 def _selective(keep: int | None) -> Callable[[], tuple]:

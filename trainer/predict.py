@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer import stop
+from trainer import precision, stop
 from trainer.inference.cli import OneLineParser, one_line, use_caching_allocator
 from trainer.prediction_events import PredictionEvents
 from trainer.schema import CHECKPOINT_KINDS, DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS, Kind
@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--continue_prediction", action="store_true", help="skip finished cases")
     p.add_argument("-device", default="cuda", choices=DEVICES)
+    p.add_argument("--precision", choices=precision.PRECISIONS, default="auto", help=precision.HELP)
     p.add_argument("-num_parts", type=int, default=1, help="split the cases into N parts")
     p.add_argument("-part_id", type=int, default=0, help="which part this process predicts")
     p.add_argument("--preprocessed", default=None, help="default $nnUNet_preprocessed")
@@ -253,6 +254,7 @@ def _write_info(resolved: Resolved, args: argparse.Namespace) -> None:
         "checkpoint": checkpoint_kind(args.checkpoint),
         "step_size": args.step_size,
         "tta": not args.disable_tta,
+        "precision": args.precision,
         "labels": resolved.plans.labels,
     }
     atomic_write_text(resolved.out_dir / PREDICTION_INFO_FILE, json.dumps(info, indent=1) + "\n")
@@ -262,6 +264,7 @@ def run(args: argparse.Namespace, progress=print, events: PredictionEvents | Non
     from trainer.inference.engine import PredictSettings, build_models, predict_cases
 
     events = events or PredictionEvents(None)
+    precision.check(args.precision, args.device)
     resolved = resolve(args)
     _started(events, resolved, args)
     device = _device(args.device)
@@ -286,6 +289,7 @@ def run(args: argparse.Namespace, progress=print, events: PredictionEvents | Non
         args.save_probabilities,
         resolved.fallback_spacing,
         resolved.largest_component_labels,
+        args.precision,
     )
     started = time.perf_counter()
     num = predict_cases(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainer import allocator
+from trainer import allocator, precision
 from trainer.config import RECOMPUTE_CHOICES
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, LEGACY_TRAINER
 
@@ -129,6 +129,7 @@ def _add_execution_flags(p: argparse.ArgumentParser) -> None:
         "same results, ~6-11%% more time (default auto: on for 3D on -device cpu, off for 2D "
         "and GPUs)",
     )
+    p.add_argument("--precision", choices=precision.PRECISIONS, default="auto", help=precision.HELP)
     p.add_argument(
         "--num-workers",
         type=int,

@@ -101,6 +101,10 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
         log.info("CPU malloc: %s", allocator.describe())
     weight_ce = launch.loss_weight([b.batch_size for b in rank_batches], topology.global_rank)
     trainee = _build_trainee(config, plans, cplan, device, weight_ce)
+    from trainer import precision
+
+    log.info("precision: %s (--precision %s)", precision.describe(trainee.autocast_dtype),
+             config.precision)  # fmt: skip
     # Restore before DDP wraps the model: its constructor then broadcasts identical weights.
     state = _restore(config, topology, trainee, recorder)
     _wrap(config, topology, trainee)
@@ -175,7 +179,7 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
     """Network, optimizer and loss, unwrapped (trainee.model is the raw model until _wrap)."""
     import torch
 
-    from trainer import distributed
+    from trainer import distributed, precision
     from trainer.loop import Trainee
     from trainer.loss import DeepSupervisionLoss
     from trainer.model import build_network
@@ -189,9 +193,7 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
         raw_model.parameters(), lr=config.initial_lr, momentum=config.momentum,
         weight_decay=config.weight_decay, nesterov=True,
     )  # fmt: skip
-    autocast_dtype = None
-    if device.type == "cuda":
-        autocast_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    autocast_dtype = precision.autocast_dtype(config.precision, device.type)
     # Loss scaling is needed for fp16 only (bf16 has fp32's exponent range).
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
     loss_fn = DeepSupervisionLoss(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from trainer import precision
 from trainer.inference.cases import InputCase
 from trainer.inference.export import RawPrediction, to_raw_geometry, write_prediction
 from trainer.inference.prepare import PreparedCase, prepare_case
@@ -35,6 +36,7 @@ class PredictSettings:
     save_probabilities: bool = False
     fallback_spacing: tuple[float, ...] | None = None
     largest_component_labels: tuple[int, ...] = ()  # --postprocess
+    precision: str = "auto"  # trainer.precision: autocast on CUDA and AMX CPUs
 
 
 def build_models(
@@ -79,6 +81,8 @@ def predict_cases(
     (of reading, predicting or writing) is raised once the threads are idle."""
     total = len(cases)
     label_values = sorted(plans.labels.values())
+    autocast_dtype = precision.autocast_dtype(settings.precision, device.type)
+    progress(f"precision: {precision.describe(autocast_dtype)}")
     with (
         ThreadPoolExecutor(1, "nnui-read") as reader,
         ThreadPoolExecutor(1, "nnui-write") as writer,
@@ -105,6 +109,7 @@ def predict_cases(
                     device,
                     settings.step_size,
                     settings.mirror,
+                    autocast_dtype,
                 ).cpu()
                 if pending_write is not None:
                     pending_write.result()  # at most one case waits to be written

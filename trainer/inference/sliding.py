@@ -107,8 +107,10 @@ def sliding_window_probabilities(
     num_classes: int,
     step_size: float = 0.5,
     mirror: bool = True,
+    autocast_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Fold-averaged softmax (N, K, *spatial) for images (N, C, *spatial) on one device."""
+    """Fold-averaged softmax (N, K, *spatial) for images (N, C, *spatial) on one device;
+    the networks run under autocast to `autocast_dtype` (trainer.precision), else float32."""
     images, crop = _pad_to_patch(images, patch)
     windows = _windows(tuple(images.shape[2:]), patch, step_size)
     weights = gaussian_importance(patch, images.device)
@@ -117,7 +119,7 @@ def sliding_window_probabilities(
         norm[w] += weights
     combos = mirror_combinations(len(patch), mirror)
     batch = windows_per_batch(images.device, patch)
-    autocast = _autocast_for(images.device)
+    autocast = _autocast_for(images.device, autocast_dtype)
     total = None
     for model in models:
         logits = _fold_logits(model, images, windows, weights, combos, num_classes, batch, autocast)
@@ -130,12 +132,10 @@ def sliding_window_probabilities(
     return total[(slice(None), slice(None), *crop)]
 
 
-def _autocast_for(device: torch.device):
-    """Mixed precision on CUDA (as nnU-Net's predictor); exact float32 elsewhere."""
-    if device.type == "cuda":
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return lambda: torch.autocast("cuda", dtype=dtype)
-    return lambda: torch.autocast(device.type, enabled=False)
+def _autocast_for(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return lambda: torch.autocast(device.type, enabled=False)
+    return lambda: torch.autocast(device.type, dtype=dtype)
 
 
 @torch.inference_mode()
@@ -147,13 +147,16 @@ def predict_probabilities(
     device: torch.device,
     step_size: float = 0.5,
     mirror: bool = True,
+    autocast_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Softmax (K, z, y, x) for one preprocessed case (C, z, y, x); 2d predicts slices."""
     volume = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(device)
     if len(patch) == 3:
         return sliding_window_probabilities(
-            models, volume[None], patch, num_classes, step_size, mirror
+            models, volume[None], patch, num_classes, step_size, mirror, autocast_dtype
         )[0]
     slices = volume.permute(1, 0, 2, 3)  # (z, C, y, x): the slices are a batch of images
-    probs = sliding_window_probabilities(models, slices, patch, num_classes, step_size, mirror)
+    probs = sliding_window_probabilities(
+        models, slices, patch, num_classes, step_size, mirror, autocast_dtype
+    )
     return probs.permute(1, 0, 2, 3)
