@@ -1,7 +1,8 @@
 """The compute floor of nnui: forward + backward + step on one fixed in-memory batch.
 
     python bench/floor.py DATASET CONFIGURATION [--preprocessed DIR] [--iterations 5]
-                          [--threads N] [--channels-last] [--bf16] [--data-batches 40]
+                          [--threads N] [--channels-last] [--precision auto|fp32|bf16]
+                          [--data-batches 40]
                           [--norm instance|group] [--compile [MODE]] [--flush-denormal]
                           [--recompute-norm auto|on|off]
                           [--profile] [--json FILE]
@@ -43,7 +44,7 @@ class FloorFigures:
     cpu_s_per_iteration: float  # process CPU (all threads): robust on a loaded machine
     threads: int
     channels_last: bool
-    bf16: bool
+    precision: str  # what ran: "float32" or "bf16 autocast" (trainer.precision)
     norm: str
     recompute_norm: bool
     compile_mode: str | None
@@ -118,7 +119,7 @@ def measure(args: argparse.Namespace) -> FloorFigures:
     cplan = plans.configuration(args.configuration)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from trainer import allocator
+    from trainer import allocator, precision
     from trainer.allocator import keep_freed_memory
 
     if args.flush_denormal:
@@ -140,14 +141,17 @@ def measure(args: argparse.Namespace) -> FloorFigures:
         model.parameters(), lr=1e-2, momentum=0.99, weight_decay=3e-5, nesterov=True
     )
     stepped = model if args.compile is None else _compiled(model, args.compile)
+    autocast_dtype = precision.autocast_dtype(args.precision, "cpu")
     trainee = Trainee(
         model=stepped,
         raw_model=model,
         optimizer=optimizer,
         scaler=torch.amp.GradScaler("cpu", enabled=False),
-        loss_fn=DeepSupervisionLoss(len(cplan.network.features_per_stage) - 1),
+        loss_fn=DeepSupervisionLoss(
+            len(cplan.network.features_per_stage) - 1, batch_dice=cplan.batch_dice
+        ),
         device=torch.device("cpu"),
-        autocast_dtype=torch.bfloat16 if args.bf16 else None,
+        autocast_dtype=autocast_dtype,
         num_classes=plans.num_classes,
         # What the trainer does on CPU (after its first step): the floor runs the same way.
         after_first_step=None if args.default_malloc else keep_freed_memory,
@@ -176,7 +180,7 @@ def measure(args: argparse.Namespace) -> FloorFigures:
         cpu_s_per_iteration=sorted(cpu_times)[len(cpu_times) // 2],
         threads=torch.get_num_threads(),
         channels_last=args.channels_last,
-        bf16=args.bf16,
+        precision=precision.describe(autocast_dtype),
         norm=args.norm,
         recompute_norm=recompute,
         compile_mode=args.compile,
@@ -256,7 +260,12 @@ def main(argv: list[str] | None = None) -> int:
         help="as nnui-train --malloc: auto preloads tcmalloc/jemalloc when installed",
     )
     p.add_argument("--channels-last", action="store_true", help="channels_last(_3d) layout")
-    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (CPU) for the step")
+    p.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="as nnui-train --precision on CPU (auto: bf16 autocast with AMX, else float32)",
+    )
     p.add_argument(
         "--norm", choices=("instance", "group"), default="instance", help="normalisation kernel"
     )

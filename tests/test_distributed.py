@@ -518,12 +518,18 @@ def _grad_worker(topology: Topology, out_dir: str) -> int:
     sizes = [b.batch_size for b in split_global_batch(GRAD_BATCH, topology.world_size)]
     low = sum(sizes[:rank])
     result = {}
-    for name, weight_ce in (("weighted", launch.loss_weight(sizes, rank)), ("plain", 1.0)):
+    cases = [
+        (f"{name}{'' if batch_dice else '_per_sample'}", weight_ce, batch_dice)
+        for batch_dice in (True, False)
+        for name, weight_ce in (("weighted", launch.loss_weight(sizes, rank)), ("plain", 1.0))
+    ]
+    for name, weight_ce, batch_dice in cases:
         net, x, y = _grad_inputs()
         model = DistributedDataParallel(net)
         loss_fn = DeepSupervisionLoss(
-            1, reduce_fn=dist_mod.differentiable_all_reduce_sum, weight_ce=weight_ce
-        )
+            1, reduce_fn=dist_mod.differentiable_all_reduce_sum, weight_ce=weight_ce,
+            batch_dice=batch_dice,
+        )  # fmt: skip
         loss = loss_fn(model(x[low : low + sizes[rank]]), y[low : low + sizes[rank]])
         loss.backward()
         result[name] = torch.cat([p.grad.flatten() for p in net.parameters()]).tolist()
@@ -540,15 +546,18 @@ def test_uneven_split_gradient_equals_single_process(
 
     assert launch.run_distributed(_grad_worker, str(tmp_path), 2, "cpu") == 0
     results = [json.loads((tmp_path / f"grad{r}.json").read_text()) for r in range(2)]
-    net, x, y = _grad_inputs()
-    loss = DeepSupervisionLoss(1)(net(x), y)
-    loss.backward()
-    whole = torch.cat([p.grad.flatten() for p in net.parameters()])
-    for res in results:  # DDP leaves the same averaged gradient on every rank
-        torch.testing.assert_close(torch.tensor(res["weighted"]), whole, rtol=1e-5, atol=1e-7)
-        assert res["weighted_loss"] == pytest.approx(loss.item(), rel=1e-6)
-        # Unweighted per-rank means over-weight the 2-sample rank: the check has teeth.
-        assert not torch.allclose(torch.tensor(res["plain"]), whole, rtol=1e-4, atol=1e-6)
+    for batch_dice, suffix in ((True, ""), (False, "_per_sample")):  # 2d and 3d Dice
+        net, x, y = _grad_inputs()
+        loss = DeepSupervisionLoss(1, batch_dice=batch_dice)(net(x), y)
+        loss.backward()
+        whole = torch.cat([p.grad.flatten() for p in net.parameters()])
+        for res in results:  # DDP leaves the same averaged gradient on every rank
+            weighted = torch.tensor(res["weighted" + suffix])
+            torch.testing.assert_close(weighted, whole, rtol=1e-5, atol=1e-7)
+            assert res[f"weighted{suffix}_loss"] == pytest.approx(loss.item(), rel=1e-6)
+            # Unweighted per-rank means over-weight the 2-sample rank: the check has teeth.
+            plain = torch.tensor(res["plain" + suffix])
+            assert not torch.allclose(plain, whole, rtol=1e-4, atol=1e-6)
 
 
 def _sleepy_worker(topology: Topology, out_dir: str) -> int:

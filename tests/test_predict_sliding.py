@@ -92,10 +92,14 @@ class CountsBatches(Positional):
 
 
 def test_cpu_predicts_one_window_per_pass_with_the_result_of_batched_passes(monkeypatch):
-    """On CPU a batch of windows saves little CPU per window and multiplies the activation
-    memory: one window per forward pass there, batches on a GPU; same probabilities."""
+    """On CPU a batch of 3D windows saves little CPU per window and multiplies the activation
+    memory: one window per forward pass there, batches on a GPU and for CPU 2D windows (a
+    lone small 2D window is mostly per-op overhead); same probabilities."""
     assert windows_per_batch(torch.device("cpu"), (64, 80, 80)) == 1
     assert windows_per_batch(torch.device("cuda"), (64, 80, 80)) == 5
+    assert windows_per_batch(torch.device("cpu"), (64, 64)) == 64
+    assert windows_per_batch(torch.device("cpu"), (256, 256)) == 4
+    assert windows_per_batch(torch.device("cpu"), (1024, 1024)) == 1
     torch.manual_seed(2)
     model = CountsBatches(3, 3).eval()
     x = torch.randn(1, 1, 7, 10, 12)

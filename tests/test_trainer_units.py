@@ -79,6 +79,31 @@ def test_batch_dice_sums_are_passed_through_the_reducer() -> None:
     assert doubled.item() == pytest.approx(SoftDiceLoss()(logits, target).item(), abs=1e-5)
 
 
+def test_per_sample_dice_is_the_mean_of_each_samples_dice_and_never_reduced() -> None:
+    """3d (nnU-Net's batch_dice False): one perfect and one empty prediction score
+    (1 + 0) / 2, where the pooled batch Dice would say 2/3; no rank reduction is asked."""
+    target = torch.zeros(2, 1, 4, 4, dtype=torch.long)
+    target[:, :, :2] = 1
+    logits = torch.zeros(2, 2, 4, 4)
+    logits[0] = torch.nn.functional.one_hot(target[0, 0], 2).permute(2, 0, 1).float() * 100
+    logits[1, 0] = 100  # background everywhere: foreground Dice 0
+    seen = []
+    per_sample = SoftDiceLoss(reduce_fn=lambda t: seen.append(t) or t, batch_dice=False)
+    assert per_sample(logits, target).item() == pytest.approx(-0.5, abs=1e-4)
+    assert seen == []
+    assert SoftDiceLoss()(logits, target).item() == pytest.approx(-2 / 3, abs=1e-4)
+
+
+def test_configurations_choose_batch_dice_as_nnunet_plans_do() -> None:
+    from trainer.plans import ConfigurationPlan
+
+    def plan(patch: tuple[int, ...]) -> ConfigurationPlan:
+        return ConfigurationPlan("c", "d", patch, 2, (1.0,) * 3, ("z",), (False,), None)  # type: ignore[arg-type]
+
+    assert plan((32, 40)).batch_dice is True
+    assert plan((16, 32, 32)).batch_dice is False
+
+
 def test_deep_supervision_loss_is_differentiable() -> None:
     outputs = [torch.randn(2, 3, 8, 8, requires_grad=True), torch.randn(2, 3, 4, 4)]
     loss = DeepSupervisionLoss(2)(outputs, torch.randint(0, 3, (2, 1, 8, 8)))

@@ -1,9 +1,11 @@
 """Dice + cross-entropy with deep supervision (nnU-Net v2 defaults).
 
-Soft Dice: softmax probabilities vs one-hot target, background excluded, tp/fp/fn summed
-over the batch and all voxels ("batch dice"), smooth 1e-5; under DDP the sums are
-all-reduced with a differentiable SUM so every rank sees (and differentiates) the global
-Dice. Deep supervision weights: 1/2^i per output, the lowest resolution gets 0, normalised.
+Soft Dice: softmax probabilities vs one-hot target, background excluded, smooth 1e-5.
+As nnU-Net's plans decide per configuration: 2d sums tp/fp/fn over the batch and all voxels
+("batch dice"; under DDP the sums are all-reduced with a differentiable SUM so every rank
+sees, and differentiates, the global Dice), 3d scores each sample alone and averages
+(under DDP each rank's mean carries the rank's batch share, as the cross-entropy does).
+Deep supervision weights: 1/2^i per output, the lowest resolution gets 0, normalised.
 """
 
 from __future__ import annotations
@@ -37,10 +39,13 @@ def downsample_target(target: torch.Tensor, shape: Sequence[int]) -> torch.Tenso
 
 
 class SoftDiceLoss(nn.Module):
-    def __init__(self, smooth: float = 1e-5, reduce_fn: Reducer = _identity) -> None:
+    def __init__(
+        self, smooth: float = 1e-5, reduce_fn: Reducer = _identity, batch_dice: bool = True
+    ) -> None:
         super().__init__()
         self.smooth = smooth
         self.reduce_fn = reduce_fn
+        self.batch_dice = batch_dice
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(logits.float(), dim=1)[:, 1:]
@@ -50,28 +55,34 @@ class SoftDiceLoss(nn.Module):
         fg = labels > 0
         index = (labels - 1).clamp(min=0).unsqueeze(1)
         onehot.scatter_(1, index, fg.unsqueeze(1).to(onehot.dtype))
-        axes = [0, *range(2, probs.ndim)]
-        intersect = (probs * onehot).sum(axes)
+        axes = [*([0] if self.batch_dice else []), *range(2, probs.ndim)]
+        intersect = (probs * onehot).sum(axes)  # (C,) batch dice, else (b, C)
         sum_pred = probs.sum(axes)
         sum_gt = onehot.sum(axes)
-        stacked = self.reduce_fn(torch.stack((intersect, sum_pred, sum_gt)))
-        intersect, sum_pred, sum_gt = stacked[0], stacked[1], stacked[2]
+        if self.batch_dice:
+            stacked = self.reduce_fn(torch.stack((intersect, sum_pred, sum_gt)))
+            intersect, sum_pred, sum_gt = stacked[0], stacked[1], stacked[2]
         dice = (2 * intersect + self.smooth) / (sum_pred + sum_gt + self.smooth).clamp(min=1e-8)
         return -dice.mean()
 
 
 class DiceCELoss(nn.Module):
     """weight_ce: under DDP with uneven batch shares, trainer.launch.loss_weight (b_r W / G),
-    so DDP's gradient mean equals the single-process mean over the global batch. Dice needs
-    no factor: its sums are global already."""
+    so DDP's gradient mean equals the single-process mean over the global batch. Batch Dice
+    needs no factor (its sums are global already); per-sample Dice is a mean over the rank's
+    samples like the cross-entropy and takes the same factor."""
 
     def __init__(
-        self, reduce_fn: Reducer = _identity, weight_ce: float = 1.0, weight_dice: float = 1.0
+        self,
+        reduce_fn: Reducer = _identity,
+        weight_ce: float = 1.0,
+        weight_dice: float = 1.0,
+        batch_dice: bool = True,
     ):
         super().__init__()
-        self.dice = SoftDiceLoss(reduce_fn=reduce_fn)
+        self.dice = SoftDiceLoss(reduce_fn=reduce_fn, batch_dice=batch_dice)
         self.weight_ce = weight_ce
-        self.weight_dice = weight_dice
+        self.weight_dice = weight_dice if batch_dice else weight_dice * weight_ce
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         ce = F.cross_entropy(logits.float(), target[:, 0].long())
@@ -82,11 +93,15 @@ class DeepSupervisionLoss(nn.Module):
     """Weighted sum of DiceCE over the decoder outputs (highest resolution first)."""
 
     def __init__(
-        self, num_outputs: int, reduce_fn: Reducer = _identity, weight_ce: float = 1.0
+        self,
+        num_outputs: int,
+        reduce_fn: Reducer = _identity,
+        weight_ce: float = 1.0,
+        batch_dice: bool = True,
     ) -> None:
         super().__init__()
         self.weights = deep_supervision_weights(num_outputs)
-        self.loss = DiceCELoss(reduce_fn=reduce_fn, weight_ce=weight_ce)
+        self.loss = DiceCELoss(reduce_fn=reduce_fn, weight_ce=weight_ce, batch_dice=batch_dice)
 
     def forward(
         self, outputs: Sequence[torch.Tensor] | torch.Tensor, target: torch.Tensor

@@ -64,6 +64,12 @@ class ConfigurationPlan:
     def ndim(self) -> int:
         return len(self.patch_size)
 
+    @property
+    def batch_dice(self) -> bool:
+        """nnU-Net's planner rule (its plans' batch_dice): the 2d Dice loss pools the batch,
+        a 3D patch is scored on its own. Derived, not stored: plans keep their identity."""
+        return self.ndim == 2
+
 
 @dataclass(frozen=True)
 class Plans:

@@ -198,7 +198,7 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
     loss_fn = DeepSupervisionLoss(
         cplan.network.num_stages - 1, reduce_fn=distributed.differentiable_all_reduce_sum,
-        weight_ce=weight_ce,
+        weight_ce=weight_ce, batch_dice=cplan.batch_dice,
     )  # fmt: skip
     from trainer.allocator import keep_freed_memory
 

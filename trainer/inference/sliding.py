@@ -19,17 +19,25 @@ import torch.nn.functional as F
 from trainer.evaluate import gaussian_importance, window_starts
 
 # Voxels of input per forward pass on a GPU: several windows per batch keep it busy; the
-# cap bounds activations. On CPU one window per pass: activations grow with the batch
+# cap bounds activations. On CPU one 3D window per pass: activations grow with the batch
 # (patch 64x80x80: nnui-predict peaked at 2.1 GiB PSS with 5 windows per pass, 0.86 GiB
 # with one, nnU-Net at 1.6 GiB) for at most ~20 % less CPU per window (bench/RESULTS.md).
+# 2D windows on CPU are the opposite case: a 64x64 window alone costs ~10x the CPU it costs
+# in a batch of 64 (the deep stages are a few pixels wide, so per-op overhead dominates),
+# and 64 of them hold ~50 MB per full-resolution feature map.
 VOXELS_PER_BATCH = 1 << 21
 MAX_WINDOWS_PER_BATCH = 8
+CPU_2D_VOXELS_PER_BATCH = 1 << 18
+CPU_2D_MAX_WINDOWS_PER_BATCH = 64
 
 
 def windows_per_batch(device: torch.device, patch: Sequence[int]) -> int:
-    if device.type == "cpu":
+    voxels = int(np.prod(patch))
+    if device.type == "cpu" and len(patch) == 3:
         return 1
-    return max(1, min(MAX_WINDOWS_PER_BATCH, VOXELS_PER_BATCH // int(np.prod(patch))))
+    if device.type == "cpu":
+        return max(1, min(CPU_2D_MAX_WINDOWS_PER_BATCH, CPU_2D_VOXELS_PER_BATCH // voxels))
+    return max(1, min(MAX_WINDOWS_PER_BATCH, VOXELS_PER_BATCH // voxels))
 
 
 def memory_format(device: torch.device, ndim: int) -> torch.memory_format:
