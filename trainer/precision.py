@@ -6,7 +6,8 @@ with AMX tile units (Intel Xeon 4th generation and later): there bf16 convolutio
 2.5-4x faster than float32 ones (a 2d training step 2.0-2.9x, a 3D one 2.9x, a 3D
 convolution 3.8x; bench/RESULTS.md), and the results stay those of mixed-precision
 training (weights, optimiser state, loss and softmax stay float32, as under nnU-Net's CUDA
-autocast). CPUs without AMX keep float32: their bf16 paths are emulated or barely faster.
+autocast). CPUs without AMX keep float32 (their bf16 convolutions were not measured here;
+`--precision bf16` asks for them).
 
 `--precision fp32` gives float32 on every device (the numbers of nnU-Net's CPU run).
 Standard library until autocast_dtype is called: the CLIs validate before torch loads.
