@@ -96,14 +96,27 @@ def process_start_ticks(pid: int) -> int | None:
         return None
 
 
+def _stat_if_same(pid: int, start_ticks: int | None) -> list[bytes] | None:
+    """/proc/PID/stat's fields (as _stat_fields) while the pid is still the process started
+    at `start_ticks` (None: whichever it is now); None when it is gone, unreadable or the
+    pid was reused (its start ticks differ)."""
+    fields = _stat_fields(pid)
+    if not fields:
+        return None
+    try:
+        if start_ticks is not None and int(fields[19]) != start_ticks:
+            return None
+    except (ValueError, IndexError):
+        return None
+    return fields
+
+
 def process_cpu_s(pid: int, start_ticks: int | None) -> float | None:
     """CPU seconds (user + system, fields 14-15) the process used so far; None when it is
     gone or the pid now belongs to another process (its start ticks differ)."""
-    fields = _stat_fields(pid)
+    fields = _stat_if_same(pid, start_ticks)
     try:
-        if not fields or (start_ticks is not None and int(fields[19]) != start_ticks):
-            return None
-        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+        return None if fields is None else (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
     except (ValueError, IndexError):
         return None
 
@@ -229,15 +242,8 @@ def record_alive(
         # Liveness needs only /proc/PID/stat (state and start ticks, which pid reuse
         # changes); the full proc_info (cmdline, environ, status) is for the stop checks.
         # The board asks this for every process of every job each second.
-        fields = _stat_fields(record.pid)
-        try:
-            return (
-                bool(fields)
-                and fields[0] not in (b"Z", b"X")
-                and (int(fields[19]) == record.start_ticks)
-            )
-        except (ValueError, IndexError):
-            return False
+        fields = _stat_if_same(record.pid, record.start_ticks)
+        return fields is not None and fields[0] not in (b"Z", b"X")  # field 3: the state
     return is_same_process(record.pid, record.create_time, proc_lookup, record.start_ticks)
 
 
