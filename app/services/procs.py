@@ -341,16 +341,18 @@ def _read_cmdline(pid: int) -> tuple[str, ...] | None:
 
 
 def _read_row(pid: int, cmdline: tuple[str, ...] | None = None) -> ProcRow | None:
+    """The row of a pid, or None when it is gone or has no argv (a kernel thread, a
+    zombie): that check comes first, so those cost one read, not three."""
     args = _read_cmdline(pid) if cmdline is None else cmdline
+    if not args:
+        return None
     try:
         uid = os.stat(f"/proc/{pid}").st_uid
         with open(f"/proc/{pid}/stat", "rb") as handle:
             stat = handle.read()
         fields = stat[stat.rindex(b")") + 2 :].split()
         ppid, ticks = int(fields[1]), int(fields[19])
-    except (OSError, ValueError, IndexError):  # gone meanwhile, or a kernel thread
-        return None
-    if args is None:
+    except (OSError, ValueError, IndexError):  # gone meanwhile
         return None
     return ProcRow(pid=pid, ppid=ppid, uid=uid, start_ticks=ticks, cmdline=args)
 
@@ -407,7 +409,7 @@ def process_table(
     rows = []
     for pid, args in wanted.items():
         row = _read_row(pid, args)
-        if row is None or not row.cmdline:
+        if row is None:
             continue
         if detail is not None and detail(row.cmdline):
             row = replace(
