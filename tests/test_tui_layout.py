@@ -344,6 +344,21 @@ def test_gpu_card_shows_what_a_nvitop_user_reads() -> None:
     assert [p.user for p in by_user] == ["alice", "bob"]
 
 
+@pytest.mark.parametrize("compact", [False, True])
+def test_no_color_gpu_lines_carry_text_styles_only(compact) -> None:
+    """Under NO_COLOR every part is styled where it is built (formatting.readable_style):
+    no colour or dim is left on any span, and the text is the colour one's."""
+    gpu = Gpu(processes=(MINE, BOB), fan_percent=41, power_limit_w=700.0)
+    loads = FixedSampler().processes([11, 22])
+    mono = gpu_lines(gpu, SERIES, loads, CardOptions(200, compact, mono=True))
+    words = {w for span in mono.spans for w in str(span.style).split()}
+    assert words <= {"bold", "italic", "reverse"}, words
+    assert "italic" in words  # the dim parts (uuid, the host side) keep a cue
+    colour = gpu_lines(gpu, SERIES, loads, CardOptions(200, compact))
+    assert mono.plain == colour.plain
+    assert any("green" in str(span.style) for span in colour.spans)
+
+
 def test_idle_gpu_takes_one_line_and_fan_only_where_present() -> None:
     text = gpu_lines(Gpu(processes=(), fan_percent=None), SERIES).plain
     assert "\n" not in text and "idle" in text and "fan" not in text
