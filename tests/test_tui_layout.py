@@ -440,6 +440,24 @@ def test_history_keeps_the_peak_per_step_and_survives_a_restart(tmp_path) -> Non
     assert set(old.utilization_percent) == {None}
 
 
+def test_a_series_is_built_again_only_when_it_changes() -> None:
+    """The panel asks for every GPU's series every second: the same series comes back
+    while no peak rose and no step began; a higher reading or a new step shows at once."""
+    t0 = 1_780_000_000.0  # a step boundary (step_s 5)
+    history, uuid = GpuHistory(None, step_s=5, span_s=60), Gpu().uuid
+    history.add(_machine(t0, 40))
+    first = history.series(uuid, t0)
+    history.add(_machine(t0 + 1, 30))  # lower than the step's peak: nothing to show
+    assert history.series(uuid, t0 + 1) is first
+    history.add(_machine(t0 + 2, 70))  # a new peak
+    risen = history.series(uuid, t0 + 2)
+    assert risen.utilization_percent[-1] == 70.0 and first.utilization_percent[-1] == 40.0
+    history.add(_machine(t0 + 5, 10))  # the next step: the window moves on
+    moved = history.series(uuid, t0 + 5)
+    assert moved.utilization_percent[-2:] == (70.0, 10.0)
+    assert history.series(uuid, t0 + 11).utilization_percent[-3:] == (70.0, 10.0, None)
+
+
 @pytest.mark.parametrize("content", ["{not json", '{"gpus": 3}', '{"gpus": {"x": [[1]]}}'])
 def test_a_bad_history_cache_is_ignored(tmp_path, content) -> None:
     (tmp_path / "gpu_history.json").write_text(content)
