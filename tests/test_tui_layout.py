@@ -308,6 +308,38 @@ def test_state_colours_survive_fewer_colours(palette, system) -> None:
     assert len(set(colours.values())) == len(colours), colours
 
 
+def _row_text(app, table: JobTable, job_id: str) -> str:
+    """The row of `job_id` as the terminal shows it (rendered through the compositor)."""
+    region = table.content_region
+    y = region.y + 1 + table.get_row_index(job_id)  # under the header row
+    strip = app.screen._compositor.render_strips()[y].crop(region.x, region.right)
+    return "".join(segment.text for segment in strip)
+
+
+async def test_a_changed_cell_shows_with_only_its_row_repainted(tmp_path) -> None:
+    """A loss changing at the same width repaints its row only (not the whole table); a
+    cell that gets wider repaints the table (its column may move); both show on screen."""
+    app = frozen(tmp_path, 1)
+    async with app.run_test(size=(200, 40)) as pilot:
+        screen = await drawn(app, pilot, 1)
+        table = screen.query_one(JobTable)
+        views = list(table._views.values())
+        target = next(v for v in views if v.train_loss is not None)
+        job_id = target.job.job_id
+        before = table.get_cell(job_id, "train")
+        changed = replace(target, train_loss=0.1234)
+        assert len(str(before)) == len("0.1234")
+        table.show([changed if v is target else v for v in views])
+        assert table.num_row_repaints == 1
+        await wait_for(lambda: "0.1234" in _row_text(app, table, job_id), pilot)
+        wider = replace(changed, epoch=(changed.epoch or 0) + 1000)
+        table.show([wider if v is target else v for v in views])
+        assert table.num_row_repaints == 1  # the epoch cell grew: the whole table
+        epoch = f"{wider.epoch}/{wider.num_epochs}"
+        await wait_for(lambda: epoch in _row_text(app, table, job_id), pilot)
+        assert "0.1234" in _row_text(app, table, job_id)
+
+
 # ---- GPU panel -------------------------------------------------------------------------
 
 MINE = GpuProcess(11, "alice", 2 * 2**30, "python", True)

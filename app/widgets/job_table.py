@@ -9,8 +9,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.binding import Binding, BindingType
+from textual.geometry import Region
 from textual.widgets import DataTable
 from textual.widgets.data_table import CellDoesNotExist
 
@@ -263,6 +265,7 @@ class JobTable(DataTable):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("space", "toggle_select", "Select", id="select")
     ]
+    _row_repaint_only = False  # while _update_row updates the cells of one row
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(
@@ -274,6 +277,7 @@ class JobTable(DataTable):
         self.level: int | None = None  # the layout shown (None: no columns yet)
         self.palette = "dark"
         self.num_cell_updates = 0  # for the benchmark and tests: proves "only on change"
+        self.num_row_repaints = 0  # changes shown by repainting only their row
         self.num_relayouts = 0
 
     def on_mount(self) -> None:
@@ -372,13 +376,39 @@ class JobTable(DataTable):
             texts = plain[job_id][1 if abbreviated else 0]
             if texts == old:
                 continue  # most rows most seconds
-            for key in shown:
-                if old[key] != texts[key]:
-                    self.update_cell(job_id, key, cells[key], update_width=True)
-                    self.num_cell_updates += 1
+            self._update_row(job_id, [k for k in shown if old[k] != texts[k]], cells, old, texts)
             self._cells[job_id] = texts
         if cursor_job in self._cells:
             self.move_cursor(row=self.get_row_index(cursor_job))
+
+    def _update_row(
+        self,
+        job_id: str,
+        keys: list[str],
+        cells: dict[str, Text | str],
+        old: dict[str, str],
+        new: dict[str, str],
+    ) -> None:
+        """Put the changed cells of one row on screen. DataTable.update_cell repaints the
+        whole table, every row rendered again (a frame's largest part, and a loss, a Dice or
+        an ETA changes every few seconds); a change that leaves every changed cell as wide
+        as it was cannot move a column, so only that row is repainted."""
+        same_widths = all(cell_len(old[k]) == cell_len(new[k]) for k in keys)
+        self._row_repaint_only = same_widths
+        try:
+            for key in keys:
+                self.update_cell(job_id, key, cells[key], update_width=not same_widths)
+                self.num_cell_updates += 1
+        finally:
+            self._row_repaint_only = False
+        if same_widths:
+            self.num_row_repaints += 1
+            self.refresh_row(self.get_row_index(job_id))
+
+    def refresh(self, *regions: Region, **kwargs: Any) -> JobTable:
+        if self._row_repaint_only and not regions and not kwargs:
+            return self  # update_cell's whole-table repaint; _update_row repaints the row
+        return super().refresh(*regions, **kwargs)
 
     def _keep_order(self, order: list[str]) -> str | None:
         """A new sort or a new job in the middle: every row is added again in the new order
