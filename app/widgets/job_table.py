@@ -376,7 +376,9 @@ class JobTable(DataTable):
             texts = plain[job_id][1 if abbreviated else 0]
             if texts == old:
                 continue  # most rows most seconds
-            self._update_row(job_id, [k for k in shown if old[k] != texts[k]], cells, old, texts)
+            changed = [key for key in shown if old[key] != texts[key]]
+            if changed:  # else only hidden columns changed
+                self._update_row(job_id, changed, cells, old, texts)
             self._cells[job_id] = texts
         if cursor_job in self._cells:
             self.move_cursor(row=self.get_row_index(cursor_job))
