@@ -95,6 +95,38 @@ def simulated_load(views: list[Any]) -> dict[int, list[tuple[int, str]]]:
 THEMES = {"dark": "textual-dark", "light": "textual-light"}
 
 
+class _Reader:
+    """The one long-lived thread of a kind of background read ("gpus", "jobs"): the reads
+    come every second for as long as nnui is open, and a thread started for each cost CPU
+    and blocked the UI thread until it ran (seconds in all under load)."""
+
+    def __init__(self, name: str) -> None:
+        self._work: Callable[[], None] | None = None
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name=f"nnui-{name}", daemon=True)
+        self._thread.start()
+
+    def hand_over(self, work: Callable[[], None]) -> None:
+        """Run `work` in this thread; the caller made sure the previous one is done."""
+        self._work = work
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            work, self._work = self._work, None
+            if work is not None:
+                work()  # even once stopped: it releases the lock on_unmount waits for
+            if self._stopped:
+                return
+
+
 class MachineRead(Message):
     def __init__(self, snapshot: Any, readings: Any = None) -> None:
         super().__init__()
@@ -144,6 +176,7 @@ class NnuiApp(App):
             "gpus": threading.Lock(),
             "jobs": threading.Lock(),
         }
+        self._readers: dict[str, _Reader] = {}  # started at the first read of each kind
         self._watch_read_at: float | None = None  # monotonic s of the last /proc look
         self.num_machine_messages = 0
         self.num_jobs_messages = 0
@@ -163,6 +196,8 @@ class NnuiApp(App):
         self.set_interval(self.config.jobs_interval_s, self.poll_jobs, name="jobs")
 
     def on_unmount(self) -> None:
+        for reader in self._readers.values():
+            reader.stop()  # after the read in progress, if any
         close = getattr(self.services.monitor, "close", None)
         if close is not None:
             close()
@@ -176,8 +211,8 @@ class NnuiApp(App):
     # ---- background reads (thread workers -> messages) --------------------------------
 
     def _in_thread(self, name: str, work: Callable[[], Message | None]) -> None:
-        """Run `work` in a thread unless the previous run of the same name is still busy
-        (a slow NVML call must not pile up threads); post what it returns."""
+        """Run `work` in the reader thread of its name unless the previous run is still
+        busy (a slow NVML call must not pile up reads); post what it returns."""
         lock = self._busy[name]
         if not lock.acquire(blocking=False):
             return
@@ -194,7 +229,10 @@ class NnuiApp(App):
 
         # A plain thread, not a Textual worker: a worker's life posts state messages through
         # the app's queue, and these reads run twice a second for as long as nnui is open.
-        threading.Thread(target=run, name=f"nnui-{name}", daemon=True).start()
+        reader = self._readers.get(name)
+        if reader is None:
+            reader = self._readers[name] = _Reader(name)
+        reader.hand_over(run)
 
     def poll_machine(self) -> None:
         self._in_thread("gpus", self._read_machine)

@@ -150,6 +150,7 @@ async def measure(app, probe_events: Path, seconds: float, num_jobs: int, epoch_
         await pilot.pause(seconds)
         busy_s, wall_s = cpu_s() - cpu0, time.perf_counter() - t0
         figures["cpu_percent_of_one_core"] = 100 * busy_s / wall_s
+        figures["cpu_s"] = busy_s
         figures["cell_updates_per_s"] = (table.num_cell_updates - updates0) / wall_s
         figures["measured_s"] = wall_s
 
@@ -238,8 +239,10 @@ def main() -> int:
           f"CPU time to first frame {cpu_first_s:.2f} s)")  # fmt: skip
     print(
         f"CPU while {options.jobs} jobs train (one epoch per {options.epoch_s:g} s each): "
-        f"{figures['cpu_percent_of_one_core']:.1f} % of one core over "
-        f"{figures['measured_s']:.0f} s ({figures['cell_updates_per_s']:.1f} cell updates/s)"
+        f"{figures['cpu_percent_of_one_core']:.2f} % of one core over "
+        f"{figures['measured_s']:.0f} s ({figures['cpu_s']:.2f} CPU-s; "
+        f"{figures['cell_updates_per_s']:.1f} cell updates/s, "
+        f"{os.getloadavg()[0]:.1f} 1-min load at the end)"
     )
     print(
         f"key to screen: median {figures['key_to_screen_ms_median']:.1f} ms, "

@@ -8,9 +8,11 @@ import math
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from app.services import jobs as jobs_module
 from app.services.gpus import GIB, GpuMonitor, GpuProcess, GpuSnapshot, MachineSnapshot
 from app.services.jobs import JobTracker, JobView, simulated_gpu_load
 from app.services.registry import Job, ProcessRecord, Registry, SignalRecord
@@ -267,3 +269,31 @@ def test_gpus_does_not_import_jobs() -> None:
     }
     assert not {"app.services.jobs", "app.services.registry"} & imported
     assert all(not g.processes for g in GpuMonitor(simulate=2).snapshot().gpus)
+
+
+def test_unchanged_files_are_not_parsed_again_and_changes_show(tmp_path: Path, monkeypatch) -> None:
+    """A refresh with nothing new hands back the same Job, epochs and console (nothing
+    re-read or re-copied); a registry write, a new epoch and a console line show at the next
+    refresh, and the ETA still counts down between epochs."""
+    registry = Registry(tmp_path / "state")
+    job = add_job(registry, tmp_path, "j", processes=[ME_ALIVE])
+    write_events(job, run_started(time.time() - 5), topology(time.time() - 5))
+    write_events(job, epoch(time.time() - 3, 0, seconds=100.0))
+    Path(job.console_path).write_text("epoch 0\n")
+    tracker = JobTracker(registry)
+    (first,) = tracker.refresh()
+    later = time.time() + 7  # the ETA's clock moves on 7 s
+    monkeypatch.setattr(jobs_module, "time", SimpleNamespace(time=lambda: later))
+    (again,) = tracker.refresh()
+    assert again.job is first.job  # the cached registry entry, not a fresh deep copy
+    assert again.history is first.history and again.console_tail is first.console_tail
+    assert again.eta_s == pytest.approx(first.eta_s - 7, abs=0.5)  # nothing new in the files
+    assert registry.list()[0] is not first.job  # other readers still get their own copy
+    registry.update("j", note="changed")
+    write_events(job, epoch(time.time(), 1, seconds=100.0))
+    with open(job.console_path, "a") as handle:
+        handle.write("epoch 1\n")
+    (changed,) = tracker.refresh()
+    assert changed.job is not first.job and changed.job.note == "changed"
+    assert [p.epoch for p in changed.history] == [0, 1] and changed.epoch == 2
+    assert changed.console_tail == ("epoch 0", "epoch 1")

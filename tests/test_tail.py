@@ -194,3 +194,60 @@ def test_something_else_in_place_of_the_file_reads_as_missing(tmp_path: Path, wh
     reader.start()
     reader.join(timeout=30)  # a safety net only: a blocked open would hang the suite
     assert results == [[]] and not tail.exists and tail.num_invalid == 0
+
+
+def _count_opens(monkeypatch) -> list[Path]:
+    from app.services import tail as tail_module
+
+    opened: list[Path] = []
+    real = tail_module._open_regular
+
+    def counting(path: Path):
+        opened.append(path)
+        return real(path)
+
+    monkeypatch.setattr(tail_module, "_open_regular", counting)
+    return opened
+
+
+def test_an_unchanged_file_is_not_opened_again(tmp_path: Path, monkeypatch) -> None:
+    """An idle job's files cost one stat per poll; an append, a rewrite in place, a
+    replacement of the same size and a truncation are each read at the next poll."""
+    opened = _count_opens(monkeypatch)
+    tail = JsonlTail(tmp_path / "events.jsonl")
+    append(tail.path, epoch(0))
+    assert [r["epoch"] for r in tail.poll()] == [0]
+    for _ in range(3):
+        assert tail.poll() == []
+    assert len(opened) == 1  # only the first poll opened it
+    append(tail.path, epoch(1))
+    assert [r["epoch"] for r in tail.poll()] == [1] and len(opened) == 2
+    other = tmp_path / "other.jsonl"
+    other.write_text(epoch(0) + epoch(7))  # same size as the file it replaces
+    assert other.stat().st_size == tail.path.stat().st_size
+    os.replace(other, tail.path)
+    assert [r["epoch"] for r in tail.poll()] == [0, 7] and tail.reset
+    tail.path.write_text(epoch(5))  # truncated and rewritten in place
+    assert [r["epoch"] for r in tail.poll()] == [5] and tail.reset
+
+
+def test_a_file_read_in_parts_is_not_taken_as_unchanged(tmp_path: Path, monkeypatch) -> None:
+    """A poll that stopped at READ_LIMIT_BYTES leaves `.more`: the next poll reads on even
+    though the file did not change in between."""
+    from app.services import tail as tail_module
+
+    monkeypatch.setattr(tail_module, "READ_LIMIT_BYTES", len(epoch(0)))
+    tail = JsonlTail(tmp_path / "events.jsonl")
+    append(tail.path, epoch(0) + epoch(1))
+    assert [r["epoch"] for r in tail.poll()] == [0] and tail.more
+    assert [r["epoch"] for r in tail.poll()] == [1] and not tail.more
+    assert tail.poll() == []
+
+
+def test_a_text_tail_reads_a_rewritten_console(tmp_path: Path) -> None:
+    tail = TextTail(tmp_path / "console.log")
+    append(tail.path, "one\ntwo\n")
+    assert tail.poll() and list(tail.lines) == ["one", "two"]
+    assert not tail.poll()
+    tail.path.write_text("six\n")
+    assert tail.poll() and list(tail.lines) == ["six"]

@@ -308,6 +308,38 @@ def test_state_colours_survive_fewer_colours(palette, system) -> None:
     assert len(set(colours.values())) == len(colours), colours
 
 
+def _row_text(app, table: JobTable, job_id: str) -> str:
+    """The row of `job_id` as the terminal shows it (rendered through the compositor)."""
+    region = table.content_region
+    y = region.y + 1 + table.get_row_index(job_id)  # under the header row
+    strip = app.screen._compositor.render_strips()[y].crop(region.x, region.right)
+    return "".join(segment.text for segment in strip)
+
+
+async def test_a_changed_cell_shows_with_only_its_row_repainted(tmp_path) -> None:
+    """A loss changing at the same width repaints its row only (not the whole table); a
+    cell that gets wider repaints the table (its column may move); both show on screen."""
+    app = frozen(tmp_path, 1)
+    async with app.run_test(size=(200, 40)) as pilot:
+        screen = await drawn(app, pilot, 1)
+        table = screen.query_one(JobTable)
+        views = list(table._views.values())
+        target = next(v for v in views if v.train_loss is not None)
+        job_id = target.job.job_id
+        before = table.get_cell(job_id, "train")
+        changed = replace(target, train_loss=0.1234)
+        assert len(str(before)) == len("0.1234")
+        table.show([changed if v is target else v for v in views])
+        assert table.num_row_repaints == 1
+        await wait_for(lambda: "0.1234" in _row_text(app, table, job_id), pilot)
+        wider = replace(changed, epoch=(changed.epoch or 0) + 1000)
+        table.show([wider if v is target else v for v in views])
+        assert table.num_row_repaints == 1  # the epoch cell grew: the whole table
+        epoch = f"{wider.epoch}/{wider.num_epochs}"
+        await wait_for(lambda: epoch in _row_text(app, table, job_id), pilot)
+        assert "0.1234" in _row_text(app, table, job_id)
+
+
 # ---- GPU panel -------------------------------------------------------------------------
 
 MINE = GpuProcess(11, "alice", 2 * 2**30, "python", True)
@@ -342,6 +374,21 @@ def test_gpu_card_shows_what_a_nvitop_user_reads() -> None:
     assert "n/a" in procs[0]  # bob's host side is not readable: n/a, not a crash
     by_user = sorted_processes(gpu.processes, "user")
     assert [p.user for p in by_user] == ["alice", "bob"]
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_no_color_gpu_lines_carry_text_styles_only(compact) -> None:
+    """Under NO_COLOR every part is styled where it is built (formatting.readable_style):
+    no colour or dim is left on any span, and the text is the colour one's."""
+    gpu = Gpu(processes=(MINE, BOB), fan_percent=41, power_limit_w=700.0)
+    loads = FixedSampler().processes([11, 22])
+    mono = gpu_lines(gpu, SERIES, loads, CardOptions(200, compact, mono=True))
+    words = {w for span in mono.spans for w in str(span.style).split()}
+    assert words <= {"bold", "italic", "reverse"}, words
+    assert "italic" in words  # the dim parts (uuid, the host side) keep a cue
+    colour = gpu_lines(gpu, SERIES, loads, CardOptions(200, compact))
+    assert mono.plain == colour.plain
+    assert any("green" in str(span.style) for span in colour.spans)
 
 
 def test_idle_gpu_takes_one_line_and_fan_only_where_present() -> None:
@@ -423,6 +470,24 @@ def test_history_keeps_the_peak_per_step_and_survives_a_restart(tmp_path) -> Non
     assert len(series.utilization_percent) == 12
     old = again.series(uuid, t0 + 3600)  # an hour later: nothing left in the window
     assert set(old.utilization_percent) == {None}
+
+
+def test_a_series_is_built_again_only_when_it_changes() -> None:
+    """The panel asks for every GPU's series every second: the same series comes back
+    while no peak rose and no step began; a higher reading or a new step shows at once."""
+    t0 = 1_780_000_000.0  # a step boundary (step_s 5)
+    history, uuid = GpuHistory(None, step_s=5, span_s=60), Gpu().uuid
+    history.add(_machine(t0, 40))
+    first = history.series(uuid, t0)
+    history.add(_machine(t0 + 1, 30))  # lower than the step's peak: nothing to show
+    assert history.series(uuid, t0 + 1) is first
+    history.add(_machine(t0 + 2, 70))  # a new peak
+    risen = history.series(uuid, t0 + 2)
+    assert risen.utilization_percent[-1] == 70.0 and first.utilization_percent[-1] == 40.0
+    history.add(_machine(t0 + 5, 10))  # the next step: the window moves on
+    moved = history.series(uuid, t0 + 5)
+    assert moved.utilization_percent[-2:] == (70.0, 10.0)
+    assert history.series(uuid, t0 + 11).utilization_percent[-3:] == (70.0, 10.0, None)
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"gpus": 3}', '{"gpus": {"x": [[1]]}}'])

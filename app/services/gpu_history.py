@@ -56,6 +56,9 @@ class GpuHistory:
         self._points: dict[str, dict[int, tuple[float, float]]] = {}
         self._saved_at: float | None = None
         self._dirty = False
+        # uuid -> (last step, series): the panel asks for every GPU's series every second,
+        # and a series changes only when a peak rises or a step begins (every step_s).
+        self._series: dict[str, tuple[int, HistorySeries]] = {}
 
     def add(self, snapshot: MachineSnapshot) -> None:
         step = int(snapshot.taken_at // self.step_s)
@@ -66,19 +69,27 @@ class GpuHistory:
             fraction = gpu.memory_used_fraction
             memory = 0.0 if fraction is None else 100.0 * fraction
             points = self._points.setdefault(gpu.uuid, {})
-            old = points.get(step, (0.0, 0.0))
-            points[step] = (max(old[0], util), max(old[1], memory))
+            old = points.get(step)
+            new = (util, memory) if old is None else (max(old[0], util), max(old[1], memory))
+            if new != old:
+                points[step] = new
+                self._series.pop(gpu.uuid, None)
             for gone in [s for s in points if s <= step - self.num_steps]:
                 del points[gone]
         self._dirty = True
 
     def series(self, uuid: str, now: float) -> HistorySeries:
         last = int(now // self.step_s)
+        cached = self._series.get(uuid)
+        if cached is not None and cached[0] == last:
+            return cached[1]
         points = self._points.get(uuid, {})
         steps = range(last - self.num_steps + 1, last + 1)
         util = tuple(points[s][0] if s in points else None for s in steps)
         memory = tuple(points[s][1] if s in points else None for s in steps)
-        return HistorySeries(self.step_s, util, memory)
+        series = HistorySeries(self.step_s, util, memory)
+        self._series[uuid] = (last, series)
+        return series
 
     # ---- the cache file ---------------------------------------------------------------
 
@@ -96,6 +107,7 @@ class GpuHistory:
             return
         if float(data.get("step_s", 0)) == self.step_s:
             self._points = points
+            self._series = {}
 
     def save_if_due(self, now: float) -> None:
         if self._saved_at is None or now - self._saved_at >= SAVE_EVERY_S:

@@ -157,6 +157,7 @@ class GpuMonitor:
         self._init_problem: str | None = None
         self._static: dict[int, StaticFields] = {}
         self.num_static_reads = 0  # tests: the static fields are read once per GPU
+        self._me: tuple[str | None] | None = None  # (nnui's user,) once read (simulate mode)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -331,7 +332,9 @@ class GpuMonitor:
         except Exception as error:  # a reading, never a crash
             log.debug("simulated load failed: %s", error)
             load = {}
-        me = self._owner(os.getpid())[0]
+        if self._me is None:  # nnui's own user: read once, not every second
+            self._me = (self._owner(os.getpid())[0],)
+        me = self._me[0]
         others = simulated_busy(os.environ.get(SIMULATED_BUSY_ENV))
         return tuple(
             _simulated_gpu(index, list(load.get(index, ())), others.get(index, ()), me)

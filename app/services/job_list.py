@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,12 @@ _STATE_ORDER = {state: i for i, state in enumerate(
 
 def trainer_of(job: Any) -> str:
     """`nnuiTrainer` from `.../nnuiTrainer__nnuiPlans__3d_fullres/fold_0`."""
-    return Path(job.run_dir).parent.name.split("__")[0] or "?"
+    return _trainer_of_folder(str(job.run_dir))
+
+
+@lru_cache(maxsize=4096)  # every row is grouped and filtered every second; folders stay
+def _trainer_of_folder(run_dir: str) -> str:
+    return Path(run_dir).parent.name.split("__")[0] or "?"
 
 
 def group_key(job: Any) -> tuple[str, str, str]:

@@ -87,6 +87,10 @@ class _RunState:
     # Keyed by (epoch, iteration): a resume that repeats an epoch replaces its points in place.
     running: dict[tuple[int, int], RunningPoint] = field(default_factory=dict)
     _running_tuple: tuple[RunningPoint, ...] | None = ()  # None: points came, build again
+    # The views' tuples, built again only after a change (not every second for every job:
+    # a long run has thousands of epochs, a console hundreds of lines).
+    _history_tuple: tuple[EpochPoint, ...] | None = ()  # None: an epoch came
+    _console_tuple: tuple[str, ...] | None = ()  # None: console lines came
     num_epochs: int | None = None
     last_kind: str | None = None  # last lifecycle event of THIS job's run
     stop_requested: bool = False
@@ -108,11 +112,29 @@ class _RunState:
             self._running_tuple = tuple(self.running.values())
         return self._running_tuple
 
+    def history_points(self) -> tuple[EpochPoint, ...]:
+        """The epochs in epoch order."""
+        if self._history_tuple is None:
+            self._history_tuple = tuple(self.history[k] for k in sorted(self.history))
+        return self._history_tuple
+
+    def console_tail(self) -> tuple[str, ...]:
+        if self._console_tuple is None:
+            self._console_tuple = tuple(self.console.lines)[-CONSOLE_LINES:]
+        return self._console_tuple
+
+    def poll_console(self) -> None:
+        while True:
+            if self.console.poll():
+                self._console_tuple = None
+            if not self.console.more:
+                return
+
     def absorb(self, batch: EventBatch) -> None:
         if batch.reset:
             self.history.clear()
             self.running.clear()
-            self._running_tuple = ()
+            self._running_tuple = self._history_tuple = ()
             self.num_epochs, self.last_kind, self.stop_requested = None, None, False
             self.nan_epoch, self.last_event_t = None, None
             self.cases = CaseProgress()
@@ -141,6 +163,7 @@ class _RunState:
         elif kind == Kind.EPOCH_ENDED:
             point = epoch_point(record)
             self.history[point.epoch] = point
+            self._history_tuple = None
             if len(self.history) > MAX_HISTORY_EPOCHS:
                 self.history.pop(min(self.history))
             finite = math.isfinite(point.train_loss) and math.isfinite(point.val_loss)
@@ -334,11 +357,9 @@ class JobTracker:
             self._runs[job.job_id] = run
         if run.console.path != Path(job.console_path):  # a restart: the new attempt's file
             run.console = TextTail(Path(job.console_path))
+            run._console_tuple = None
         run.absorb(run.events.poll(job))
-        while True:
-            run.console.poll()
-            if not run.console.more:
-                break
+        run.poll_console()
         return run
 
     def refresh(self, snapshot: MachineSnapshot | None = None) -> list[JobView]:
@@ -346,7 +367,7 @@ class JobTracker:
         if snapshot is None and self.gpu_monitor is not None:
             snapshot = self.gpu_monitor.snapshot()
         views = []
-        for job in self.registry.list():
+        for job in self.registry.list(copies=False):  # views only read their jobs
             if job.forgotten_at is not None and not self.include_forgotten:
                 continue
             run = self._run(job)
@@ -360,14 +381,14 @@ class JobTracker:
         self, job: Job, run: _RunState, alive: bool, snapshot: MachineSnapshot | None
     ) -> JobView:
         state = derive_state(job, run, alive)
-        history = tuple(run.history[k] for k in sorted(run.history))
+        history = run.history_points()
         last = history[-1] if history else None
         recent = [p.epoch_time_s for p in history[-RECENT_EPOCHS:] if math.isfinite(p.epoch_time_s)]
         mean_epoch_s = statistics.fmean(recent) if recent else None
         done = last.epoch + 1 if last else (0 if run.num_epochs else None)
         eta = self._eta_s(job, run, state, statistics.median(recent) if recent else None, done)
         alerts = self._alerts(job, run, state, mean_epoch_s, snapshot)
-        console = tuple(run.console.lines)[-CONSOLE_LINES:]
+        console = run.console_tail()
         return JobView(
             job=job,
             state=state,

@@ -96,14 +96,27 @@ def process_start_ticks(pid: int) -> int | None:
         return None
 
 
+def _stat_if_same(pid: int, start_ticks: int | None) -> list[bytes] | None:
+    """/proc/PID/stat's fields (as _stat_fields) while the pid is still the process started
+    at `start_ticks` (None: whichever it is now); None when it is gone, unreadable or the
+    pid was reused (its start ticks differ)."""
+    fields = _stat_fields(pid)
+    if not fields:
+        return None
+    try:
+        if start_ticks is not None and int(fields[19]) != start_ticks:
+            return None
+    except (ValueError, IndexError):
+        return None
+    return fields
+
+
 def process_cpu_s(pid: int, start_ticks: int | None) -> float | None:
     """CPU seconds (user + system, fields 14-15) the process used so far; None when it is
     gone or the pid now belongs to another process (its start ticks differ)."""
-    fields = _stat_fields(pid)
+    fields = _stat_if_same(pid, start_ticks)
     try:
-        if not fields or (start_ticks is not None and int(fields[19]) != start_ticks):
-            return None
-        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+        return None if fields is None else (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
     except (ValueError, IndexError):
         return None
 
@@ -229,15 +242,8 @@ def record_alive(
         # Liveness needs only /proc/PID/stat (state and start ticks, which pid reuse
         # changes); the full proc_info (cmdline, environ, status) is for the stop checks.
         # The board asks this for every process of every job each second.
-        fields = _stat_fields(record.pid)
-        try:
-            return (
-                bool(fields)
-                and fields[0] not in (b"Z", b"X")
-                and (int(fields[19]) == record.start_ticks)
-            )
-        except (ValueError, IndexError):
-            return False
+        fields = _stat_if_same(record.pid, record.start_ticks)
+        return fields is not None and fields[0] not in (b"Z", b"X")  # field 3: the state
     return is_same_process(record.pid, record.create_time, proc_lookup, record.start_ticks)
 
 
@@ -335,16 +341,18 @@ def _read_cmdline(pid: int) -> tuple[str, ...] | None:
 
 
 def _read_row(pid: int, cmdline: tuple[str, ...] | None = None) -> ProcRow | None:
+    """The row of a pid, or None when it is gone or has no argv (a kernel thread, a
+    zombie): that check comes first, so those cost one read, not three."""
     args = _read_cmdline(pid) if cmdline is None else cmdline
+    if not args:
+        return None
     try:
         uid = os.stat(f"/proc/{pid}").st_uid
         with open(f"/proc/{pid}/stat", "rb") as handle:
             stat = handle.read()
         fields = stat[stat.rindex(b")") + 2 :].split()
         ppid, ticks = int(fields[1]), int(fields[19])
-    except (OSError, ValueError, IndexError):  # gone meanwhile, or a kernel thread
-        return None
-    if args is None:
+    except (OSError, ValueError, IndexError):  # gone meanwhile
         return None
     return ProcRow(pid=pid, ppid=ppid, uid=uid, start_ticks=ticks, cmdline=args)
 
@@ -401,7 +409,7 @@ def process_table(
     rows = []
     for pid, args in wanted.items():
         row = _read_row(pid, args)
-        if row is None or not row.cmdline:
+        if row is None:
             continue
         if detail is not None and detail(row.cmdline):
             row = replace(

@@ -382,12 +382,13 @@ class Registry:
         return [self.jobs_dir / name for name in sorted(names) if not name.startswith(".")]
 
     def _read_listed(
-        self, path: Path, seen: dict[Path, tuple[tuple[int, int, int], Job]]
+        self, path: Path, seen: dict[Path, tuple[tuple[int, int, int], Job]], copies: bool
     ) -> Job | None:
         """_read, skipping the read and parse of a file unchanged since the previous list():
         the board lists every second and job files change a few times a run. Every write is
         a rename onto the path (a new inode), so (inode, size, mtime) tells a change; each
-        call hands out a deep copy of the cached Job (callers may change theirs)."""
+        call hands out a deep copy of the cached Job (callers may change theirs), or with
+        `copies=False` the cached Job itself."""
         try:
             info = path.stat()
         except OSError:
@@ -396,10 +397,10 @@ class Registry:
         cached = self._listed.get(path)
         if cached is not None and cached[0] == key:
             seen[path] = cached
-            return copy.deepcopy(cached[1])
+            return copy.deepcopy(cached[1]) if copies else cached[1]
         job = self._read(path)
         if job is not None:
-            seen[path] = (key, copy.deepcopy(job))
+            seen[path] = (key, copy.deepcopy(job) if copies else job)
         return job
 
     def _set_aside(self, path: Path, error: Exception) -> None:
@@ -430,12 +431,15 @@ class Registry:
             raise KeyError(job_id)
         return job
 
-    def list(self) -> list[Job]:
+    def list(self, copies: bool = True) -> list[Job]:
+        """Every readable job, oldest first. `copies=False` (the board's reader, which never
+        changes a Job): a job whose file did not change is the very object the previous
+        list() returned, so `is` tells "unchanged" and no deep copy is made each second."""
         jobs = []
         self.list_problems = []
         seen: dict[Path, tuple[tuple[int, int, int], Job]] = {}
         for path in self._job_files():
-            job = self._read_listed(path, seen)
+            job = self._read_listed(path, seen, copies)
             if job is not None:
                 jobs.append(job)
         self._listed = seen

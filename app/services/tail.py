@@ -40,10 +40,17 @@ class _ByteTail:
         self.reset = False
         self._inode: tuple[int, int] | None = None
         self._partial = b""
+        # (device, inode, size, mtime, ctime) of the file when it was last read to its end: a
+        # poll that finds it unchanged costs one stat() (the board polls every job's files
+        # every second, and most of them are idle), not an open, two fstats and a close.
+        self._read_to_end: tuple[int, ...] | None = None
 
     def _new_lines(self) -> list[bytes]:
         self.reset = False
         self.more = False
+        if self._read_to_end is not None and _identity(self.path) == self._read_to_end:
+            return []
+        self._read_to_end = None
         handle = _open_regular(self.path)
         if handle is None:  # missing, a directory, a pipe, no permission: nothing to read
             if self.exists:
@@ -63,11 +70,14 @@ class _ByteTail:
             self._inode = inode
             self.exists = True
             if stat.st_size == self.offset:
+                self._read_to_end = _key(stat)
                 return []
             handle.seek(self.offset)
             data = handle.read(min(stat.st_size - self.offset, READ_LIMIT_BYTES))
         self.offset += len(data)
         self.more = self.offset < stat.st_size
+        if not self.more:
+            self._read_to_end = _key(stat)
         if skip_torn_start:
             data = data.split(b"\n", 1)[1] if b"\n" in data else b""
         data = self._partial + data
@@ -82,7 +92,23 @@ class _ByteTail:
         self.offset = 0
         self._partial = b""
         self._inode = None
+        self._read_to_end = None
         self.reset = True
+
+
+def _key(stat: os.stat_result) -> tuple[int, ...]:
+    # A replaced, truncated, appended-to or rewritten file differs in one of these (ctime
+    # also moves on a change of permissions, which can make it unreadable).
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
+def _identity(path: Path) -> tuple[int, ...] | None:
+    """_key of a regular file; None: missing or something else in its place."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return _key(stat) if stat_module.S_ISREG(stat.st_mode) else None
 
 
 def _open_regular(path: Path) -> BinaryIO | None:

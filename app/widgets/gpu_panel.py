@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from rich.text import Span, Text
+from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.geometry import Region
 from textual.widgets import Static
@@ -59,7 +59,9 @@ class CardOptions:
     compact: bool = False
     show_commands: bool = False
     sort_by: str = "memory"
-    mono: bool = False  # NO_COLOR: text styles only (formatting.readable_style)
+    # NO_COLOR: text styles only; each line applies formatting.readable_style where it
+    # styles a part (colours would turn into greys of poor contrast: bars, the warning).
+    mono: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,21 +105,22 @@ def _procs_summary(gpu: GpuSnapshot) -> str:
     return f"{len(gpu.processes)} proc: {who}"
 
 
-def header_line(gpu: GpuSnapshot, fit: _HeaderFit, compact: bool) -> Text:
-    """One GPU's first line for one choice of what fits."""
+def header_line(gpu: GpuSnapshot, fit: _HeaderFit, compact: bool, mono: bool = False) -> Text:
+    """One GPU's first line for one choice of what fits (`mono`: NO_COLOR styles)."""
     used, total = gpu.memory_used_bytes, gpu.memory_total_bytes
     text = Text()
     text.append(f"GPU {gpu.index} ", style="bold")
     if fit.name:
-        text.append(f"{(gpu.name or NA).removeprefix('NVIDIA ')} ", style="cyan")
+        text.append(f"{(gpu.name or NA).removeprefix('NVIDIA ')} ", readable_style("cyan", mono))
     if fit.uuid:
-        text.append(f"[{short_uuid(gpu.uuid or '')}] ", style="dim")
+        text.append(f"[{short_uuid(gpu.uuid or '')}] ", style=readable_style("dim", mono))
     text.append(" MEM ", style="bold")
-    text.append(bar(gpu.memory_used_fraction, fit.bar_cells), style="magenta")
+    text.append(bar(gpu.memory_used_fraction, fit.bar_cells), readable_style("magenta", mono))
     text.append(f" {fmt_gib(used)}/{fmt_gib(total)} GiB  ")
     text.append("UTL ", style="bold")
     util = gpu.utilization_percent
-    text.append(bar(None if util is None else util / 100, fit.bar_cells), style="green")
+    utilization = bar(None if util is None else util / 100, fit.bar_cells)
+    text.append(utilization, style=readable_style("green", mono))
     text.append(f" {_percent(util)}  ")
     text.append(
         fmt_or_na(gpu.temperature_c, "{}°C") if gpu.temperature_c is not None else "temp n/a"
@@ -126,15 +129,17 @@ def header_line(gpu: GpuSnapshot, fit: _HeaderFit, compact: bool) -> Text:
         text.append(f"  fan {gpu.fan_percent}%")
     text.append(f"  {_power(gpu, fit.power_limit)}")
     if not gpu.processes:
-        text.append("  idle", style="dim")
+        text.append("  idle", style=readable_style("dim", mono))
     elif compact and fit.procs:
-        text.append(f"  {_procs_summary(gpu)}", style="bold yellow" if gpu.other_users else "")
+        warning = readable_style("bold yellow", mono) if gpu.other_users else ""
+        text.append(f"  {_procs_summary(gpu)}", style=warning)
     return text
 
 
 @lru_cache(maxsize=256)  # called for every GPU every second with mostly equal readings
 def first_fit(gpu: GpuSnapshot, width: int, compact: bool) -> int:
-    """Index of the widest HEADER_FITS entry whose header fits `width`."""
+    """Index of the widest HEADER_FITS entry whose header fits `width` (styles do not
+    change a width: the colour one is measured)."""
     for level, fit in enumerate(HEADER_FITS):
         if header_line(gpu, fit, compact).cell_len <= width:
             return level
@@ -148,27 +153,28 @@ def fitted_header(
     in the room left. The panel passes one level for all its GPUs so that columns align."""
     if level is None:
         level = first_fit(gpu, options.width, options.compact)
-    text = header_line(gpu, HEADER_FITS[level], options.compact)
+    text = header_line(gpu, HEADER_FITS[level], options.compact, options.mono)
     room = options.width - text.cell_len - 3
     if series is not None and room >= MIN_SPARK_CELLS:
         text.append("  ")
-        text.append(sparkline(series.utilization_percent, min(room, HISTORY_POINTS)), "green")
+        spark = sparkline(series.utilization_percent, min(room, HISTORY_POINTS))
+        text.append(spark, readable_style("green", options.mono))
     text.truncate(options.width, overflow="ellipsis")
     return text
 
 
-def history_line(series: HistorySeries | None, width: int) -> Text:
+def history_line(series: HistorySeries | None, width: int, mono: bool = False) -> Text:
     """Utilisation and memory over the last minutes, side by side."""
     text = Text("   ")
     if series is None or not series.utilization_percent:
-        return text + Text("history: n/a", style="dim")
+        return text + Text("history: n/a", style=readable_style("dim", mono))
     cells = max(4, min(len(series.utilization_percent), (width - 32) // 2))
     minutes = cells * series.step_s / 60
-    text.append(f"last {minutes:.0f} min ", style="dim")
+    text.append(f"last {minutes:.0f} min ", style=readable_style("dim", mono))
     text.append("UTL ", style="bold")
-    text.append(sparkline(series.utilization_percent, cells), style="green")
+    text.append(sparkline(series.utilization_percent, cells), readable_style("green", mono))
     text.append("  MEM ", style="bold")
-    text.append(sparkline(series.memory_percent, cells), style="magenta")
+    text.append(sparkline(series.memory_percent, cells), readable_style("magenta", mono))
     text.truncate(width, overflow="ellipsis")
     return text
 
@@ -184,13 +190,16 @@ def process_line(proc: GpuProcess, load: ProcLoad | None, options: CardOptions) 
     mark = f"{who} (you)" if proc.is_mine else f"{who} (other user)"
     text = Text("   ")
     text.append(f"pid {proc.pid:<7d} ", style="bold")
-    text.append(f"{mark:<20s} ", style="bold green" if proc.is_mine else "bold yellow")
+    whose = "bold green" if proc.is_mine else "bold yellow"
+    text.append(f"{mark:<20s} ", style=readable_style(whose, options.mono))
     memory = NA if proc.used_memory_bytes is None else f"{proc.used_memory_bytes / 2**20:.0f} MiB"
     text.append(f"{memory:>10s}  ")
     cpu = NA if load is None or load.cpu_percent is None else f"{load.cpu_percent:.0f}%"
     rss = NA if load is None or load.rss_bytes is None else f"{fmt_gib(load.rss_bytes)}G"
     elapsed = fmt_duration_s(None if load is None else load.elapsed_s)
-    text.append(f"cpu {cpu:>5s}  rss {rss:>6s}  {elapsed:>6s}  ", style="dim")
+    text.append(
+        f"cpu {cpu:>5s}  rss {rss:>6s}  {elapsed:>6s}  ", readable_style("dim", options.mono)
+    )
     command = (load.cmdline if load is not None else None) or proc.name or ""
     if options.show_commands:
         return text + Text(command)  # on demand: the whole command, wrapped if need be
@@ -210,14 +219,10 @@ def gpu_lines(
     text = fitted_header(gpu, series, options, level)
     if not options.compact and gpu.processes:
         text.append("\n")
-        text.append_text(history_line(series, options.width))
+        text.append_text(history_line(series, options.width, options.mono))
         for proc in sorted_processes(gpu.processes, options.sort_by):
             text.append("\n")
             text.append_text(process_line(proc, (loads or {}).get(proc.pid), options))
-    if options.mono:  # colours would turn into greys of poor contrast (bars, the warning)
-        text.spans = [
-            Span(span.start, span.end, readable_style(str(span.style), True)) for span in text.spans
-        ]
     return text
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.binding import Binding, BindingType
+from textual.geometry import Region
 from textual.widgets import DataTable
 from textual.widgets.data_table import CellDoesNotExist
 
@@ -147,6 +149,17 @@ def row_cells(
 ) -> dict[str, Text | str]:
     """The text of every cell of one job's row (`short`: the abbreviated cells of a narrow
     layout — the epoch without its bar)."""
+    return both_row_cells(view, selected, after_fold, styles)[1 if short else 0]
+
+
+def both_row_cells(
+    view: JobView,
+    selected: bool,
+    after_fold: str | None = None,
+    styles: dict[str, str] = DARK_STATE_STYLES,
+) -> tuple[dict[str, Text | str], dict[str, Text | str]]:
+    """(full, short) cells of one row, built once: the table weighs both layouts for every
+    job each second, and they differ only in the epoch cell."""
     job = view.job
     state = state_label(view)
     if job.after and view.state in ("starting", "queued"):
@@ -156,14 +169,14 @@ def row_cells(
         state = f"{view.state} {WATCH_ONLY} ({owner})"
     if view.epoch is not None and view.num_epochs:
         done = min(view.epoch + 1, view.num_epochs) if view.state == "finished" else view.epoch
-        epoch = f"{view.epoch}/{view.num_epochs}"
-        if not short:
-            epoch += f" {bar(done / view.num_epochs, 6)}"
+        short_epoch = f"{view.epoch}/{view.num_epochs}"
+        epoch = f"{short_epoch} {bar(done / view.num_epochs, 6)}"
     else:
-        epoch = fmt_or_na(view.epoch)
+        epoch = short_epoch = fmt_or_na(view.epoch)
     fold, its = job.fold, fmt_or_na(view.it_per_s, "{:.2f}")
     if getattr(job, "kind", "train") == "predict":
         fold, epoch, its = prediction_cells(view)
+        short_epoch = epoch
     alerts = Text(" ".join(view.alerts), style=styles["alerts"]) if view.alerts else Text("")
     waiting = getattr(job, "waiting_reason", None)
     if waiting and view.state == "queued":  # a --when-free job: why it has not started
@@ -171,7 +184,7 @@ def row_cells(
     restarts = getattr(job, "restarts", None)
     if restarts:
         alerts = Text(f"restarts {len(restarts)}/{job.retries}: {restarts[-1]} ") + alerts
-    return {
+    full: dict[str, Text | str] = {
         "sel": Text("●", style="bold magenta") if selected else " ",
         "job": job.job_id,
         "dataset": f"{short_dataset(job.dataset)} {job.configuration}",
@@ -187,10 +200,18 @@ def row_cells(
         "eta": fmt_duration_s(view.eta_s) if view.state in ("running", "validating") else "",
         "alerts": alerts,
     }
+    return full, {**full, "epoch": short_epoch}
 
 
 def _plain(value: Text | str) -> str:
     return value.plain if isinstance(value, Text) else value
+
+
+def _plain_pair(
+    both: tuple[dict[str, Text | str], dict[str, Text | str]],
+) -> tuple[dict[str, str], dict[str, str]]:
+    full = {key: _plain(value) for key, value in both[0].items()}
+    return full, {**full, "epoch": _plain(both[1]["epoch"])}
 
 
 # Narrower layouts, widest first: each level hides the columns people watch least and may
@@ -244,6 +265,7 @@ class JobTable(DataTable):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("space", "toggle_select", "Select", id="select")
     ]
+    _row_repaint_only = False  # while _update_row updates the cells of one row
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(
@@ -255,6 +277,7 @@ class JobTable(DataTable):
         self.level: int | None = None  # the layout shown (None: no columns yet)
         self.palette = "dark"
         self.num_cell_updates = 0  # for the benchmark and tests: proves "only on change"
+        self.num_row_repaints = 0  # changes shown by repainting only their row
         self.num_relayouts = 0
 
     def on_mount(self) -> None:
@@ -290,20 +313,21 @@ class JobTable(DataTable):
         """Keys of the columns on screen now (tests and the help text use them)."""
         return [key for key, _ in visible_columns(self.level or 0)]
 
-    def _cells_of(self, view: JobView, short: bool) -> dict[str, Text | str]:
-        after = next(
-            (v.job.fold for v in self._views.values() if v.job.job_id == view.job.after), None
-        )
+    def _both_cells(self, view: JobView) -> tuple[dict[str, Text | str], dict[str, Text | str]]:
+        before = self._views.get(view.job.after or "")
+        after = before.job.fold if before is not None else None
         styles = PALETTES[self.palette]
-        return row_cells(view, view.job.job_id in self.selected, after, styles, short)
+        return both_row_cells(view, view.job.job_id in self.selected, after, styles)
+
+    def _cells_of(self, view: JobView, short: bool) -> dict[str, Text | str]:
+        return self._both_cells(view)[1 if short else 0]
 
     def _choose_level(self, views: list[JobView]) -> int:
-        both = [(self._cells_of(v, False), self._cells_of(v, True)) for v in views]
-        return self._level_of(both)
+        return self._level_of([_plain_pair(self._both_cells(v)) for v in views])
 
-    def _level_of(self, both: list[tuple[dict[str, Text | str], dict[str, Text | str]]]) -> int:
-        full = [{k: _plain(v) for k, v in cells.items()} for cells, _ in both]
-        short = [{k: _plain(v) for k, v in cells.items()} for _, cells in both]
+    def _level_of(self, plain: list[tuple[dict[str, str], dict[str, str]]]) -> int:
+        full = [cells for cells, _ in plain]
+        short = [cells for _, cells in plain]
         return choose_layout(full, short, self.scrollable_content_region.width)
 
     def _relayout(self, level: int) -> None:
@@ -331,8 +355,9 @@ class JobTable(DataTable):
         self._views = wanted
         if self.level is None:
             return  # not mounted yet: on_mount draws these
-        both = {j: (self._cells_of(v, False), self._cells_of(v, True)) for j, v in wanted.items()}
-        level = self._level_of(list(both.values()))
+        both = {j: self._both_cells(v) for j, v in wanted.items()}
+        plain = {j: _plain_pair(cells) for j, cells in both.items()}
+        level = self._level_of(list(plain.values()))
         if level != self.level:
             self._relayout(level)
             return
@@ -348,13 +373,44 @@ class JobTable(DataTable):
                 self._add(job_id, view)
                 continue
             cells = both[job_id][1 if abbreviated else 0]
-            for key in shown:
-                if old[key] != _plain(cells[key]):
-                    self.update_cell(job_id, key, cells[key], update_width=True)
-                    self.num_cell_updates += 1
-            self._cells[job_id] = {key: _plain(value) for key, value in cells.items()}
+            texts = plain[job_id][1 if abbreviated else 0]
+            if texts == old:
+                continue  # most rows most seconds
+            changed = [key for key in shown if old[key] != texts[key]]
+            if changed:  # else only hidden columns changed
+                self._update_row(job_id, changed, cells, old, texts)
+            self._cells[job_id] = texts
         if cursor_job in self._cells:
             self.move_cursor(row=self.get_row_index(cursor_job))
+
+    def _update_row(
+        self,
+        job_id: str,
+        keys: list[str],
+        cells: dict[str, Text | str],
+        old: dict[str, str],
+        new: dict[str, str],
+    ) -> None:
+        """Put the changed cells of one row on screen. DataTable.update_cell repaints the
+        whole table, every row rendered again (a frame's largest part, and a loss, a Dice or
+        an ETA changes every few seconds); a change that leaves every changed cell as wide
+        as it was cannot move a column, so only that row is repainted."""
+        same_widths = all(cell_len(old[k]) == cell_len(new[k]) for k in keys)
+        self._row_repaint_only = same_widths
+        try:
+            for key in keys:
+                self.update_cell(job_id, key, cells[key], update_width=not same_widths)
+                self.num_cell_updates += 1
+        finally:
+            self._row_repaint_only = False
+        if same_widths:
+            self.num_row_repaints += 1
+            self.refresh_row(self.get_row_index(job_id))
+
+    def refresh(self, *regions: Region, **kwargs: Any) -> JobTable:
+        if self._row_repaint_only and not regions and not kwargs:
+            return self  # update_cell's whole-table repaint; _update_row repaints the row
+        return super().refresh(*regions, **kwargs)
 
     def _keep_order(self, order: list[str]) -> str | None:
         """A new sort or a new job in the middle: every row is added again in the new order
