@@ -6,7 +6,8 @@
 Bisects the lesion-onset gap of bench/accuracy.py (nnU-Net learns label 2 around epoch
 11-13, nnui at 20-29 or never) with everything but the batches held fixed: nnui's
 network (torch seed = --seed), DeepSupervisionLoss, SGD (0.01, 0.99 Nesterov, 3e-5),
-poly LR over --epochs, grad-norm clip 12, fp32 on one CPU thread, on a work folder that
+poly LR over --epochs, grad-norm clip 12, fp32 on one CPU thread (--init-seed
+separates the weights' seed from the batches'), on a work folder that
 bench/accuracy.py prepared (same data, plan and split for both sides). The training
 batches come from
 - nnui: nnui's PatchLoader with its augmentation (seed --seed, no worker threads);
@@ -98,7 +99,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", default="/tmp/acc6")
     p.add_argument("--source", default="nnui", choices=("nnui", "nnunet"))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="batch stream (and init unless --init-seed)")
+    p.add_argument("--init-seed", type=int, default=None, help="torch seed of the weights")
     p.add_argument("--fold", type=int, default=1)
     p.add_argument("--configuration", default="2d")
     p.add_argument("--epochs", type=int, default=30)
@@ -132,7 +134,8 @@ def main() -> int:
         loader = PatchLoader(cases, train_ids, patch, batch, 0.33, a.seed, 0, cpu, augment=True,
                              num_workers=0, mask_channels=mask)  # fmt: skip
         batches = ((b.data, b.target) for b in loader)
-    torch.manual_seed(a.seed)
+    init_seed = a.seed if a.init_seed is None else a.init_seed
+    torch.manual_seed(init_seed)
     net = build_network(cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim,
                         recompute_norm=False)  # fmt: skip
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.99, weight_decay=3e-5,
@@ -167,7 +170,8 @@ def main() -> int:
             break
     if loader is not None:
         loader.close()
-    summary = {"source": a.source, "ds": a.ds, "seed": a.seed, "fold": a.fold,
+    summary = {"source": a.source, "ds": a.ds, "seed": a.seed, "init_seed": init_seed,
+               "fold": a.fold,
                "onset": onset, "epochs_run": len(curve), "curve_lesion": [c[-1] for c in curve],
                "cpu_s": round(time.process_time() - started, 1)}  # fmt: skip
     print("SUMMARY " + json.dumps(summary), flush=True)
