@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -17,10 +18,16 @@ import pytest
 import torch
 
 import trainer.data.augment as augment_module
-from trainer.data.augment import AugmentConfig, augment_batch, spatial_transform
+from trainer.data.augment import (
+    AugmentConfig,
+    augment_batch,
+    centre_crop,
+    read_size,
+    spatial_transform,
+)
 from trainer.data.blosc_io import choose_layout, read_padded
 from trainer.data.dataset import MissingCaseError, PreprocessedCases
-from trainer.data.loader import PatchLoader
+from trainer.data.loader import PatchLoader, _default_augment_config
 from trainer.data.patches import BatchSpec, load_patches
 from trainer.data.raw import DataError
 from trainer.data.sampling import batch_seed, forced_slots, plan_batch
@@ -74,14 +81,54 @@ def test_forced_slots_really_contain_foreground(demo_preprocessed, config):
             assert (seg[j] > 0).any(), (k, j)
 
 
-def test_plan_batch_boxes_stay_within_padding_rules(demo_preprocessed):
-    cases = PreprocessedCases(_folder(demo_preprocessed, "3d_fullres"))
+def _one_case(shape, locations):
+    props = {"shape_after_resampling": shape, "class_locations": {"1": locations}}
+    return lambda case_id: props
+
+
+@pytest.mark.parametrize(("read", "lo_yx"), [((30, 30), (-5, -5)), ((31, 31), (-6, -6))])
+def test_random_boxes_follow_nnunets_range(read, lo_yx):
+    # need = read - patch (10 or 11) unless the image is shorter; half of it may be
+    # padding on each side, the odd voxel on the low side: corner in [(-need) // 2,
+    # n + need // 2 + need % 2 - read].
+    properties = _one_case((3, 30, 50), [[0, 28, 2]])
     rng = np.random.default_rng(0)
-    for _ in range(50):
-        for box in plan_batch(rng, cases.case_ids, 4, 0.5, (16, 32, 32), cases.properties):
-            shape = cases.properties(box.case_id)["shape_after_resampling"]
-            for lo, n, p in zip(box.lower, shape, box.size, strict=True):
-                assert min(0, n - p) <= lo <= max(0, n - p)
+    lowers = [
+        b.lower
+        for _ in range(400)
+        for b in plan_batch(rng, ["a"], 2, 0.0, (20, 20), properties, read)
+    ]
+    need = read[0] - 20
+    for axis, n in ((1, 30), (2, 50)):
+        hi = n + need // 2 + need % 2 - read[0]
+        assert min(lo[axis] for lo in lowers) == lo_yx[axis - 1]
+        assert max(lo[axis] for lo in lowers) == hi
+    assert {lo[0] for lo in lowers} == {0, 1, 2}  # 2D: any slice
+    assert all(
+        b.size == (1, *read) for b in plan_batch(rng, ["a"], 2, 0.0, (20, 20), properties, read)
+    )
+
+
+def test_forced_boxes_centre_the_voxel_and_clip_at_the_low_end_only():
+    # Voxel (0, 28, 2) of a 30 x 50 slice, box 30 x 30 for a 20 x 20 patch: y corner
+    # 28 - 15 = 13 (the box runs 17 voxels past the image's end), x corner clipped up
+    # from 2 - 15 to the lowest allowed -5.
+    properties = _one_case((3, 30, 50), [[0, 28, 2]])
+    rng = np.random.default_rng(1)
+    boxes = plan_batch(rng, ["a"], 3, 1.0, (20, 20), properties, (30, 30))
+    assert {b.lower for b in boxes} == {(0, 13, -5)}
+    # Without a larger read (validation): same rule, need 0 -> voxel at patch // 2.
+    plain = plan_batch(rng, ["a"], 1, 1.0, (20, 20), properties)
+    assert plain[0].lower == (0, 18, 0) and plain[0].size == (1, 20, 20)
+
+
+def test_boxes_of_a_short_image_are_centred():
+    # An image shorter than the box: need = read - n, so random boxes have one corner
+    # (the image in the middle), as nnU-Net's loader has.
+    properties = _one_case((16, 24, 24), [[8, 12, 12]])
+    rng = np.random.default_rng(0)
+    boxes = plan_batch(rng, ["a"], 50, 0.0, (32, 32, 32), properties, (40, 40, 40))
+    assert {b.lower for b in boxes} == {(-12, -8, -8)}
 
 
 def _batches(cases, start, count, **kwargs):
@@ -490,6 +537,94 @@ def test_rotation_by_90_degrees_in_plane_matches_rot90():
     d, _s = spatial_transform(data, seg, quarter)
     expected = [torch.rot90(data, k, dims=(3, 4)) for k in (1, -1)]
     assert any(torch.allclose(d, e, atol=1e-5) for e in expected)
+
+
+@pytest.mark.parametrize(
+    ("patch", "degrees", "expected"),
+    [  # nnU-Net 2.8.1's get_patch_size for the same patch and rotation range
+        ((32, 40), 180, (47, 47)),
+        ((17, 50), 180, (58, 58)),
+        ((16, 32, 32), 30, (35, 51, 42)),
+        ((64, 48, 32), 30, (93, 67, 70)),
+    ],
+)
+def test_read_size_is_nnunets_initial_patch_size(patch, degrees, expected):
+    assert read_size(patch, AugmentConfig(rotation_deg=degrees)) == expected
+    assert read_size(patch, OFF) == patch  # nothing rotates or scales: read the patch
+    in_plane = read_size((8, 64, 64), AugmentConfig(rotation_deg=180, in_plane_only=True))
+    assert in_plane[0] == 8 and in_plane[1:] == (75, 75)
+
+
+def test_default_rotation_ranges_are_nnunets(demo_preprocessed):
+    cases = PreprocessedCases(_folder(demo_preprocessed, "2d"))
+    case = cases.case_ids[0]
+    assert _default_augment_config(cases, case, (32, 40)).rotation_deg == 180
+    assert _default_augment_config(cases, case, (32, 64)).rotation_deg == 15
+    assert _default_augment_config(cases, case, (16, 32, 32)).rotation_deg in (30, 180)
+
+
+def test_rotation_cuts_the_patch_from_the_centre_of_the_read():
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randn((1, 2, 48, 48), generator=gen)
+    seg = torch.randint(0, 3, (1, 1, 48, 48), generator=gen, dtype=torch.uint8)
+    quarter = torch.tensor([[[0.0, -1.0], [1.0, 0.0]]], dtype=torch.float64)
+    d, s = spatial_transform(data, seg, quarter, (32, 40))
+    # Output (y, x) samples the read at centre + M (offset): (43 - x, y + 8).
+    rows, cols = 43 - torch.arange(40), torch.arange(32) + 8
+    torch.testing.assert_close(
+        d, data[:, :, rows][:, :, :, cols].transpose(2, 3), atol=1e-5, rtol=0
+    )
+    assert torch.equal(s, seg[:, :, rows][:, :, :, cols].transpose(2, 3))
+
+
+def test_rotated_corners_hold_image_not_fill():
+    ones = torch.ones((1, 1, 47, 47))
+    seg = torch.ones((1, 1, 47, 47), dtype=torch.uint8)
+    angle = math.radians(10)
+    c, s_ = math.cos(angle), math.sin(angle)
+    rot = torch.tensor([[[c, -s_], [s_, c]]], dtype=torch.float64)
+    d, s = spatial_transform(ones, seg, rot, (32, 40))
+    assert d.shape[2:] == (32, 40) and torch.allclose(d, torch.ones_like(d), atol=1e-5)
+    assert bool((s == 1).all())
+    # Rotating the network patch itself (no larger read) fills its corners.
+    d_same, _ = spatial_transform(ones[:, :, :32, :40], seg[:, :, :32, :40], rot)
+    assert float(d_same.min()) < 0.5
+
+
+def test_labels_resample_by_indicator_with_background_outside():
+    seg = torch.zeros((1, 1, 30, 30), dtype=torch.uint8)
+    seg[0, 0, 3:27, 3:27] = 2
+    seg[0, 0, 10:14, 12:20] = 5
+    eye = torch.eye(2, dtype=torch.float64)[None]
+    _, s = spatial_transform(torch.zeros((1, 1, 30, 30)), seg, eye, (20, 20))
+    assert torch.equal(s, centre_crop(seg, (20, 20))) and torch.equal(s, seg[:, :, 5:25, 5:25])
+    # Zoomed out 2x: the label keeps its pixel-edge boundary, the fill is background.
+    full = torch.ones((1, 1, 20, 20), dtype=torch.uint8)
+    _, z = spatial_transform(torch.zeros((1, 1, 20, 20)), full, 2 * eye)
+    expected = torch.zeros_like(full)
+    expected[0, 0, 5:15, 5:15] = 1
+    assert torch.equal(z, expected)
+
+
+def test_augment_batch_returns_the_centre_of_the_read():
+    data, seg = _sample(2, b=3)  # (3, 2, 12, 10)
+    d, s = augment_batch(data, seg, torch.Generator().manual_seed(0), OFF, patch_size=(8, 6))
+    assert torch.equal(d, data[:, :, 2:10, 2:8]) and torch.equal(s, seg[:, :, 2:10, 2:8])
+    strong = AugmentConfig(p_rotation=1, p_scale=1, p_noise=1, p_gamma=1)
+    d, s = augment_batch(data, seg, torch.Generator().manual_seed(0), strong, patch_size=(8, 6))
+    assert d.shape == (3, 2, 8, 6) and s.shape == (3, 1, 8, 6)
+
+
+def test_augmented_stream_reads_the_larger_box(demo_preprocessed):
+    cases = PreprocessedCases(_folder(demo_preprocessed, "3d_fullres"))
+    (batch,) = _batches(cases, 0, 1, num_workers=0)
+    assert batch.data.shape[2:] == (16, 32, 32) and batch.target.shape[2:] == (16, 32, 32)
+    with PatchLoader(cases, cases.case_ids, (16, 32, 32), 2, 0.5, 3, 0, CPU, augment=True,
+                     num_workers=0) as loader:  # fmt: skip
+        assert loader.spec.read_size == read_size((16, 32, 32), loader.augment_config)
+    with PatchLoader(cases, cases.case_ids, (16, 32, 32), 2, 0.5, 3, 0, CPU, augment=False,
+                     num_workers=0) as loader:  # fmt: skip
+        assert loader.spec.read_size is None
 
 
 def test_batch_seed_depends_on_all_four_numbers():

@@ -1,7 +1,9 @@
 """Batched data augmentation as torch ops on whatever device the batch lives on.
 
 nnU-Net v2's training transforms, in its order: rotation and scaling (one grid_sample for
-the samples that need it; image linear, segmentation nearest), Gaussian noise, Gaussian
+the samples that need it; image linear, segmentation by linear interpolation of each
+label's indicator and argmax), taking the network patch out of the centre of a larger
+read (read_size), so rotated or zoomed-out corners hold image, not fill; Gaussian noise, Gaussian
 blur, brightness, contrast, low-resolution simulation, gamma on the inverted image, gamma,
 mirroring (exact flips). Each transform touches only the samples it was drawn for. Every
 random number comes from the generators given, in a fixed number of draws, so a batch is
@@ -81,6 +83,48 @@ def _rotation_matrices(angles: torch.Tensor, ndim: int) -> torch.Tensor:
     return out
 
 
+# nnU-Net sizes its read for scale factors down to 0.85, not its scale range's 0.7 (its own
+# comment calls this a shortcut); zooming out beyond 1 / 0.85 reaches the fill.
+_READ_SCALE = 0.85
+
+
+def _rotated_extent(extent: list[float], i: int, j: int, angle: float) -> list[float]:
+    """|extent| after a rotation by `angle` in the (i, j) plane, in nnU-Net's convention
+    (the extent vector as a row times the rotation matrix), so both sides read alike."""
+    c, s = math.cos(angle), math.sin(angle)
+    out = list(extent)
+    out[i] = abs(extent[i] * c + extent[j] * s)
+    out[j] = abs(extent[j] * c - extent[i] * s)
+    return out
+
+
+def read_size(patch_size: tuple[int, ...], config: AugmentConfig) -> tuple[int, ...]:
+    """The box to read for a patch_size network patch, nnU-Net's rule: the patch's extent
+    rotated by the largest angle (at most 90 degrees) about each axis alone, the larger of
+    each axis, divided by 0.85; the slice axis stays as it is for in-plane rotation only.
+    patch_size itself when the config neither rotates nor scales."""
+    patch = [int(p) for p in patch_size]
+    if config.p_rotation <= 0 and config.p_scale <= 0:
+        return tuple(patch)
+    angle = min(math.radians(config.rotation_deg), math.pi / 2) if config.p_rotation > 0 else 0.0
+    if len(patch) == 2:
+        planes = [(0, 1)]
+    elif config.in_plane_only:
+        planes = [(1, 2)]
+    else:
+        planes = [(1, 2), (0, 2), (0, 1)]  # about axis 0, 1, 2 in turn
+    widest = [float(p) for p in patch]
+    for i, j in planes:
+        # nnU-Net's rotation about y has the opposite sign convention: mirror the plane
+        k, m = (j, i) if (i, j) == (0, 2) else (i, j)
+        rotated = _rotated_extent([float(p) for p in patch], k, m, angle)
+        widest = [max(a, b) for a, b in zip(widest, rotated, strict=True)]
+    read = [int(w / _READ_SCALE) for w in widest]
+    if len(patch) == 3 and config.in_plane_only:
+        read[0] = patch[0]
+    return tuple(max(r, p) for r, p in zip(read, patch, strict=True))
+
+
 def _affine_grid(m: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
     """F.affine_grid without translation, built by broadcasting 1D coordinates.
 
@@ -105,23 +149,62 @@ def _affine_grid(m: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
     return grid
 
 
+def _resample_labels(seg: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """seg (b, 1, *in) integer sampled at grid: each foreground label's indicator linearly
+    interpolated, background's score 1 - their sum (so the fill outside counts as
+    background), argmax (the lowest label on ties). nnU-Net's segmentation mode: thin
+    structures keep their shape under rotation instead of nearest's jagged steps."""
+    # Labels present: a bincount of the (small, non-negative) label values is ~10x faster
+    # on CPU than torch.unique's sort.
+    counts = torch.bincount(seg.reshape(-1).to(torch.int64 if seg.is_cuda else seg.dtype))
+    labels = [int(v) for v in counts.nonzero().flatten().tolist() if v != 0]
+    if not labels:
+        return torch.zeros((seg.shape[0], 1, *grid.shape[1:-1]), dtype=seg.dtype, device=seg.device)
+    onehot = torch.cat([(seg == v).to(grid.dtype) for v in labels], dim=1)
+    scores = F.grid_sample(onehot, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    # A running maximum instead of argmax over the label axis: argmax across channels
+    # cost 2/3 of a 3D batch's augmentation on CPU; strict > keeps the lowest label on ties.
+    best = 1.0 - scores.sum(1, keepdim=True)  # background's score
+    out = torch.zeros(best.shape, dtype=seg.dtype, device=seg.device)
+    for k, value in enumerate(labels):
+        score = scores[:, k : k + 1]
+        wins = score > best
+        out.masked_fill_(wins, value)
+        best = torch.maximum(best, score)
+    return out
+
+
 def spatial_transform(
-    data: torch.Tensor, seg: torch.Tensor, matrices: torch.Tensor
+    data: torch.Tensor,
+    seg: torch.Tensor,
+    matrices: torch.Tensor,
+    out_size: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply per-sample voxel-space linear maps (b, d, d) (output -> input coordinates)."""
+    """Apply per-sample voxel-space linear maps (b, d, d) (output -> input coordinates)
+    about the centre: the output's centre lands on the input's centre, so out_size
+    (default: the input's) smaller than the input cuts its middle."""
     spatial = data.shape[2:]
+    out = tuple(out_size) if out_size is not None else tuple(spatial)
     ndim = len(spatial)
-    # grid_sample's normalised coordinates are per-axis scaled and in (x, y, z) order.
-    half = torch.tensor([n / 2.0 for n in spatial], dtype=matrices.dtype)
-    m = matrices / half[None, :, None] * half[None, None, :]
+    # grid_sample's normalised coordinates are per-axis scaled and in (x, y, z) order:
+    # input voxel offset M @ (output offset), each axis measured in its own half-length.
+    half_in = torch.tensor([n / 2.0 for n in spatial], dtype=matrices.dtype)
+    half_out = torch.tensor([n / 2.0 for n in out], dtype=matrices.dtype)
+    m = matrices / half_in[None, :, None] * half_out[None, None, :]
     flip = list(range(ndim))[::-1]
     m = m[:, flip][:, :, flip]
-    grid = _affine_grid(m.to(device=data.device, dtype=data.dtype), spatial)
+    grid = _affine_grid(m.to(device=data.device, dtype=data.dtype), out)
     data = F.grid_sample(data, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-    seg_f = F.grid_sample(
-        seg.float(), grid, mode="nearest", padding_mode="zeros", align_corners=False
-    )
-    return data, seg_f.to(seg.dtype)
+    return data, _resample_labels(seg, grid)
+
+
+def centre_crop(x: torch.Tensor, out_size: tuple[int, ...]) -> torch.Tensor:
+    """x (..., *spatial) cut to out_size around floor(n / 2), nnU-Net's crop of a sample it
+    does not rotate or scale (start floor(n / 2) - out // 2)."""
+    ndim = len(out_size)
+    starts = [n // 2 - o // 2 for n, o in zip(x.shape[-ndim:], out_size, strict=True)]
+    index = (..., *(slice(s, s + o) for s, o in zip(starts, out_size, strict=True)))
+    return x[index]
 
 
 def _mean(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -212,9 +295,10 @@ def _rotate_and_scale(
     config: AugmentConfig,
     images: list[torch.Tensor],
     labels: list[torch.Tensor],
+    out_size: tuple[int, ...],
 ) -> None:
-    """One grid_sample for the samples drawn for rotation or scaling; replaces their
-    entries of images / labels in place."""
+    """One grid_sample for the samples drawn for rotation or scaling, cut to out_size
+    about the centre; replaces their entries of images / labels in place."""
     b, ndim = data.shape[0], data.ndim - 2
     moved = [i for i in range(b) if u[i][0] < config.p_rotation or u[i][1] < config.p_scale]
     if not moved:
@@ -235,7 +319,7 @@ def _rotate_and_scale(
     )
     matrices = _rotation_matrices(angles, ndim) * factors[:, None, None]
     index = torch.tensor(moved, device=data.device)
-    new_data, new_seg = spatial_transform(data[index], seg[index], matrices)
+    new_data, new_seg = spatial_transform(data[index], seg[index], matrices, out_size)
     for k, i in enumerate(moved):
         images[i], labels[i] = new_data[k], new_seg[k]
 
@@ -323,16 +407,21 @@ def augment_batch(
     generator: torch.Generator,
     config: AugmentConfig = AugmentConfig(),
     noise_generator: torch.Generator | None = None,
+    patch_size: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """data (b, C, *spatial) float, seg (b, 1, *spatial) integer; returns new tensors.
+    """data (b, C, *read) float, seg (b, 1, *read) integer; returns new tensors of
+    patch_size (default: read), cut from the centre of the read (read_size(patch_size)).
 
     `generator` is a CPU generator for the per-sample parameters; `noise_generator` lives
     on data.device for the noise field (defaults to one seeded from `generator`).
     """
     ndim = data.ndim - 2
+    out = tuple(patch_size) if patch_size is not None else tuple(data.shape[2:])
     draws = _draw(data, generator, noise_generator)
-    images, labels = list(data.unbind(0)), list(seg.unbind(0))  # views; stacked at the end
-    _rotate_and_scale(data, seg, draws.u, config, images, labels)
+    # Views of the centre, stacked at the end; rotated or scaled samples are replaced.
+    images = list(centre_crop(data, out).unbind(0))
+    labels = list(centre_crop(seg, out).unbind(0))
+    _rotate_and_scale(data, seg, draws.u, config, images, labels, out)
     # Samples in order: the noise generator's stream is consumed sample by sample.
     masked = [c for c, on in enumerate(config.mask_channels) if on and c < data.shape[1]]
     for i in range(data.shape[0]):

@@ -24,7 +24,7 @@ from multiprocessing import get_context
 import numpy as np
 import torch
 
-from trainer.data.augment import AugmentConfig, augment_batch
+from trainer.data.augment import AugmentConfig, augment_batch, read_size
 from trainer.data.dataset import PreprocessedCases
 from trainer.data.patches import BatchSpec, init_worker, load_patches, load_patches_in_worker
 from trainer.data.sampling import STREAM_IDS, forced_slots
@@ -92,8 +92,12 @@ def _default_augment_config(
 ) -> AugmentConfig:
     spacing = cases.properties(case_id)["spacing_after_resampling"]
     aniso = len(patch_size) == 3 and max(spacing) / min(spacing) > ANISO_THRESHOLD
-    # nnU-Net-like: 2D slices rotate freely, 3D patches by up to 30 degrees.
-    degrees = 180.0 if len(patch_size) == 2 else 30.0
+    # nnU-Net's ranges: 2D patches and in-plane-only 3D rotate freely, except elongated 2D
+    # patches (longest side > 1.5 x the shortest: 15 degrees); other 3D up to 30 degrees.
+    if len(patch_size) == 2:
+        degrees = 15.0 if max(patch_size) / min(patch_size) > 1.5 else 180.0
+    else:
+        degrees = 180.0 if aniso else 30.0
     return AugmentConfig(
         rotation_deg=degrees, in_plane_only=aniso, mask_channels=tuple(mask_channels)
     )
@@ -149,6 +153,14 @@ class PatchLoader:
             cases, case_ids, patch_size, batch_size, oversample_share, stream, worker_mode
         )
         self.cases = cases
+        if augment_config is None:
+            augment_config = _default_augment_config(
+                cases, sorted(case_ids)[0], patch_size, mask_channels
+            )
+        self.augment_config = augment_config
+        # Augmented streams read a larger box and cut the patch out of its centre after the
+        # rotation / scaling (nnU-Net's way): rotated corners hold image, not fill.
+        read = read_size(tuple(patch_size), augment_config) if augment else None
         self.spec = BatchSpec(
             tuple(sorted(case_ids)),
             tuple(int(p) for p in patch_size),
@@ -157,14 +169,10 @@ class PatchLoader:
             int(seed),
             int(rank),
             stream,
+            read,
         )
         self.device = torch.device(device)
         self.augment = augment
-        if augment_config is None:
-            augment_config = _default_augment_config(
-                cases, self.spec.case_ids[0], patch_size, mask_channels
-            )
-        self.augment_config = augment_config
         self.prefetch = max(1, int(prefetch))
         self._next_submit = int(start_iteration)
         self._iteration = int(start_iteration)
@@ -200,7 +208,9 @@ class PatchLoader:
         generator.manual_seed(
             augment_seed(self.spec.seed, self.spec.rank, self.spec.stream, iteration)
         )
-        return augment_batch(data, seg, generator, self.augment_config)
+        return augment_batch(
+            data, seg, generator, self.augment_config, patch_size=self.spec.patch_size
+        )
 
     def __iter__(self) -> PatchLoader:
         return self

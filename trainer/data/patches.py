@@ -27,10 +27,14 @@ class BatchSpec:
     seed: int
     rank: int
     stream: str
+    # Boxes read for the spatial transform, which cuts patch_size out of them (None: read
+    # patch_size itself, as for un-augmented streams).
+    read_size: tuple[int, ...] | None = None
 
 
 def load_patches(cases: PreprocessedCases, spec: BatchSpec, iteration: int):
-    """(data (b, C, *patch) float32, seg (b, 1, *patch) uint8, boxes) of batch `iteration`."""
+    """(data (b, C, *read) float32, seg (b, 1, *read) uint8, boxes) of batch `iteration`;
+    read = spec.read_size or spec.patch_size."""
     rng = np.random.default_rng(batch_seed(spec.seed, spec.rank, spec.stream, iteration))
     boxes = plan_batch(
         rng,
@@ -39,6 +43,7 @@ def load_patches(cases: PreprocessedCases, spec: BatchSpec, iteration: int):
         spec.oversample_share,
         spec.patch_size,
         cases.properties,
+        spec.read_size,
     )
     images, segs = [], []
     for box in boxes:

@@ -36,13 +36,24 @@ class PatchBox:
     forced: bool
 
 
-def _lower_bound(rng: np.random.Generator, n: int, p: int, centre: int | None) -> int:
-    """A corner in [min(0, n - p), max(0, n - p)]: inside the image when it fits, else padded
-    on a random side; a centre voxel stays inside the box after clipping."""
-    lo, hi = min(0, n - p), max(0, n - p)
+def _lower_bound(
+    rng: np.random.Generator, n: int, read: int, final: int, centre: int | None
+) -> int:
+    """nnU-Net's box rule along one axis (image length n, box `read`, network patch `final`).
+
+    The box may reach into padding by the margin the spatial transform needs (read - final,
+    or more where the image is shorter than the box), half of it on each side, the odd
+    voxel on the low side; a random box takes any corner in that range. A box around a
+    centre voxel puts the voxel at read // 2 and is clipped at the low end only: near the
+    high edge the patch runs into padding rather than pushing the voxel off centre, so a
+    forced patch always has its foreground at (or, near the low edge, before) the middle.
+    """
+    need = max(read - final, read - n)
+    lo = (-need) // 2
+    hi = n + need // 2 + need % 2 - read
     if centre is None:
         return int(rng.integers(lo, hi + 1))
-    return int(np.clip(centre - p // 2, lo, hi))
+    return max(lo, centre - read // 2)
 
 
 def plan_batch(
@@ -52,11 +63,15 @@ def plan_batch(
     share: float,
     patch_size: tuple[int, ...],
     properties: Callable[[str], dict],
+    read_size: tuple[int, ...] | None = None,
 ) -> list[PatchBox]:
     """Boxes for one batch. A forced slot centres on a random stored location of a random
-    foreground class present in the case; a case without foreground falls back to uniform."""
+    foreground class present in the case; a case without foreground falls back to uniform.
+    Boxes are `read_size` (default patch_size): the larger region a rotation or scaling of
+    the patch_size network patch draws on (trainer.data.augment.read_size)."""
     boxes = []
-    size3 = (1, *patch_size) if len(patch_size) == 2 else tuple(patch_size)
+    read = tuple(read_size) if read_size is not None else tuple(patch_size)
+    size3 = (1, *read) if len(read) == 2 else read
     for forced in forced_slots(batch_size, share):
         case_id = case_ids[int(rng.integers(len(case_ids)))]
         props = properties(case_id)
@@ -70,14 +85,16 @@ def plan_batch(
         if len(patch_size) == 2:
             z = int(centre[0]) if centre is not None else int(rng.integers(shape[0]))
             yx = [
-                _lower_bound(rng, n, p, None if centre is None else int(c))
-                for n, p, c in zip(shape[1:], patch_size, (centre or (0, 0, 0))[1:], strict=True)
+                _lower_bound(rng, n, r, p, None if centre is None else int(c))
+                for n, r, p, c in zip(
+                    shape[1:], read, patch_size, (centre or (0, 0, 0))[1:], strict=True
+                )
             ]
             lower = (z, *yx)
         else:
             lower = tuple(
-                _lower_bound(rng, n, p, None if centre is None else int(c))
-                for n, p, c in zip(shape, patch_size, centre or (0, 0, 0), strict=True)
+                _lower_bound(rng, n, r, p, None if centre is None else int(c))
+                for n, r, p, c in zip(shape, read, patch_size, centre or (0, 0, 0), strict=True)
             )
         boxes.append(PatchBox(case_id, lower, size3, forced))
     return boxes
