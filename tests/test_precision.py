@@ -45,12 +45,6 @@ def test_auto_on_cuda_is_bf16_where_the_gpu_has_it_else_fp16(monkeypatch, bf16_g
             precision.autocast_dtype("bf16", "cuda")
 
 
-def test_amx_is_read_from_the_cpu_flags() -> None:
-    assert precision.amx_in_flags("flags\t\t: fpu sse avx512f amx_bf16 amx_tile\n")
-    assert not precision.amx_in_flags("flags\t\t: fpu sse avx512f avx512_bf16\n")
-    assert not precision.amx_in_flags("")
-
-
 @pytest.mark.parametrize(
     ("choice", "device", "message"),
     [("fp16", "cpu", "needs -device cuda"), ("bf16", "mps", "mps"), ("fp8", "cuda", "one of")],

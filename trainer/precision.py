@@ -35,22 +35,14 @@ def check(choice: str, device_type: str) -> None:
         raise ValueError("--precision bf16 is not supported with -device mps (use fp32)")
 
 
-def amx_in_flags(cpuinfo: str) -> bool:
-    """True when /proc/cpuinfo's text advertises AMX bf16 tiles."""
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return "amx_bf16" in line.split()
-    return False
-
-
 @functools.lru_cache(maxsize=1)
 def cpu_has_amx() -> bool:
-    """This machine's CPU has AMX bf16 tiles (Linux; False where /proc/cpuinfo is absent)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return amx_in_flags(f.read())
-    except OSError:
-        return False
+    """This machine's CPU has AMX tiles the OS lets torch use (torch's own CPU probe; False
+    where this torch build has none)."""
+    import torch
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
 def autocast_dtype(choice: str, device_type: str) -> Any:

@@ -101,10 +101,6 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
         log.info("CPU malloc: %s", allocator.describe())
     weight_ce = launch.loss_weight([b.batch_size for b in rank_batches], topology.global_rank)
     trainee = _build_trainee(config, plans, cplan, device, weight_ce)
-    from trainer import precision
-
-    log.info("precision: %s (--precision %s)", precision.describe(trainee.autocast_dtype),
-             config.precision)  # fmt: skip
     # Restore before DDP wraps the model: its constructor then broadcasts identical weights.
     state = _restore(config, topology, trainee, recorder)
     _wrap(config, topology, trainee)
@@ -194,6 +190,7 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
         weight_decay=config.weight_decay, nesterov=True,
     )  # fmt: skip
     autocast_dtype = precision.autocast_dtype(config.precision, device.type)
+    log.info("precision: %s (--precision %s)", precision.describe(autocast_dtype), config.precision)
     # Loss scaling is needed for fp16 only (bf16 has fp32's exponent range).
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
     loss_fn = DeepSupervisionLoss(

@@ -102,15 +102,9 @@ def predict_cases(
                 prepared: PreparedCase = next_case.result()
                 next_case = read(i + 1) if i + 1 < total else None
                 probs = predict_probabilities(
-                    models,
-                    prepared.data,
-                    cplan.patch_size,
-                    plans.num_classes,
-                    device,
-                    settings.step_size,
-                    settings.mirror,
-                    autocast_dtype,
-                ).cpu()
+                    models, prepared.data, cplan.patch_size, plans.num_classes, device,
+                    settings.step_size, settings.mirror, autocast_dtype,
+                ).cpu()  # fmt: skip
                 if pending_write is not None:
                     pending_write.result()  # at most one case waits to be written
                 pending_write = writer.submit(
