@@ -217,9 +217,16 @@ def test_process_table_roots_bring_their_descendants() -> None:
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         child = int(parent.stdout.readline())
-        rows = process_table(roots=lambda argv: marker in argv)
-        by_pid = {row.pid: row for row in rows}
-        assert set(by_pid) == {parent.pid, child}
+        by_pid: dict = {}
+
+        def both_listed() -> bool:
+            # The child's pid is known from its fork on; while it is still exec'ing its
+            # /proc entry has no cmdline yet and the table rightly skips it for that read.
+            nonlocal by_pid
+            by_pid = {row.pid: row for row in process_table(roots=lambda a: marker in a)}
+            return set(by_pid) == {parent.pid, child}
+
+        assert wait_until(both_listed), set(by_pid)
         assert by_pid[child].ppid == parent.pid and marker not in by_pid[child].cmdline
         assert by_pid[parent.pid].start_ticks == process_start_ticks(parent.pid)
     finally:
