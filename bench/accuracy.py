@@ -9,9 +9,12 @@ validation (whole validation cases, raw geometry, each side's own summary.json).
 Same raw cases, folds (one splits_final.json), plan, patch, batch and network (nnU-Net's
 plan copied into nnui's plans, as bench/compare_nnunet.py does), same schedule (epochs x
 iterations); each side keeps its own augmentation, sampling, loss and optimiser. Folds run
-alternated A B A B; --repeats R trains every fold R times per side (nnui with --seed
-12345 + r, nnU-Net, which takes no seed, with its own fresh randomness), so a difference can
-be set against the run-to-run spread. Both sides train with torch's threads = cores
+alternated A B A B; --repeats R trains every fold R times per side, so a difference can be
+set against the run-to-run spread. nnU-Net takes no seed: every run draws fresh weights.
+nnui runs number k (in run order) get --seed 12345 + k: distinct weights in every run as
+nnU-Net's, yet reproducible (one seed for all runs would count one initialisation, lucky or
+not, once per fold: the plan fixes the network, so the seed fixes the weights).
+Both sides train with torch's threads = cores
 (nnU-Net sets it on CPU, nnui per rank) and --num-workers data workers (nnU-Net:
 nnUNet_n_proc_DA; nnui: loader threads); nnU-Net's final-validation export pool gets the
 same count (nnUNet_def_n_proc).
@@ -56,7 +59,7 @@ from compare_nnunet import (
 
 log = logging.getLogger("bench")
 SIDES = ("nnU-Net", "nnui")
-NNUI_SEED = 12345  # nnui-train's default --seed; repeat r uses NNUI_SEED + r
+NNUI_SEED = 12345  # nnui-train's default --seed; run k (of units()) uses NNUI_SEED + k
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class FoldRun:
     load_avg: tuple[float, float] = (float("nan"), float("nan"))  # 1-min, before / after
     # {label: first epoch with pseudo Dice >= 0.5}: when each side learned each class
     learned_epoch: dict[str, int | None] = field(default_factory=dict)
+    seed: int | None = None  # nnui's --seed; None: nnU-Net's own fresh draw
 
 
 def read_summary(path: Path) -> tuple[float, dict[str, float]]:
@@ -194,7 +198,8 @@ def run_nnui_fold(
     results = a.work / "nnui_results" / _unit_name(fold, repeat)
     shutil.rmtree(results, ignore_errors=True)
     argv = [*nnui_train_argv(a.as_bench_args(), pre_root, results, fold), "--raw", str(raw)]
-    argv += [*a.nnui_args, "--seed", str(NNUI_SEED + repeat)]
+    seed = NNUI_SEED + a.units().index((fold, repeat))
+    argv += [*a.nnui_args, "--seed", str(seed)]
     log_path = a.work / "logs" / f"nnui_{_unit_name(fold, repeat)}.log"
     load_before = os.getloadavg()[0]
     run = run_sampled(argv, log_path, cwd=REPO, thread_name="nnui-loader")
@@ -204,7 +209,7 @@ def run_nnui_fold(
     learned = learned_epoch(nnui_pseudo_dice_per_label(fold_dir / "events.jsonl"))
     return FoldRun(
         "nnui", fold, repeat, run.exit_code, fg, labels, run.wall_s, run.tree_cpu_s, curve,
-        (load_before, os.getloadavg()[0]), learned,
+        (load_before, os.getloadavg()[0]), learned, seed,
     )  # fmt: skip
 
 
@@ -237,7 +242,7 @@ def summarize(a: AccuracyArgs, runs: list[FoldRun]) -> list[str]:
         )
         lines.append(
             f"{name}: first epoch with pseudo Dice >= 0.5 per label: nnU-Net "
-            f"{_learned(them)} nnui {_learned(us)}"
+            f"{_learned(them)} nnui {_learned(us)} (nnui --seed {us.seed})"
         )
     dice = {s: [by[(s, *u)].fg_dice for u in units] for s in SIDES}
     diffs = [u - t for u, t in zip(dice["nnui"], dice["nnU-Net"], strict=True)]
@@ -319,7 +324,7 @@ def parse_args(argv: list[str]) -> AccuracyArgs:
     p.add_argument("--val-iterations", type=int, default=1, help="same for both sides")
     p.add_argument("--folds", default="0,1", help="comma-separated folds of the 5-fold split")
     p.add_argument(
-        "--repeats", type=int, default=1, help="runs per fold and side (nnui seed 12345 + r)"
+        "--repeats", type=int, default=1, help="runs per fold and side (nnui run k: seed 12345 + k)"
     )
     p.add_argument("--num-workers", type=int, default=2, help="data workers of each side")
     p.add_argument(

@@ -77,6 +77,40 @@ def downsample_exact(target: torch.Tensor, shape) -> torch.Tensor:
     return out.to(target.dtype)
 
 
+def nnunet_network(work: Path, configuration: str, num_inputs: int, num_classes: int):
+    """nnU-Net 2.8.1's own network and initialisation for its plan (needs its venv)."""
+    from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
+    from nnunetv2.utilities.plans_handling.plans_handler import PlansManager
+
+    plans = PlansManager(str(work / "nnunet_preprocessed" / DATASET / "nnUNetPlans.json"))
+    cm = plans.get_configuration(configuration)
+    return get_network_from_plans(
+        cm.network_arch_class_name, cm.network_arch_init_kwargs,
+        cm.network_arch_init_kwargs_req_import, num_inputs, num_classes, deep_supervision=True,
+    )  # fmt: skip
+
+
+def nnunet_loss(num_outputs: int, batch_dice: bool):
+    """nnU-Net 2.8.1's DC_and_CE_loss in its DeepSupervisionWrapper (its _build_loss), the
+    targets cut to each output with nearest-exact as its DownsampleSegForDSTransform."""
+    from nnunetv2.training.loss.compound_losses import DC_and_CE_loss
+    from nnunetv2.training.loss.deep_supervision import DeepSupervisionWrapper
+    from nnunetv2.training.loss.dice import MemoryEfficientSoftDiceLoss
+
+    dice_kwargs = {"batch_dice": batch_dice, "smooth": 1e-5, "do_bg": False, "ddp": False}
+    inner = DC_and_CE_loss(dice_kwargs, {}, weight_ce=1, weight_dice=1,
+                           dice_class=MemoryEfficientSoftDiceLoss)  # fmt: skip
+    weights = np.array([1 / 2**i for i in range(num_outputs)])
+    weights[-1] = 0
+    wrapped = DeepSupervisionWrapper(inner, weights / weights.sum())
+
+    def loss(outputs, target):
+        targets = [downsample_exact(target, o.shape[2:]) for o in outputs]
+        return wrapped(outputs, targets)
+
+    return loss
+
+
 def dice_per_label(model, val, num_classes: int) -> list[float]:
     model.eval()
     k = num_classes - 1
@@ -107,6 +141,18 @@ def main() -> int:
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--ds", default="nearest", choices=("nearest", "nearest-exact"))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--network",
+        default="nnui",
+        choices=("nnui", "nnunet"),
+        help="nnunet: its PlainConvUNet + init (run with its venv's python)",
+    )
+    p.add_argument(
+        "--loss",
+        default="nnui",
+        choices=("nnui", "nnunet"),
+        help="nnunet: its DC_and_CE_loss + DeepSupervisionWrapper (its venv)",
+    )
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if a.ds == "nearest-exact":
@@ -136,11 +182,18 @@ def main() -> int:
         batches = ((b.data, b.target) for b in loader)
     init_seed = a.seed if a.init_seed is None else a.init_seed
     torch.manual_seed(init_seed)
-    net = build_network(cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim,
-                        recompute_norm=False)  # fmt: skip
+    if a.network == "nnunet":
+        net = nnunet_network(work, a.configuration, plans.num_input_channels, plans.num_classes)
+    else:
+        net = build_network(cplan.network, plans.num_input_channels, plans.num_classes,
+                            cplan.ndim, recompute_norm=False)  # fmt: skip
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.99, weight_decay=3e-5,
                           nesterov=True)  # fmt: skip
-    loss_fn = loss_module.DeepSupervisionLoss(cplan.network.num_stages - 1)
+    num_outputs = cplan.network.num_stages - 1
+    if a.loss == "nnunet":
+        loss_fn = nnunet_loss(num_outputs, cplan.batch_dice)
+    else:
+        loss_fn = loss_module.DeepSupervisionLoss(num_outputs, batch_dice=cplan.batch_dice)
     onset: dict[str, int | None] = {str(c): None for c in range(1, plans.num_classes)}
     curve = []
     started = time.process_time()
@@ -170,7 +223,8 @@ def main() -> int:
             break
     if loader is not None:
         loader.close()
-    summary = {"source": a.source, "ds": a.ds, "seed": a.seed, "init_seed": init_seed,
+    summary = {"source": a.source, "network": a.network, "loss": a.loss, "ds": a.ds,
+               "seed": a.seed, "init_seed": init_seed,
                "fold": a.fold,
                "onset": onset, "epochs_run": len(curve), "curve_lesion": [c[-1] for c in curve],
                "cpu_s": round(time.process_time() - started, 1)}  # fmt: skip

@@ -255,12 +255,13 @@ def make_sink(topology: Any, shares: list[list[str]], collector: Collector | Non
 
 
 def validate(config: Any, topology: Any, model: Any, cases: Any, val_ids: list[str],
-             plans: Any, cplan: Any, device: Any,
+             plans: Any, cplan: Any, device: Any, autocast_dtype: Any,
              on_case: Callable[[], None],
              on_progress: Callable[[int, int], None] | None = None) -> dict | None:  # fmt: skip
     """Every rank: predict its share; rank 0: write the files and validation/summary.json.
-    Returns the summary on rank 0, None elsewhere."""
-    from trainer import distributed, precision
+    Returns the summary on rank 0, None elsewhere. `autocast_dtype`: the training's (None:
+    float32), which is also nnui-predict's default for the same --precision."""
+    from trainer import distributed
     from trainer.evaluate_folder import summarize, write_summary
     from trainer.schema import SUMMARY_FILE
 
@@ -278,8 +279,7 @@ def validate(config: Any, topology: Any, model: Any, cases: Any, val_ids: list[s
     sink = make_sink(topology, shares, collector, target, config.npz, on_case, on_round)
     mine = predict_share(
         model, cases, shares[topology.global_rank], cplan, plans.num_classes, device,
-        config.val_mirror, target, config.npz, sink,
-        precision.autocast_dtype(config.precision, device.type),  # as nnui-predict's default
+        config.val_mirror, target, config.npz, sink, autocast_dtype,
     )  # fmt: skip
     gathered = distributed.gather_objects(mine, slow=True)  # also: every rank is done
     if gathered is None:

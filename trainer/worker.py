@@ -390,8 +390,8 @@ def _final_validation(config: TrainConfig, topology: Any, trainee: Any, cases: A
         recorder.event(Kind.VALIDATION_CASE, index=num_done, num_cases=num_cases)
 
     summary = validate(
-        config, topology, model, cases, val_ids, plans, cplan, trainee.device, stop_notice(),
-        progress,
+        config, topology, model, cases, val_ids, plans, cplan, trainee.device,
+        trainee.autocast_dtype, stop_notice(), progress,
     )  # fmt: skip
     del model
     if summary is None:

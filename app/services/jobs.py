@@ -123,6 +123,11 @@ class _RunState:
             self._console_tuple = tuple(self.console.lines)[-CONSOLE_LINES:]
         return self._console_tuple
 
+    def follow_console(self, path: Path) -> None:
+        """Read the console of a new attempt (a restart writes a new file)."""
+        self.console = TextTail(path)
+        self._console_tuple = None
+
     def poll_console(self) -> None:
         while True:
             if self.console.poll():
@@ -356,8 +361,7 @@ class JobTracker:
             run = _RunState(JobEvents(job.run_dir), TextTail(Path(job.console_path)))
             self._runs[job.job_id] = run
         if run.console.path != Path(job.console_path):  # a restart: the new attempt's file
-            run.console = TextTail(Path(job.console_path))
-            run._console_tuple = None
+            run.follow_console(Path(job.console_path))
         run.absorb(run.events.poll(job))
         run.poll_console()
         return run

@@ -32,9 +32,9 @@ CPU_2D_MAX_WINDOWS_PER_BATCH = 64
 
 
 def windows_per_batch(device: torch.device, patch: Sequence[int]) -> int:
-    voxels = int(np.prod(patch))
     if device.type == "cpu" and len(patch) == 3:
         return 1
+    voxels = int(np.prod(patch))
     if device.type == "cpu":
         return max(1, min(CPU_2D_MAX_WINDOWS_PER_BATCH, CPU_2D_VOXELS_PER_BATCH // voxels))
     return max(1, min(MAX_WINDOWS_PER_BATCH, VOXELS_PER_BATCH // voxels))
