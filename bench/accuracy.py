@@ -1,9 +1,9 @@
 """nnui vs the real nnU-Net v2 (2.8.1) on identical work, judged by the Dice of the final
 validation (whole validation cases, raw geometry, each side's own summary.json).
 
-    python bench/accuracy.py [--work DIR] [--cases 12] [--shape-scale 0.5]
-                             [--configuration 2d] [--epochs 20] [--iterations 10]
-                             [--val-iterations 1] [--folds 0,1] [--repeats 1]
+    python bench/accuracy.py [--work DIR] [--cases 15] [--shape-scale 0.5]
+                             [--configuration 2d] [--epochs 50] [--iterations 20]
+                             [--val-iterations 1] [--folds 0,1,2,3,4] [--repeats 1]
                              [--num-workers 2] [--nnui-args "--recompute-norm off"]
 
 Same raw cases, folds (one splits_final.json), plan, patch, batch and network (nnU-Net's
@@ -316,13 +316,15 @@ def append_results(argv: list[str], machine: str, config: str, lines: list[str],
 def parse_args(argv: list[str]) -> AccuracyArgs:
     p = argparse.ArgumentParser(prog="accuracy", description=__doc__.splitlines()[0])
     p.add_argument("--work", default="/tmp/acc-bench", help="venv, data, runs (reused)")
-    p.add_argument("--cases", type=int, default=12)
+    # The defaults are the verdict's work (bench/RESULTS.md, ~50 min on 2 cores): long enough
+    # that both sides learn the demo's small lesion, all five folds against the spread.
+    p.add_argument("--cases", type=int, default=15)
     p.add_argument("--shape-scale", type=float, default=0.5, help="demo case size factor")
     p.add_argument("--configuration", default="2d", choices=("2d", "3d_fullres"))
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--iterations", type=int, default=10, help="training iterations per epoch")
+    p.add_argument("--epochs", type=int, default=50)
+    p.add_argument("--iterations", type=int, default=20, help="training iterations per epoch")
     p.add_argument("--val-iterations", type=int, default=1, help="same for both sides")
-    p.add_argument("--folds", default="0,1", help="comma-separated folds of the 5-fold split")
+    p.add_argument("--folds", default="0,1,2,3,4", help="comma-separated folds of the 5-fold split")
     p.add_argument(
         "--repeats", type=int, default=1, help="runs per fold and side (nnui run k: seed 12345 + k)"
     )

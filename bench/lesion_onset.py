@@ -2,6 +2,7 @@
 
     python bench/lesion_onset.py --work /tmp/acc6 --source nnui|nnunet [--seed 0]
         [--fold 1] [--epochs 30] [--iterations 20] [--ds nearest|nearest-exact]
+        [--network nnui|nnunet] [--loss nnui|nnunet]
 
 Bisects the lesion-onset gap of bench/accuracy.py (nnU-Net learns label 2 around epoch
 11-13, nnui at 20-29 or never) with everything but the batches held fixed: nnui's
@@ -14,11 +15,14 @@ batches come from
 - nnunet: nnU-Net 2.8.1's own loader + get_training_transforms, run in its venv by
   bench/nnunet_batches.py (global generators seeded with --seed), cached as .npy.
 --ds picks the interpolation of the deep-supervision targets (nnui: nearest, nnU-Net:
-nearest-exact). Metric, per epoch: Dice of each label over fixed validation patches
-(8 batches of the validation cases, nnui's sampling, no augmentation, seed 999), i.e. a
-pseudo Dice with 8x the patches of the trainers' own. A run stops two epochs after the
-lesion's Dice first reaches 0.5 (the onset) or at --epochs. One JSON line per epoch and
-a summary line go to stdout.
+nearest-exact). --network nnunet / --loss nnunet put nnU-Net 2.8.1's own PlainConvUNet (its
+plan, its initialisation) / DC_and_CE_loss in its DeepSupervisionWrapper in place of nnui's;
+they import nnunetv2, so run this script with the work folder's venv python
+(WORK/venv/bin/python; nnui's trainer imports there too). Metric, per epoch: Dice of each
+label over fixed validation patches (8 batches of the validation cases, nnui's sampling, no
+augmentation, seed 999), i.e. a pseudo Dice with 8x the patches of the trainers' own. A run
+stops two epochs after the lesion's Dice first reaches 0.5 (the onset) or at --epochs. One
+JSON line per epoch and a summary line go to stdout.
 """
 
 from __future__ import annotations
