@@ -128,6 +128,33 @@ def test_prepare_case_equals_training_preprocessing(demo_preprocessed):
         )
 
 
+def test_resampling_back_is_linear_in_log_space_as_nnunets_logits():
+    """The argmax of nnU-Net's rule (logits resampled linearly; log p is the logits minus
+    one term per voxel) on probabilities where resampling the probabilities themselves
+    would give other labels; the probabilities still sum to 1."""
+    from trainer.data.case_ops import resample_image
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(scale=3.0, size=(3, 4, 9, 11)).astype(np.float32)
+    probs = np.exp(logits - logits.max(0))
+    probs /= probs.sum(0)
+    cropped = (3, 6, 8)
+    props = {
+        "shape_after_cropping_and_before_resampling": list(cropped),
+        "shape_before_cropping": [5, 8, 10],
+        "bbox_used_for_cropping": [[1, 4], [1, 7], [2, 10]],
+    }
+    nnunet_labels = resample_image(logits, cropped, order=1).argmax(0)
+    blurred_labels = resample_image(probs, cropped, order=1).argmax(0)
+    assert (nnunet_labels != blurred_labels).any()  # the two rules disagree on this input
+
+    result = to_raw_geometry(probs, props, [0, 1, 2], keep_probabilities=True)
+    region = (slice(1, 4), slice(1, 7), slice(2, 10))
+    np.testing.assert_array_equal(result.segmentation[region], nnunet_labels)
+    np.testing.assert_allclose(result.probabilities.sum(0), 1.0, atol=1e-5)
+    assert (result.segmentation[0] == 0).all()  # outside the crop
+
+
 @pytest.mark.parametrize("configuration", ["3d_fullres", "2d"])
 def test_reference_labels_come_back_from_the_preprocessed_geometry(
     demo_preprocessed, configuration
