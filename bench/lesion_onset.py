@@ -145,18 +145,9 @@ def main() -> int:
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--ds", default="nearest", choices=("nearest", "nearest-exact"))
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument(
-        "--network",
-        default="nnui",
-        choices=("nnui", "nnunet"),
-        help="nnunet: its PlainConvUNet + init (run with its venv's python)",
-    )
-    p.add_argument(
-        "--loss",
-        default="nnui",
-        choices=("nnui", "nnunet"),
-        help="nnunet: its DC_and_CE_loss + DeepSupervisionWrapper (its venv)",
-    )
+    for part, theirs in (("network", "PlainConvUNet + init"), ("loss", "DC_and_CE + DS wrapper")):
+        p.add_argument(f"--{part}", default="nnui", choices=("nnui", "nnunet"),
+                       help=f"nnunet: nnU-Net's {theirs} (run with its venv's python)")  # fmt: skip
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if a.ds == "nearest-exact":
