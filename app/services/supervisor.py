@@ -225,7 +225,9 @@ def _wait_for_gpus(registry: Registry, job: Job, held: GpuClaims) -> dict[str, s
     return {**os.environ, **env}
 
 
-def _start_trainer(registry: Registry, job_id: str, command: list[str], env: dict | None) -> Any:
+def _start_trainer(
+    registry: Registry, job_id: str, command: list[str], env: dict | None, current: dict
+) -> Any:
     try:
         trainer = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, env=env, preexec_fn=child_setup(env)
@@ -233,6 +235,9 @@ def _start_trainer(registry: Registry, job_id: str, command: list[str], env: dic
     except OSError as error:
         _say(f"could not start {command[0]}: {error}")
         return error
+    # Running from here on: a SIGTERM now waits for the trainer's exit code (the kill
+    # plans again each round and reaches the trainer once it is recorded below).
+    current["trainer"] = trainer
     # /proc/PID/stat only: psutil may fail while the child is between fork and exec.
     ticks, create_time = process_identity(trainer.pid)
     record = ProcessRecord(trainer.pid, create_time or time.time(), "trainer", None, ticks)
@@ -246,11 +251,10 @@ def _run_attempts(
     """Run the trainer; after an abnormal end restart it with --c while retries allow."""
     while True:
         started_at = time.time()
-        trainer = _start_trainer(registry, job_id, command, env)
+        trainer = _start_trainer(registry, job_id, command, env, current)
         if isinstance(trainer, OSError):
             registry.update(job_id, note=f"start failed: {trainer}")
             return 127
-        current["trainer"] = trainer
         code = wait_watching_run(registry, job_id, trainer, started_at)
         current["trainer"] = None
         _say(f"trainer exited with code {code}")
@@ -341,12 +345,31 @@ def main(argv: list[str] | None = None) -> int:
     def on_term(signum: int, frame: object) -> None:
         # While the trainer runs we stay to record its exit code (kill targets the trainer).
         if current["trainer"] is None:
-            registry.update(
-                job_id, exit_code=-signum, ended_at=time.time(), note="killed before start"
-            )
-            sys.exit(128 + signum)  # a GPU claim dies with this process
+            raise _Terminated(signum)
 
     signal.signal(signal.SIGTERM, on_term)
+    try:
+        return _supervise(registry, job_id, command, current)
+    except _Terminated as stop:
+        # Recorded here, not in the handler: the main thread may have held the registry's
+        # lock when the signal came, and the handler taking it again waited on itself.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        registry.update(
+            job_id, exit_code=-stop.signum, ended_at=time.time(), note="killed before start"
+        )
+        return 128 + stop.signum  # a GPU claim dies with this process
+
+
+class _Terminated(BaseException):
+    """SIGTERM while no trainer runs: unwinds the main thread (releasing any registry lock
+    it holds). A BaseException, so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _supervise(registry: Registry, job_id: str, command: list[str], current: dict) -> int:
     job = registry.get(job_id)
     held = GpuClaims()
     env: dict[str, str] | None = None
