@@ -20,7 +20,7 @@ from app.cli_schedule import cmd_priority, cmd_watch, schedule_notes, schedule_o
 from app.services import busy_gpus, catalog, job_list, launcher, prediction
 from app.services.claims import ClaimRefused
 from app.services.gpus import GpuMonitor, MachineSnapshot
-from app.services.job_text import resume_from, state_label
+from app.services.job_text import human_duration, resume_from, state_label
 from app.services.jobs import JobTracker, JobView, simulated_gpu_load
 from app.services.nnunet_runs import RUN_ID_PREFIX, WatchOnlyRun, is_train_cmdline, stop_refusal
 from app.services.procs import proc_info
@@ -75,15 +75,6 @@ def run(options: argparse.Namespace, more: dict[str, Handler] | None = None) -> 
 
 
 # ---- formatting ------------------------------------------------------------------------
-
-
-def fmt_duration(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds):
-        return "n/a"
-    seconds = round(seconds)
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 def _f(value: float | None, fmt: str = "{:.4f}") -> str:
@@ -200,7 +191,7 @@ def watch_only_table(views: list[JobView]) -> str:
             (
                 run.run_id, run.owner, run.dataset, run.configuration, run.fold, run.trainer,
                 gpus, epoch, _f(v.train_loss), _f(v.val_loss), _f(v.ema_dice, "{:.3f}"),
-                _f(run.median_epoch_time_s, "{:.1f} s"), fmt_duration(v.eta_s),
+                _f(run.median_epoch_time_s, "{:.1f} s"), human_duration(v.eta_s),
             )
         )  # fmt: skip
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
@@ -224,7 +215,7 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
             (
                 job.job_id, job.dataset, job.configuration, job.fold, mode, gpus, state_label(v),
                 epoch, _f(v.train_loss), _f(v.val_loss), _f(v.ema_dice, "{:.3f}"),
-                speed, fmt_duration(v.eta_s),
+                speed, human_duration(v.eta_s),
                 "" if v.exit_code is None else str(v.exit_code),
             )
         )  # fmt: skip
@@ -242,7 +233,7 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
             lines.append(f"  {v.job.job_id} console (last lines):")
             lines.extend(f"    {line}" for line in v.console_tail[-5:])
     if cv_eta_s is not None:
-        lines.append(f"cross-validation ETA: {fmt_duration(cv_eta_s)}")
+        lines.append(f"cross-validation ETA: {human_duration(cv_eta_s)}")
     return "\n".join(lines)
 
 
@@ -383,7 +374,7 @@ def cmd_stop(options: argparse.Namespace, registry: Registry) -> int:
         return EXIT_NOTHING
     if not options.yes and not sys.stdin.isatty():
         # A script that forgot --yes must not stop a training nobody confirmed.
-        return error("no terminal to confirm the stop: add --yes to send it", EXIT_USAGE)
+        return error("no terminal to confirm the stop: add --yes to send it", EXIT_REFUSED)
     if not options.yes and not _confirm("send the graceful stop?"):
         print("not sent")
         return EXIT_NOTHING
@@ -544,6 +535,7 @@ def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
         schedule=schedule,
         nice=options.nice,
         threads=options.threads,
+        oversubscribe=options.oversubscribe,
     )
     snapshot = None if options.cpu else _snapshot(options)
     return _launch_plans(

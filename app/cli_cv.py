@@ -8,23 +8,18 @@ from dataclasses import asdict
 from typing import Any
 
 from app.services.cross_validation import CvRow, cv_rows, queue_launches
+from app.services.job_text import human_duration
 from app.services.jobs import JobTracker
 from app.services.registry import Registry
+from trainer.schema import State
 
 EXIT_OK = 0
 DASH = "–"
 
 
-def fmt_eta(seconds: float | None) -> str:
-    if seconds is None:
-        return DASH
-    minutes = int(seconds // 60)
-    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m"
-
-
 def fold_text(cell: Any) -> str:
     """`0.8123` for a finished fold with its Dice, else its state (`missing`, `running`)."""
-    if cell.state == "finished" and cell.dice is not None:
+    if cell.state == State.FINISHED and cell.dice is not None:
         return f"{cell.dice:.4f}"
     return cell.state
 
@@ -36,7 +31,7 @@ def row_cells(row: CvRow) -> list[str]:
         spread = f"{row.mean_dice:.4f} ± {row.std_dice or 0.0:.4f}"
     return [row.dataset, row.configuration, row.trainer, row.plans,
             *(fold_text(c) for c in row.folds), spread, f"{row.gpu_hours:.2f}",
-            fmt_eta(row.eta_s)]  # fmt: skip
+            (DASH if row.eta_s is None else human_duration(row.eta_s))]  # fmt: skip
 
 
 HEADER = ["dataset", "config", "trainer", "plans", "fold 0", "fold 1", "fold 2", "fold 3",

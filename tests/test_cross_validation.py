@@ -132,6 +132,22 @@ def test_nnui_cv_json_and_table(cv_box, tmp_path: Path) -> None:
     assert "--folds 2,4" in text and "--folds 3 " in text
 
 
+def test_every_state_has_a_fold_state_and_live_folds_are_never_queued(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from app.services.cross_validation import FOLD_STATE, TO_QUEUE, UNKNOWN, fold_cell
+    from trainer.schema import ACTIVE_STATES, State
+
+    assert set(FOLD_STATE) == set(State)  # a new state cannot fall through to "failed"
+    for state in ACTIVE_STATES:
+        view = SimpleNamespace(state=state, job=SimpleNamespace(run_dir=str(tmp_path)))
+        assert fold_cell("0", view).state not in TO_QUEUE, state
+    validating = SimpleNamespace(state="validating", job=SimpleNamespace(run_dir=str(tmp_path)))
+    assert fold_cell("0", validating).state == "validating"
+    odd = SimpleNamespace(state="exploded", job=SimpleNamespace(run_dir=str(tmp_path)))
+    assert fold_cell("0", odd).state == UNKNOWN
+
+
 async def test_the_cv_screen_and_its_queue_key(cv_box) -> None:
     roots, registry = cv_box
     app = tui_app(roots, registry.state_dir)

@@ -70,6 +70,8 @@ STATE_CASES = [
      [run_started(T), topology(T)], "stopping"),
     ("stopping (trainer says so)", dict(processes=[ME_ALIVE]),
      [run_started(T), topology(T), encode_event("stop_requested", t=T, epoch=1)], "stopping"),
+    ("stopping (SIGUSR1 heard mid-epoch)", dict(processes=[ME_ALIVE]),
+     [run_started(T), topology(T), encode_event("stop_heard", t=T, epoch=0)], "stopping"),
     ("stop queued before topology", dict(processes=[ME_ALIVE], queued_stop=True), [], "stopping"),
     ("queued behind another job", dict(processes=[ME_ALIVE], after="other"), [], "queued"),
     ("stopped", dict(exit_code=0), [run_started(T), encode_event("stopped", t=T)], "stopped"),

@@ -11,7 +11,7 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.binding import BindingsMap
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Header, Static
+from textual.widgets import DataTable, Header, Static
 
 from app.cli_cv import HEADER, row_cells
 from app.screens import actions
@@ -19,6 +19,7 @@ from app.screens.confirm import LaunchConfirmScreen
 from app.screens.keys import CV_ACTIONS, CV_NAV
 from app.services import launcher
 from app.services.cross_validation import CvRow, QueueLaunch, cv_rows, queue_launches
+from app.widgets.fitting_footer import FittingFooter
 
 REFRESH_S = 1.0
 
@@ -37,7 +38,7 @@ class CrossValidationScreen(Screen):
                      id="cv-title")  # fmt: skip
         yield DataTable(id="cv-table", cursor_type="row", zebra_stripes=True)
         yield Static(id="cv-queue")
-        yield Footer()
+        yield FittingFooter()
 
     def on_mount(self) -> None:
         self.query_one(DataTable).add_columns(*HEADER)

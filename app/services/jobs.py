@@ -185,7 +185,7 @@ class _RunState:
             self.last_kind, self.stop_requested = None, False
             if kind == Kind.PREDICTION_STARTED:
                 self.cases = CaseProgress()
-        elif kind == Kind.STOP_REQUESTED:
+        elif kind in (Kind.STOP_REQUESTED, Kind.STOP_HEARD):
             self.stop_requested = True
         if kind in (Kind.PREDICTION_STARTED, Kind.CASE_PREDICTED):
             self.cases.absorb(record)

@@ -24,11 +24,11 @@ from textual.widgets import Static
 
 from app.services.gpu_history import HistorySeries, PanelReadings
 from app.services.gpus import GpuProcess, GpuSnapshot, MachineSnapshot
+from app.services.job_text import human_duration
 from app.services.procs import HostSnapshot, ProcLoad
 from app.widgets.formatting import (
     NA,
     bar,
-    fmt_duration_s,
     fmt_gib,
     fmt_or_na,
     readable_style,
@@ -196,7 +196,7 @@ def process_line(proc: GpuProcess, load: ProcLoad | None, options: CardOptions) 
     text.append(f"{memory:>10s}  ")
     cpu = NA if load is None or load.cpu_percent is None else f"{load.cpu_percent:.0f}%"
     rss = NA if load is None or load.rss_bytes is None else f"{fmt_gib(load.rss_bytes)}G"
-    elapsed = fmt_duration_s(None if load is None else load.elapsed_s)
+    elapsed = human_duration(None if load is None else load.elapsed_s)
     text.append(
         f"cpu {cpu:>5s}  rss {rss:>6s}  {elapsed:>6s}  ", readable_style("dim", options.mono)
     )
