@@ -37,6 +37,33 @@ def row_cells(row: CvRow) -> list[str]:
 HEADER = ["dataset", "config", "trainer", "plans", "fold 0", "fold 1", "fold 2", "fold 3",
           "fold 4", "Dice mean ± std", "GPU-h", "ETA"]  # fmt: skip
 
+# The narrow layout (terminals under ~130 columns, 80x24 included): one short run column,
+# folds as Dice or a short state, no GPU-hours; the watched Dice and ETA stay whole.
+NARROW_HEADER = ["run", "0", "1", "2", "3", "4", "Dice ± sd", "ETA"]
+SHORT_STATE = {
+    "missing": DASH, "running": "run", "validating": "val", "waiting": "wait",
+    "stopping": "stop…", "stopped": "stop", "failed": "FAIL", "unknown": "?",
+}  # fmt: skip
+
+
+def narrow_row_cells(row: CvRow) -> list[str]:
+    """`004 3d_fullres` (+ trainer/plans when not nnui's defaults), folds, Dice, ETA."""
+    run = f"{row.dataset.removeprefix('Dataset')[:3]} {row.configuration}"
+    if (row.trainer, row.plans) != ("nnuiTrainer", "nnuiPlans"):
+        run += f" {row.trainer}/{row.plans}"
+    folds = [f"{c.dice:.3f}" if c.state == "finished" and c.dice is not None
+             else SHORT_STATE.get(c.state, c.state) for c in row.folds]  # fmt: skip
+    spread = DASH
+    if row.mean_dice is not None:
+        spread = f"{row.mean_dice:.2f}±{row.std_dice or 0.0:.2f}"
+    eta = DASH if row.eta_s is None else human_duration(row.eta_s)
+    return [run, *folds, spread, eta]
+
+
+def table_width(header: list[str], rows: list[list[str]], padding: int = 2) -> int:
+    """Cells a DataTable needs for these columns (one cell of padding each side)."""
+    return sum(max(len(h), *(len(r[i]) for r in rows)) + padding for i, h in enumerate(header))
+
 
 def cv_table(rows: list[CvRow]) -> str:
     table = [HEADER] + [row_cells(r) for r in rows]

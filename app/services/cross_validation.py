@@ -148,9 +148,14 @@ def fold_cell(fold: str, view: Any | None) -> FoldCell:
         state = UNKNOWN
     dice = None
     if state == State.FINISHED:
-        dice = summary_dice(view.job.run_dir)
+        # The job's own validation_finished first: the number `nnui status` and the board
+        # show (a later run in the same folder is another job's); summary.json only when the
+        # events have none (runs whose events predate validation_finished).
+        dice = getattr(view, "final_dice", None)
         if dice is None:
             dice = _run_facts(view.job)[1]
+        if dice is None:
+            dice = summary_dice(view.job.run_dir)
     return FoldCell(fold, state, dice, needs_continue(view.job.run_dir))
 
 
