@@ -319,3 +319,21 @@ def test_cpu_slots_count_the_cpu_jobs_already_running(roots: Roots, tmp_path: Pa
     add_job(registry, tmp_path, "gpu-job", device="cuda", processes=[ME_ALIVE])  # not a slot
     plans, _ = plan_launch(_cpu(folds=["0"]), roots, 4, registry=registry)
     assert plans[0].after == "busy"
+
+
+def test_two_cpu_folds_on_one_slot_run_one_after_the_other(env: dict, monkeypatch) -> None:
+    from app.services import cpu_slots
+
+    monkeypatch.setattr(cpu_slots, "usable_cores", lambda: 2)  # one slot, as on this box
+    registry = Registry()
+    req = _cpu(folds=["0", "1"], trainer_entry=(str(FAKE_TRAINER),),
+               trainer_args=["--epochs", "4", "--epoch-time", "0.1"])  # fmt: skip
+    plans, problems = plan_launch(req, live_roots(), 2, registry=registry)
+    assert problems == []
+    first, second = (launcher.start(p, registry) for p in plans)
+    assert wait_until(lambda: registry.get(second.job_id).exit_code is not None, 60)
+    first, second = registry.get(first.job_id), registry.get(second.job_id)
+    assert (first.exit_code, second.exit_code) == (0, 0)
+    assert second.after == first.job_id
+    second_trainer = second.process("trainer")
+    assert second_trainer.create_time >= first.ended_at - 0.05
