@@ -132,6 +132,7 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "validation_done": view.validation_done,  # while validating: cases done, of
         "validation_cases": view.validation_cases,
         "run_dir_gone": view.run_dir_gone,
+        "data_wait_share": view.data_wait_share,  # newest epoch's share of waiting for data
     }
 
 

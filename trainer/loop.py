@@ -330,6 +330,8 @@ def _report_epoch(
         iterations_per_s=round(config.iterations_per_epoch / max(m.train_time_s, 1e-9), 4),
         # Of the training time, how long the step waited for data (0 = loading hidden).
         data_wait_s=round(m.data_wait_s, 4),
+        # The same as a share of the training steps' time: what the board shows and alerts on.
+        data_wait_share=round(min(1.0, m.data_wait_s / max(m.train_time_s, 1e-9)), 4),
         # Losses are written as null when not finite; this flag keeps the alarm explicit.
         nan_loss=not (math.isfinite(m.train_loss) and math.isfinite(m.val_loss)),
     )

@@ -290,7 +290,7 @@ REQUIRED_KEYS: dict[Kind, dict[str, Check]] = {
     Kind.VALIDATION_CASE: {"index": POSITIVE, "num_cases": POSITIVE},
 }
 _EPOCH_METRICS = ("train_loss", "val_loss", "mean_fg_dice", "ema_fg_dice", "lr",
-                  "epoch_time_s", "iterations_per_s", "data_wait_s")  # fmt: skip
+                  "epoch_time_s", "iterations_per_s", "data_wait_s", "data_wait_share")  # fmt: skip
 # Optional: checked when present (the trainer writes them all; other writers may not).
 OPTIONAL_KEYS: dict[Kind, dict[str, Check]] = {
     Kind.RUN_STARTED: {

@@ -38,6 +38,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("dice", "Dice"),
     ("ema", "EMA"),
     ("its", "it/s"),
+    ("wait", "wait"),  # share of the step time spent waiting for data (data loading)
     ("eta", "ETA"),
     ("alerts", "alerts"),
 )
@@ -197,12 +198,17 @@ def both_row_cells(
         "dice": dice_cell(view),
         "ema": fmt_or_na(view.ema_dice, "{:.3f}"),
         "its": its,
+        "wait": _share(getattr(view, "data_wait_share", None)),
         "eta": human_duration(view.eta_s)
         if view.state in (State.RUNNING, State.VALIDATING)
         else "",
         "alerts": alerts,
     }
     return full, {**full, "epoch": short_epoch}
+
+
+def _share(value: float | None) -> str:
+    return "" if value is None else f"{value:.0%}"
 
 
 def _plain(value: Text | str) -> str:
@@ -222,13 +228,14 @@ def _plain_pair(
 # selection mark and the job id fixed on the left.
 LAYOUTS: tuple[tuple[frozenset[str], bool], ...] = (
     (frozenset(), False),
-    (frozenset({"ema"}), False),
-    (frozenset({"ema"}), True),
-    (frozenset({"ema", "val"}), True),
-    (frozenset({"ema", "val", "train"}), True),
-    (frozenset({"ema", "val", "train", "dataset"}), True),
-    (frozenset({"ema", "val", "train", "dataset", "where"}), True),
-    (frozenset({"ema", "val", "train", "dataset", "where", "fold"}), True),
+    (frozenset({"wait"}), False),
+    (frozenset({"wait", "ema"}), False),
+    (frozenset({"wait", "ema"}), True),
+    (frozenset({"wait", "ema", "val"}), True),
+    (frozenset({"wait", "ema", "val", "train"}), True),
+    (frozenset({"wait", "ema", "val", "train", "dataset"}), True),
+    (frozenset({"wait", "ema", "val", "train", "dataset", "where"}), True),
+    (frozenset({"wait", "ema", "val", "train", "dataset", "where", "fold"}), True),
 )
 NUM_FIXED_COLUMNS = 2  # "sel" and "job" stay in place when scrolling sideways
 ALERTS_FIT_WIDTH = 12  # the last column may run past the edge; this much must show
