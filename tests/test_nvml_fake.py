@@ -26,7 +26,7 @@ from app.services.busy_gpus import occupied_note
 from app.services.gpu_nvml import ORDER_NOTE
 from app.services.gpu_rule import WaitRule, blocker
 from app.services.gpus import GpuMonitor
-from app.widgets.gpu_panel import CardOptions, gpu_lines
+from app.widgets.gpu_panel import CardOptions, GpuPanel, gpu_lines
 
 REPO = Path(__file__).resolve().parent.parent
 MIG_UUIDS = [f"MIG-{k}{k}{k}{k}c0de-0000-4000-8000-00000000000{k}" for k in range(3)]
@@ -80,6 +80,7 @@ def test_cuda_indices_follow_the_pci_order(machine: FakeMachine) -> None:
     buses = [g.pci_bus_id for g in snapshot.gpus]
     assert buses == sorted(buses) and [g.index for g in snapshot.gpus] == [0, 1, 2, 3]
     assert snapshot.gpu(0).uuid == h200(0)["uuid"] and snapshot.order_note == ORDER_NOTE
+    assert GpuPanel().banner_for(snapshot).plain == ORDER_NOTE  # said on the board
     shown = GpuMonitor(backend=machine.nvml, visible_devices="1").snapshot()
     assert [g.uuid for g in shown.gpus] == [h200(1)["uuid"]]  # CUDA's index 1
 

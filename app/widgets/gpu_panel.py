@@ -326,6 +326,8 @@ class GpuPanel(VerticalScroll):
             text.append(snapshot.driver_problem.split(" — ")[0], style="dim")
         elif not snapshot.gpus:
             text.append(f"No GPUs visible: jobs run on CPU  CPU slots: {self.cpu_slots}")
+        elif snapshot.order_note:  # NVML's order is not CUDA's: say which one is shown
+            text.append(snapshot.order_note, style="dim")
         return text
 
     def _options(self, snapshot: MachineSnapshot) -> CardOptions:
