@@ -148,7 +148,7 @@ def train_argv(args: argparse.Namespace, pre: Path, results: Path, gpus: int, ep
         launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
     return [*launch, "-m", "trainer", "900", args.configuration, "0", "-device", args.device,
             "-p", PLANS, "--epochs", str(epochs), "--iterations-per-epoch", str(args.iterations),
-            "--val-iterations", "3", "--preprocessed", str(pre),
+            "--val-iterations", "3", "--preprocessed", str(pre), "--raw", str(pre.parent / "raw"),
             "--results", str(results)]  # fmt: skip
 
 
@@ -184,7 +184,7 @@ def _env(gpus: int) -> dict:
 
 
 def check_training(args: argparse.Namespace, pre: Path, gpus: int) -> Row:
-    name = f"train {gpus} GPU" + (" (torchrun, NCCL)" if gpus > 1 else "")
+    name = f"train {gpus} GPU" + (f" (torchrun, {_backend(args)})" if gpus > 1 else "")
     results = args.work / f"results_{gpus}gpu"
     argv = train_argv(args, pre, results, gpus, args.epochs)
     started = time.time()
@@ -224,7 +224,12 @@ def check_stop(args: argparse.Namespace, pre: Path) -> Row:
     status = _status(folder)
     ok = bool(ranks) and code == 0 and status == "stopped"
     note = "" if ok else f"ranks {ranks or 'never seen'}, exit {code}, status {status}"
-    return Row("stop (torchrun, NCCL)", "pass" if ok else "FAIL", time.time() - started, note=note)
+    name = f"stop (torchrun, {_backend(args)})"
+    return Row(name, "pass" if ok else "FAIL", time.time() - started, note=note)
+
+
+def _backend(args: argparse.Namespace) -> str:
+    return "NCCL" if args.device == "cuda" else "gloo"
 
 
 def _ranks_after_first_epoch(proc: subprocess.Popen, folder: Path, deadline: float) -> list:
@@ -262,12 +267,12 @@ def table(rows: list[Row]) -> list[str]:
     def num(value: float, fmt: str) -> str:
         return "n/a" if value != value else format(value, fmt)  # NaN: not measured
 
-    head = f"{'check':<28}{'result':<8}{'it/s':>8}{'GPU busy %':>12}{'data wait %':>13}" \
+    head = f"{'check':<30}{'result':<8}{'it/s':>8}{'GPU busy %':>12}{'data wait %':>13}" \
         f"{'peak GiB':>10}{'wall s':>8}  note"  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.check:<28}{r.result:<8}{num(r.it_per_s, '.2f'):>8}{num(r.busy_percent, '.0f'):>12}"
+            f"{r.check:<30}{r.result:<8}{num(r.it_per_s, '.2f'):>8}{num(r.busy_percent, '.0f'):>12}"
             f"{num(r.data_wait_percent, '.1f'):>13}{num(r.peak_gib, '.2f'):>10}"
             f"{num(r.wall_s, '.0f'):>8}  {r.note}"
         )
