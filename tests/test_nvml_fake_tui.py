@@ -4,6 +4,9 @@ jobs of the fake trainer on a MIG device and on a GPU that is then lost."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -24,6 +27,8 @@ from app.tui import Services, TuiConfig, make_app
 from app.widgets.fold_board import FoldBoard
 from app.widgets.gpu_panel import GpuCard, GpuPanel
 from trainer.schema import resolve_roots
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def app_on(machine: FakeMachine, tmp_path: Path, monkeypatch):
@@ -146,5 +151,10 @@ def test_job_on_a_gpu_that_is_lost_is_flagged(
         machine.write(box)
         after = GpuMonitor(backend=machine.nvml, visible_devices=None).snapshot()
         assert "GPU 5 lost (NVML: GPU is lost): the job cannot go on" in view(after).alerts
+        env = {**os.environ, **machine.env(), "PYTHONPATH": str(ROOT)}
+        status = subprocess.run([sys.executable, "-m", "app.main", "status"], env=env, cwd=ROOT,
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        assert f"! {job.job_id}: GPU 5 lost (NVML: GPU is lost)" in status.stdout
     finally:
         cleanup_jobs(tmp_path / "state")
