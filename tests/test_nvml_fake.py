@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from fake_nvml.fixtures import *  # noqa: F403 (pytest fixtures: fake_library, machine, other_user)
 from fake_nvml.scenario import (
     DRIVER_NOT_LOADED,
@@ -147,17 +148,19 @@ def test_mig_devices_are_the_slots_of_a_partitioned_gpu(machine: FakeMachine) ->
     assert "1 proc" in lines[1] and lines[2].endswith("idle")
 
 
-def test_gpu_lost_mid_run(machine: FakeMachine) -> None:
+@pytest.mark.parametrize("failing", ["*", "nvmlDeviceGetMemoryInfo"])
+def test_gpu_lost_mid_run(machine: FakeMachine, failing: str) -> None:
+    """Lost: every call answers GPU_IS_LOST (the handle too), or a reading does first."""
     reader = monitor(machine)
     before = reader.snapshot()
     box = h200_box()
     box["gpus"][5]["util"] = 55
-    box["errors"] = [{"gpu": 5, "fn": "*", "code": GPU_IS_LOST}]  # Xid 79: off the bus
+    box["errors"] = [{"gpu": 5, "fn": failing, "code": GPU_IS_LOST}]  # Xid 79: off the bus
     machine.write(box)
     after = reader.snapshot()
     lost = after.gpu(5)
     assert lost.lost and lost.uuid == before.gpu(5).uuid  # still named: which one it was
-    assert lost.memory_used_bytes is None and lost.processes == ()
+    assert lost.memory_used_bytes is None
     assert [g.index for g in after.gpus if g.lost] == [5]
     assert all(g.memory_total_bytes for g in after.gpus if g.index != 5)  # the rest reads
     text = gpu_lines(lost, options=CardOptions(width=200)).plain
