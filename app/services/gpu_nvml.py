@@ -30,6 +30,50 @@ def decode(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def describe_init_error(error: BaseException, nvml: Any) -> str:
+    not_found = getattr(nvml, "NVMLError_LibraryNotFound", None)
+    not_loaded = getattr(nvml, "NVMLError_DriverNotLoaded", None)
+    if isinstance(error, ImportError):
+        return "NVML Python bindings missing (install nvidia-ml-py) — jobs can run on CPU"
+    if not_found is not None and isinstance(error, not_found):
+        return "No NVIDIA driver found (NVML library not found) — jobs can run on CPU"
+    if not_loaded is not None and isinstance(error, not_loaded):
+        return "NVIDIA driver not loaded — jobs can run on CPU"
+    return f"NVML unavailable ({error}) — jobs can run on CPU"
+
+
+@dataclass(frozen=True)
+class StaticFields:
+    """What NVML reports that never changes while the driver is loaded: read once per GPU
+    (DESIGN §6), not every second."""
+
+    name: str
+    uuid: str
+    power_limit_w: float | None
+    has_fan: bool
+    pci_bus_id: str | None = None
+
+
+def read_static(
+    nvml: Any, handle: Any, safe: Callable[..., Any], mig: bool = False
+) -> StaticFields:
+    """A MIG device has a name and a UUID only: power, fan and bus belong to its GPU."""
+    name = safe(lambda: decode(nvml.nvmlDeviceGetName(handle)), "n/a")
+    uuid = safe(lambda: decode(nvml.nvmlDeviceGetUUID(handle)), "n/a")
+    if mig:
+        return StaticFields(name, uuid, None, False)
+    limit_mw = safe(lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(handle))
+    pci = getattr(nvml, "nvmlDeviceGetPciInfo", None)
+    return StaticFields(
+        name=name,
+        uuid=uuid,
+        power_limit_w=None if limit_mw is None else limit_mw / 1000.0,
+        # A passively cooled GPU answers "not supported": ask once, then never again.
+        has_fan=safe(lambda: nvml.nvmlDeviceGetFanSpeed(handle)) is not None,
+        pci_bus_id=None if pci is None else safe(lambda: decode(pci(handle).busId)),
+    )
+
+
 def pci_order(nvml: Any, count: int) -> tuple[list[int], dict[int, str]] | None:
     """NVML indices sorted by PCI bus id (CUDA's order under CUDA_DEVICE_ORDER=PCI_BUS_ID)
     and each one's bus id; None when a bus id cannot be read (NVML's order is used then)."""

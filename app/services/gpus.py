@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 
 from app.services import gpu_nvml
+from app.services.gpu_nvml import StaticFields, describe_init_error, read_static
 from app.services.gpu_nvml import decode as _decode
 
 log = logging.getLogger(__name__)
@@ -101,18 +102,6 @@ class GpuSnapshot:
 
 
 @dataclass(frozen=True)
-class StaticFields:
-    """What NVML reports that never changes while the driver is loaded: read once per GPU
-    (DESIGN §6), not every second."""
-
-    name: str
-    uuid: str
-    power_limit_w: float | None
-    has_fan: bool
-    pci_bus_id: str | None = None
-
-
-@dataclass(frozen=True)
 class MachineSnapshot:
     gpus: tuple[GpuSnapshot, ...]
     simulated: bool
@@ -154,18 +143,6 @@ def parse_visible_devices(text: str | None) -> list[str] | None:
             break  # "-1" or anything else hides every device from there on
         entries.append(entry)
     return entries
-
-
-def describe_init_error(error: BaseException, nvml: Any) -> str:
-    not_found = getattr(nvml, "NVMLError_LibraryNotFound", None)
-    not_loaded = getattr(nvml, "NVMLError_DriverNotLoaded", None)
-    if isinstance(error, ImportError):
-        return "NVML Python bindings missing (install nvidia-ml-py) — jobs can run on CPU"
-    if not_found is not None and isinstance(error, not_found):
-        return "No NVIDIA driver found (NVML library not found) — jobs can run on CPU"
-    if not_loaded is not None and isinstance(error, not_loaded):
-        return "NVIDIA driver not loaded — jobs can run on CPU"
-    return f"NVML unavailable ({error}) — jobs can run on CPU"
 
 
 class GpuMonitor:
@@ -296,22 +273,9 @@ class GpuMonitor:
         known = self._static.get(index)
         if known is not None:
             return known
-        nvml = self._nvml
         self.num_static_reads += 1
-        limit_mw = self._safe(lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(handle))
-        pci = getattr(nvml, "nvmlDeviceGetPciInfo", None)
-        bus_id = None if pci is None else self._safe(lambda: _decode(pci(handle).busId))
-        fields = StaticFields(
-            name=self._safe(lambda: _decode(nvml.nvmlDeviceGetName(handle)), "n/a"),
-            uuid=self._safe(lambda: _decode(nvml.nvmlDeviceGetUUID(handle)), "n/a"),
-            power_limit_w=None if limit_mw is None else limit_mw / 1000.0,
-            # A passively cooled GPU answers "not supported": ask once, then never again.
-            has_fan=self._safe(lambda: nvml.nvmlDeviceGetFanSpeed(handle)) is not None,
-            pci_bus_id=bus_id,
-        )
-        if (
-            "n/a" not in (fields.name, fields.uuid) and not self._lost
-        ):  # a failed read is tried again later
+        fields = read_static(self._nvml, handle, self._safe)
+        if "n/a" not in (fields.name, fields.uuid) and not self._lost:  # else: again later
             self._static[index] = fields
         return fields
 
@@ -331,14 +295,9 @@ class GpuMonitor:
     def _read_mig(self, index: int, device: gpu_nvml.MigDevice) -> GpuSnapshot:
         """A MIG device: its own UUID, memory and processes (no power, fan or temperature:
         those belong to the whole GPU, and NVML answers "not supported")."""
-        nvml, handle = self._nvml, device.handle
-        static = StaticFields(
-            name=self._safe(lambda: _decode(nvml.nvmlDeviceGetName(handle)), "n/a"),
-            uuid=self._safe(lambda: _decode(nvml.nvmlDeviceGetUUID(handle)), "n/a"),
-            power_limit_w=None,
-            has_fan=False,
+        reading = self._readings(
+            index, device.handle, read_static(self._nvml, device.handle, self._safe, mig=True)
         )
-        reading = self._readings(index, handle, static)
         return replace(reading, parent_index=index, mig_position=device.position)
 
     def _readings(self, index: int, handle: Any, static: StaticFields) -> GpuSnapshot:
