@@ -148,6 +148,20 @@ def test_mig_devices_are_the_slots_of_a_partitioned_gpu(machine: FakeMachine) ->
     assert "1 proc" in lines[1] and lines[2].endswith("idle")
 
 
+def test_mig_devices_of_a_lost_gpu_are_lost_too(machine: FakeMachine) -> None:
+    reader = monitor(machine)
+    reader.snapshot()
+    box = mig_box()
+    machine.write(box)
+    assert not reader.snapshot().slot(MIG_UUIDS[0]).lost
+    box["errors"] = [{"gpu": 2, "fn": "*", "code": GPU_IS_LOST}]
+    machine.write(box)
+    snapshot = reader.snapshot()
+    assert snapshot.gpu(2).lost and snapshot.gpu(2).mig_enabled
+    assert [(d.uuid, d.lost) for d in snapshot.gpu(2).mig] == [(u, True) for u in MIG_UUIDS]
+    assert "lost with its GPU" in gpu_lines(snapshot.gpu(2), options=CardOptions()).plain
+
+
 @pytest.mark.parametrize("failing", ["*", "nvmlDeviceGetMemoryInfo"])
 def test_gpu_lost_mid_run(machine: FakeMachine, failing: str) -> None:
     """Lost: every call answers GPU_IS_LOST (the handle too), or a reading does first."""

@@ -72,12 +72,6 @@ class GpuSnapshot:
         return self.uuid if self.parent_index is not None else str(self.index)
 
     @property
-    def label(self) -> str:
-        if self.parent_index is None:
-            return f"GPU {self.index}"
-        return f"GPU {self.parent_index} MIG {self.mig_position} ({self.uuid})"
-
-    @property
     def short_uuid(self) -> str:
         body = self.uuid.split("-", 1)[1] if "-" in self.uuid else self.uuid
         return body[:8] if body else "n/a"
@@ -170,6 +164,7 @@ class GpuMonitor:
         self._static: dict[int, StaticFields] = {}
         self._order: list[int] | None = None  # NVML index of each CUDA index (PCI order)
         self._lost = False  # a reading of the GPU being read answered GPU_IS_LOST
+        self._last_mig: dict[int, tuple[GpuSnapshot, ...]] = {}  # MIG devices last seen
         self.num_static_reads = 0  # tests: the static fields are read once per GPU
         self._me: tuple[str | None] | None = None  # (nnui's user,) once read (simulate mode)
 
@@ -283,14 +278,24 @@ class GpuMonitor:
         nvml = self._nvml
         self._lost = False
         handle = self._safe(lambda: nvml.nvmlDeviceGetHandleByIndex(nvml_index))
+        devices = None
         if handle is None:
             known = self._static.get(index)  # a GPU lost after it was seen keeps its name
             name, uuid = (known.name, known.uuid) if known else ("n/a", "n/a")
-            return GpuSnapshot(index, name, uuid, None, None, None, None, None, (), lost=self._lost)
-        reading = self._readings(index, handle, self._static_fields(index, handle))
-        devices = gpu_nvml.mig_devices(nvml, handle, self._safe)
+            reading = GpuSnapshot(index, name, uuid, None, None, None, None, None, ())
+        else:
+            reading = self._readings(index, handle, self._static_fields(index, handle))
+            devices = gpu_nvml.mig_devices(nvml, handle, self._safe)
         instances = tuple(self._read_mig(index, device) for device in devices or ())
-        return replace(reading, lost=self._lost, mig_enabled=devices is not None, mig=instances)
+        if self._lost:  # its MIG devices as last seen, lost with it: their jobs are flagged
+            instances = tuple(
+                replace(d, lost=True, memory_used_bytes=None, processes=())
+                for d in self._last_mig.get(index, ())
+            )
+        else:
+            self._last_mig[index] = instances
+        enabled = devices is not None or bool(instances)
+        return replace(reading, lost=self._lost, mig_enabled=enabled, mig=instances)
 
     def _read_mig(self, index: int, device: gpu_nvml.MigDevice) -> GpuSnapshot:
         """A MIG device: its own UUID, memory and processes (no power, fan or temperature:

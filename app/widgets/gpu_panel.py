@@ -157,7 +157,9 @@ def mig_line(device: GpuSnapshot, options: CardOptions) -> Text:
     text.append(f"{device.uuid} ", style=readable_style("cyan", options.mono))
     used, total = device.memory_used_bytes, device.memory_total_bytes
     text.append(f"MEM {fmt_gib(used)}/{fmt_gib(total)} GiB  ")
-    if device.processes:
+    if device.lost:
+        text.append("lost with its GPU", style=readable_style("bold red", options.mono))
+    elif device.processes:
         warning = readable_style("bold yellow", options.mono) if device.other_users else ""
         text.append(_procs_summary(device), style=warning)
     else:
