@@ -21,7 +21,8 @@ gpu-marked tests) to check the script itself.
 
 Plans: the demo is preprocessed with the planner and plans named below (PLANNER, PLANS),
 passed explicitly; on a GPU these are the default ones. On the lent H200 machine the image
-has torch but not blosc2 or nibabel: carry their wheels (see the device notes) and run
+has torch but not blosc2, nibabel or pytest (the gpu-marked tests; textual for the app's):
+carry their wheels (see the device notes) and run
 `PYTHONPATH=.:/tmp/site python3 bench/gpu.py --check`.
 """
 
