@@ -29,6 +29,7 @@ from app.services.signals import kill as kill_job
 from app.services.signals import kill_plan, plan_stop, send_stop
 from app.services.waiting import between_attempts
 from trainer.schema import (
+    ACTIVE_STATES,
     ENDED_STATES,
     DatasetNotFound,
     Roots,
@@ -261,9 +262,21 @@ def _watch_only_views(options: argparse.Namespace, tracker: JobTracker) -> list[
     return views
 
 
+def _on_real_gpus(view: JobView) -> bool:
+    job = view.job
+    return (
+        view.state in ACTIVE_STATES
+        and job.device == "cuda"
+        and not job.simulated
+        and bool(job.gpus)
+    )
+
+
 def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
     tracker = JobTracker(registry, include_forgotten=options.all)  # see `nnui forget`
     views = tracker.refresh()
+    if any(_on_real_gpus(v) for v in views):  # one NVML read: a lost or shared GPU is an alert
+        views = tracker.refresh(_snapshot(options))
     if not options.all:
         cutoff = time.time() - RECENT_S
         views = [v for v in views if v.job.ended_at is None or v.job.ended_at >= cutoff]

@@ -35,8 +35,8 @@ from app.widgets.toggles import TextCheckbox, TextRadioButton
 
 
 def board_columns(snapshot: Any) -> list[str]:
-    gpus = getattr(snapshot, "gpus", ())
-    return [str(g.index) for g in gpus] if gpus else [CPU_COLUMN]
+    slots = getattr(snapshot, "slots", ())  # a MIG device is a column of its own
+    return [g.slot for g in slots] if slots else [CPU_COLUMN]
 
 
 class LaunchScreen(Screen):

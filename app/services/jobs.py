@@ -490,7 +490,9 @@ class JobTracker:
             and state in (State.RUNNING, State.STARTING, State.VALIDATING)
         ):
             for gpu in job.gpus:
-                reading = snapshot.gpu(gpu) if gpu.isdigit() else None
+                reading = snapshot.slot(gpu)
+                if reading is not None and reading.lost:
+                    alerts.append(f"GPU {gpu} lost (NVML: GPU is lost): the job cannot go on")
                 if reading is not None and reading.other_users:
                     alerts.append(f"GPU {gpu} also used by {', '.join(reading.other_users)}")
         return tuple(alerts)

@@ -344,9 +344,17 @@ def _gpu_checks(request: LaunchRequest, snapshot: MachineSnapshot, checks: Launc
         checks.errors.append(f"{snapshot.driver_problem} (use --cpu)")
         return
     for gpu in dict.fromkeys(request.gpus):
-        reading = snapshot.gpu(gpu) if gpu.isdigit() else None
+        reading = snapshot.slot(gpu)
         if reading is None:
             checks.errors.append(f"GPU {gpu} is not visible on this machine")
+            continue
+        if reading.lost:
+            checks.errors.append(f"GPU {gpu} is lost (NVML: GPU is lost): it needs a reset")
+            continue
+        if reading.mig_enabled:
+            devices = ", ".join(d.uuid for d in reading.mig) or "none yet"
+            checks.errors.append(f"GPU {gpu} is partitioned (MIG): give one of its MIG devices "
+                                 f"({devices})")  # fmt: skip
             continue
         if request.schedule.when_free:
             continue  # busy now is why it waits
