@@ -50,6 +50,8 @@ def _info(folder: Path) -> dict[str, Any]:
 
 
 def _segmentation_file(folder: Path, case_id: str) -> tuple[Path, str]:
+    """The case's segmentation in the first folder: its format (the input's, as
+    nnui-predict wrote it) and geometry are the ensemble's."""
     for ending in SUPPORTED_ENDINGS:
         path = folder / f"{case_id}{ending}"
         if ending != ".npz" and path.is_file():
