@@ -219,6 +219,22 @@ def image_header(path: Path) -> tuple[int, tuple[int, int, int]]:
     return channels, (int(shape[0]), int(shape[1]), int(shape[2]))
 
 
+def check_spacing_file(path: Path) -> None:
+    """ImageReadError when `path` (a channel file) is a 3D TIFF without its spacing file:
+    found before anything is written, not when the case's turn comes."""
+    path = Path(path)
+    if _kind(path) != "tiff":
+        return
+    try:
+        is_2d = fmt.tiff_is_2d(path)
+    except ImageReadError:
+        raise
+    except Exception as exc:  # tifffile raises many types for broken files
+        raise ImageReadError(f"cannot read {path}: {_one_line(exc)}") from exc
+    if not is_2d:
+        _tiff_spacing(path, channel_file=True)
+
+
 def image_shape(path: Path) -> tuple[int, int, int]:
     """The (Z, Y, X) shape from the file's header only."""
     return image_header(path)[1]

@@ -16,6 +16,7 @@ from trainer.data.image_io import (
     MULTI_CHANNEL_ENDINGS,
     SUPPORTED_ENDINGS,
     ImageReadError,
+    check_spacing_file,
     file_ending,
     image_header,
 )
@@ -101,6 +102,7 @@ def check_headers(cases: list[InputCase]) -> None:
     for case in cases:
         try:
             shapes = [image_header(path)[1] for path in case.image_files]
+            check_spacing_file(case.image_files[0])
         except ImageReadError as exc:
             raise InputError(str(exc)) from None
         for path, shape in zip(case.image_files, shapes, strict=True):
