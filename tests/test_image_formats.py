@@ -237,6 +237,7 @@ def test_photos_read_as_nnunet_reads_them(world, ending):
         assert spacing == tuple(props["spacing"]) == (999.0, 1.0, 1.0)
 
 
+@pytest.mark.filterwarnings("ignore:Palette images with Transparency")
 @pytest.mark.parametrize("mode", ["L", "I;16", "1", "P", "PA-palette", "RGBA"])
 def test_grey_palette_and_alpha_pngs_as_nnunet(tmp_path, mode):
     """Grey is one channel, a palette its palette's colours (with alpha: four), RGBA four."""
