@@ -294,6 +294,40 @@ def assert_inputs_geometry(image: Path, prediction: Path) -> None:
             assert json.loads(sidecar.read_text()) == json.loads(case_json.read_text())
 
 
+@pytest.mark.parametrize("ending", [".nii.gz", ".mha", ".nrrd"])
+@pytest.mark.parametrize("shape_xyz", [(7, 5), (7, 5, 4), (7, 5, 4, 2)])
+def test_2d_and_4d_files_as_nnunets_simpleitk_reader(tmp_path, ending, shape_xyz):
+    """2D: one slice at 999 x the largest pixel spacing; 4D: one channel per volume. The
+    segmentation written back has the reference's dimension (3D for a 4D reference) and
+    geometry."""
+    import SimpleITK as sitk
+    from nnunetv2.imageio.simpleitk_reader_writer import SimpleITKIO
+
+    from trainer.data.image_io import encode_like, image_header
+
+    rng = np.random.default_rng(len(shape_xyz))
+    array = rng.random(shape_xyz[::-1]).astype(np.float32)
+    image = sitk.GetImageFromArray(array, isVector=False)
+    image.SetSpacing((0.5, 0.7, 2.0, 1.0)[: len(shape_xyz)])
+    image.SetOrigin((3.0, -4.0, 5.0, 0.0)[: len(shape_xyz)])
+    path = tmp_path / f"x_0000{ending}"
+    sitk.WriteImage(image, str(path))
+    ours, spacing = read_case([path])
+    theirs, props = SimpleITKIO().read_images([str(path)])
+    np.testing.assert_array_equal(ours, theirs)
+    np.testing.assert_allclose(spacing, props["spacing"])
+    assert image_header(path) == (ours.shape[0], ours.shape[1:])
+    seg = (ours[0] > 0.5).astype(np.uint8)
+    for out, data in encode_like(seg, path, tmp_path / f"x{ending}"):
+        out.write_bytes(data)
+    np.testing.assert_array_equal(read_labels(tmp_path / f"x{ending}"), seg)
+    written = sitk.ReadImage(str(tmp_path / f"x{ending}"))
+    dim = min(len(shape_xyz), 3)
+    assert written.GetDimension() == dim and written.GetSize() == shape_xyz[:dim]
+    np.testing.assert_allclose(written.GetSpacing(), image.GetSpacing()[:dim], rtol=1e-6)
+    np.testing.assert_allclose(written.GetOrigin(), image.GetOrigin()[:dim], rtol=1e-6)
+
+
 # ---- the same arrays, the same labels --------------------------------------------------
 
 

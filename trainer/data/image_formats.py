@@ -29,24 +29,36 @@ class ImageReadError(ValueError):
 # ---- NIfTI (nibabel) ---------------------------------------------------------------------
 
 
+def _nifti_layout(path: Path, shape_xyz: tuple[int, ...], zooms: tuple[float, ...]):
+    """(channels, (Z, Y, X), spacing zyx) as nnU-Net's SimpleITK reader lays out a NIfTI:
+    2D -> one slice of 999 x the largest pixel spacing; 4D -> one channel per volume."""
+    zooms = tuple(abs(float(z)) for z in zooms)
+    if len(shape_xyz) == 2:
+        slice_mm = SLICE_FACTOR_2D * max(zooms[:2])
+        return 1, (1, shape_xyz[1], shape_xyz[0]), (slice_mm, zooms[1], zooms[0])
+    if len(shape_xyz) in (3, 4):
+        channels = shape_xyz[3] if len(shape_xyz) == 4 else 1
+        return channels, tuple(shape_xyz[2::-1]), zooms[2::-1]
+    raise ImageReadError(f"{path}: a {len(shape_xyz)}D image; nnui reads 2D, 3D and 4D")
+
+
 def read_nifti(path: Path) -> tuple[np.ndarray, tuple[float, ...]]:
     import nibabel as nib
 
     image = nib.load(str(path))
+    shape = tuple(int(n) for n in image.shape)
+    channels, shape_zyx, spacing = _nifti_layout(path, shape, image.header.get_zooms())
     data = np.asarray(image.dataobj)
-    if data.ndim != 3:
-        raise ImageReadError(f"{path}: expected a 3D image, got shape {data.shape}")
-    zooms = tuple(float(z) for z in image.header.get_zooms()[:3])
-    return np.ascontiguousarray(data.transpose(2, 1, 0))[None], zooms[::-1]
+    return np.ascontiguousarray(data.T).reshape(channels, *shape_zyx), spacing
 
 
 def nifti_header(path: Path) -> tuple[int, tuple[int, ...]]:
     import nibabel as nib
 
-    shape = tuple(int(n) for n in nib.load(str(path)).shape)
-    if len(shape) != 3:
-        raise ImageReadError(f"{path}: expected a 3D image, got shape {shape}")
-    return 1, shape[::-1]
+    image = nib.load(str(path))
+    channels, shape_zyx, _ = _nifti_layout(path, tuple(int(n) for n in image.shape),
+                                           image.header.get_zooms())  # fmt: skip
+    return channels, shape_zyx
 
 
 def write_nifti(path: Path, data_zyx: np.ndarray, spacing_zyx: tuple[float, ...]) -> None:
@@ -65,10 +77,13 @@ def nifti_bytes_like(data_zyx: np.ndarray, reference: Path, out_path: Path) -> b
     import nibabel as nib
 
     source = nib.load(str(reference))
+    # A 2D reference gets a 2D file; a 4D one (channels) a 3D file of its first volume's.
+    voxels = data_zyx[0].T if len(source.shape) == 2 else data_zyx.transpose(2, 1, 0)
     header = source.header.copy()
+    header.set_data_shape(voxels.shape)
     header.set_data_dtype(data_zyx.dtype)
     header.set_slope_inter(1.0, 0.0)  # labels are stored as they are, never scaled
-    image = nib.Nifti1Image(data_zyx.transpose(2, 1, 0), source.affine, header)
+    image = nib.Nifti1Image(voxels, source.affine, header)
     qform, qcode = source.get_qform(coded=True)
     sform, scode = source.get_sform(coded=True)
     image.set_qform(qform if qform is not None else source.affine, int(qcode or 0))

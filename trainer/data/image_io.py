@@ -1,7 +1,7 @@
 """The one module that knows image file formats, chosen by the file ending as nnU-Net 2.8.1
 chooses its reader (dataset.json's `file_ending`):
 
-- NIfTI (`.nii.gz`, `.nii`) via nibabel;
+- NIfTI (`.nii.gz`, `.nii`) via nibabel (2D, 3D, or 4D = one channel per volume);
 - `.nrrd`, `.mha`, `.mhd`, `.gipl` via SimpleITK (2D, 3D, or 4D = one channel per volume);
 - `.png`, `.bmp` natural 2D images via Pillow: grey is one channel, RGB three, RGBA four
   (what nnU-Net's natural-image reader accepts); spacing (999, 1, 1);
@@ -28,7 +28,7 @@ from trainer.data import image_formats as fmt
 SUPPORTED_ENDINGS = (".nii.gz", ".nii", *fmt.SITK_ENDINGS, *fmt.NATURAL_ENDINGS,
                      *fmt.TIFF_ENDINGS, ".npy", ".npz")  # fmt: skip
 # A file of these formats may hold several channels (RGB, 4D): counted from the headers.
-MULTI_CHANNEL_ENDINGS = (*fmt.SITK_ENDINGS, *fmt.NATURAL_ENDINGS, *fmt.TIFF_ENDINGS)
+MULTI_CHANNEL_ENDINGS = tuple(e for e in SUPPORTED_ENDINGS if e not in (".npy", ".npz"))
 SPACING_RTOL = 1e-3
 _CHANNEL_SUFFIX = re.compile(r"_\d{4}$")
 
