@@ -483,7 +483,7 @@ def test_bad_datasets_are_one_line_and_overwrite_nothing(world, tmp_path, capsys
 @pytest.mark.parametrize(
     ("how", "kind", "ending", "message"),
     [("grey+alpha png", "rgb", ".png", "is a LA image"),
-     ("RGBA png for RGB channels", "rgb", ".png", "hold 4 channel(s)"),
+     ("RGBA png for RGB channels", "rgb", ".png", "takes 3 channel(s); the files hold 4"),
      ("3D TIFF without spacing file", "3d", ".tif", "case1_0000.tif has no spacing file")],
 )  # fmt: skip
 def test_bad_images_to_predict_are_one_line_and_write_nothing(world, tmp_path, capsys, how,
@@ -498,3 +498,17 @@ def test_bad_images_to_predict_are_one_line_and_write_nothing(world, tmp_path, c
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert not out.exists()
+
+
+def test_one_module_owns_image_io():
+    """Only image_io imports the per-format code, and only that code the format libraries."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent / "trainer"
+    libraries = re.compile(r"^\s*(import (nibabel|SimpleITK|tifffile)|from PIL)", re.M)
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        if path.name != "image_formats.py":
+            assert not libraries.search(text), path
+        if path.name != "image_io.py":
+            assert "image_formats" not in text, path
