@@ -437,6 +437,8 @@ def _break(folder: Path, how: str) -> None:
     images = folder / "imagesTr"
     if how == "unknown file_ending":
         meta["file_ending"] = ".jpg"
+    elif how == "reorienting reader":
+        meta["overwrite_image_reader_writer"] = "SimpleITKIOWithReorient"
     elif how == "mixed endings":
         shutil.copy(next(images.glob("*_0000.*")), images / "case9_0000.nrrd")
     elif how == "grey+alpha png":
@@ -455,6 +457,11 @@ def _break(folder: Path, how: str) -> None:
 
 BAD_DATASETS = {
     "unknown file_ending": ("3d", ".nrrd", "file_ending '.jpg' is not an image format"),
+    "reorienting reader": (
+        "3d",
+        ".nrrd",
+        "overwrite_image_reader_writer 'SimpleITKIOWithReorient'",
+    ),
     "mixed endings": ("3d", ".mha", "case9_0000.nrrd is a .nrrd file but dataset.json"),
     "grey+alpha png": ("rgb", ".png", "case1_0000.png is a LA image (2 channels)"),
     "RGBA png for RGB channels": ("rgb", ".png", "hold 4 channel(s) but dataset.json declares 3"),

@@ -54,6 +54,22 @@ def check_file_ending(ending: str) -> None:
         )
 
 
+# nnU-Net's reader classes that read as the file ending's reader here (no reorientation).
+SAME_AS_ENDING_READERS = ("SimpleITKIO", "NibabelIO", "NaturalImage2DIO", "Tiff3DIO")
+
+
+def check_reader_override(name: object) -> None:
+    """dataset.json's `overwrite_image_reader_writer` (nnU-Net's way to pick a reader by
+    class): one that reads as the ending's reader is fine; a reorienting or custom one
+    would give other arrays than nnU-Net's, so it is refused rather than ignored."""
+    if name in (None, "None") or name in SAME_AS_ENDING_READERS:
+        return
+    raise ImageReadError(
+        f"overwrite_image_reader_writer {name!r}: nnui reads by file_ending as "
+        f"{', '.join(SAME_AS_ENDING_READERS)} do (no reorientation); remove the entry"
+    )
+
+
 def _kind(path: Path) -> str:
     ending = file_ending(path).lower()
     for kind, endings in (("nifti", (".nii.gz", ".nii")), ("sitk", fmt.SITK_ENDINGS),

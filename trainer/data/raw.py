@@ -18,6 +18,7 @@ from trainer.data.image_io import (
     SUPPORTED_ENDINGS,
     ImageReadError,
     check_file_ending,
+    check_reader_override,
     file_ending,
     image_header,
     read_case,
@@ -70,6 +71,7 @@ def _read_dataset_json(folder: Path) -> dict:
             raise DataError(f"{path} has no {key!r} entry")
     try:
         check_file_ending(data["file_ending"])
+        check_reader_override(data.get("overwrite_image_reader_writer"))
     except ImageReadError as exc:
         raise DataError(f"{path}: {exc}") from None
     values = list(data["labels"].values())
