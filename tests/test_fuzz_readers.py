@@ -195,3 +195,53 @@ def test_readers_survive_random_and_mutated_events(tmp_path: Path, no_signals: l
         assert latest_topology(view.job) == view.topology
         process_tree(view.job, None, proc_lookup=lookup, children=lambda pid: [])
     assert no_signals == []
+
+
+# ---- image files (trainer.data.image_io): every broken file is one ImageReadError ---------
+
+IMAGE_MUTATIONS = 30
+
+
+def _valid_images(folder: Path) -> list[Path]:
+    """One tiny valid file per format (a 3D TIFF with its spacing file)."""
+    import numpy as np
+    import SimpleITK as sitk
+    import tifffile
+    from PIL import Image
+
+    from trainer.data.image_io import write_nifti
+
+    volume = np.arange(4 * 5 * 6, dtype=np.float32).reshape(4, 5, 6)
+    write_nifti(folder / "a_0000.nii.gz", volume, (2.0, 1.0, 1.0))
+    for ending in (".nrrd", ".mha", ".gipl"):
+        sitk.WriteImage(sitk.GetImageFromArray(volume), str(folder / f"a_0000{ending}"), True)
+    rgb = (volume[0, :, :, None] * [1, 2, 3]).astype(np.uint8)
+    Image.fromarray(rgb).save(folder / "a_0000.png")
+    Image.fromarray(rgb).save(folder / "a_0000.bmp")
+    tifffile.imwrite(folder / "a_0000.tif", volume, photometric="minisblack")
+    (folder / "a.json").write_text('{"spacing": [2.0, 1.0, 1.0]}')
+    np.save(folder / "a_0000.npy", volume)
+    return sorted(p for p in folder.iterdir() if p.suffix != ".json")
+
+
+def test_image_readers_turn_every_broken_file_into_one_read_error(tmp_path: Path) -> None:
+    from trainer.data.image_io import ImageReadError, image_header, read_case, read_labels
+
+    rng = random.Random(SEED)
+    for valid in _valid_images(tmp_path):
+        original = valid.read_bytes()
+        read_case([valid])  # the unbroken file reads
+        for number in range(IMAGE_MUTATIONS):
+            data = bytearray(original)
+            if number % 3 == 0:
+                data = data[: rng.randrange(len(data))]
+            else:
+                for _ in range(rng.randint(1, 8)):
+                    data[rng.randrange(len(data))] = rng.randrange(256)
+            valid.write_bytes(bytes(data))
+            for read in (image_header, lambda p: read_case([p]), read_labels):
+                try:
+                    read(valid)
+                except ImageReadError as error:
+                    assert "\n" not in str(error), (valid.name, number, str(error))
+        valid.write_bytes(original)

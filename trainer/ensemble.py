@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.data.image_io import SUPPORTED_ENDINGS
+from trainer.data.image_io import SUPPORTED_ENDINGS, ImageReadError
 from trainer.inference.cases import InputError
 from trainer.inference.cli import OneLineParser, one_line
 from trainer.inference.export import (
@@ -50,6 +50,8 @@ def _info(folder: Path) -> dict[str, Any]:
 
 
 def _segmentation_file(folder: Path, case_id: str) -> tuple[Path, str]:
+    """The case's segmentation in the first folder: its format (the input's, as
+    nnui-predict wrote it) and geometry are the ensemble's."""
     for ending in SUPPORTED_ENDINGS:
         path = folder / f"{case_id}{ending}"
         if ending != ".npz" and path.is_file():
@@ -129,7 +131,10 @@ def ensemble(
             seg = keep_largest_component(seg, largest_component_labels)
         reference, ending = _segmentation_file(folders[0], case_id)
         prediction = RawPrediction(seg, probs if save_probabilities else None)
-        write_prediction(out_dir, case_id, prediction, reference, ending)
+        try:
+            write_prediction(out_dir, case_id, prediction, reference, ending)
+        except ImageReadError as exc:  # e.g. a reference in a format that cannot hold these labels
+            raise EnsembleError(str(exc)) from None
         progress(
             f"[ensemble {index + 1}/{len(case_ids)}] {case_id} shape {list(seg.shape)} "
             f"{time.perf_counter() - started:.1f} s"

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.data.image_io import SUPPORTED_ENDINGS, ImageReadError, file_ending, read_image
+from trainer.data.image_io import SUPPORTED_ENDINGS, ImageReadError, file_ending, read_labels
 from trainer.inference.cli import OneLineParser, one_line
 from trainer.schema import SUMMARY_FILE, atomic_write_text
 
@@ -83,8 +83,8 @@ def _segmentations(folder: Path) -> dict[str, Path]:
     found = {}
     for path in sorted(folder.iterdir()):
         ending = file_ending(path)
-        if path.is_file() and ending in SUPPORTED_ENDINGS and not path.name.startswith("."):
-            if ending == ".npz" and _is_probabilities(path):
+        if path.is_file() and ending.lower() in SUPPORTED_ENDINGS and not path.name.startswith("."):
+            if ending.lower() == ".npz" and _is_probabilities(path):
                 continue
             found[path.name[: -len(ending)]] = path
     return found
@@ -97,7 +97,7 @@ def _is_probabilities(path: Path) -> bool:
 
 def _read_labels(path: Path) -> np.ndarray:
     try:
-        return read_image(path)[0]
+        return read_labels(path)  # any format nnui reads; a 3D TIFF needs no spacing here
     except ImageReadError as exc:
         raise EvaluationError(str(exc)) from None
 

@@ -34,7 +34,8 @@ CHECKPOINT_KINDS = ("latest", "best", "final")
 FOLDS = ("0", "1", "2", "3", "4", "all")
 # The image files the trainer reads (trainer.data.image_io.SUPPORTED_ENDINGS, tested equal),
 # for the app's up-front check of a prediction's input folder.
-IMAGE_ENDINGS = (".nii.gz", ".nii", ".npy", ".npz")
+IMAGE_ENDINGS = (".nii.gz", ".nii", ".nrrd", ".mha", ".mhd", ".gipl", ".png", ".bmp", ".tif",
+                 ".tiff", ".npy", ".npz")  # fmt: skip
 
 # ---- one tree, two tools (DESIGN §2) -------------------------------------------------------
 # nnui's own identifiers never collide with nnU-Net's, so both tools share one

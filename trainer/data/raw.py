@@ -12,9 +12,18 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.image_io import ImageReadError, read_image
-
-SPACING_RTOL = 1e-3
+from trainer.data.image_io import (
+    MULTI_CHANNEL_ENDINGS,
+    SPACING_RTOL,
+    SUPPORTED_ENDINGS,
+    ImageReadError,
+    check_file_ending,
+    check_reader_override,
+    file_ending,
+    image_header,
+    read_case,
+    read_image,
+)
 
 
 class DataError(ValueError):
@@ -24,7 +33,7 @@ class DataError(ValueError):
 @dataclass(frozen=True)
 class RawCase:
     case_id: str
-    image_files: tuple[Path, ...]  # one per channel, in channel order
+    image_files: tuple[Path, ...]  # CASE_0000.., in order (an RGB file holds 3 channels)
     label_file: Path
 
 
@@ -60,25 +69,75 @@ def _read_dataset_json(folder: Path) -> dict:
     for key in ("channel_names", "labels", "file_ending"):
         if key not in data:
             raise DataError(f"{path} has no {key!r} entry")
+    try:
+        check_file_ending(data["file_ending"])
+        check_reader_override(data.get("overwrite_image_reader_writer"))
+    except ImageReadError as exc:
+        raise DataError(f"{path}: {exc}") from None
     values = list(data["labels"].values())
     if not all(isinstance(v, int) for v in values) or 0 not in values:
         raise DataError(f"{path}: labels must map names to ints and include background 0")
     return data
 
 
-def open_raw_dataset(folder: Path) -> RawDataset:
-    """List the cases and check the structure (pairs, channel counts); reads no voxels."""
-    dataset_json = _read_dataset_json(folder)
-    ending = dataset_json["file_ending"]
-    num_channels = len(dataset_json["channel_names"])
+def _refuse_other_endings(folder: Path, ending: str) -> None:
+    """An image of another format beside the dataset's: nnU-Net would skip it silently."""
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        other = file_ending(path)
+        if other.lower() in SUPPORTED_ENDINGS and other != ending and path.is_file():
+            raise DataError(
+                f"{path} is a {other} file but dataset.json's file_ending is {ending!r}: "
+                "one format per dataset (convert or move it)"
+            )
+
+
+def _list_images(images_dir: Path, ending: str) -> dict[str, dict[int, Path]]:
     images: dict[str, dict[int, Path]] = {}
-    images_dir, labels_dir = folder / "imagesTr", folder / "labelsTr"
     for path in sorted(images_dir.glob(f"*{ending}")) if images_dir.is_dir() else []:
         stem = path.name[: -len(ending)]
         case_id, _, channel = stem.rpartition("_")
         if not case_id or len(channel) != 4 or not channel.isdigit():
             raise DataError(f"{path}: image names must be CASE_CCCC{ending} (e.g. case_0000)")
         images.setdefault(case_id, {})[int(channel)] = path
+    return images
+
+
+def _case_files(case_id: str, channels: dict[int, Path], num_channels: int,
+                ending: str) -> tuple[Path, ...]:  # fmt: skip
+    """The case's image files, in order, holding exactly the declared channels (an RGB
+    image is three; counted from the headers where a file may hold several)."""
+    files = tuple(channels[c] for c in sorted(channels))
+    multi = ending.lower() in MULTI_CHANNEL_ENDINGS
+    if sorted(channels) == list(range(len(channels))) and multi:
+        try:
+            found = sum(image_header(path)[0] for path in files)
+        except ImageReadError as exc:
+            raise DataError(str(exc)) from None
+        if found == num_channels:
+            return files
+        raise DataError(
+            f"case {case_id}: its image files hold {found} channel(s) but dataset.json "
+            f"declares {num_channels} channel(s)"
+        )
+    if sorted(channels) != list(range(num_channels)):
+        found_names = ", ".join(f"{c:04d}" for c in sorted(channels))
+        raise DataError(
+            f"case {case_id} has channels [{found_names}] but dataset.json declares "
+            f"{num_channels} channel(s)"
+        )
+    return files
+
+
+def open_raw_dataset(folder: Path) -> RawDataset:
+    """List the cases and check the structure (pairs, channel counts); reads no voxels
+    (headers only where one file may hold several channels)."""
+    dataset_json = _read_dataset_json(folder)
+    ending = dataset_json["file_ending"]
+    num_channels = len(dataset_json["channel_names"])
+    images_dir, labels_dir = folder / "imagesTr", folder / "labelsTr"
+    for subfolder in (images_dir, labels_dir):
+        _refuse_other_endings(subfolder, ending)
+    images = _list_images(images_dir, ending)
     labels = {
         p.name[: -len(ending)]: p
         for p in (sorted(labels_dir.glob(f"*{ending}")) if labels_dir.is_dir() else [])
@@ -91,14 +150,7 @@ def open_raw_dataset(folder: Path) -> RawDataset:
     for case_id in sorted(images):
         if case_id not in labels:
             raise DataError(f"image of case {case_id} has no label {labels_dir / case_id}{ending}")
-        channels = images[case_id]
-        if sorted(channels) != list(range(num_channels)):
-            found = ", ".join(f"{c:04d}" for c in sorted(channels))
-            raise DataError(
-                f"case {case_id} has channels [{found}] but dataset.json declares "
-                f"{num_channels} channel(s)"
-            )
-        files = tuple(channels[c] for c in range(num_channels))
+        files = _case_files(case_id, images[case_id], num_channels, ending)
         cases.append(RawCase(case_id, files, labels[case_id]))
     num_training = dataset_json.get("numTraining")
     if isinstance(num_training, int) and num_training != len(cases):
@@ -114,20 +166,11 @@ def load_raw_case(
 ) -> tuple[np.ndarray, np.ndarray, tuple[float, float, float]]:
     """(image (C, Z, Y, X) float32, seg (Z, Y, X) uint8, spacing zyx) after the content checks."""
     try:
-        channels = [read_image(p, fallback_spacing) for p in case.image_files]
+        image, spacing = read_case(case.image_files, fallback_spacing)
         seg, seg_spacing = read_image(case.label_file, fallback_spacing)
     except ImageReadError as exc:
         raise DataError(str(exc)) from None
-    shape, spacing = channels[0][0].shape, channels[0][1]
-    for path, (data, sp) in zip(case.image_files, channels, strict=True):
-        if data.shape != shape:
-            raise DataError(f"{path}: shape {data.shape} differs from channel 0 {shape}")
-        if not np.allclose(sp, spacing, rtol=SPACING_RTOL):
-            raise DataError(f"{path}: spacing {sp} differs from channel 0 {spacing}")
-        if not np.issubdtype(data.dtype, np.number):
-            raise DataError(f"{path}: not a numeric image (dtype {data.dtype})")
-        if not np.isfinite(data).all():
-            raise DataError(f"{path}: image contains NaN or inf values")
+    shape = image.shape[1:]
     if seg.shape != shape:
         raise DataError(f"{case.label_file}: label shape {seg.shape} != image shape {shape}")
     if not np.allclose(seg_spacing, spacing, rtol=SPACING_RTOL):
@@ -142,5 +185,4 @@ def load_raw_case(
             f"{case.label_file}: label values {unknown} are not declared in dataset.json "
             f"(declared: {sorted(declared)})"
         )
-    image = np.stack([c[0] for c in channels]).astype(np.float32, copy=False)
     return image, seg.astype(np.uint8), spacing

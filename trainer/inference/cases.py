@@ -12,7 +12,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.data.image_io import SUPPORTED_ENDINGS, ImageReadError, image_shape
+from trainer.data.image_io import (
+    MULTI_CHANNEL_ENDINGS,
+    SUPPORTED_ENDINGS,
+    ImageReadError,
+    check_spacing_file,
+    file_ending,
+    image_header,
+)
 
 
 class InputError(ValueError):
@@ -22,8 +29,9 @@ class InputError(ValueError):
 @dataclass(frozen=True)
 class InputCase:
     case_id: str
-    image_files: tuple[Path, ...]  # one per channel, in channel order
+    image_files: tuple[Path, ...]  # CASE_0000.., in order (an RGB file holds 3 channels)
     ending: str  # of channel 0: the output is written in the same format
+    num_channels: int = 0  # the files hold (an RGB file 3, a 4D file its volumes); 0: one each
 
 
 _CHANNEL_FILE = re.compile(r"^(?P<case>.+)_(?P<channel>\d{4})$")
@@ -31,11 +39,11 @@ _CHANNEL_FILE = re.compile(r"^(?P<case>.+)_(?P<channel>\d{4})$")
 
 def _split_name(name: str) -> tuple[str, int, str] | None:
     """`case_0001.nii.gz` -> ('case', 1, '.nii.gz'); None for other files."""
-    for ending in SUPPORTED_ENDINGS:
-        if name.endswith(ending):
-            match = _CHANNEL_FILE.match(name[: -len(ending)])
-            if match:
-                return match["case"], int(match["channel"]), ending
+    ending = file_ending(Path(name))
+    if ending.lower() in SUPPORTED_ENDINGS:
+        match = _CHANNEL_FILE.match(name[: -len(ending)])
+        if match:
+            return match["case"], int(match["channel"]), ending
     return None
 
 
@@ -53,35 +61,63 @@ def list_input_cases(in_dir: Path, num_channels: int) -> list[InputCase]:
     if not found:
         endings = ", ".join(SUPPORTED_ENDINGS)
         raise InputError(f"{in_dir} holds no images named CASE_0000<ending> ({endings})")
-    cases = []
+    return [_input_case(in_dir, case_id, found[case_id], num_channels) for case_id in sorted(found)]
+
+
+def _input_case(in_dir: Path, case_id: str, channels: dict[int, Path],
+                num_channels: int) -> InputCase:  # fmt: skip
+    """The case's files holding exactly the model's channels: one per file (names only),
+    or, with fewer files than channels, counted from the headers where a file may hold
+    several (an RGB image is three, a 4D image its volumes)."""
+    files = tuple(channels[c] for c in sorted(channels))
+    ending = _split_name(files[0].name)[2]
     expected = list(range(num_channels))
-    for case_id in sorted(found):
-        channels = found[case_id]
-        missing = [c for c in expected if c not in channels]
-        extra = sorted(set(channels) - set(expected))
-        if missing:
-            names = ", ".join(f"{case_id}_{c:04d}" for c in missing)
-            raise InputError(
-                f"case {case_id}: channel file {names} is missing in {in_dir} (the model "
-                f"takes {num_channels} channel(s))"
-            )
-        if extra:
-            raise InputError(
-                f"case {case_id} has {len(channels)} channel files but the model takes "
-                f"{num_channels} (extra: {', '.join(f'{c:04d}' for c in extra)})"
-            )
-        files = tuple(channels[c] for c in expected)
-        cases.append(InputCase(case_id, files, _split_name(files[0].name)[2]))
-    return cases
+    missing = [c for c in expected if c not in channels]
+    extra = sorted(set(channels) - set(expected))
+    held = ""
+    if (
+        missing
+        and ending.lower() in MULTI_CHANNEL_ENDINGS
+        and not extra
+        and missing[0] == len(files)
+    ):
+        try:
+            found = sum(image_header(path)[0] for path in files)
+        except ImageReadError as exc:  # the missing file is named, and why it was not counted
+            found, held = 0, f"; {exc}"
+        if found == num_channels:
+            return InputCase(case_id, files, ending, num_channels)
+        held = held or f"; the files hold {found}"
+    if missing:
+        names = ", ".join(f"{case_id}_{c:04d}" for c in missing)
+        raise InputError(
+            f"case {case_id}: channel file {names} is missing in {in_dir} (the model "
+            f"takes {num_channels} channel(s){held})"
+        )
+    if extra:
+        raise InputError(
+            f"case {case_id} has {len(channels)} channel files but the model takes "
+            f"{num_channels} (extra: {', '.join(f'{c:04d}' for c in extra)})"
+        )
+    return InputCase(case_id, files, ending, len(files))
 
 
 def check_headers(cases: list[InputCase]) -> None:
-    """Every file readable as a 3D image, and all channels of a case of one shape."""
+    """Every file readable as an image holding the channels the listing counted, and all
+    files of a case of one shape."""
     for case in cases:
         try:
-            shapes = [image_shape(path) for path in case.image_files]
+            headers = [image_header(path) for path in case.image_files]
+            check_spacing_file(case.image_files[0])
         except ImageReadError as exc:
             raise InputError(str(exc)) from None
+        found = sum(channels for channels, _ in headers)
+        if found != (case.num_channels or len(case.image_files)):
+            raise InputError(
+                f"case {case.case_id}: its image files hold {found} channel(s) but the model "
+                f"takes {case.num_channels or len(case.image_files)}"
+            )
+        shapes = [shape for _, shape in headers]
         for path, shape in zip(case.image_files, shapes, strict=True):
             if shape != shapes[0]:
                 raise InputError(

@@ -106,15 +106,17 @@ def probabilities_bytes(probabilities: np.ndarray) -> bytes:
 def write_prediction(
     out_dir: Path, case_id: str, prediction: RawPrediction, reference: Path, ending: str
 ) -> list[Path]:
-    """`CASE<ending>` with the geometry of `reference` (a raw image of the case), and
-    `CASE.npz` when the prediction has probabilities. The segmentation goes last: its
-    presence says the case is complete (--continue_prediction)."""
+    """`CASE<ending>` in that format with the geometry of `reference` (a raw image of the
+    case; a 3D TIFF also gets its `CASE.json` spacing file), and `CASE.npz` when the
+    prediction has probabilities. The segmentation goes last: its presence says the case
+    is complete (--continue_prediction)."""
     written = []
     if prediction.probabilities is not None:
         npz = Path(out_dir) / f"{case_id}.npz"
         write_atomic(npz, probabilities_bytes(prediction.probabilities))
         written.append(npz)
     seg_path = Path(out_dir) / f"{case_id}{ending}"
-    write_atomic(seg_path, encode_like(prediction.segmentation, reference, ending))
-    written.append(seg_path)
+    for path, data in encode_like(prediction.segmentation, reference, seg_path):
+        write_atomic(path, data)
+        written.append(path)
     return written

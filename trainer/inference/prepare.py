@@ -13,8 +13,7 @@ from typing import Any
 import numpy as np
 
 from trainer.data.case_ops import crop, nonzero_bbox, normalize, resample_image, resampled_shape
-from trainer.data.image_io import ImageReadError, read_image
-from trainer.data.raw import SPACING_RTOL
+from trainer.data.image_io import ImageReadError, read_case
 from trainer.inference.cases import InputCase, InputError
 from trainer.plans import ConfigurationPlan, Plans
 
@@ -29,25 +28,9 @@ class PreparedCase:
 def read_channels(case: InputCase, fallback_spacing: tuple[float, ...] | None):
     """(image (C, Z, Y, X) float32, spacing zyx); InputError for unreadable or odd files."""
     try:
-        channels = [read_image(path, fallback_spacing) for path in case.image_files]
+        return read_case(case.image_files, fallback_spacing)
     except ImageReadError as exc:
         raise InputError(str(exc)) from None
-    shape, spacing = channels[0][0].shape, channels[0][1]
-    for path, (data, channel_spacing) in zip(case.image_files, channels, strict=True):
-        if data.shape != shape:
-            raise InputError(
-                f"{path}: shape {list(data.shape)} differs from channel 0's {list(shape)}"
-            )
-        if not np.allclose(channel_spacing, spacing, rtol=SPACING_RTOL):
-            raise InputError(
-                f"{path}: spacing {channel_spacing} differs from channel 0's {spacing}"
-            )
-        if not np.issubdtype(data.dtype, np.number):
-            raise InputError(f"{path}: not a numeric image (dtype {data.dtype})")
-        if not np.isfinite(data).all():
-            raise InputError(f"{path}: image contains NaN or inf values")
-    image = np.stack([c[0] for c in channels]).astype(np.float32, copy=False)
-    return image, spacing
 
 
 def target_spacing(cplan: ConfigurationPlan, spacing: tuple[float, ...]) -> tuple[float, ...]:
