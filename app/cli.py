@@ -27,7 +27,8 @@ from app.services.nnunet_runs import RUN_ID_PREFIX, WatchOnlyRun, is_train_cmdli
 from app.services.procs import proc_info
 from app.services.registry import PREDICT, Job, Registry
 from app.services.signals import kill as kill_job
-from app.services.signals import kill_plan, plan_stop, send_stop
+from app.services.signals import kill_plan, plan_stop, send_stop, topology_ranks
+from app.services.slurm_jobs import SLURM_ID_PREFIX
 from app.services.waiting import between_attempts
 from trainer.schema import (
     ENDED_STATES,
@@ -142,6 +143,7 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "validation_done": view.validation_done,  # while validating: cases done, of
         "validation_cases": view.validation_cases,
         "run_dir_gone": view.run_dir_gone,
+        "slurm_state": view.slurm_state,  # the user's SLURM job (squeue), else null
     }
 
 
@@ -194,6 +196,7 @@ def adopted_dict(view: JobView) -> dict[str, Any]:
     assert run is not None
     row = view_dict(view)
     workers = [p for p in view.job.processes if p.role == "worker"]
+    ranks = {r.get("pid"): r.get("global_rank") for r in topology_ranks(view.topology)}
     row.update(
         {
             "adopted": True,
@@ -203,7 +206,14 @@ def adopted_dict(view: JobView) -> dict[str, Any]:
             "launcher": run.launcher,
             "num_ranks": run.world_size,
             "top_pid": run.top_pid,
-            "processes": [{"pid": m.pid, "role": m.role, "rank": m.rank} for m in run.members],
+            "processes": [
+                {
+                    "pid": m.pid,
+                    "role": m.role,
+                    "rank": m.rank if m.rank is not None else ranks.get(m.pid),
+                }
+                for m in run.members
+            ],  # fmt: skip
             "worker_pids": [p.pid for p in workers],
             "run_dir_source": run.run_dir_source,
             "slurm_job": run.slurm_job,
@@ -219,7 +229,8 @@ def _row_dict(view: JobView) -> dict[str, Any]:
         return adopted_dict(view)
     if view.watch is not None:
         return watch_only_dict(view)
-    return {**view_dict(view), "adopted": view.job.job_id.startswith(ADOPTED_PREFIX)}
+    adopted = view.job.job_id.startswith((ADOPTED_PREFIX, SLURM_ID_PREFIX))
+    return {**view_dict(view), "adopted": adopted}
 
 
 def watch_only_table(views: list[JobView]) -> str:
@@ -387,7 +398,7 @@ def _refuse_watch_only(options: argparse.Namespace, registry: Registry, text: st
 def _adopted(options: argparse.Namespace, registry: Registry, action: str) -> int | None:
     """Exit code of `action` on an adopted run (`run:PID`, or a pid of one), None: not one."""
     text = options.job
-    if not (cli_adopted.is_adopted_id(text) or text.isdigit()):
+    if not (cli_adopted.is_adopted_id(text) or text.isdigit() or text.startswith(SLURM_ID_PREFIX)):
         return None
     if text.isdigit():
         try:

@@ -20,6 +20,7 @@ from app.services.jobs import JobTracker, JobView
 from app.services.registry import Registry
 from app.services.signals import kill as kill_job
 from app.services.signals import plan_stop, send_stop
+from app.services.slurm_jobs import SLURM_ID_PREFIX, cancel_pending
 from trainer.schema import ENDED_STATES, resolve_roots
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3
@@ -48,7 +49,24 @@ def find(options: argparse.Namespace, registry: Registry, text: str) -> JobView 
 
 
 def _is_adopted(view: JobView) -> bool:
-    return view.adopted is not None or view.job.job_id.startswith(RUN_ID_PREFIX)
+    return view.adopted is not None or view.job.job_id.startswith((RUN_ID_PREFIX, SLURM_ID_PREFIX))
+
+
+def _slurm_only(view: JobView, action: str) -> int | None:
+    """A SLURM training with no process here: a pending one is cancelled (nothing trained
+    yet); a running one on another node is refused (its workers are not ours to see)."""
+    if not view.job.job_id.startswith(SLURM_ID_PREFIX):
+        return None
+    job_id = view.job.job_id.removeprefix(SLURM_ID_PREFIX)
+    if view.slurm_state != "PENDING":
+        return _error(f"refused to {action} {view.job.job_id}: SLURM job {job_id} is "
+                      f"{view.slurm_state} with no worker on this machine; run nnui on the "
+                      "node that trains it", EXIT_REFUSED)  # fmt: skip
+    result = cancel_pending(job_id)
+    if result != "sent":
+        return _error(f"cannot cancel pending SLURM job {job_id}: {result}", EXIT_REFUSED)
+    print(f"cancelled pending SLURM job {job_id} (it had not started: nothing trained)")
+    return EXIT_OK
 
 
 def _others(view: JobView, action: str) -> int | None:
@@ -61,6 +79,8 @@ def _others(view: JobView, action: str) -> int | None:
 def stop(options: argparse.Namespace, registry: Registry, view: JobView) -> int:
     job = view.job
     refused = _others(view, "stop")
+    if refused is None:
+        refused = _slurm_only(view, "stop")
     if refused is not None:
         return refused
     if view.state in ENDED_STATES:
@@ -88,6 +108,8 @@ def stop(options: argparse.Namespace, registry: Registry, view: JobView) -> int:
 
 def kill(options: argparse.Namespace, registry: Registry, view: JobView) -> int:
     refused = _others(view, "kill")
+    if refused is None:
+        refused = _slurm_only(view, "kill")
     if refused is not None:
         return refused
     if view.state in ENDED_STATES or view.adopted is None:

@@ -382,13 +382,13 @@ def _trainer_row(group: list[ProcRow]) -> tuple[ProcRow, TrainArgs] | None:
                 if args is not None:
                     return row, args
         if is_agent(row.cmdline) or is_step(row.cmdline):
-            args = _launched_args(row.cmdline)
+            args = launched_args(row.cmdline)
             if args is not None:
                 return row, args
     return None
 
 
-def _launched_args(cmdline: Sequence[str]) -> TrainArgs | None:
+def launched_args(cmdline: Sequence[str]) -> TrainArgs | None:
     """The trainer arguments in a torchrun or srun command line."""
     for index, arg in enumerate(cmdline):
         if os.path.basename(arg) in ENTRY_NAMES:
@@ -439,6 +439,9 @@ def _adopted(group: list[ProcRow], watched: Sequence[Path]) -> AdoptedRun | None
     found = _trainer_row(group)
     run_dir, source = _run_dir(group, found, watched)
     members = _members(group)
+    workers = [m for m in members if m.role == "worker"]
+    if len(workers) == 1 and workers[0].rank is None:  # a single process is rank 0
+        members = tuple(replace(m, rank=0) if m is workers[0] else m for m in members)
     top = group[0]
     env = next((row.environ for row in group if row.environ), None) or {}
     return AdoptedRun(
@@ -486,4 +489,5 @@ def discover(
         run = _adopted(group, roots)
         if run is not None and (run.run_dir is None or run.run_dir not in excluded):
             runs.append(run)
-    return _merge(runs)
+    # An srun whose tasks were not found (they run on other nodes) is no run of this box.
+    return [r for r in _merge(runs) if any(m.role != "step" for m in r.members)]

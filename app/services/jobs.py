@@ -27,6 +27,7 @@ from app.services.nnunet_log import EpochStats
 from app.services.nnunet_runs import NnunetRunWatcher, WatchOnlyRun, is_train_cmdline
 from app.services.procs import ProcRow, job_alive, proc_info, process_table
 from app.services.registry import PREDICT, TRAIN, Job, ProcessRecord, Registry
+from app.services.slurm_jobs import SLURM_ID_PREFIX, SlurmJob, SlurmWatcher
 from app.services.tail import TextTail
 from trainer.schema import ACTIVE_STATES, START_KINDS, Kind, State
 
@@ -75,6 +76,7 @@ class JobView:
     checkpoints: tuple[tuple[str, int], ...] = ()
     # A run nnui did not launch (discovery.py); watch_only when it is another user's.
     adopted: AdoptedRun | None = None
+    slurm_state: str | None = None  # the user's SLURM job: PENDING, RUNNING ... (squeue)
 
 
 def _finite(value: float) -> float | None:
@@ -320,6 +322,24 @@ def watch_only_view(run: WatchOnlyRun, console_tail: tuple[str, ...] = ()) -> Jo
     )  # fmt: skip
 
 
+def slurm_view(entry: SlurmJob, seen_at: float) -> JobView:
+    """A SLURM training with no process on this machine: pending, or on another node."""
+    args = entry.args
+    where = f" on {entry.node}" if entry.node else ""
+    job = Job(
+        job_id=f"{SLURM_ID_PREFIX}{entry.job_id}", created_at=seen_at, dataset=args.dataset,
+        configuration=args.configuration, fold=args.fold, mode="single", device=args.device,
+        gpus=[], simulated=False, argv=[], env={"SLURM_JOB_ID": entry.job_id}, run_dir="",
+        console_path=os.devnull, waiting_reason=f"SLURM {entry.state} ({entry.reason}){where}",
+        note=f"SLURM job {entry.job_id} ({entry.name})",
+    )  # fmt: skip
+    state = State.QUEUED if entry.state == "PENDING" else State.STARTING
+    return JobView(job=job, state=state, epoch=None, num_epochs=None, train_loss=None,
+                   val_loss=None, mean_dice=None, ema_dice=None, it_per_s=None, eta_s=None,
+                   alerts=(), topology=None, history=(), console_tail=(), exit_code=None,
+                   slurm_state=entry.state)  # fmt: skip
+
+
 class JobTracker:
     def __init__(
         self,
@@ -339,6 +359,8 @@ class JobTracker:
         self.adopted: list[JobView] = []
         self._adopted: dict[str, tuple[Job, AdoptedRun]] = {}  # seen live: kept once ended
         self._ended = EndedScan()
+        self._slurm = SlurmWatcher()
+        self._slurm_seen: dict[str, float] = {}  # SLURM job id -> first seen (its row's age)
         self.problems: list[str] = []  # job files the newest refresh() could not read
 
     def refresh_watch_only(
@@ -389,6 +411,26 @@ class JobTracker:
         jobs = self.registry.list(copies=False)
         for job in self._ended.runs(results_roots, jobs, folders | set(active)):
             views.append(self._view(job, self._run(job), False, snapshot))
+        return self._with_slurm(views)
+
+    def _with_slurm(self, views: list[JobView]) -> list[JobView]:
+        """The user's SLURM trainings: the state on the run found here, else a row of its own
+        (pending, or running on another node)."""
+        slurm = self._slurm.jobs()
+        by_job = {
+            v.adopted.slurm_job: i
+            for i, v in enumerate(views)
+            if v.adopted is not None and v.adopted.slurm_job and v.state in ACTIVE_STATES
+        }
+        for entry in slurm:
+            index = by_job.get(entry.job_id)
+            if index is not None:
+                views[index] = replace(views[index], slurm_state=entry.state)
+                continue
+            seen = self._slurm_seen.setdefault(entry.job_id, time.time())
+            views.append(slurm_view(entry, seen))
+        self._slurm_seen = {k: v for k, v in self._slurm_seen.items()
+                            if k in {e.job_id for e in slurm}}  # fmt: skip
         return views
 
     def _adopted_view(

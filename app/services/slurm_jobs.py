@@ -1,0 +1,108 @@
+"""The user's own SLURM jobs that run nnui-train, with their SLURM state (PENDING too).
+
+`squeue` lists the user's jobs; a job is a training when its batch script (`scontrol write
+batch_script JOB -`, read once per job) runs the trainer: `nnui-train ...` or `-m trainer`
+(an `nnui sbatch` script or the user's own). A running job whose processes are on this
+machine is also an adopted run (discovery.py): the board shows that run with the SLURM
+state; the others (pending, or running on another node) are rows of their own. Nothing
+here signals: a stop of a pending job cancels it (`scancel JOB`: nothing was trained),
+a running one is stopped through its step's workers (signals.py).
+"""
+
+from __future__ import annotations
+
+import getpass
+import shlex
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from app.services.discovery import TrainArgs, launched_args, parse_args, trainer_index
+
+SLURM_ID_PREFIX = "slurm:"
+_TIMEOUT_S = 10
+Runner = Callable[[list[str]], str | None]
+
+
+def _run(argv: list[str]) -> str | None:
+    """stdout of a SLURM client, None when it is missing or fails (no cluster here)."""
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT_S,
+                              check=False)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    job_id: str
+    state: str  # PENDING | RUNNING | COMPLETING | ...
+    name: str
+    reason: str  # squeue's %r: why it is pending (Priority, Resources, BeginTime ...)
+    node: str
+    args: TrainArgs  # the trainer's arguments in its script
+
+
+def script_args(script: str) -> TrainArgs | None:
+    """The trainer arguments of the first command line of a batch script that runs it."""
+    for raw in script.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:
+            continue
+        for start in range(len(words)):
+            index = trainer_index(words[start:])
+            if index is not None:
+                found = parse_args(words[start + index + 1 :])
+                if found is not None:
+                    return found
+        found = launched_args(words)
+        if found is not None:
+            return found
+    return None
+
+
+class SlurmWatcher:
+    """The user's SLURM trainings; each job's script is read once."""
+
+    def __init__(self, run: Runner = _run) -> None:
+        self._run = run
+        self._scripts: dict[str, TrainArgs | None] = {}
+
+    def jobs(self) -> list[SlurmJob]:
+        out = self._run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%T|%j|%r|%N"])
+        if not out:
+            return []
+        found = []
+        for line in out.splitlines():
+            parts = line.split("|")
+            if len(parts) != 5 or not parts[0].strip():
+                continue
+            job_id, state, name, reason, node = (p.strip() for p in parts)
+            args = self._args(job_id)
+            if args is not None:
+                found.append(SlurmJob(job_id, state, name, reason, node, args))
+        return found
+
+    def _args(self, job_id: str) -> TrainArgs | None:
+        if job_id not in self._scripts:
+            script = self._run(["scontrol", "write", "batch_script", job_id, "-"])
+            self._scripts[job_id] = script_args(script) if script else None
+        return self._scripts[job_id]
+
+
+def cancel_pending(job_id: str) -> str:
+    """`scancel JOB` for a job that has not started (nothing trained, nothing lost)."""
+    try:
+        done = subprocess.run(["scancel", job_id], capture_output=True, text=True,
+                              timeout=_TIMEOUT_S, check=False)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"failed: scancel: {error}"
+    return "sent" if done.returncode == 0 else f"failed: scancel: {done.stderr.strip()}"
