@@ -213,7 +213,7 @@ def adopted_dict(view: JobView) -> dict[str, Any]:
                     "rank": m.rank if m.rank is not None else ranks.get(m.pid),
                 }
                 for m in run.members
-            ],  # fmt: skip
+            ],
             "worker_pids": [p.pid for p in workers],
             "run_dir_source": run.run_dir_source,
             "slurm_job": run.slurm_job,
