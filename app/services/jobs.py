@@ -387,7 +387,9 @@ class JobTracker:
             watch_only_view(r, tuple(consoles[r.log_path].lines)[-CONSOLE_LINES:]) for r in runs
         ]
         self.adopted = self.refresh_adopted(results_roots, procs, snapshot, active)
-        return [*self.watch_only, *self.adopted]
+        # What the board shows between two readings of /proc (tui.py reads `watch_only`).
+        self.watch_only = [*self.watch_only, *self.adopted]
+        return self.watch_only
 
     def refresh_adopted(
         self,
