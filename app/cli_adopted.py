@@ -19,7 +19,7 @@ from app.services.discovery import RUN_ID_PREFIX
 from app.services.jobs import JobTracker, JobView
 from app.services.registry import Registry
 from app.services.signals import kill as kill_job
-from app.services.signals import plan_stop, send_stop
+from app.services.signals import plan_stop, send_stop, slurm_step_of
 from app.services.slurm_jobs import SLURM_ID_PREFIX, cancel_pending
 from trainer.schema import ENDED_STATES, resolve_roots
 
@@ -96,6 +96,9 @@ def stop(options: argparse.Namespace, registry: Registry, view: JobView) -> int:
               f"device {target.device}  host {target.host}")  # fmt: skip
     if not options.yes:
         return _error("add --yes to send the stop to a run nnui did not launch", EXIT_USAGE)
+    step = slurm_step_of(plan, job)
+    if step is not None:  # the workers are the step's tasks: SLURM signals exactly them
+        print(f"  via scancel --signal=USR1 {step} (the step's tasks; never the batch shell)")
     records = send_stop(plan, job, registry)
     failed = [r for r in records if r.result != "sent"]
     for record in failed:

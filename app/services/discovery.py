@@ -444,13 +444,17 @@ def _adopted(group: list[ProcRow], watched: Sequence[Path]) -> AdoptedRun | None
         members = tuple(replace(m, rank=0) if m is workers[0] else m for m in members)
     top = group[0]
     env = next((row.environ for row in group if row.environ), None) or {}
+    # SLURM's ids from a rank (an srun's own environment names no step of its tasks).
+    ranks = {m.pid for m in members if m.role == "worker"}
+    slurm = next((row.environ for row in group if row.pid in ranks and row.environ
+                  and row.environ.get("SLURM_JOB_ID")), None) or {}  # fmt: skip
     return AdoptedRun(
         run_id=f"{RUN_ID_PREFIX}{top.pid}", uid=top.uid, owner=user_name(top.uid),
         top_pid=top.pid, start_time=top.start_time, members=members,
         launcher=_launcher(members), args=found[1] if found else None, argv=top.cmdline,
         run_dir=run_dir, run_dir_source=source,
         env={k: v for k, v in env.items() if k in ROOT_ENVS.values()}, cwd=top.cwd,
-        slurm_job=env.get("SLURM_JOB_ID"), slurm_step=env.get("SLURM_STEP_ID"),
+        slurm_job=slurm.get("SLURM_JOB_ID"), slurm_step=slurm.get("SLURM_STEP_ID"),
     )  # fmt: skip
 
 
@@ -467,7 +471,9 @@ def _merge(runs: list[AdoptedRun]) -> list[AdoptedRun]:
             out.append(run)
             continue
         launcher = run.launcher if held.launcher == "single" else held.launcher
-        merged = replace(held, members=held.members + run.members, launcher=launcher)
+        merged = replace(held, members=held.members + run.members, launcher=launcher,
+                         slurm_job=held.slurm_job or run.slurm_job,
+                         slurm_step=held.slurm_step or run.slurm_step)  # fmt: skip
         out[out.index(held)] = by_dir[key] = merged  # type: ignore[index]
     return out
 

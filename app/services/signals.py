@@ -68,6 +68,7 @@ __all__ = [  # identity lives in procs.py, planning in targets.py; re-exported a
     "send_adopted_stop",
     "send_stop",
     "signal_job",
+    "slurm_step_of",
     "topology_problem",
     "topology_ranks",
 ]  # fmt: skip
@@ -150,7 +151,7 @@ def send_stop(plan: StopPlan, job: Job, registry: Registry) -> list[SignalRecord
     return records
 
 
-def _slurm_step(plan: StopPlan, job: Job) -> str | None:
+def slurm_step_of(plan: StopPlan, job: Job) -> str | None:
     """`JOB.STEP` when every target is a task of that srun step (a child of slurmstepd):
     then SLURM delivers the stop to exactly the step's tasks (scancel --signal=USR1)."""
     step_job, step = job.env.get("SLURM_JOB_ID"), job.env.get("SLURM_STEP_ID")
@@ -177,7 +178,7 @@ def send_adopted_stop(plan: StopPlan, job: Job) -> list[SignalRecord]:
     now = time.time()
     if not plan.ok:
         return [SignalRecord(now, 0, "SIGUSR1", None, f"refused: {plan.reason}")]
-    step = _slurm_step(plan, job)
+    step = slurm_step_of(plan, job)
     if step is not None:
         result = slurm_signal_step(step)
         return [SignalRecord(now, t.pid, "SIGUSR1", t.rank, result) for t in plan.targets]
