@@ -10,11 +10,11 @@ Exit codes as app/main.py says: 0 ok, 1 refused, 2 usage, 3 nothing to do.
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
-from pathlib import Path
 
-from app.services.adopted import resume_command, start_resume
+from app.services import launcher
+from app.services.adopted import resume_plan
+from app.services.claims import ClaimRefused
 from app.services.discovery import RUN_ID_PREFIX
 from app.services.jobs import JobTracker, JobView
 from app.services.registry import Registry
@@ -138,15 +138,17 @@ def resume(options: argparse.Namespace, registry: Registry, view: JobView) -> in
     if view.state == "finished":
         print(f"nothing to do: run {job.job_id} finished training")
         return EXIT_NOTHING
-    planned = resume_command(job)
-    if isinstance(planned, str):
-        return _error(f"cannot resume {job.job_id}: {planned}", EXIT_REFUSED)
-    argv, env = planned
+    plan = resume_plan(job)
+    if isinstance(plan, str):
+        return _error(f"cannot resume {job.job_id}: {plan}", EXIT_REFUSED)
     try:
-        pid = start_resume(job, argv, env)
+        started = launcher.start(plan, registry)
+    except ClaimRefused as refused:
+        return _error(f"cannot resume {job.job_id}: {refused}", EXIT_REFUSED)
     except OSError as problem:
         return _error(f"cannot resume {job.job_id}: {problem}", EXIT_REFUSED)
-    roots = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
-    print(f"{RUN_ID_PREFIX}{pid}  {roots} {shlex.join(argv)}")
-    print(f"  console: {Path(job.run_dir) / 'console.log'}", file=sys.stderr)
+    # On stderr: stdout stays one started job id per line, for scripts.
+    print(f"resume {job.job_id} as it was started, with --c: {launcher.preview(plan)}",
+          file=sys.stderr)  # fmt: skip
+    print(f"{started.job_id}  fold {started.fold}  {started.mode}  {started.run_dir}")
     return EXIT_OK

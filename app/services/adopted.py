@@ -16,21 +16,28 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import sys
-import time
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.services.discovery import RUN_ID_PREFIX, AdoptedRun, TrainArgs
+from app.services.consoles import console_name
+from app.services.discovery import RUN_ID_PREFIX, AdoptedRun, TrainArgs, parse_args
 from app.services.job_events import CLOCK_SLACK_S
+from app.services.launcher import LaunchPlan, torchrun_entry
 from app.services.procs import ticks_to_wall_s
-from app.services.registry import Job, ProcessRecord
-from trainer.schema import CONFIG_FILE, CONSOLE_FILE, EVENTS_FILE, ROOT_ENVS, Kind, parse_event
-from trainer.schema import __file__ as schema_file
+from app.services.registry import Job, ProcessRecord, new_job_id
+from trainer.schema import (
+    CONFIG_FILE,
+    CONSOLE_FILE,
+    EVENTS_FILE,
+    JOB_ID_ENV,
+    ROOT_ENVS,
+    Kind,
+    parse_event,
+)
 
 MAX_SCAN_BYTES = 64 << 20  # an events file larger than this is not scanned for history
 
@@ -159,10 +166,17 @@ def ended_job(run: FolderRun) -> Job:
         dataset=run.dataset, configuration=run.configuration, fold=run.fold,
         mode={"spawn": "spawn", "torchrun": "torchrun"}.get(run.launcher, "single"),
         device="cpu" if _flag(run.argv, "-device") == "cpu" else "cuda", gpus=[],
-        simulated=False, argv=list(run.argv), env={}, run_dir=run.run_dir,
+        simulated=False, argv=list(run.argv), env=_roots_env(run.run_dir), run_dir=run.run_dir,
+        trainer_args=_rest_args(run.argv),
         console_path=os.path.join(run.run_dir, CONSOLE_FILE), ended_at=run.ended_t,
         note=f"adopted: started outside nnui ({run.launcher}), ended while nnui was not looking",
     )  # fmt: skip
+
+
+def _rest_args(argv: Sequence[str]) -> list[str]:
+    """The trainer arguments after dataset, configuration and fold, without the device, the
+    rank count and --c (what a resume through nnui's launcher adds itself)."""
+    return _trainer_args(parse_args(argv))
 
 
 def _flag(argv: Sequence[str], name: str) -> str | None:
@@ -201,21 +215,35 @@ class EndedScan:
 # ---- resume: the way it was started, with --c ------------------------------------------------
 
 
-def resume_command(job: Job) -> tuple[list[str], dict[str, str]] | str:
-    """(argv, environment additions) that continue an adopted run as it was started, or
-    why it cannot (one line)."""
+def resume_plan(job: Job) -> LaunchPlan | str:
+    """The launch that continues an adopted run as it was started (its own argv + `--c`,
+    in its own roots, the same launcher and rank count), as an nnui job with a supervisor
+    from then on; or why it cannot (one line)."""
     run = newest_run(job.run_dir) if job.run_dir else None
     if run is None or not run.argv:
         return f"no run_started with its argv in {job.run_dir or 'an unknown folder'}"
     if run.launcher not in ("single", "spawn", "torchrun"):
         return (f"it was started by {run.launcher} (srun/SLURM): submit its job script again "
-                "(it continues with --c)")  # fmt: skip
+                "with --c")  # fmt: skip
     args = [a for a in run.argv if a != "--c"] + ["--c"]
-    entry = [sys.executable, "-m", "trainer"]
+    argv = [sys.executable, *trainer_entry_argv(), *args]
     if run.launcher == "torchrun":
-        entry = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc_per_node={run.world_size}", "-m", "trainer"]  # fmt: skip
-    return [*entry, *args], _roots_env(job.run_dir)
+        argv = [sys.executable, *torchrun_entry(), "--standalone",
+                f"--nproc_per_node={run.world_size}", *trainer_entry_argv(), *args]  # fmt: skip
+    job_id = new_job_id(run.fold)
+    env = {JOB_ID_ENV: job_id, **_roots_env(job.run_dir)}
+    positional = args[3:]
+    return LaunchPlan(
+        job_id=job_id, fold=run.fold, argv=argv, env=env, gpus=[], mode=job.mode,
+        run_dir=Path(job.run_dir), console_path=Path(job.run_dir) / console_name(job_id),
+        after=None, dataset=run.dataset, configuration=run.configuration,
+        device="cpu" if _flag(run.argv, "-device") == "cpu" else "cuda",
+        trainer_args=tuple(a for a in positional if a != "--c"), continue_training=True,
+    )  # fmt: skip
+
+
+def trainer_entry_argv() -> list[str]:
+    return ["-m", "trainer"]
 
 
 def _roots_env(run_dir: str) -> dict[str, str]:
@@ -233,26 +261,3 @@ def _roots_env(run_dir: str) -> dict[str, str]:
             if isinstance(value, str) and value:
                 env[ROOT_ENVS[name]] = str(Path(value).parent)
     return env
-
-
-def _python_path() -> str:
-    """`-m trainer` must import this nnui's trainer, whatever the caller's cwd."""
-    here = str(Path(schema_file).resolve().parent.parent)
-    current = os.environ.get("PYTHONPATH")
-    return os.pathsep.join([here, current]) if current else here
-
-
-def start_resume(job: Job, argv: list[str], env: dict[str, str]) -> int:
-    """Start the continuation detached (its own session, output appended to the folder's
-    console.log); returns its pid. It is adopted again at the next refresh."""
-    import subprocess
-
-    console = Path(job.run_dir) / CONSOLE_FILE
-    with open(console, "ab") as handle:
-        handle.write(f"\n# nnui resume {time.ctime()}: {shlex.join(argv)}\n".encode())
-        handle.flush()
-        proc = subprocess.Popen(
-            argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **env, "PYTHONPATH": _python_path()}, start_new_session=True,
-        )  # fmt: skip
-    return proc.pid

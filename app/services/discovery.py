@@ -27,7 +27,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from app.services.procs import ProcRow, descendants, process_table, user_name
+from app.services.procs import (
+    ProcRow,
+    descendants,
+    held_folder,
+    process_table,
+    read_comm,
+    user_name,
+)
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, EVENTS_FILE, JOB_ID_ENV, ROOT_ENVS
 
 RUN_ID_PREFIX = "run:"  # an adopted run's id: "run:<pid of its topmost process>"
@@ -319,22 +326,6 @@ def _members(group: list[ProcRow]) -> tuple[Member, ...]:
 # ---- the run folder --------------------------------------------------------------------------
 
 
-def held_run_dir(pid: int) -> str | None:
-    """The folder of an open events.jsonl or owner.lock among /proc/PID/fd (own processes)."""
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return None
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("/") and os.path.basename(target) in (EVENTS_FILE, LOCK_FILE):
-            return os.path.dirname(target)
-    return None
-
-
 def _dataset_dirs(root: Path, dataset: str) -> list[Path]:
     try:
         if dataset.isdigit():
@@ -403,7 +394,7 @@ def _run_dir(group: list[ProcRow], found: tuple[ProcRow, TrainArgs] | None,
     me = os.getuid()
     for row in group:
         if row.uid == me or me == 0:
-            held = held_run_dir(row.pid)
+            held = held_folder(row.pid, (EVENTS_FILE, LOCK_FILE))
             if held is not None:
                 return os.path.realpath(held), "fd"
     if found is not None:
@@ -420,17 +411,11 @@ def _launcher(members: Sequence[Member]) -> str:
     roles = {m.role for m in members}
     if "agent" in roles:
         return "torchrun"
-    if "step" in roles or any(m.ppid and _is_stepd(m.ppid) for m in members if m.role == "worker"):
+    if "step" in roles or any(
+        m.ppid and read_comm(m.ppid) == "slurmstepd" for m in members if m.role == "worker"
+    ):
         return "srun"
     return "spawn" if "launcher" in roles else "single"
-
-
-def _is_stepd(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/comm") as handle:
-            return handle.read().strip() == "slurmstepd"
-    except OSError:
-        return False
 
 
 def _adopted(group: list[ProcRow], watched: Sequence[Path]) -> AdoptedRun | None:

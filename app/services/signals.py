@@ -24,6 +24,7 @@ from app.services.procs import (
     process_identity,
     process_start_ticks,
     process_start_time,
+    read_comm,
     record_alive,
 )
 from app.services.registry import Job, ProcessRecord, Registry, SignalRecord, valid_pid
@@ -159,17 +160,9 @@ def slurm_step_of(plan: StopPlan, job: Job) -> str | None:
         return None
     for target in plan.targets:
         info = proc_info(target.pid)
-        if info is None or _comm(info.ppid) != "slurmstepd":
+        if info is None or read_comm(info.ppid) != "slurmstepd":
             return None
     return f"{step_job}.{step}"
-
-
-def _comm(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/comm") as handle:
-            return handle.read().strip()
-    except OSError:
-        return None
 
 
 def send_adopted_stop(plan: StopPlan, job: Job) -> list[SignalRecord]:
