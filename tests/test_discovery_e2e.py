@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_tui_fixtures import screen_of, wait_for
+from test_tui_fixtures import kill_started_jobs, screen_of, wait_for
 
 from app.screens.confirm import StopConfirmScreen
 from app.screens.dashboard import DashboardScreen
@@ -59,7 +59,7 @@ class Hand:
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path, self.procs = tmp_path, {}
-        self.groups: list[int] = []  # sessions started by nnui resume
+        self.states: list[Path] = []  # registries of jobs nnui resume started
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         with open(self.tmp_path / f"{name}.log", "w") as log:
@@ -77,9 +77,8 @@ class Hand:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        for group in self.groups:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGKILL)
+        for state in self.states:
+            kill_started_jobs(state)
 
 
 @pytest.fixture
@@ -219,28 +218,21 @@ async def _board_lists_and_stops(demo, results: Path, job_id: str, ids: set[str]
 
 
 def _resume_and_kill(env: dict[str, str], results: Path, rows: dict, hand: Hand) -> None:
-    """`nnui resume` starts the single run again with --c in its own roots; kill ends it."""
+    """`nnui resume` starts the single run again as it was started (its argv + --c, its
+    roots), as an nnui job from then on: listed once (not also adopted); kill ends it."""
     stopped = next(i for i, r in rows.items() if r["run_dir"].endswith("fold_2"))
     done = _nnui(env, "resume", stopped, "--results", str(results))
     assert done.returncode == 0, done.stderr
     new_id = done.stdout.split()[0]
-    assert new_id.startswith("run:") and "--c" in done.stdout
-    hand.groups.append(int(new_id.removeprefix("run:")))  # its own session: killed at the end
+    assert "--c" in done.stderr and "--epochs 300" in done.stderr, done.stderr
+    hand.states.append(Path(env["XDG_STATE_HOME"]) / "nnui")
 
-    def live() -> dict | None:
-        row = _rows(env, results).get(new_id)
-        return row if row and row["state"] in ("running", "starting") else None
+    def live() -> list[dict] | None:
+        found = [r for r in _rows(env, results).values() if r["run_dir"].endswith("fold_2")
+                 and r["state"] in ("running", "starting")]  # fmt: skip
+        return found if found and (found[0]["epoch"] or 0) > 0 else None
 
-    row = _until(live, "the resumed run")
-    assert "--c" in row["argv"] and row["run_dir"].endswith("fold_2")
-    done = _nnui(env, "kill", new_id, "--yes", "--grace", "20", "--results", str(results))
+    (row,) = _until(live, "the resumed run")  # one row: nnui's job, not an adopted copy
+    assert row["id"] == new_id and not row["adopted"]
+    done = _nnui(env, "kill", new_id, "--yes", "--grace", "20")
     assert done.returncode == 0, done.stderr
-    pid = int(new_id.removeprefix("run:"))
-    _until(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), "the kill")
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
