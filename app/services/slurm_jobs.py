@@ -15,6 +15,7 @@ import getpass
 import shlex
 import shutil
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from app.services.discovery import TrainArgs, launched_args, parse_args, trainer
 
 SLURM_ID_PREFIX = "slurm:"
 _TIMEOUT_S = 10
+POLL_INTERVAL_S = 5.0
 Runner = Callable[[list[str]], str | None]
 
 
@@ -72,11 +74,23 @@ def script_args(script: str) -> TrainArgs | None:
 class SlurmWatcher:
     """The user's SLURM trainings; each job's script is read once."""
 
-    def __init__(self, run: Runner = _run) -> None:
+    def __init__(self, run: Runner = _run, interval_s: float = POLL_INTERVAL_S) -> None:
         self._run = run
         self._scripts: dict[str, TrainArgs | None] = {}
+        self.interval_s = interval_s
+        self._last: tuple[float, list[SlurmJob]] | None = None
 
     def jobs(self) -> list[SlurmJob]:
+        """The user's SLURM trainings; squeue is asked at most every `interval_s` (each
+        call is a request to slurmctld, which a login node shares with everyone)."""
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < self.interval_s:
+            return self._last[1]
+        found = self._read()
+        self._last = (now, found)
+        return found
+
+    def _read(self) -> list[SlurmJob]:
         out = self._run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%T|%j|%r|%N"])
         if not out:
             return []
