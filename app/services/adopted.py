@@ -137,8 +137,6 @@ def newest_run(run_dir: str) -> FolderRun | None:
 def _claimed(run: FolderRun, jobs: Iterable[Job]) -> bool:
     """A registry job of the folder owns this run (it started at or after the job)."""
     for job in jobs:
-        if os.path.realpath(job.run_dir) != run.run_dir:
-            continue
         if run.started_t < job.created_at - CLOCK_SLACK_S:
             continue
         if job.ended_at is None or run.started_t <= job.ended_at + CLOCK_SLACK_S:
@@ -192,9 +190,12 @@ class EndedScan:
     """Runs that ended unseen, read again only when an events file changed."""
 
     def __init__(self) -> None:
-        self._cache: dict[str, tuple[tuple[int, float], FolderRun | None]] = {}
+        self._cache: dict[str, tuple[tuple[int, float], FolderRun | None, Job | None]] = {}
 
     def runs(self, roots: Iterable[Path], jobs: Sequence[Job], live: set[str]) -> list[Job]:
+        by_folder: dict[str, list[Job]] = {}
+        for job in jobs:  # one realpath per job, not one per job and folder
+            by_folder.setdefault(os.path.realpath(job.run_dir), []).append(job)
         out, cache = [], {}
         for folder in run_folders(roots):
             try:
@@ -203,11 +204,16 @@ class EndedScan:
                 continue
             key = (stat.st_size, stat.st_mtime)
             held = self._cache.get(folder)
-            run = held[1] if held and held[0] == key else newest_run(folder)
-            cache[folder] = (key, run)
-            if run is None or folder in live or _claimed(run, jobs):
+            if held is not None and held[0] == key:
+                run, job = held[1], held[2]
+            else:
+                run = newest_run(folder)
+                job = ended_job(run) if run is not None else None
+            cache[folder] = (key, run, job)
+            if run is None or job is None or folder in live:
                 continue
-            out.append(ended_job(run))
+            if not _claimed(run, by_folder.get(folder, ())):
+                out.append(job)
         self._cache = cache
         return out
 
@@ -252,7 +258,7 @@ def _roots_env(run_dir: str) -> dict[str, str]:
     env = {ROOT_ENVS["results"]: str(Path(run_dir).parent.parent.parent)}
     try:
         config: Any = json.loads((Path(run_dir) / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         config = {}
     if isinstance(config, dict):
         for key, name in (("preprocessed_dataset_dir", "preprocessed"),
