@@ -51,6 +51,7 @@ def record(signum, frame):
 
 signal.signal(signal.SIGUSR1, record)
 signal.signal(signal.SIGTERM, record)
+held = open(os.environ["FAKE_OPEN"], "a") if os.environ.get("FAKE_OPEN") else None
 print("ready", flush=True)
 time.sleep(120)
 """
@@ -81,7 +82,8 @@ def test_command_lines_are_classified() -> None:
     assert parse_args(["900", "2d"]) is None  # no fold: not a run
 
 
-def test_groups_are_one_run_each_with_roles_and_ranks() -> None:
+def test_groups_are_one_run_each_with_roles_and_ranks(monkeypatch) -> None:
+    monkeypatch.delenv("NNUI_ADOPT_SCOPE", raising=False)  # folders of no watched root
     fork = [PY, "-c", "from multiprocessing.spawn import spawn_main; spawn_main()",
             "--multiprocessing-fork"]  # fmt: skip
     rows = [
@@ -209,11 +211,11 @@ def _events(folder: Path, t: float, pids: list[int], extra: str = "") -> None:
 
 
 def _start_fake(started: Started, script: Path, results: Path, fold: str, log: Path,
-                user: str | None = None) -> subprocess.Popen:  # fmt: skip
+                user: str | None = None, **env_extra: str) -> subprocess.Popen:  # fmt: skip
     argv = [FAKE_PY, str(script), "900", "2d", fold, "-device", "cpu", "--results", str(results)]
     if user is not None:
         argv = ["runuser", "-u", user, "--", *argv]
-    env = {**os.environ, "FAKE_SIGNAL_LOG": str(log)}
+    env = {**os.environ, "FAKE_SIGNAL_LOG": str(log), **env_extra}
     proc = started.start(argv, env=env, cwd=str(script.parent))
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
     return proc
@@ -316,3 +318,23 @@ def _check_other_user(env, results: Path, victim: subprocess.Popen, log: Path) -
 def test_other_user_needs_root() -> None:
     if _other_user() is None:
         pytest.skip("another user's run needs root (useradd, runuser) to be started here")
+
+
+def test_a_run_under_any_results_root_is_found_from_its_open_events_file(started, tmp_path):
+    """The run's argv names no existing folder and its root is not watched: the events.jsonl
+    it holds open names its folder (own processes; /proc/PID/fd)."""
+    script = _fake_trainer(tmp_path)
+    elsewhere = _fold(tmp_path / "elsewhere", "0")
+    proc = _start_fake(started, script, tmp_path / "nowhere", "0", tmp_path / "log",
+                       FAKE_OPEN=str(elsewhere / EVENTS_FILE))  # fmt: skip
+    _events(elsewhere, time.time(), [proc.pid])  # replaces the file's content, same inode
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_STATE_HOME": str(tmp_path / "state")}
+    watched = tmp_path / "watched"
+    rows = {r["id"]: r for r in json.loads(
+        _nnui("status", "--json", "--results", str(watched), env={**env, "NNUI_ADOPT_SCOPE": ""}
+              ).stdout)}  # fmt: skip
+    row = rows[f"run:{proc.pid}"]
+    assert (row["run_dir"], row["run_dir_source"]) == (str(elsewhere.resolve()), "fd")
+    assert (row["epoch"], row["launcher"], row["num_ranks"]) == (1, "single", 1)
+    scoped = _nnui("status", "--json", "--results", str(watched), env=env)
+    assert f"run:{proc.pid}" not in scoped.stdout  # the suite's scope: watched roots only

@@ -37,6 +37,7 @@ from app.services.procs import (
 )
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, EVENTS_FILE, JOB_ID_ENV, ROOT_ENVS
 
+SCOPE_ENV = "NNUI_ADOPT_SCOPE"  # test hook: "roots" = only runs under the watched roots
 RUN_ID_PREFIX = "run:"  # an adopted run's id: "run:<pid of its topmost process>"
 ENTRY_NAMES = ("nnui-train",)
 TRAINER_MODULES = ("trainer", "trainer.run")
@@ -475,10 +476,15 @@ def discover(
         detail=lambda _: True, roots=is_related
     )  # fmt: skip
     excluded = {os.path.realpath(d) for d in exclude_dirs}
+    within = [os.path.realpath(r) + os.sep for r in roots]
+    scoped = os.environ.get(SCOPE_ENV) == "roots"
     runs = []
     for group in _groups(rows).values():
         run = _adopted(group, roots)
-        if run is not None and (run.run_dir is None or run.run_dir not in excluded):
-            runs.append(run)
+        if run is None or (run.run_dir is not None and run.run_dir in excluded):
+            continue
+        if scoped and not (run.run_dir and any(run.run_dir.startswith(w) for w in within)):
+            continue
+        runs.append(run)
     # An srun whose tasks were not found (they run on other nodes) is no run of this box.
     return [r for r in _merge(runs) if any(m.role != "step" for m in r.members)]
