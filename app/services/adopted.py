@@ -25,6 +25,7 @@ from typing import Any
 
 from app.services.consoles import console_name
 from app.services.discovery import RUN_ID_PREFIX, AdoptedRun, TrainArgs, parse_args
+from app.services.gpus import MachineSnapshot, parse_visible_devices
 from app.services.job_events import CLOCK_SLACK_S
 from app.services.launcher import LaunchPlan, torchrun_entry
 from app.services.procs import ticks_to_wall_s
@@ -56,7 +57,20 @@ def _trainer_args(args: TrainArgs | None) -> list[str]:
     return out
 
 
-def adopted_job(run: AdoptedRun) -> Job:
+def run_gpus(run: AdoptedRun, snapshot: MachineSnapshot | None) -> list[str]:
+    """The GPUs a CUDA run uses: NVML's process lists, else its CUDA_VISIBLE_DEVICES."""
+    if run.args is None or run.args.device != "cuda":
+        return []
+    if snapshot is not None and not snapshot.simulated:
+        pids = set(run.pids)
+        used = [str(g.index) for g in snapshot.gpus if any(p.pid in pids for p in g.processes)]
+        if used:
+            return used
+    visible = parse_visible_devices(run.env.get("CUDA_VISIBLE_DEVICES")) or []
+    return visible[: run.world_size]
+
+
+def adopted_job(run: AdoptedRun, snapshot: MachineSnapshot | None = None) -> Job:
     """The Job of a live adopted run (never stored): the topmost process is its `trainer`,
     each rank a `worker` (what a stop may reach), with start ticks as discovered."""
     created = run.start_time or 0.0
@@ -79,7 +93,8 @@ def adopted_job(run: AdoptedRun) -> Job:
         dataset=Path(folder).parent.parent.name if folder else (args.dataset if args else "?"),
         configuration=args.configuration if args else "?", fold=args.fold if args else "?",
         mode=run.mode, device="cpu" if args and args.device == "cpu" else "cuda",
-        gpus=list(run.gpus), simulated=False, argv=list(run.argv), env=env, run_dir=folder,
+        gpus=run_gpus(run, snapshot), simulated=False, argv=list(run.argv), env=env,
+        run_dir=folder,
         console_path=os.path.join(folder, CONSOLE_FILE) if folder else os.devnull,
         processes=processes, trainer_args=_trainer_args(args),
         continue_training=bool(args and args.continue_training),

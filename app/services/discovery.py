@@ -49,6 +49,7 @@ _VALUE_OPTIONS = {"-tr", "-p", "-num_gpus", "-device", "-pretrained_weights", "-
                   "--val-iterations", "--save-every", "--seed", "--malloc",
                   "--recompute-norm", "--precision", "--num-workers"}  # fmt: skip
 _PY_VALUE_OPTIONS = {"-X", "-W", "-Q"}
+_KEPT_ENV = (*ROOT_ENVS.values(), "CUDA_VISIBLE_DEVICES")
 
 
 def _is_python(arg: str) -> bool:
@@ -439,7 +440,7 @@ def _adopted(group: list[ProcRow], watched: Sequence[Path]) -> AdoptedRun | None
         top_pid=top.pid, start_time=top.start_time, members=members,
         launcher=_launcher(members), args=found[1] if found else None, argv=top.cmdline,
         run_dir=run_dir, run_dir_source=source,
-        env={k: v for k, v in env.items() if k in ROOT_ENVS.values()}, cwd=top.cwd,
+        env={k: v for k, v in env.items() if k in _KEPT_ENV}, cwd=top.cwd,
         slurm_job=slurm.get("SLURM_JOB_ID"), slurm_step=slurm.get("SLURM_STEP_ID"),
     )  # fmt: skip
 
@@ -457,7 +458,9 @@ def _merge(runs: list[AdoptedRun]) -> list[AdoptedRun]:
             out.append(run)
             continue
         launcher = run.launcher if held.launcher == "single" else held.launcher
+        starts = [t for t in (held.start_time, run.start_time) if t is not None]
         merged = replace(held, members=held.members + run.members, launcher=launcher,
+                         start_time=min(starts) if starts else None,
                          slurm_job=held.slurm_job or run.slurm_job,
                          slurm_step=held.slurm_step or run.slurm_step)  # fmt: skip
         out[out.index(held)] = by_dir[key] = merged  # type: ignore[index]

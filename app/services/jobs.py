@@ -403,7 +403,7 @@ class JobTracker:
         live = discover(results_roots, procs, exclude_dirs=active)
         live_ids = {run.run_id for run in live}
         for run in live:
-            self._adopted[run.run_id] = (adopted_job(run), run)
+            self._adopted[run.run_id] = (adopted_job(run, snapshot), run)
         for run_id, (job, _) in list(self._adopted.items()):
             if run_id not in live_ids and not job.run_dir:
                 del self._adopted[run_id]  # gone, and no folder to say how it ended
