@@ -246,7 +246,7 @@ def _status(env: dict[str, str], results: Path) -> list[dict]:
     return [r for r in json.loads(done.stdout) if str(results) in (r.get("run_dir") or "")]
 
 
-def test_forged_and_stale_folders_never_lead_to_a_signal(started, tmp_path) -> None:
+async def test_forged_and_stale_folders_never_lead_to_a_signal(started, tmp_path) -> None:
     """Four folders, one stand-in trainer each: a topology naming an unrelated process of
     ours (a reused pid), a stale topology written before the process started, a corrupt
     events file, and (as root) another user's pid in our folder. status lists every one;
@@ -300,6 +300,9 @@ def test_forged_and_stale_folders_never_lead_to_a_signal(started, tmp_path) -> N
         assert text.returncode == 0 and "Traceback" not in text.stderr
         if victim is not None:
             _check_other_user(env, results, victim, shared / "victim.log")
+        others = [f"run:{_trainer_pid(victim)}"] if victim is not None else []
+        await _board(results, tmp_path, [f"run:{p.pid}" for p in fakes.values()], others)
+        assert bystander.poll() is None and not (shared / "victim.log").exists()
     finally:
         shutil.rmtree(shared, ignore_errors=True)
 
@@ -338,3 +341,33 @@ def test_a_run_under_any_results_root_is_found_from_its_open_events_file(started
     assert (row["epoch"], row["launcher"], row["num_ranks"]) == (1, "single", 1)
     scoped = _nnui("status", "--json", "--results", str(watched), env=env)
     assert f"run:{proc.pid}" not in scoped.stdout  # the suite's scope: watched roots only
+
+
+async def _board(results: Path, tmp_path: Path, own: list[str], others: list[str]) -> None:
+    """The board lists every forged run; their detail views open; `s` on another user's
+    run shows the refusal; nothing crashes."""
+    from test_tui_fixtures import screen_of, wait_for
+
+    from app.screens.confirm import RefusalScreen
+    from app.screens.dashboard import DashboardScreen
+    from app.screens.job_detail import JobDetailScreen
+    from app.tui import TuiConfig, make_app
+    from trainer.schema import Roots
+
+    config = TuiConfig(roots=Roots(results, results, results), state_dir=tmp_path / "tui",
+                       simulate_gpus=1, jobs_interval_s=0.25, procs_interval_s=0.25)  # fmt: skip
+    app = make_app(config)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_for(lambda: all(app.view_of(i) is not None for i in own + others), pilot)
+        assert all(app.view_of(i).watch_only for i in others)
+        for job_id in own + others:
+            await screen_of(app, pilot, DashboardScreen)
+            await pilot.press("slash", *job_id.removeprefix("run:"), "enter", "enter")
+            await screen_of(app, pilot, JobDetailScreen)
+            await pilot.press("escape")
+            await screen_of(app, pilot, DashboardScreen)
+            if job_id in others:
+                await pilot.press("s")
+                await screen_of(app, pilot, RefusalScreen)
+                await pilot.press("escape")
+            await pilot.press("slash", "escape")

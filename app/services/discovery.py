@@ -424,6 +424,8 @@ def _adopted(group: list[ProcRow], watched: Sequence[Path]) -> AdoptedRun | None
     if any((row.environ or {}).get(JOB_ID_ENV) for row in group):
         return None  # launched by nnui: its job shows it
     found = _trainer_row(group)
+    if found is None:
+        return None  # no fold in its argv: the trainer refuses such a command at once
     run_dir, source = _run_dir(group, found, watched)
     members = _members(group)
     workers = [m for m in members if m.role == "worker"]
@@ -438,7 +440,7 @@ def _adopted(group: list[ProcRow], watched: Sequence[Path]) -> AdoptedRun | None
     return AdoptedRun(
         run_id=f"{RUN_ID_PREFIX}{top.pid}", uid=top.uid, owner=user_name(top.uid),
         top_pid=top.pid, start_time=top.start_time, members=members,
-        launcher=_launcher(members), args=found[1] if found else None, argv=top.cmdline,
+        launcher=_launcher(members), args=found[1], argv=top.cmdline,
         run_dir=run_dir, run_dir_source=source,
         env={k: v for k, v in env.items() if k in _KEPT_ENV}, cwd=top.cwd,
         slurm_job=slurm.get("SLURM_JOB_ID"), slurm_step=slurm.get("SLURM_STEP_ID"),
