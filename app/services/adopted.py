@@ -211,6 +211,7 @@ class EndedScan:
         by_folder: dict[str, list[Job]] = {}
         for job in jobs:  # one realpath per job, not one per job and folder
             by_folder.setdefault(os.path.realpath(job.run_dir), []).append(job)
+        live = {os.path.realpath(f) for f in live}
         out, cache = [], {}
         for folder in run_folders(roots):
             try:

@@ -386,7 +386,9 @@ class JobTracker:
         self.watch_only = [
             watch_only_view(r, tuple(consoles[r.log_path].lines)[-CONSOLE_LINES:]) for r in runs
         ]
-        self.adopted = self.refresh_adopted(results_roots, procs, snapshot, active)
+        # The folders of live stock nnU-Net runs are not "ended unseen" either.
+        busy = [*active, *(r.fold_dir for r in runs)]
+        self.adopted = self.refresh_adopted(results_roots, procs, snapshot, busy)
         # What the board shows between two readings of /proc (tui.py reads `watch_only`).
         self.watch_only = [*self.watch_only, *self.adopted]
         return self.watch_only
