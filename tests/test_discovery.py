@@ -371,3 +371,36 @@ async def _board(results: Path, tmp_path: Path, own: list[str], others: list[str
                 await screen_of(app, pilot, RefusalScreen)
                 await pilot.press("escape")
             await pilot.press("slash", "escape")
+
+
+def test_runs_that_ended_unseen_are_listed_with_their_outcome(tmp_path) -> None:
+    """The newest run of each folder, claimed by no nnui job: finished, failed, stopped, or
+    lost (no end event, nothing alive); a folder whose newest run is a job's is not listed
+    again; an unreadable events file is skipped."""
+    from test_registry import make_job
+
+    from app.services.jobs import JobTracker
+    from app.services.registry import Registry
+
+    results = tmp_path / "results"
+    now = time.time() - 100
+    outcomes = {"0": "finished", "1": "failed", "2": "stopped", "3": None, "4": "finished"}
+    for fold, end in outcomes.items():
+        folder = _fold(results, fold)
+        _events(folder, now, [4_000_000 + int(fold)])
+        if end is not None:
+            with open(folder / EVENTS_FILE, "a") as handle:
+                handle.write(json.dumps({"t": now + 5, "kind": end}) + "\n")
+    (_fold(results, "all") / EVENTS_FILE).write_bytes(b"\xff\x00{not json\n")
+    registry = Registry(tmp_path / "state")
+    claimed = str(results / "Dataset900_NnuiDemo" / "nnuiTrainer__nnuiPlans__2d" / "fold_4")
+    registry.add(make_job(created_at=now - 10, ended_at=now + 6, run_dir=claimed, fold="4",
+                          exit_code=0))  # fmt: skip
+    tracker = JobTracker(registry)
+    tracker.refresh()
+    views = tracker.refresh_watch_only([results], procs=[])
+    states = {v.job.fold: (str(v.state), v.job.job_id) for v in views}
+    assert {f: s for f, (s, _) in states.items()} == {
+        "0": "finished", "1": "failed", "2": "stopped", "3": "lost"}  # fmt: skip
+    assert states["0"][1] == "run:4000000"  # the rank 0 pid of its topology
+    assert all(v.epoch == 1 and len(v.history) == 1 for v in views)

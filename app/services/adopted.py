@@ -145,8 +145,16 @@ def newest_run(run_dir: str) -> FolderRun | None:
         world_size=int(start.get("world_size") or 1), launcher=str(start.get("launcher") or "?"),
         argv=tuple(argv) if isinstance(argv, list) else (),
         dataset=str(start.get("dataset") or Path(run_dir).parent.parent.name),
-        configuration=str(start.get("configuration") or "?"), fold=str(start.get("fold", "?")),
+        configuration=str(start.get("configuration") or _named(run_dir)[0]),
+        fold=str(start.get("fold", _named(run_dir)[1])),
     )  # fmt: skip
+
+
+def _named(run_dir: str) -> tuple[str, str]:
+    """(configuration, fold) as the folder names them: `T__P__C/fold_F`."""
+    folder = Path(run_dir)
+    parts = folder.parent.name.split("__")
+    return (parts[2] if len(parts) == 3 else "?"), folder.name.removeprefix("fold_")
 
 
 def _claimed(run: FolderRun, jobs: Iterable[Job]) -> bool:
