@@ -391,18 +391,37 @@ def launched_args(cmdline: Sequence[str]) -> TrainArgs | None:
     return None
 
 
-def _run_dir(group: list[ProcRow], found: tuple[ProcRow, TrainArgs] | None,
-             watched: Sequence[Path]) -> tuple[str | None, str | None]:  # fmt: skip
-    me = os.getuid()
-    for row in group:
-        if row.uid == me or me == 0:
-            held = held_folder(row.pid, (EVENTS_FILE, LOCK_FILE))
-            if held is not None:
-                return os.path.realpath(held), "fd"
-    if found is not None:
-        folder = argv_run_dir(found[1], found[0], watched)
+# A process's folder never changes: (pid, start ticks) -> folder, so the fd links of a
+# training (hundreds of them per rank) are read until found, not at every refresh.
+_HELD: dict[tuple[int, int | None], str] = {}
+_HELD_MAX = 4096
+
+
+def _held(member: Member) -> str | None:
+    key = (member.pid, member.start_ticks)
+    folder = _HELD.get(key)
+    if folder is None:
+        folder = held_folder(member.pid, (EVENTS_FILE, LOCK_FILE))
         if folder is not None:
-            return os.path.realpath(folder), "argv"
+            if len(_HELD) >= _HELD_MAX:
+                _HELD.clear()
+            folder = _HELD[key] = os.path.realpath(folder)
+    return folder
+
+
+def _run_dir(members: Sequence[Member], found: tuple[ProcRow, TrainArgs],
+             watched: Sequence[Path]) -> tuple[str | None, str | None]:  # fmt: skip
+    """The run folder: one a rank holds open (our own processes; root reads any), else
+    the one its argv names."""
+    me = os.getuid()
+    for member in members:
+        if member.role in ("worker", "launcher") and (member.uid == me or me == 0):
+            held = _held(member)
+            if held is not None:
+                return held, "fd"
+    folder = argv_run_dir(found[1], found[0], watched)
+    if folder is not None:
+        return os.path.realpath(folder), "argv"
     return None, None
 
 
@@ -426,11 +445,11 @@ def _adopted(group: list[ProcRow], watched: Sequence[Path]) -> AdoptedRun | None
     found = _trainer_row(group)
     if found is None:
         return None  # no fold in its argv: the trainer refuses such a command at once
-    run_dir, source = _run_dir(group, found, watched)
     members = _members(group)
     workers = [m for m in members if m.role == "worker"]
     if len(workers) == 1 and workers[0].rank is None:  # a single process is rank 0
         members = tuple(replace(m, rank=0) if m is workers[0] else m for m in members)
+    run_dir, source = _run_dir(members, found, watched)
     top = group[0]
     env = next((row.environ for row in group if row.environ), None) or {}
     # SLURM's ids from a rank (an srun's own environment names no step of its tasks).
