@@ -281,6 +281,13 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
     ]
     for v in views:
         lines.extend(f"  {v.job.job_id}: {note}" for note in schedule_notes(v))
+        if v.adopted is not None:
+            run = v.adopted
+            lines.append(f"  {v.job.job_id}: started outside nnui by {run.owner} ({run.launcher}, "
+                         f"{run.world_size} rank{'s' if run.world_size > 1 else ''})")  # fmt: skip
+        if v.slurm_state is not None:
+            lines.append(f"  {v.job.job_id}: SLURM job {v.job.env.get('SLURM_JOB_ID')} "
+                         f"{v.slurm_state}")  # fmt: skip
         if v.final_dice is not None:
             lines.append(f"  {v.job.job_id}: final validation Dice {v.final_dice:.3f}")
         for alert in v.alerts:
