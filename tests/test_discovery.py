@@ -404,3 +404,9 @@ def test_runs_that_ended_unseen_are_listed_with_their_outcome(tmp_path) -> None:
         "0": "finished", "1": "failed", "2": "stopped", "3": "lost"}  # fmt: skip
     assert states["0"][1] == "run:4000000"  # the rank 0 pid of its topology
     assert all(v.epoch == 1 and len(v.history) == 1 for v in views)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_STATE_HOME": str(tmp_path / "state2")}
+    done = _nnui("export", "run:4000000", "-o", str(out), "--results", str(results), env=env)
+    assert done.returncode == 0, done.stderr
+    (csv,) = out.glob("*.csv")
+    assert len(csv.read_text().splitlines()) == 2  # the header and the one epoch
