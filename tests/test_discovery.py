@@ -410,3 +410,32 @@ def test_runs_that_ended_unseen_are_listed_with_their_outcome(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     (csv,) = out.glob("*.csv")
     assert len(csv.read_text().splitlines()) == 2  # the header and the one epoch
+
+
+def test_slurm_trainings_are_found_in_own_and_nnui_sbatch_scripts() -> None:
+    """squeue's jobs whose batch script runs the trainer (a user's `srun ... -m trainer`, or
+    what `nnui sbatch` writes); other jobs are not trainings. squeue is asked once per poll
+    interval, each script once."""
+    from app.services import slurm
+    from app.services.slurm_jobs import SlurmWatcher
+
+    spec = slurm.JobSpec(dataset="900", configuration="3d_fullres", fold="3", nodes=1,
+                         gpus_per_node=2, time_limit="01:00:00", procs_per_node=1)  # fmt: skip
+    scripts = {
+        "12": "#!/bin/bash\n#SBATCH -n 1\ncd /x && srun python -m trainer 900 2d 1 -device cpu\n",
+        "13": slurm.render_script(spec),
+        "14": "#!/bin/bash\necho not a training\n",
+    }
+    calls: list[str] = []
+
+    def run(argv: list[str]) -> str | None:
+        calls.append(argv[0])
+        if argv[0] == "squeue":
+            return "12|PENDING|mine|Priority|\n13|RUNNING|nnui|None|n1\n14|RUNNING|other|None|n1\n"
+        return scripts[argv[3]]
+
+    watcher = SlurmWatcher(run)
+    found = {(j.job_id, j.state, j.args.configuration, j.args.fold) for j in watcher.jobs()}
+    assert found == {("12", "PENDING", "2d", "1"), ("13", "RUNNING", "3d_fullres", "3")}
+    watcher.jobs()
+    assert calls == ["squeue", "scontrol", "scontrol", "scontrol"]

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from app.services.discovery import TrainArgs, launched_args, parse_args, trainer_index
 
 SLURM_ID_PREFIX = "slurm:"
-_TIMEOUT_S = 10
+_TIMEOUT_S = 5
 POLL_INTERVAL_S = 5.0
+SLOW_S = 2.0
+BACKOFF_S = 60.0
 Runner = Callable[[list[str]], str | None]
 
 
@@ -78,20 +80,26 @@ class SlurmWatcher:
         self._run = run
         self._scripts: dict[str, TrainArgs | None] = {}
         self.interval_s = interval_s
-        self._last: tuple[float, list[SlurmJob]] | None = None
+        self._last: tuple[float, list[SlurmJob]] | None = None  # (next poll, jobs)
+        self._ok = True
 
     def jobs(self) -> list[SlurmJob]:
         """The user's SLURM trainings; squeue is asked at most every `interval_s` (each
         call is a request to slurmctld, which a login node shares with everyone)."""
         now = time.monotonic()
-        if self._last is not None and now - self._last[0] < self.interval_s:
+        if self._last is not None and now < self._last[0]:
             return self._last[1]
         found = self._read()
-        self._last = (now, found)
+        took = time.monotonic() - now
+        # A controller that does not answer (or answers slowly) is asked again much later:
+        # each call would hold the board's jobs reading for up to the timeout.
+        wait = self.interval_s if self._ok and took < SLOW_S else BACKOFF_S
+        self._last = (time.monotonic() + wait, found)
         return found
 
     def _read(self) -> list[SlurmJob]:
         out = self._run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%T|%j|%r|%N"])
+        self._ok = out is not None
         if not out:
             return []
         found = []
