@@ -439,3 +439,8 @@ def test_slurm_trainings_are_found_in_own_and_nnui_sbatch_scripts() -> None:
     assert found == {("12", "PENDING", "2d", "1"), ("13", "RUNNING", "3d_fullres", "3")}
     watcher.jobs()
     assert calls == ["squeue", "scontrol", "scontrol", "scontrol"]
+    from app.services.job_list import arrange
+    from app.services.jobs import slurm_view
+
+    rows = arrange([slurm_view(j, 0.0) for j in watcher.jobs()])  # no folder: a row each
+    assert sorted(r.job.job_id for r in rows) == ["slurm:12", "slurm:13"]
