@@ -303,6 +303,14 @@ async def test_forged_and_stale_folders_never_lead_to_a_signal(started, tmp_path
         others = [f"run:{_trainer_pid(victim)}"] if victim is not None else []
         await _board(results, tmp_path, [f"run:{p.pid}" for p in fakes.values()], others)
         assert bystander.poll() is None and not (shared / "victim.log").exists()
+        # Our own run may be killed: SIGTERM to its verified topmost process, then SIGKILL.
+        target = fakes["0"]
+        done = _nnui("kill", f"run:{target.pid}", "--yes", "--grace", "1",
+                     "--results", str(results), env=env)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert f"SIGTERM -> pid {target.pid}: sent" in done.stdout, done.stdout
+        assert target.wait(timeout=60) == -signal.SIGKILL  # the stand-in ignores SIGTERM
+        assert log.read_text().splitlines() == ["SIGTERM"] and bystander.poll() is None
     finally:
         shutil.rmtree(shared, ignore_errors=True)
 
