@@ -452,3 +452,35 @@ def test_slurm_trainings_are_found_in_own_and_nnui_sbatch_scripts() -> None:
 
     rows = arrange([slurm_view(j, 0.0) for j in watcher.jobs()])  # no folder: a row each
     assert sorted(r.job.job_id for r in rows) == ["slurm:12", "slurm:13"]
+
+
+async def test_r_on_a_run_that_ended_unseen_offers_its_own_command_with_c(tmp_path) -> None:
+    """The board's resume of an adopted run: its own argv + --c in its own roots, through
+    nnui's launcher (confirmed before anything starts; here declined)."""
+    from test_tui_fixtures import screen_of, wait_for
+
+    from app.screens.confirm import LaunchConfirmScreen
+    from app.screens.dashboard import DashboardScreen
+    from app.tui import TuiConfig, make_app
+    from trainer.schema import Roots
+
+    results = tmp_path / "results"
+    folder = _fold(results, "0")
+    _events(folder, time.time() - 100, [4_100_000])
+    with open(folder / EVENTS_FILE, "a") as handle:
+        handle.write(json.dumps({"t": time.time() - 50, "kind": "stopped", "epoch": 0}) + "\n")
+    config = TuiConfig(roots=Roots(results, results, results), state_dir=tmp_path / "tui",
+                       simulate_gpus=1, jobs_interval_s=0.25, procs_interval_s=0.25)  # fmt: skip
+    app = make_app(config)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_for(lambda: (v := app.view_of("run:4100000")) and v.state == "stopped", pilot)
+        await screen_of(app, pilot, DashboardScreen)
+        await pilot.press("r")
+        screen = await screen_of(app, pilot, LaunchConfirmScreen)
+        text = " ".join(str(p) for p in screen.previews)
+        assert "-m trainer 900 2d 0 --c" in text and f"nnUNet_results={results}" in text, text
+        await pilot.press("n")
+        await screen_of(app, pilot, DashboardScreen)
+    assert not (tmp_path / "tui" / "jobs").exists() or not any(
+        (tmp_path / "tui" / "jobs").iterdir()
+    )
