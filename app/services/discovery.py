@@ -202,7 +202,7 @@ class AdoptedRun:
     start_time: float | None  # wall clock, the topmost process's start
     members: tuple[Member, ...]
     launcher: str  # single | spawn | torchrun | srun
-    args: TrainArgs | None
+    args: TrainArgs
     argv: tuple[str, ...]  # the topmost process's command line
     run_dir: str | None  # None: not found (another user's run under an unwatched root)
     run_dir_source: str | None  # "fd" | "argv" | None
@@ -212,6 +212,12 @@ class AdoptedRun:
     slurm_step: str | None = None
     host: str = field(default_factory=socket.gethostname)
     adopted: bool = True
+    # Read by the watch-only summary of another user's run (its JobView has the figures).
+    gpus: tuple[str, ...] = ()
+    dice_per_class: tuple[float, ...] = ()
+    ema_fg_dice: float | None = None
+    eta_s: float | None = None
+    median_epoch_time_s: float | None = None
 
     @property
     def own(self) -> bool:
@@ -252,12 +258,6 @@ class AdoptedRun:
     @property
     def log_path(self) -> str:
         return os.path.join(self.run_dir, EVENTS_FILE) if self.run_dir else "n/a"
-
-    gpus: tuple[str, ...] = ()
-    dice_per_class: tuple[float, ...] = ()
-    ema_fg_dice: float | None = None
-    eta_s: float | None = None
-    median_epoch_time_s: float | None = None
 
     def refusal_line(self, action: str = "stop") -> str:
         """Why nnui does not signal this run (another user's): one line."""
@@ -369,15 +369,14 @@ def argv_run_dir(args: TrainArgs, row: ProcRow, watched: Sequence[Path]) -> str 
 def _trainer_row(group: list[ProcRow]) -> tuple[ProcRow, TrainArgs] | None:
     """The first process of the group whose argv is the trainer's (its args name the fold)."""
     for row in group:
-        for index in (trainer_index(row.cmdline),):
-            if index is not None:
-                args = parse_args(row.cmdline[index + 1 :])
-                if args is not None:
-                    return row, args
-        if is_agent(row.cmdline) or is_step(row.cmdline):
+        index = trainer_index(row.cmdline)
+        args = None
+        if index is not None:
+            args = parse_args(row.cmdline[index + 1 :])
+        elif is_agent(row.cmdline) or is_step(row.cmdline):
             args = launched_args(row.cmdline)
-            if args is not None:
-                return row, args
+        if args is not None:
+            return row, args
     return None
 
 
