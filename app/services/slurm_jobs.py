@@ -11,7 +11,7 @@ a running one is stopped through its step's workers (signals.py).
 
 from __future__ import annotations
 
-import getpass
+import os
 import shlex
 import shutil
 import subprocess
@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.services.discovery import TrainArgs, launched_args, parse_args, trainer_index
+from app.services.procs import user_name
 
 SLURM_ID_PREFIX = "slurm:"
 _TIMEOUT_S = 5
@@ -98,7 +99,7 @@ class SlurmWatcher:
         return found
 
     def _read(self) -> list[SlurmJob]:
-        out = self._run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%T|%j|%r|%N"])
+        out = self._run(["squeue", "-h", "-u", user_name(os.getuid()), "-o", "%i|%T|%j|%r|%N"])
         self._ok = out is not None
         if not out:
             return []
