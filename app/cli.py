@@ -21,7 +21,7 @@ from app.services import busy_gpus, catalog, job_list, launcher, prediction
 from app.services.claims import ClaimRefused
 from app.services.discovery import RUN_ID_PREFIX as ADOPTED_PREFIX
 from app.services.gpus import GpuMonitor, MachineSnapshot
-from app.services.job_text import resume_from, state_label
+from app.services.job_text import human_duration, resume_from, state_label
 from app.services.jobs import JobTracker, JobView, simulated_gpu_load
 from app.services.nnunet_runs import RUN_ID_PREFIX, WatchOnlyRun, is_train_cmdline, stop_refusal
 from app.services.procs import proc_info
@@ -31,6 +31,7 @@ from app.services.signals import kill_plan, plan_stop, send_stop, topology_ranks
 from app.services.slurm_jobs import SLURM_ID_PREFIX
 from app.services.waiting import between_attempts
 from trainer.schema import (
+    ACTIVE_STATES,
     ENDED_STATES,
     DatasetNotFound,
     Roots,
@@ -77,15 +78,6 @@ def run(options: argparse.Namespace, more: dict[str, Handler] | None = None) -> 
 
 
 # ---- formatting ------------------------------------------------------------------------
-
-
-def fmt_duration(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds):
-        return "n/a"
-    seconds = round(seconds)
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 def _f(value: float | None, fmt: str = "{:.4f}") -> str:
@@ -143,6 +135,7 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "validation_done": view.validation_done,  # while validating: cases done, of
         "validation_cases": view.validation_cases,
         "run_dir_gone": view.run_dir_gone,
+        "data_wait_share": view.data_wait_share,  # newest epoch's share of waiting for data
         "slurm_state": view.slurm_state,  # the user's SLURM job (squeue), else null
     }
 
@@ -247,7 +240,7 @@ def watch_only_table(views: list[JobView]) -> str:
             (
                 job.job_id, run.owner, job.dataset, job.configuration, job.fold, run.trainer,
                 gpus, epoch, _f(v.train_loss), _f(v.val_loss), _f(v.ema_dice, "{:.3f}"),
-                _f(v.mean_epoch_time_s, "{:.1f} s"), fmt_duration(v.eta_s),
+                _f(v.mean_epoch_time_s, "{:.1f} s"), human_duration(v.eta_s),
             )
         )  # fmt: skip
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
@@ -271,7 +264,7 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
             (
                 job.job_id, job.dataset, job.configuration, job.fold, mode, gpus, state_label(v),
                 epoch, _f(v.train_loss), _f(v.val_loss), _f(v.ema_dice, "{:.3f}"),
-                speed, fmt_duration(v.eta_s),
+                speed, human_duration(v.eta_s),
                 "" if v.exit_code is None else str(v.exit_code),
             )
         )  # fmt: skip
@@ -296,7 +289,7 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
             lines.append(f"  {v.job.job_id} console (last lines):")
             lines.extend(f"    {line}" for line in v.console_tail[-5:])
     if cv_eta_s is not None:
-        lines.append(f"cross-validation ETA: {fmt_duration(cv_eta_s)}")
+        lines.append(f"cross-validation ETA: {human_duration(cv_eta_s)}")
     return "\n".join(lines)
 
 
@@ -323,9 +316,21 @@ def _watch_only_views(options: argparse.Namespace, tracker: JobTracker) -> list[
     return views
 
 
+def _on_real_gpus(view: JobView) -> bool:
+    job = view.job
+    return (
+        view.state in ACTIVE_STATES
+        and job.device == "cuda"
+        and not job.simulated
+        and bool(job.gpus)
+    )
+
+
 def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
     tracker = JobTracker(registry, include_forgotten=options.all)  # see `nnui forget`
     views = tracker.refresh()
+    if any(_on_real_gpus(v) for v in views):  # one NVML read: a lost or shared GPU is an alert
+        views = tracker.refresh(_snapshot(options))
     if not options.all:
         cutoff = time.time() - RECENT_S
         views = [v for v in views if v.job.ended_at is None or v.job.ended_at >= cutoff]
@@ -465,7 +470,7 @@ def cmd_stop(options: argparse.Namespace, registry: Registry) -> int:
         return EXIT_NOTHING
     if not options.yes and not sys.stdin.isatty():
         # A script that forgot --yes must not stop a training nobody confirmed.
-        return error("no terminal to confirm the stop: add --yes to send it", EXIT_USAGE)
+        return error("no terminal to confirm the stop: add --yes to send it", EXIT_REFUSED)
     if not options.yes and not _confirm("send the graceful stop?"):
         print("not sent")
         return EXIT_NOTHING
@@ -626,6 +631,7 @@ def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
         schedule=schedule,
         nice=options.nice,
         threads=options.threads,
+        oversubscribe=options.oversubscribe,
     )
     snapshot = None if options.cpu else _snapshot(options)
     return _launch_plans(

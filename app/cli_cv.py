@@ -8,23 +8,18 @@ from dataclasses import asdict
 from typing import Any
 
 from app.services.cross_validation import CvRow, cv_rows, queue_launches
+from app.services.job_text import human_duration
 from app.services.jobs import JobTracker
 from app.services.registry import Registry
+from trainer.schema import State
 
 EXIT_OK = 0
 DASH = "–"
 
 
-def fmt_eta(seconds: float | None) -> str:
-    if seconds is None:
-        return DASH
-    minutes = int(seconds // 60)
-    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m"
-
-
 def fold_text(cell: Any) -> str:
     """`0.8123` for a finished fold with its Dice, else its state (`missing`, `running`)."""
-    if cell.state == "finished" and cell.dice is not None:
+    if cell.state == State.FINISHED and cell.dice is not None:
         return f"{cell.dice:.4f}"
     return cell.state
 
@@ -36,11 +31,38 @@ def row_cells(row: CvRow) -> list[str]:
         spread = f"{row.mean_dice:.4f} ± {row.std_dice or 0.0:.4f}"
     return [row.dataset, row.configuration, row.trainer, row.plans,
             *(fold_text(c) for c in row.folds), spread, f"{row.gpu_hours:.2f}",
-            fmt_eta(row.eta_s)]  # fmt: skip
+            (DASH if row.eta_s is None else human_duration(row.eta_s))]  # fmt: skip
 
 
 HEADER = ["dataset", "config", "trainer", "plans", "fold 0", "fold 1", "fold 2", "fold 3",
           "fold 4", "Dice mean ± std", "GPU-h", "ETA"]  # fmt: skip
+
+# The narrow layout (terminals under ~130 columns, 80x24 included): one short run column,
+# folds as Dice or a short state, no GPU-hours; the watched Dice and ETA stay whole.
+NARROW_HEADER = ["run", "0", "1", "2", "3", "4", "Dice ± sd", "ETA"]
+SHORT_STATE = {
+    "missing": DASH, "running": "run", "validating": "val", "waiting": "wait",
+    "stopping": "stop…", "stopped": "stop", "failed": "FAIL", "unknown": "?",
+}  # fmt: skip
+
+
+def narrow_row_cells(row: CvRow) -> list[str]:
+    """`004 3d_fullres` (+ trainer/plans when not nnui's defaults), folds, Dice, ETA."""
+    run = f"{row.dataset.removeprefix('Dataset')[:3]} {row.configuration}"
+    if (row.trainer, row.plans) != ("nnuiTrainer", "nnuiPlans"):
+        run += f" {row.trainer}/{row.plans}"
+    folds = [f"{c.dice:.3f}" if c.state == "finished" and c.dice is not None
+             else SHORT_STATE.get(c.state, c.state) for c in row.folds]  # fmt: skip
+    spread = DASH
+    if row.mean_dice is not None:
+        spread = f"{row.mean_dice:.2f}±{row.std_dice or 0.0:.2f}"
+    eta = DASH if row.eta_s is None else human_duration(row.eta_s)
+    return [run, *folds, spread, eta]
+
+
+def table_width(header: list[str], rows: list[list[str]], padding: int = 2) -> int:
+    """Cells a DataTable needs for these columns (one cell of padding each side)."""
+    return sum(max(len(h), *(len(r[i]) for r in rows)) + padding for i, h in enumerate(header))
 
 
 def cv_table(rows: list[CvRow]) -> str:

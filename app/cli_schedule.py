@@ -14,6 +14,7 @@ from app.services.hooks import parse_hook
 from app.services.registry import Registry
 from app.services.schedule import Schedule
 from app.services.waiting import waiting
+from trainer.schema import State
 
 EXIT_OK, EXIT_USAGE, EXIT_NOTHING = 0, 2, 3
 
@@ -21,11 +22,15 @@ EXIT_OK, EXIT_USAGE, EXIT_NOTHING = 0, 2, 3
 def schedule_notes(view: Any) -> list[str]:
     """`waiting: GPU 2: 37 GiB used by user bob (pid 4411)`, `restarts 1/3: exit 137 (SIGKILL)`."""
     job, notes = view.job, []
-    if job.waiting_reason and view.state == "queued":
+    if job.waiting_reason and view.state == State.QUEUED:
         notes.append(f"waiting: {job.waiting_reason}")
     if job.restarts:
         notes.append(f"restarts {len(job.restarts)}/{job.retries}: {'; '.join(job.restarts)}")
-    if job.stall_acted_at is not None and view.state not in ("queued", "running", "starting"):
+    if job.stall_acted_at is not None and view.state not in (
+        State.QUEUED,
+        State.RUNNING,
+        State.STARTING,
+    ):
         notes.append(f"ended by the stall watchdog ({job.stall_action}): {job.stall_reason}")
     return notes
 

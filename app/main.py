@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any, NoReturn
 
 from app.services.engines import ENGINES, NNUI
+from trainer.schema import with_close_flag
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3
 
@@ -94,6 +96,11 @@ def _manners_flags(launch: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--threads", type=int, metavar="T", help="CPU threads per trainer (OMP_NUM_THREADS)"
     )
+    group.add_argument(
+        "--oversubscribe", action="store_true",
+        help="--cpu: start every fold at once although they share the CPU slots (cores // "
+        "threads per job; slower, the expected slowdown is printed)",
+    )  # fmt: skip
 
 
 def _schedule_parsers(sub: argparse._SubParsersAction) -> None:
@@ -157,7 +164,10 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
         help="nnui (nnui's trainer, default) or nnunet (the installed nnU-Net v2 with nnui's "
         "stop and events: nnUNetv2_train -tr nnUNetTrainer_nnui)",
     )
-    launch.add_argument("--cpu", action="store_true", help="run on CPU (no GPU needed)")
+    launch.add_argument(
+        "--cpu", action="store_true",
+        help="run on CPU (no GPU needed): one fold per CPU slot at a time, the rest wait",
+    )  # fmt: skip
     launch.add_argument("--c", dest="continue_training", action="store_true", help="resume")
     launch.add_argument("--dry-run", action="store_true", help="print the commands only")
     _schedule_flags(launch)
@@ -165,8 +175,33 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
     _common(launch, top=False)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Flags spelled out in full (no prefix matching: `--epoch` is not `--epochs`), one-line
+    errors naming the close match; the subcommands' parsers are of this class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {with_close_flag(message, _flags(self))} (see {self.prog} --help)",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(EXIT_USAGE)
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Every flag of a parser and its subcommands (extra arguments are reported by the top)."""
+    flags = []
+    for action in parser._actions:
+        flags += action.option_strings
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                flags += _flags(child)
+    return flags
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="nnui",
         description="Assign nnU-Net-style cross-validation folds to GPUs, follow and stop them.",
         epilog=EPILOG,

@@ -22,9 +22,9 @@ from textual.app import App
 from textual.message import Message
 
 from app.screens.palette import NnuiCommands
-from app.services import catalog
+from app.services import catalog, launcher
 from app.services.bell import NO_BELL_ENV
-from trainer.schema import Roots, resolve_roots
+from trainer.schema import Roots, State, resolve_roots
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,12 @@ def simulated_load(views: list[Any]) -> dict[int, list[tuple[int, str]]]:
     load: dict[int, list[tuple[int, str]]] = {}
     for view in views:
         job = view.job
-        if not job.simulated or view.state not in ("starting", "running", "stopping", "validating"):
+        if not job.simulated or view.state not in (
+            State.STARTING,
+            State.RUNNING,
+            State.STOPPING,
+            State.VALIDATING,
+        ):
             continue
         ranks = (view.topology or {}).get("ranks") or []
         trainer = job.process("trainer") if hasattr(job, "process") else None
@@ -267,6 +272,7 @@ class NnuiApp(App):
 
     def poll_jobs(self) -> None:
         def read() -> JobsRead:
+            launcher.reap_children()  # supervisors that ended: no <defunct> under the board
             tracker = self.services.tracker
             views = tracker.refresh(self.snapshot)
             eta_s = tracker.cross_validation_eta_s(views)  # nnui's own cross-validation

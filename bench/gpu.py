@@ -1,25 +1,29 @@
-"""The GPU check of issue 7: s/iteration, GPU busy % and data waits, one fold on 4 cores.
+"""GPU readiness in one command: is nnui right on this GPU machine?
 
-    python bench/gpu.py [--work DIR] [--cores 4] [--epochs 4] [--iterations 60]
-                        [--val-iterations 5] [--device cuda] [--no-results]
+    python bench/gpu.py --check [--work DIR] [--epochs 3] [--iterations 40]
+                        [--configuration 3d_fullres] [--device cuda] [--no-results]
 
-One prepared run for a lent GPU machine, well inside 10 minutes: the demo dataset and its
-3d_fullres preprocessing (made once under --work), then nnui-train on GPU 0 with its CPU
-affinity cut to --cores cores (what one fold of a parallel cross-validation gets on a
-shared 8-GPU box with few cores), NVML sampled every 0.1 s; then the same with
---recompute-norm on (its time cost on a GPU, where it is off by default). Printed and
-appended to bench/RESULTS.md:
+Runs, in this order, each with a time limit so that the whole stays under 8 minutes:
 
-- s/iteration: median of 1 / iterations_per_s over the epochs after the first;
-- GPU busy %: mean NVML utilisation while the training iterations run;
-- data wait: share of the training time the step loop spent blocked on a batch
-  (epoch_ended.data_wait_s); 0 means loading and augmentation stay hidden;
-- peak GPU memory of the trainer process (NVML, all of its allocations).
+1. the `gpu`-marked tests (pytest -m gpu);
+2. a short real training of the demo dataset on GPU 0 (`python -m trainer`);
+3. the same on GPUs 0 and 1 under torchrun with NCCL (needs 2 GPUs, else "skip");
+4. the stop protocol under torchrun with NCCL: SIGUSR1 to every rank after the first
+   epoch; pass = all ranks exit 0 after a checkpoint, status "stopped" (needs 2 GPUs).
 
-On the lent H200 machine the image has torch but not blosc2 or nibabel: carry their wheels
-(see the device notes; blosc2 needs ndindex and numexpr, nibabel needs packaging) and run
-`PYTHONPATH=.:/tmp/site python3 bench/gpu.py`. --device cpu runs the same path on a CPU
-(tiny schedule; no NVML figures) to check the script itself.
+and prints one table: it/s (median over the epochs after the first), GPU busy % (mean NVML
+utilisation of the run's GPUs while training iterations run), data wait % (share of the
+training time the step loop waited for a batch), peak GPU memory of the run's processes
+(NVML), wall time and pass/fail per check; the table is appended to bench/RESULTS.md
+(not with --no-results). Exit 0 when nothing failed. Without a GPU it says so in one line
+and exits 2. `--device cpu` runs the same checks on the CPU (gloo, no NVML figures, no
+gpu-marked tests) to check the script itself.
+
+Plans: the demo is preprocessed with the planner and plans named below (PLANNER, PLANS),
+passed explicitly; on a GPU these are the default ones. On the lent H200 machine the image
+has torch but not blosc2, nibabel or pytest (the gpu-marked tests; textual for the app's):
+carry their wheels (see the device notes) and run
+`PYTHONPATH=.:/tmp/site python3 bench/gpu.py --check`.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -39,154 +45,298 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))
 
 DATASET = "Dataset900_NnuiDemo"
-CONFIG = "3d_fullres"
+# The demo's preprocessing, by name: nnU-Net's default planner and nnui's plans file for it.
+# (CPU-sized plans are a named choice where they exist: -pl nnuiCPUPlanner, -p nnuiCPUPlans.)
+PLANNER, PLANS = "ExperimentPlanner", "nnuiPlans"
+TRAINER = "nnuiTrainer"
+# Each check's own limit: with the demo's preprocessing (< 1 min) the whole stays < 8 min.
+LIMITS_S = {"tests": 120, "train": 90, "stop": 90}
+NO_GPU = "error: no CUDA GPU present (torch sees none): the GPU check needs one; " \
+    "`--device cpu` checks the script itself"  # fmt: skip
+
+
+@dataclass
+class Row:
+    check: str
+    result: str  # pass | FAIL | skip
+    wall_s: float = float("nan")
+    it_per_s: float = float("nan")
+    busy_percent: float = float("nan")
+    data_wait_percent: float = float("nan")
+    peak_gib: float = float("nan")
+    note: str = ""
 
 
 class GpuSampler:
-    """NVML utilisation and this process tree's GPU memory, every period_s, in a thread."""
+    """NVML utilisation of `devices` and the GPU memory of a process tree, every 0.1 s."""
 
-    def __init__(self, pid: int, period_s: float = 0.1):
-        self.pid, self.period_s = pid, period_s
-        self.samples: list[tuple[float, int, int]] = []  # (t, util %, process memory bytes)
+    def __init__(self, root_pid: int, devices: list[int], enabled: bool) -> None:
+        self.root_pid, self.devices, self.enabled = root_pid, devices, enabled
+        self.samples: list[tuple[float, float, int]] = []  # (t, mean util %, tree bytes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> GpuSampler:
-        self._thread.start()
+        if self.enabled:
+            self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def _run(self) -> None:
+        import psutil
         import pynvml  # nvidia-ml-py
 
         try:
             pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        except pynvml.NVMLError as exc:  # no driver (CPU check): no GPU figures
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in self.devices]
+        except pynvml.NVMLError as exc:
             print(f"NVML not available ({exc}); GPU figures are n/a", file=sys.stderr)
             return
         while not self._stop.is_set():
-            util = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+            try:
+                root = psutil.Process(self.root_pid)
+                tree = {root.pid, *(c.pid for c in root.children(recursive=True))}
+            except psutil.Error:
+                tree = set()
+            utils = [pynvml.nvmlDeviceGetUtilizationRates(h).gpu for h in handles]
             used = sum(
                 p.usedGpuMemory or 0
-                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                if p.pid == self.pid
+                for h in handles
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+                if p.pid in tree
             )
-            self.samples.append((time.time(), util, used))
-            self._stop.wait(self.period_s)
+            self.samples.append((time.time(), statistics.fmean(utils), used))
+            self._stop.wait(0.1)
 
     def busy_percent(self, windows: list[tuple[float, float]]) -> float:
         inside = [u for t, u, _ in self.samples if any(a <= t <= b for a, b in windows)]
         return statistics.fmean(inside) if inside else float("nan")
 
-    def peak_memory_bytes(self) -> int:
-        return max((m for _, _, m in self.samples), default=0)
+    def peak_gib(self) -> float:
+        return (
+            max((m for _, _, m in self.samples), default=0) / 2**30
+            if self.samples
+            else float("nan")
+        )
 
 
-def prepare(work: Path) -> tuple[Path, Path]:
-    """Demo data and its 3d_fullres preprocessing under work (once)."""
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def prepare(work: Path, configuration: str) -> Path:
+    """The demo dataset, preprocessed with PLANNER into PLANS (once per --work)."""
     raw, pre = work / "raw", work / "preprocessed"
-    if not (pre / DATASET / "nnuiPlans.json").is_file():
+    if not (pre / DATASET / f"{PLANS}.json").is_file():
         from trainer.demo import make_demo_dataset
 
         make_demo_dataset(raw, 20, seed=0)
-        argv = [sys.executable, "-m", "trainer.preprocess", "900", "-c", CONFIG,
-                "--raw", str(raw), "--preprocessed", str(pre)]  # fmt: skip
+        argv = [sys.executable, "-m", "trainer.preprocess", "900", "-c", configuration,
+                "-pl", PLANNER, "--raw", str(raw), "--preprocessed", str(pre)]  # fmt: skip
         subprocess.run(argv, check=True, cwd=REPO)
-    return raw, pre
+    return pre
 
 
-def run_once(args: argparse.Namespace, pre: Path, recompute: str) -> dict:
-    results = args.work / f"results_{recompute}"
-    argv = [sys.executable, "-m", "trainer", "900", CONFIG, "0", "-device", args.device,
-            "--epochs", str(args.epochs), "--iterations-per-epoch", str(args.iterations),
-            "--val-iterations", str(args.val_iterations), "--recompute-norm", recompute,
-            "--preprocessed", str(pre), "--results", str(results),
-            "--disable_checkpointing"]  # fmt: skip
-    cores = sorted(os.sched_getaffinity(0))[: args.cores]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0")
-    started = time.time()
-    with open(args.work / f"train_{recompute}.log", "w") as out:
-        proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-            preexec_fn=lambda: os.sched_setaffinity(0, cores),
-        )  # fmt: skip
-        with GpuSampler(proc.pid) as sampler:
-            rc = proc.wait()
-    run_dir = results / DATASET / f"nnuiTrainer__nnuiPlans__{CONFIG}" / "fold_0"
-    events_path = run_dir / "events.jsonl"
-    events = [json.loads(x) for x in events_path.read_text().splitlines()] if rc == 0 else []
-    epochs = [e for e in events if e["kind"] == "epoch_ended"]
-    train_s = [args.iterations / e["iterations_per_s"] for e in epochs]
+def train_argv(args: argparse.Namespace, pre: Path, results: Path, gpus: int, epochs: int) -> list:
+    launch = [sys.executable]
+    if gpus > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
+    return [*launch, "-m", "trainer", "900", args.configuration, "0", "-device", args.device,
+            "-p", PLANS, "--epochs", str(epochs), "--iterations-per-epoch", str(args.iterations),
+            "--val-iterations", "3", "--preprocessed", str(pre), "--raw", str(pre.parent / "raw"),
+            "--results", str(results)]  # fmt: skip
+
+
+def run_folder(results: Path, configuration: str) -> Path:
+    return results / DATASET / f"{TRAINER}__{PLANS}__{configuration}" / "fold_0"
+
+
+def events_of(folder: Path) -> list[dict]:
+    try:
+        lines = (folder / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    return [json.loads(x) for x in lines if x.strip()]
+
+
+def figures(row: Row, events: list[dict], iterations: int, sampler: GpuSampler) -> Row:
+    later = [e for e in events if e["kind"] == "epoch_ended"][1:]  # the first one warms up
+    if not later:
+        return row
+    train_s = [iterations / e["iterations_per_s"] for e in later]
     windows = [(e["t"] - e["epoch_time_s"], e["t"] - e["epoch_time_s"] + s)
-               for e, s in zip(epochs, train_s, strict=True)][1:]  # fmt: skip
-    later = epochs[1:]
-    return {
-        "recompute_norm": recompute,
-        "exit_code": rc,
-        "cores": len(cores),
-        "s_per_iteration": statistics.median([1 / e["iterations_per_s"] for e in later])
-        if later
-        else float("nan"),
-        "data_wait_share": sum(e["data_wait_s"] for e in later) / sum(train_s[1:])
-        if later
-        else float("nan"),
-        "max_epoch_data_wait_s": max((e["data_wait_s"] for e in later), default=float("nan")),
-        "gpu_busy_percent": sampler.busy_percent(windows),
-        "peak_gpu_memory_gib": sampler.peak_memory_bytes() / 2**30,
-        "wall_s": time.time() - started,
-    }
+               for e, s in zip(later, train_s, strict=True)]  # fmt: skip
+    row.it_per_s = statistics.median(e["iterations_per_s"] for e in later)
+    row.data_wait_percent = 100 * sum(e["data_wait_s"] for e in later) / sum(train_s)
+    row.busy_percent = sampler.busy_percent(windows)
+    row.peak_gib = sampler.peak_gib()
+    return row
 
 
-def main(argv: list[str] | None = None) -> int:
+def _env(gpus: int) -> dict:
+    visible = ",".join(str(i) for i in range(gpus))
+    return dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=visible)
+
+
+def check_training(args: argparse.Namespace, pre: Path, gpus: int) -> Row:
+    name = f"train {gpus} GPU" + (f" (torchrun, {_backend(args)})" if gpus > 1 else "")
+    results = args.work / f"results_{gpus}gpu"
+    argv = train_argv(args, pre, results, gpus, args.epochs)
+    started = time.time()
+    with open(args.work / f"train_{gpus}gpu.log", "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                env=_env(gpus), start_new_session=True)  # fmt: skip
+        with GpuSampler(proc.pid, list(range(gpus)), args.device == "cuda") as sampler:
+            code = _wait(proc, LIMITS_S["train"])
+    row = Row(name, "pass" if code == 0 else "FAIL", time.time() - started)
+    row.note = "" if code == 0 else f"exit {code}, see {out.name}"
+    return figures(row, events_of(run_folder(results, args.configuration)), args.iterations,
+                   sampler)  # fmt: skip
+
+
+def _wait(proc: subprocess.Popen, limit_s: float) -> int:
+    try:
+        return proc.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the whole run
+        proc.wait()
+        return -signal.SIGKILL
+
+
+def check_stop(args: argparse.Namespace, pre: Path) -> Row:
+    """nnui's stop under torchrun: SIGUSR1 to every rank once an epoch ended."""
+    results = args.work / "results_stop"
+    argv = train_argv(args, pre, results, 2, 1000)
+    folder = run_folder(results, args.configuration)
+    started = time.time()
+    with open(args.work / "stop.log", "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                env=_env(2), start_new_session=True)  # fmt: skip
+        ranks = _ranks_after_first_epoch(proc, folder, started + LIMITS_S["stop"])
+        for pid in ranks:
+            os.kill(pid, signal.SIGUSR1)
+        code = _wait(proc, max(1.0, started + LIMITS_S["stop"] - time.time()))
+    status = _status(folder)
+    ok = bool(ranks) and code == 0 and status == "stopped"
+    note = "" if ok else f"ranks {ranks or 'never seen'}, exit {code}, status {status}"
+    name = f"stop (torchrun, {_backend(args)})"
+    return Row(name, "pass" if ok else "FAIL", time.time() - started, note=note)
+
+
+def _backend(args: argparse.Namespace) -> str:
+    return "NCCL" if args.device == "cuda" else "gloo"
+
+
+def _ranks_after_first_epoch(proc: subprocess.Popen, folder: Path, deadline: float) -> list:
+    while time.time() < deadline and proc.poll() is None:
+        events = events_of(folder)
+        topology = [e for e in events if e["kind"] == "topology"]
+        if topology and any(e["kind"] == "epoch_ended" for e in events):
+            return [r["pid"] for r in topology[-1]["ranks"]]
+        time.sleep(0.2)
+    return []
+
+
+def _status(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / "status.json").read_text()).get("state")
+    except (OSError, ValueError):
+        return None
+
+
+def check_gpu_tests(args: argparse.Namespace) -> Row:
+    if args.device != "cuda":
+        return Row("gpu-marked tests", "skip", note="--device cpu")
+    started = time.time()
+    argv = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+    with open(args.work / "gpu_tests.log", "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                start_new_session=True)  # fmt: skip
+        code = _wait(proc, LIMITS_S["tests"])
+    tail = (args.work / "gpu_tests.log").read_text().strip().splitlines()[-1:] or [""]
+    return Row("gpu-marked tests", "pass" if code == 0 else "FAIL", time.time() - started,
+               note=tail[0][:60])  # fmt: skip
+
+
+def table(rows: list[Row]) -> list[str]:
+    def num(value: float, fmt: str) -> str:
+        return "n/a" if value != value else format(value, fmt)  # NaN: not measured
+
+    head = f"{'check':<30}{'result':<8}{'it/s':>8}{'GPU busy %':>12}{'data wait %':>13}" \
+        f"{'peak GiB':>10}{'wall s':>8}  note"  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r.check:<30}{r.result:<8}{num(r.it_per_s, '.2f'):>8}{num(r.busy_percent, '.0f'):>12}"
+            f"{num(r.data_wait_percent, '.1f'):>13}{num(r.peak_gib, '.2f'):>10}"
+            f"{num(r.wall_s, '.0f'):>8}  {r.note}"
+        )
+    return lines
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gpu", description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", required=True, help="run the checks")
     p.add_argument("--work", default="/tmp/nnui-gpu", help="data and runs (reused)")
-    p.add_argument("--cores", type=int, default=4, help="CPU cores the fold may use")
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--iterations", type=int, default=60)
-    p.add_argument("--val-iterations", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--iterations", type=int, default=40, help="iterations per epoch")
+    p.add_argument("--configuration", default="3d_fullres", choices=("2d", "3d_fullres"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
     args = p.parse_args(argv)
     args.work = Path(args.work).absolute()
-    if args.epochs < 2 or args.iterations < 1 or args.cores < 1:
-        print("error: need --epochs >= 2, --iterations >= 1, --cores >= 1", file=sys.stderr)
-        return 2
-    if args.device == "cuda":
-        import torch
+    return args
 
-        if not torch.cuda.is_available():
-            print(
-                "error: no CUDA device here; use --device cpu to check the script", file=sys.stderr
-            )
-            return 2
-        gpu = torch.cuda.get_device_name(0)
-    else:
-        gpu = "none (CPU check)"
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.epochs < 2 or args.iterations < 1:
+        print("error: need --epochs >= 2 and --iterations >= 1", file=sys.stderr)
+        return 2
+    gpus = gpu_count() if args.device == "cuda" else 2
+    if gpus == 0:
+        print(NO_GPU, file=sys.stderr)
+        return 2
+    started = time.time()
     args.work.mkdir(parents=True, exist_ok=True)
-    _, pre = prepare(args.work)
-    runs = [run_once(args, pre, "off"), run_once(args, pre, "on")]
-    lines = [f"gpu: {gpu}; {args.epochs} epochs x {args.iterations} iterations, 3d_fullres demo"]
-    for r in runs:
-        lines.append(
-            f"recompute-norm {r['recompute_norm']}: {r['s_per_iteration']:.4f} s/iteration, "
-            f"GPU busy {r['gpu_busy_percent']:.0f} %, data wait {100 * r['data_wait_share']:.1f} "
-            f"% of training time (worst epoch {r['max_epoch_data_wait_s']:.3f} s), peak GPU "
-            f"memory {r['peak_gpu_memory_gib']:.2f} GiB, {r['cores']} cores, exit {r['exit_code']}"
-        )
+    pre = prepare(args.work, args.configuration)
+    two = "needs 2 GPUs, this machine has 1"
+    rows = [
+        check_gpu_tests(args),
+        check_training(args, pre, 1),
+        check_training(args, pre, 2) if gpus >= 2 else Row("train 2 GPU", "skip", note=two),
+        check_stop(args, pre) if gpus >= 2 else Row("stop (torchrun, NCCL)", "skip", note=two),
+    ]
+    lines = [f"{_machine(args)}; {args.configuration} demo, {args.epochs} epochs x "
+             f"{args.iterations} iterations, plans {PLANS}; total {time.time() - started:.0f} s",
+             *table(rows)]  # fmt: skip
     print("\n".join(lines))
     if not args.no_results:
-        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        command = " ".join(argv if argv is not None else sys.argv[1:])
-        text = [f"\n## gpu {stamp}\n", f"- command: `python bench/gpu.py {command}`", "",
-                "```", *lines, "```", "", "```", *[json.dumps(r) for r in runs], "```",
-                ""]  # fmt: skip
-        with open(BENCH_DIR / "RESULTS.md", "a") as handle:
-            handle.write("\n".join(text))
-    return 0 if all(r["exit_code"] == 0 for r in runs) else 1
+        _record(lines, argv)
+    return 0 if all(r.result != "FAIL" for r in rows) else 1
+
+
+def _machine(args: argparse.Namespace) -> str:
+    if args.device != "cuda":
+        return "gpu: none (--device cpu: the script's own check)"
+    import torch
+
+    return f"gpu: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+
+
+def _record(lines: list[str], argv: list[str] | None) -> None:
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    command = " ".join(argv if argv is not None else sys.argv[1:])
+    text = [f"\n## gpu check {stamp}\n", f"- command: `python bench/gpu.py {command}`", "",
+            "```", *lines, "```", ""]  # fmt: skip
+    with open(BENCH_DIR / "RESULTS.md", "a") as handle:
+        handle.write("\n".join(text))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def test_launch_status_stop_resume(env: dict) -> None:
     assert again.returncode == 1 and "already running" in again.stderr
 
     unconfirmed = nnui(env, "stop", first)  # no terminal, no --yes: refused, nothing sent
-    assert unconfirmed.returncode == 2 and "add --yes" in unconfirmed.stderr
+    assert unconfirmed.returncode == 1 and "add --yes" in unconfirmed.stderr
     assert status(env)[first]["state"] == "running"
     stop = nnui(env, "stop", first, "--yes")
     assert stop.returncode == 0, stop.stderr
@@ -116,7 +116,9 @@ def test_ddp_group_and_queued_stop(env: dict) -> None:
           "--gpus", "0,1,2"], 1, "global batch size 2"),
         (["launch", "9", "3d_fullres", "--cpu", "--folds", "0"], 2, "no dataset"),
         (["status", "--", "--epochs", "3"], 2, "only go with"),
-        (["launch"], 2, "usage"),
+        (["launch"], 2, "error: the following arguments are required: dataset"),
+        (["status", "--jsn"], 2, "--jsn (did you mean --json?)"),  # no prefix matching
+        (["launch", "4", "3d_fullres", "--fold", "0", "--cpu"], 2, "required: --folds"),
     ],
 )  # fmt: skip
 def test_refusals_and_usage_errors(env: dict, args: list[str], code: int, fragment: str) -> None:

@@ -132,6 +132,22 @@ def test_nnui_cv_json_and_table(cv_box, tmp_path: Path) -> None:
     assert "--folds 2,4" in text and "--folds 3 " in text
 
 
+def test_every_state_has_a_fold_state_and_live_folds_are_never_queued(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from app.services.cross_validation import FOLD_STATE, TO_QUEUE, UNKNOWN, fold_cell
+    from trainer.schema import ACTIVE_STATES, State
+
+    assert set(FOLD_STATE) == set(State)  # a new state cannot fall through to "failed"
+    for state in ACTIVE_STATES:
+        view = SimpleNamespace(state=state, job=SimpleNamespace(run_dir=str(tmp_path)))
+        assert fold_cell("0", view).state not in TO_QUEUE, state
+    validating = SimpleNamespace(state="validating", job=SimpleNamespace(run_dir=str(tmp_path)))
+    assert fold_cell("0", validating).state == "validating"
+    odd = SimpleNamespace(state="exploded", job=SimpleNamespace(run_dir=str(tmp_path)))
+    assert fold_cell("0", odd).state == UNKNOWN
+
+
 async def test_the_cv_screen_and_its_queue_key(cv_box) -> None:
     roots, registry = cv_box
     app = tui_app(roots, registry.state_dir)
@@ -156,6 +172,25 @@ async def test_the_cv_screen_and_its_queue_key(cv_box) -> None:
         assert len(Registry(registry.state_dir).list()) == 4
 
 
+async def test_the_cv_screen_at_80x24_keeps_dice_and_eta_whole(cv_box) -> None:
+    roots, registry = cv_box
+    app = tui_app(roots, registry.state_dir)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(lambda: len(app.views) == 4 and app.snapshot is not None, pilot)
+        await screen_of(app, pilot, DashboardScreen)
+        await pilot.press("v")
+        screen = await screen_of(app, pilot, CrossValidationScreen)
+        await wait_for(lambda: screen.rows and screen.header, pilot)
+        table = screen.query_one("#cv-table")
+        assert screen.header[-2:] == ["Dice ± sd", "ETA"]
+        assert [str(c) for c in table.get_row_at(0)][:7] == [
+            "004 3d_fullres", "0.800", "0.600", "FAIL", "–", "FAIL", "0.70±0.10"]  # fmt: skip
+        widths = sum(column.get_render_width(table) for column in table.columns.values())
+        assert widths <= table.size.width  # nothing scrolled off: the ETA column is whole
+        footer = screen._compositor.render_strips()[-1].text
+        assert "Back" in footer and "Queue missing/failed folds" in footer
+
+
 async def test_read_only_cv_screen_queues_nothing(cv_box) -> None:
     roots, registry = cv_box
     app = tui_app(roots, registry.state_dir, readonly=True)
@@ -168,3 +203,19 @@ async def test_read_only_cv_screen_queues_nothing(cv_box) -> None:
         await pilot.press("m", "escape")  # m is not bound read-only; escape goes back
         await screen_of(app, pilot, DashboardScreen)
         assert screen.queued == [] and len(Registry(registry.state_dir).list()) == 4
+
+
+def test_cv_and_status_show_the_same_dice_after_the_folder_changes(cv_box) -> None:
+    """A later run replaced fold 1's summary.json (e.g. --retrain by hand): the job's row in
+    `nnui status` and its cell in `nnui cv` still agree (the job's own validation)."""
+    roots, registry = cv_box
+    folder = run_dir(roots.results, DATASET, "3d_fullres", "1")
+    (folder / "validation").mkdir(exist_ok=True)
+    (folder / "validation" / "summary.json").write_text(
+        json.dumps({"foreground_mean": {"Dice": 0.9}})
+    )
+    tracker = JobTracker(registry)
+    views = tracker.refresh()
+    (row,) = cv_rows(views, tracker.cross_validation_eta_s)
+    view = next(v for v in views if v.job.fold == "1")
+    assert row.folds[1].dice == view.final_dice == pytest.approx(0.6)

@@ -52,6 +52,7 @@ def _valid_record(rng: random.Random, kind: Kind, t: float) -> dict:
                                val_loss=None, dice_per_class=[0.5, None], epoch_time_s=1.5),
         Kind.CHECKPOINT_SAVED: dict(checkpoint="latest", path="/x", epoch=3),
         Kind.STOP_REQUESTED: dict(epoch=rng.randint(-1, 9), ranks=[0]),
+        Kind.STOP_HEARD: dict(epoch=rng.randint(0, 9)),
         Kind.STOPPED: dict(epoch=2, reason="SIGUSR1"),
         Kind.VALIDATION_STARTED: dict(epoch=9, num_cases=2),
         Kind.VALIDATION_FINISHED: dict(mean_fg_dice=0.7, dice_per_class=[0.7], num_cases=2),

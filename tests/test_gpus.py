@@ -168,8 +168,8 @@ def test_errors_during_a_run_become_none(failing: str) -> None:
 
 def test_lost_handle_gives_an_na_row() -> None:
     snapshot = monitor(FakeNvml(fail={"handle": pynvml.NVML_ERROR_GPU_IS_LOST})).snapshot()
-    assert [(g.index, g.name, g.memory_used_bytes) for g in snapshot.gpus] == [
-        (0, "n/a", None), (1, "n/a", None),
+    assert [(g.index, g.name, g.memory_used_bytes, g.lost) for g in snapshot.gpus] == [
+        (0, "n/a", None, True), (1, "n/a", None, True),
     ]  # fmt: skip
 
 

@@ -4,6 +4,7 @@ incremental refresh over frozen run folders."""
 from __future__ import annotations
 
 import ast
+import json
 import math
 import os
 import time
@@ -70,6 +71,8 @@ STATE_CASES = [
      [run_started(T), topology(T)], "stopping"),
     ("stopping (trainer says so)", dict(processes=[ME_ALIVE]),
      [run_started(T), topology(T), encode_event("stop_requested", t=T, epoch=1)], "stopping"),
+    ("stopping (SIGUSR1 heard mid-epoch)", dict(processes=[ME_ALIVE]),
+     [run_started(T), topology(T), encode_event("stop_heard", t=T, epoch=0)], "stopping"),
     ("stop queued before topology", dict(processes=[ME_ALIVE], queued_stop=True), [], "stopping"),
     ("queued behind another job", dict(processes=[ME_ALIVE], after="other"), [], "queued"),
     ("stopped", dict(exit_code=0), [run_started(T), encode_event("stopped", t=T)], "stopped"),
@@ -160,6 +163,30 @@ def test_alerts_nan_stalled_foreign(tmp_path: Path) -> None:
     kinds = sorted(alert.split(" ")[0] for alert in view.alerts)
     assert kinds == ["GPU", "NaN", "stalled:"], view.alerts
     assert any("alice" in a for a in view.alerts)
+
+
+@pytest.mark.parametrize(
+    ("shares", "alert"),
+    [((0.5, 0.4, 0.45), True), ((0.5, 0.1, 0.45), False), ((0.5, 0.5), False),
+     ((0.1, 0.1, 0.1), False)],
+)  # fmt: skip
+def test_data_wait_share_is_shown_and_alerts_when_it_stays_high(
+    tmp_path: Path, shares: tuple, alert: bool
+) -> None:
+    registry = Registry(tmp_path / "state")
+    job = add_job(registry, tmp_path, "j", processes=[ME_ALIVE])
+    lines = [run_started(T), topology(T)]
+    for n, share in enumerate(shares):
+        line = json.loads(epoch(T + n, n))
+        line["data_wait_share"] = share
+        lines.append(json.dumps(line) + "\n")
+    write_events(job, *lines)
+    (view,) = JobTracker(registry).refresh()
+    assert view.state == "running" and view.data_wait_share == shares[-1]
+    waiting = [a for a in view.alerts if a.startswith("waiting for data")]
+    assert bool(waiting) is alert, view.alerts
+    if alert:
+        assert "45%" in waiting[0] and "--num-workers" in waiting[0]
 
 
 def test_recent_events_are_not_stalled(tmp_path: Path) -> None:

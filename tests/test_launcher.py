@@ -278,3 +278,62 @@ def test_queued_fold_stopped_before_its_turn_never_starts(env: dict) -> None:
     assert wait_until(lambda: registry.get(second.job_id).exit_code is not None, 20)
     second = registry.get(second.job_id)
     assert second.note == "stopped before it started" and second.process("trainer") is None
+
+
+# ---- CPU slots: one job per slot at a time, like a GPU (cpu_slots.py) ---------------------
+
+
+def _cpu(**changes: object) -> LaunchRequest:
+    return request(**{"device": "cpu", "gpus": [], "folds": ["0", "1", "2"], **changes})
+
+
+def test_cpu_folds_take_turns_on_the_cpu_slots(roots: Roots, monkeypatch) -> None:
+    from app.services import cpu_slots
+
+    monkeypatch.setattr(cpu_slots, "usable_cores", lambda: 2)
+    plans, problems = plan_launch(_cpu(), roots, 4)  # a job uses both cores: one slot
+    assert problems == []
+    assert [p.after for p in plans] == [None, plans[0].job_id, plans[1].job_id]
+    checks = launcher.check_request(_cpu(), roots, 4)
+    assert any("1 CPU slot (2 cores, 2 threads per job)" in w for w in checks.warnings)
+
+    plans, _ = plan_launch(_cpu(threads=1), roots, 4)  # two slots of one thread each
+    assert [p.after for p in plans] == [None, None, plans[0].job_id]
+
+    plans, _ = plan_launch(_cpu(oversubscribe=True), roots, 4)
+    assert [p.after for p in plans] == [None, None, None]
+    (warning,) = [w for w in launcher.check_request(_cpu(oversubscribe=True), roots, 4).warnings
+                  if "--oversubscribe" in w]  # fmt: skip
+    assert "3 CPU jobs on 1 CPU slot" in warning and "at least 3x slower" in warning
+
+
+def test_cpu_slots_count_the_cpu_jobs_already_running(roots: Roots, tmp_path: Path,
+                                                      monkeypatch) -> None:  # fmt: skip
+    from test_jobs import ME_ALIVE, add_job
+
+    from app.services import cpu_slots
+
+    monkeypatch.setattr(cpu_slots, "usable_cores", lambda: 2)
+    registry = Registry(tmp_path / "state")
+    add_job(registry, tmp_path, "busy", device="cpu", gpus=[], processes=[ME_ALIVE])
+    add_job(registry, tmp_path, "gpu-job", device="cuda", processes=[ME_ALIVE])  # not a slot
+    plans, _ = plan_launch(_cpu(folds=["0"]), roots, 4, registry=registry)
+    assert plans[0].after == "busy"
+
+
+def test_two_cpu_folds_on_one_slot_run_one_after_the_other(env: dict, monkeypatch) -> None:
+    from app.services import cpu_slots
+
+    monkeypatch.setattr(cpu_slots, "usable_cores", lambda: 2)  # one slot, as on this box
+    registry = Registry()
+    req = _cpu(folds=["0", "1"], trainer_entry=(str(FAKE_TRAINER),),
+               trainer_args=["--epochs", "4", "--epoch-time", "0.1"])  # fmt: skip
+    plans, problems = plan_launch(req, live_roots(), 2, registry=registry)
+    assert problems == []
+    first, second = (launcher.start(p, registry) for p in plans)
+    assert wait_until(lambda: registry.get(second.job_id).exit_code is not None, 60)
+    first, second = registry.get(first.job_id), registry.get(second.job_id)
+    assert (first.exit_code, second.exit_code) == (0, 0)
+    assert second.after == first.job_id
+    second_trainer = second.process("trainer")
+    assert second_trainer.create_time >= first.ended_at - 0.05

@@ -43,6 +43,7 @@ EXAMPLES: dict[schema.Kind, dict] = {
     ),
     schema.Kind.CHECKPOINT_SAVED: dict(checkpoint="latest", path="/r/c", epoch=3, write_time_s=1),
     schema.Kind.STOP_REQUESTED: dict(epoch=-1, ranks=[0, 1]),
+    schema.Kind.STOP_HEARD: dict(epoch=3),
     schema.Kind.STOPPED: dict(epoch=3, reason="SIGUSR1"),
     schema.Kind.VALIDATION_STARTED: dict(epoch=9, num_cases=2),
     schema.Kind.VALIDATION_FINISHED: dict(mean_fg_dice=0.7, dice_per_class=[0.7], num_cases=2),

@@ -50,6 +50,7 @@ EVENT_FIELDS = {
         "epoch_time_s",
         "iterations_per_s",
         "data_wait_s",
+        "data_wait_share",
     },
     "checkpoint_saved": {"checkpoint", "path", "epoch", "write_time_s"},
     "stop_requested": {"epoch", "ranks"},

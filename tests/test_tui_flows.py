@@ -29,6 +29,18 @@ from app.services import launcher
 from app.services.registry import Registry
 
 
+def live_or_zombie_children() -> list[int]:
+    import psutil
+
+    return [c.pid for c in psutil.Process().children()]
+
+
+def zombie_children() -> list[int]:
+    import psutil
+
+    return [c.pid for c in psutil.Process().children() if c.status() == psutil.STATUS_ZOMBIE]
+
+
 async def launch_one_fold(app, pilot, flags: str) -> str:
     # The board's columns come from the first GPU reading.
     await wait_for(lambda: app.snapshot is not None and app.num_jobs_messages >= 1, pilot)
@@ -89,6 +101,11 @@ async def test_launch_then_graceful_stop_then_resume(tmp_path: Path, monkeypatch
                 pilot,
             )
             assert any(s.result == "sent" for s in Registry(state).get(job_id).signals)
+            # Its supervisor (our child) ends after the job: the board reaps it (a child
+            # that is not reaped stays listed as <defunct> until the TUI quits).
+            supervisor = Registry(state).get(job_id).process("supervisor").pid
+            await wait_for(lambda: supervisor not in live_or_zombie_children(), pilot)
+            assert not zombie_children()
 
             # s again: harmless, the dialog says why nothing is sent and offers only Close.
             await pilot.press("s")

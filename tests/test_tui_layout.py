@@ -35,6 +35,7 @@ from app.widgets.gpu_panel import (
 from app.widgets.job_table import (
     COLUMNS,
     DARK_STATE_STYLES,
+    LAYOUTS,
     LIGHT_STATE_STYLES,
     JobTable,
     choose_layout,
@@ -141,8 +142,24 @@ def test_choose_layout_drops_the_least_watched_first() -> None:
     full = [{k: getattr(v, "plain", v) for k, v in row_cells(View(), False).items()}]
     short = [{k: getattr(v, "plain", v) for k, v in row_cells(View(), False, short=True).items()}]
     assert choose_layout(full, short, 500) == 0
-    assert choose_layout(full, short, 10) == 7  # the narrowest: scrolls sideways
+    assert choose_layout(full, short, 10) == len(LAYOUTS) - 1  # the narrowest: scrolls sideways
     assert short[0]["epoch"] == "5/10"  # abbreviated: the bar goes first
+
+
+def test_eta_and_the_alerts_header_are_whole_at_80_columns() -> None:
+    """A running job with a long state, a 4-digit epoch, an ETA of hours and an alert: at 80
+    columns (78 cells inside the border) every watched column up to ETA and the alerts header
+    fit; only the alert's text may run past the edge."""
+    from app.widgets.job_table import LAYOUTS, layout_width
+
+    view = View(state="stopping", epoch=999, num_epochs=1000, eta_s=7800,
+                alerts=("no event for 12 min",))  # fmt: skip
+    full = [{k: getattr(v, "plain", v) for k, v in row_cells(view, False).items()}]
+    short = [{k: getattr(v, "plain", v) for k, v in row_cells(view, False, short=True).items()}]
+    level = choose_layout(full, short, 78)
+    hidden, abbreviated = LAYOUTS[level]
+    rows = [{**(short if abbreviated else full)[0], "alerts": "alerts"}]
+    assert layout_width(rows, hidden) <= 78, (level, rows)
 
 
 # ---- colour ------------------------------------------------------------------------------
@@ -368,7 +385,7 @@ def test_gpu_card_shows_what_a_nvitop_user_reads() -> None:
         assert part in header, part
     assert "UTL" in history and "MEM" in history and "█" in history
     assert procs[0].split()[:3] == ["pid", "22", "bob"]  # sorted by GPU memory
-    for part in ("pid 11", "alice (you)", "2048 MiB", "cpu   97%", "rss   3.0G", "1h02m",
+    for part in ("pid 11", "alice (you)", "2048 MiB", "cpu   97%", "rss   3.0G", "1 h 2 min",
                  "python -m trainer"):  # fmt: skip
         assert part in procs[1], part
     assert "n/a" in procs[0]  # bob's host side is not readable: n/a, not a crash

@@ -36,6 +36,7 @@ from app.screens.launch import LaunchScreen
 from app.screens.palette import NnuiCommands
 from app.services import engines, launcher, nnunet_runs, signals
 from app.services.gpus import GpuMonitor
+from app.services.job_text import human_duration
 from app.services.jobs import JobTracker, watch_only_view
 from app.services.nnunet_log import EpochStats
 from app.services.nnunet_runs import TrainArgs, WatchOnlyRun
@@ -45,7 +46,6 @@ from app.tui import Services, TuiConfig, make_app
 from app.widgets.curves import CurvesPanel
 from app.widgets.dataset_picker import DatasetPicker
 from app.widgets.fold_board import FoldBoard
-from app.widgets.formatting import fmt_duration_s
 from app.widgets.job_table import JobTable, row_cells
 from app.widgets.log_tail import LogTail
 from app.widgets.process_tree import ProcessTree
@@ -241,10 +241,10 @@ async def test_a_watch_only_run_is_a_row_marked_with_its_owner(tmp_path: Path) -
         assert table.get_cell(run.run_id, "where") == "1"
         assert table.get_cell(run.run_id, "epoch").startswith("3/1000")
         assert table.get_cell(run.run_id, "ema") == "0.600"
-        assert table.get_cell(run.run_id, "eta") == fmt_duration_s(997 * 31.0)
+        assert table.get_cell(run.run_id, "eta") == human_duration(997 * 31.0)
         summary = screen.query_one("#job-summary").render().plain
         assert "watch-only: alice's nnU-Net run" in summary
-        assert "Dice per class 0.700 0.600" in summary and "median epoch 31s" in summary
+        assert "Dice per class 0.700 0.600" in summary and "median epoch 31 s" in summary
         # Refreshed in the jobs thread at the processes' pace, never on the UI thread.
         assert app.services.tracker.num_watch_refreshes >= 1
 

@@ -8,9 +8,10 @@ import pytest
 
 from app.screens.confirm import stop_text
 from app.services.gpus import GpuProcess, GpuSnapshot, MachineSnapshot
+from app.services.job_text import human_duration
 from app.services.proctree import label_tree
 from app.widgets.curves import epoch_ticks, series
-from app.widgets.formatting import bar, fmt_duration_s
+from app.widgets.formatting import bar
 from app.widgets.gpu_panel import NO_DRIVER_BANNER, GpuPanel, gpu_lines, sparkline
 from app.widgets.job_table import row_cells
 from app.widgets.process_tree import tree_text
@@ -112,7 +113,7 @@ class View:
 
 
 ROW_CASES = [
-    (View(), {"state": "running", "epoch": "5/10 ███···", "eta": "1h02m", "its": "8.25"}),
+    (View(), {"state": "running", "epoch": "5/10 ███···", "eta": "1 h 2 min", "its": "8.25"}),
     (View(state="failed", exit_code=3, eta_s=None), {"state": "failed (exit 3)", "eta": ""}),
     (View(train_loss=float("nan"), alerts=("NaN loss at epoch 4",)), {"train": "NaN"}),
     (View(epoch=None, num_epochs=None, train_loss=None), {"epoch": "n/a", "train": "n/a"}),
@@ -137,12 +138,10 @@ def test_job_row_cells(view, expected) -> None:
 
 
 def test_formatting() -> None:
-    assert [fmt_duration_s(s) for s in (None, 5, 65, 3600 * 2 + 60)] == [
-        "n/a",
-        "5s",
-        "1m05s",
-        "2h01m",
-    ]
+    seconds = (None, 5, 30.8, 65, 3599, 3600 * 2 + 600, 7200)
+    assert [human_duration(s) for s in seconds] == [
+        "n/a", "5 s", "31 s", "1 min", "1 h", "2 h 10 min", "2 h",
+    ]  # fmt: skip
     assert bar(0.5, 4) == "██··" and bar(None, 3) == "···"
 
 

@@ -71,6 +71,26 @@ class Trainee:
     num_classes: int
     after_first_step: Callable[[], Any] | None = None  # allocator.keep_freed_memory on CPU
     step_hook: Callable[[int, torch.Tensor], Any] | None = None  # running loss (rank 0)
+    stop_notice: StopNotice | None = None  # says "stop heard" at the first step after SIGUSR1
+
+
+class StopNotice:
+    """Records a SIGUSR1 at the next training step, outside the signal handler (which only
+    sets a flag): the console line, status `stopping` and a `stop_heard` event, once. The stop
+    itself still happens at the epoch's end, agreed across ranks (record_stop)."""
+
+    def __init__(self, recorder: RunRecorder) -> None:
+        self.recorder = recorder
+        self.epoch = 0
+        self.noted = False
+
+    def check(self) -> None:
+        if self.noted or not stop.requested():
+            return
+        self.noted = True
+        log.info("SIGUSR1 received: stopping at the end of epoch %d", self.epoch + 1)
+        self.recorder.status(State.STOPPING)
+        self.recorder.event(Kind.STOP_HEARD, epoch=self.epoch)
 
 
 class Checkpointer:
@@ -143,6 +163,8 @@ def train_iterations(
         if trainee.after_first_step is not None:
             trainee.after_first_step()
             trainee.after_first_step = None
+        if trainee.stop_notice is not None:
+            trainee.stop_notice.check()
     return total
 
 
@@ -308,6 +330,8 @@ def _report_epoch(
         iterations_per_s=round(config.iterations_per_epoch / max(m.train_time_s, 1e-9), 4),
         # Of the training time, how long the step waited for data (0 = loading hidden).
         data_wait_s=round(m.data_wait_s, 4),
+        # The same as a share of the training steps' time: what the board shows and alerts on.
+        data_wait_share=round(min(1.0, m.data_wait_s / max(m.train_time_s, 1e-9)), 4),
         # Losses are written as null when not finite; this flag keeps the alarm explicit.
         nan_loss=not (math.isfinite(m.train_loss) and math.isfinite(m.val_loss)),
     )
@@ -346,8 +370,10 @@ def run_epochs(
     train_batches = make_batches("train", state.epoch_next * config.iterations_per_epoch)
     val_batches = make_batches("val", state.epoch_next * config.val_iterations)
     recorder.status(State.RUNNING, epoch=state.epoch_next)
+    trainee.stop_notice = StopNotice(recorder)
     for epoch in range(state.epoch_next, config.num_epochs):
         stop.install()  # again each epoch: torch.compile's start-up may replace it
+        trainee.stop_notice.epoch = epoch
         started = time.perf_counter()
         trainee.step_hook = running_loss.epoch_hook(recorder, epoch, config.iterations_per_epoch)
         metrics = _train_and_validate(

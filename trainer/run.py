@@ -297,15 +297,51 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # UsageError, DatasetNotFound, IdentityMismatch, config checks
         sys.stderr.write(f"error: {error}\n")
         return 2
-    from trainer import launch
+    from trainer import fold_lock, launch
     from trainer.worker import worker
 
     try:
+        if launch.is_main_process():
+            _own_fold(config, args.retrain)
         return launch.run_distributed(worker, config.to_dict(), config.num_gpus, config.device_type)
+    except Refused as error:
+        _remove_created_if_empty()
+        sys.stderr.write(f"error: {error}\n")
+        return 1
     except ValueError as error:  # raised before any rank starts: a user mistake
         _remove_created_if_empty()
         sys.stderr.write(f"error: {error}\n")
         return 2
+    finally:
+        fold_lock.release()  # only matters in-process (tests): an exit releases it anyway
+
+
+class Refused(RuntimeError):
+    """A safety rule refused the run (one line, exit 1): the fold is owned or finished."""
+
+
+def _own_fold(config: Any, retrain: bool) -> None:
+    """Take the fold folder's lock (one trainer per folder), then, under it, refuse to start
+    a finished fold afresh unless --retrain: the same rule and words as `nnui launch`."""
+    from trainer import fold_lock, schema
+
+    run_dir = Path(config.run_dir)
+    try:
+        fold_lock.acquire(run_dir, [sys.argv[0], *config.argv], config.num_gpus)
+    except fold_lock.FoldBusy as error:
+        raise Refused(str(error)) from None
+    if config.continue_training or config.validation_only or retrain:
+        return
+    status = schema.read_status(run_dir)
+    finished = (status is not None and status.state == schema.State.FINISHED) or (
+        run_dir / schema.checkpoint_file("final")
+    ).is_file()
+    if finished:
+        fold_lock.release()
+        raise Refused(
+            f"fold {config.fold} already finished training in {run_dir}; move that folder to "
+            "train it again, or pass --retrain"
+        )
 
 
 if __name__ == "__main__":

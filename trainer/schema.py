@@ -7,13 +7,14 @@ must stay cheap (no torch, no numpy).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fnmatch
 import json
 import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -28,6 +29,7 @@ CONFIG_FILE = "config.json"
 CONSOLE_FILE = "console.log"
 VALIDATION_DIR = "validation"
 SUMMARY_FILE = "summary.json"
+OWNER_LOCK_FILE = "owner.lock"  # held by the trainer that writes the fold (trainer.fold_lock)
 CHECKPOINT_KINDS = ("latest", "best", "final")
 FOLDS = ("0", "1", "2", "3", "4", "all")
 # The image files the trainer reads (trainer.data.image_io.SUPPORTED_ENDINGS, tested equal),
@@ -164,6 +166,9 @@ class Kind(_StrEnum):
     # Additive in v1: final validation progress, once per round of cases on rank 0
     # (`index` = cases of every rank done so far, 1-based; `num_cases` = all of them).
     VALIDATION_CASE = "validation_case"
+    # Additive in v1: rank 0 saw SIGUSR1 at its next training step (the stop itself is agreed
+    # at the epoch's end: `stop_requested`), so the board shows it at once, not an epoch later.
+    STOP_HEARD = "stop_heard"
 
 
 # The kinds that begin a job's own run in its events file.
@@ -273,6 +278,7 @@ REQUIRED_KEYS: dict[Kind, dict[str, Check]] = {
     Kind.EPOCH_ENDED: {"epoch": COUNT},
     Kind.CHECKPOINT_SAVED: {"checkpoint": CHECKPOINT},
     Kind.STOP_REQUESTED: {},
+    Kind.STOP_HEARD: {"epoch": COUNT},
     Kind.STOPPED: {},
     Kind.VALIDATION_STARTED: {},
     Kind.VALIDATION_FINISHED: {},
@@ -284,7 +290,7 @@ REQUIRED_KEYS: dict[Kind, dict[str, Check]] = {
     Kind.VALIDATION_CASE: {"index": POSITIVE, "num_cases": POSITIVE},
 }
 _EPOCH_METRICS = ("train_loss", "val_loss", "mean_fg_dice", "ema_fg_dice", "lr",
-                  "epoch_time_s", "iterations_per_s", "data_wait_s")  # fmt: skip
+                  "epoch_time_s", "iterations_per_s", "data_wait_s", "data_wait_share")  # fmt: skip
 # Optional: checked when present (the trainer writes them all; other writers may not).
 OPTIONAL_KEYS: dict[Kind, dict[str, Check]] = {
     Kind.RUN_STARTED: {
@@ -305,6 +311,7 @@ OPTIONAL_KEYS: dict[Kind, dict[str, Check]] = {
     },
     Kind.CHECKPOINT_SAVED: {"path": TEXT, "epoch": EPOCH_INDEX, "write_time_s": NUMBER},
     Kind.STOP_REQUESTED: {"epoch": EPOCH_INDEX, "ranks": RANK_INDICES, "num_done": COUNT},
+    Kind.STOP_HEARD: {},
     Kind.STOPPED: {"epoch": EPOCH_INDEX, "reason": TEXT, "num_done": COUNT, "num_cases": COUNT},
     Kind.VALIDATION_STARTED: {"epoch": EPOCH_INDEX, "num_cases": COUNT},
     Kind.VALIDATION_FINISHED: {
@@ -542,3 +549,24 @@ def run_dir(
     plans: str = DEFAULT_PLANS,
 ) -> Path:
     return results_root / dataset_name / f"{trainer}__{plans}__{configuration}" / f"fold_{fold}"
+
+
+# ---- command lines: flags are spelled out (argparse's prefix matching is off everywhere) --
+
+
+def with_close_flag(message: str, known_flags: Iterable[str]) -> str:
+    """argparse's "unrecognized arguments: --epoch 3" plus the flag the user likely meant.
+
+    Every nnui parser sets allow_abbrev=False (a prefix such as --epoch silently meaning
+    --epochs is a trap when flags are passed through to a trainer); this names the match.
+    """
+    if not message.startswith("unrecognized arguments:"):
+        return message
+    known = list(known_flags)
+    for word in message.split(":", 1)[1].split():
+        flag = word.split("=", 1)[0]
+        if flag.startswith("-"):
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            if close:
+                return f"{message} (did you mean {close[0]}?)"
+    return message

@@ -6,21 +6,15 @@ Imported by trainer.run after its SIGUSR1 handler is installed; no torch here.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from trainer import allocator, precision
 from trainer.config import RECOMPUTE_CHOICES
+from trainer.inference.cli import OneLineParser
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, LEGACY_TRAINER
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line instead of usage + error
-        sys.stderr.write(f"error: {message} (see nnui-train --help)\n")
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog="nnui-train",
         description="Train one fold of an nnU-Net-v2-style configuration. "
         "SIGUSR1 stops gracefully after the current epoch; --c continues exactly.",
@@ -54,6 +48,12 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         dest="continue_training",
         action="store_true",
         help="continue from the newest valid checkpoint",
+    )
+    p.add_argument(
+        "--retrain",
+        action="store_true",
+        help="train a fold that already finished again, from scratch (its checkpoints and "
+        "validation are replaced); without it such a fold is refused",
     )
     p.add_argument(
         "--val",

@@ -23,10 +23,10 @@ from app.services import adopted, catalog, job_text, launcher, nnunet_runs, pred
 from app.services.registry import PREDICT
 from app.services.targets import is_adopted
 from app.services.waiting import between_attempts
-from trainer.schema import DatasetNotFound, find_dataset
+from trainer.schema import ACTIVE_STATES, ENDED_STATES, DatasetNotFound, State, find_dataset
 
-NOTHING_TO_STOP = frozenset({"stopped", "finished", "failed", "lost", "killed"})
-ACTIVE = frozenset({"starting", "running", "stopping", "queued", "validating"})
+NOTHING_TO_STOP = ENDED_STATES
+ACTIVE = ACTIVE_STATES
 
 
 @dataclass(frozen=True)
@@ -55,15 +55,15 @@ class KillChoice:
 def plan_stop_choice(view: Any) -> StopChoice:
     if view.state in NOTHING_TO_STOP:
         return StopChoice(view, None, f"job is {view.state}: nothing to stop, nothing is sent")
-    waits = view.state == "queued" and between_attempts(view.job)
-    if view.state == "queued" and not view.topology and not waits:
+    waits = view.state == State.QUEUED and between_attempts(view.job)
+    if view.state == State.QUEUED and not view.topology and not waits:
         return StopChoice(view, None, "job has not started yet (waiting for its turn)")
     # Waiting for GPUs or to restart: no trainer runs, the queued stop cancels it.
     plan = signals.plan_stop(view.job, None if waits else view.topology, view.epoch)
     note = "waiting (for a free GPU or to restart): the stop cancels it" if waits else None
-    if view.state == "stopping":
+    if view.state == State.STOPPING:
         note = "already stopping: sending SIGUSR1 again is harmless (the flag is already set)"
-    elif view.state == "validating":
+    elif view.state == State.VALIDATING:
         note = ("the final validation is running: the trainer finishes it first, then ends "
                 "as finished (every epoch is trained; nothing is left to resume)")  # fmt: skip
     elif view.job.queued_stop and plan.queued:

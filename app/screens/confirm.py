@@ -17,6 +17,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Static
 
 from app.widgets.formatting import readable_style
+from trainer.schema import State
 
 KILL_WORD = "kill"
 
@@ -62,7 +63,7 @@ def stop_text(choices: Sequence[Any], mono: bool = False) -> Text:
                 else f"the running epoch (epoch {plan.epoch + 1}/{view.num_epochs or '?'})"
             )
             ending = f"It stops at the end of {at}, writes checkpoint_latest and exits 0."
-            if view.state == "validating":
+            if view.state == State.VALIDATING:
                 ending = "The final validation finishes first; the run then ends as finished."
             elif _before_first_epoch(view):
                 first = f"epoch 1/{view.num_epochs or '?'}"

@@ -11,14 +11,15 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.binding import BindingsMap
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Header, Static
+from textual.widgets import DataTable, Header, Static
 
-from app.cli_cv import HEADER, row_cells
+from app.cli_cv import HEADER, NARROW_HEADER, narrow_row_cells, row_cells, table_width
 from app.screens import actions
 from app.screens.confirm import LaunchConfirmScreen
 from app.screens.keys import CV_ACTIONS, CV_NAV
 from app.services import launcher
 from app.services.cross_validation import CvRow, QueueLaunch, cv_rows, queue_launches
+from app.widgets.fitting_footer import FittingFooter
 
 REFRESH_S = 1.0
 
@@ -37,21 +38,36 @@ class CrossValidationScreen(Screen):
                      id="cv-title")  # fmt: skip
         yield DataTable(id="cv-table", cursor_type="row", zebra_stripes=True)
         yield Static(id="cv-queue")
-        yield Footer()
+        yield FittingFooter()
 
     def on_mount(self) -> None:
-        self.query_one(DataTable).add_columns(*HEADER)
+        self.header: list[str] = []
         self.refresh_rows()
         self.set_interval(REFRESH_S, self.refresh_rows)
+
+    def on_resize(self) -> None:
+        self.refresh_rows()
+
+    def _layout(self, rows: list[CvRow]) -> tuple[list[str], list[list[str]]]:
+        """The full columns where they fit, else the narrow ones (ETA never cut)."""
+        wide = [row_cells(r) for r in rows]
+        available = self.query_one(DataTable).size.width or self.size.width
+        if table_width(HEADER, wide) <= available:
+            return HEADER, wide
+        return NARROW_HEADER, [narrow_row_cells(r) for r in rows]
 
     def refresh_rows(self) -> None:
         app = self.app
         rows = cv_rows(app.views, app.services.tracker.cross_validation_eta_s)
         table = self.query_one(DataTable)
         cursor = table.cursor_row
-        table.clear()
-        for row in rows:
-            table.add_row(*row_cells(row))
+        header, cells = self._layout(rows)
+        table.clear(columns=header != self.header)
+        if header != self.header:
+            table.add_columns(*header)
+            self.header = header
+        for line in cells:
+            table.add_row(*line)
         if rows:
             table.move_cursor(row=min(cursor, len(rows) - 1))
         self.rows = rows

@@ -12,7 +12,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import BindingsMap
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Header, Input, Static
+from textual.widgets import DataTable, Header, Input, Static
 
 from app.screens import actions
 from app.screens.help import HelpScreen
@@ -22,19 +22,20 @@ from app.screens.keys import ACTION_IDS, DASHBOARD_ACTIONS, DASHBOARD_NAV, DASHB
 from app.screens.launch import LaunchScreen
 from app.services import job_list
 from app.services.bell import BellRule
-from app.services.job_text import alert_condition
-from app.widgets.formatting import fmt_duration_s
+from app.services.job_text import alert_condition, human_duration
+from app.widgets.fitting_footer import FittingFooter
 from app.widgets.gpu_panel import GpuPanel
 from app.widgets.job_table import JobTable
+from trainer.schema import State
 
 __all__ = ["ACTION_IDS", "DashboardScreen", "cv_text", "summary_text"]
 
 
 def cv_text(views: list[Any], cv_eta_s: float | None, problems: tuple[str, ...] = ()) -> Text:
-    running = sum(1 for v in views if v.state in ("running", "validating"))
+    running = sum(1 for v in views if v.state in (State.RUNNING, State.VALIDATING))
     text = Text()
     text.append(f" {len(views)} job{'s' if len(views) != 1 else ''}, {running} running", "bold")
-    text.append(f"   cross-validation ETA: {fmt_duration_s(cv_eta_s)}")
+    text.append(f"   cross-validation ETA: {human_duration(cv_eta_s)}")
     for problem in problems:  # a job file that could not be read: named, never hidden
         text.append(f"\n ⚠ warning: {problem}", style="bold yellow")
     return text
@@ -66,7 +67,7 @@ class DashboardScreen(Screen):
                     "(enter keeps, escape clears)", id="job-filter")  # fmt: skip
         yield Static(id="job-summary")
         yield Static(id="cv-line")
-        yield Footer()
+        yield FittingFooter()
 
     def on_mount(self) -> None:
         self._ready = True
@@ -114,7 +115,7 @@ class DashboardScreen(Screen):
                 if condition not in self._alerts_seen:
                     self.notify(f"{job_id}: {alert}", severity="warning", timeout=8)
             before = self._states_seen.get(job_id)
-            if before is not None and before != view.state and view.state == "failed":
+            if before is not None and before != view.state and view.state == State.FAILED:
                 self.notify(
                     f"{job_id} failed (exit {view.exit_code})", severity="error", timeout=10
                 )
@@ -137,7 +138,7 @@ class DashboardScreen(Screen):
 
     def on_resize(self) -> None:
         # Under 100 columns the footer drops its padding so Stop, Kill and Quit still show.
-        for footer in self.query(Footer):  # none yet while the screen composes
+        for footer in self.query(FittingFooter):  # none yet while the screen composes
             footer.compact = self.size.width < 100
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:

@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.binding import BindingsMap
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from app.screens import actions
 from app.screens.help import HelpScreen
@@ -22,6 +22,7 @@ from app.screens.keys import DETAIL_ACTIONS, DETAIL_NAV
 from app.services import job_list
 from app.services.curve_data import SMOOTHING_FACTORS
 from app.widgets.curves import CurvesPanel
+from app.widgets.fitting_footer import FittingFooter
 from app.widgets.formatting import readable_style
 from app.widgets.log_tail import LogTail
 from app.widgets.process_tree import ProcessTree
@@ -81,7 +82,7 @@ class JobDetailScreen(Screen):
                 yield LogTail(id="console")
             with Vertical(id="tree-box"):
                 yield ProcessTree(id="tree")
-        yield Footer()
+        yield FittingFooter()
 
     def on_mount(self) -> None:
         self._ready = True

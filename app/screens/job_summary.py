@@ -7,8 +7,9 @@ from typing import Any
 
 from rich.text import Text
 
-from app.services.job_text import state_label
-from app.widgets.formatting import fmt_duration_s, readable_style
+from app.services.job_text import human_duration, state_label
+from app.widgets.formatting import readable_style
+from trainer.schema import State
 
 FAILED_TAIL_LINES = 4
 
@@ -24,8 +25,8 @@ def watch_only_text(run: Any, mono: bool = False) -> Text:
     dice = " ".join(f"{d:.3f}" for d in run.dice_per_class) or "n/a"
     text.append(f"  Dice per class {dice}  EMA ")
     text.append("n/a" if run.ema_fg_dice is None else f"{run.ema_fg_dice:.3f}")
-    text.append(f"  median epoch {fmt_duration_s(run.median_epoch_time_s)}")
-    text.append(f"  ETA {fmt_duration_s(run.eta_s)}  log {run.log_path}")
+    text.append(f"  median epoch {human_duration(run.median_epoch_time_s)}")
+    text.append(f"  ETA {human_duration(run.eta_s)}  log {run.log_path}")
     return text
 
 
@@ -67,7 +68,7 @@ def summary_text(
         text.append("nnU-Net  ", style=style("cyan"))
     if getattr(view, "final_dice", None) is not None:
         text.append(f"final validation Dice {view.final_dice:.3f}  ", style="bold")
-    if view.exit_code and view.state not in ("killed", "failed"):  # the state names those
+    if view.exit_code and view.state not in (State.KILLED, State.FAILED):  # the state names those
         text.append(f"exit code {view.exit_code}  ", style=style("bold red"))
     if job.queued_stop:
         text.append(
@@ -75,7 +76,7 @@ def summary_text(
         )
     if view.alerts:
         text.append("⚠ " + "; ".join(view.alerts), style=style("bold red"))
-    if view.state in ("failed", "lost") and view.console_tail:
+    if view.state in (State.FAILED, State.LOST) and view.console_tail:
         for line in list(view.console_tail)[-FAILED_TAIL_LINES:]:
             text.append("\n  │ " + line.rstrip("\n"), style=style("red"))
     return text

@@ -12,7 +12,7 @@ from textual.binding import Binding
 DASHBOARD_NAV = [
     Binding("enter", "detail", "Detail", id="detail"),
     Binding("question_mark", "help", "Help", key_display="?", id="help"),
-    Binding("q", "quit", "Quit (jobs keep running)", id="quit"),
+    Binding("q", "quit", "Quit", tooltip="leave nnui; jobs keep running", id="quit"),
     # View toggles (they change nothing but the screen, so read-only has them too).
     Binding("c", "gpu_commands", "GPU commands", id="gpu-commands", show=False),
     Binding("u", "gpu_sort", "Sort GPU procs", id="gpu-sort", show=False),

@@ -19,7 +19,7 @@ from textual.binding import BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Checkbox, Footer, Input, RadioButton, RadioSet, Static
+from textual.widgets import Checkbox, Input, RadioButton, RadioSet, Static
 
 from app.screens import actions, keys
 from app.screens.confirm import LaunchConfirmScreen
@@ -27,14 +27,16 @@ from app.screens.predict_form import PredictScreen, form_defaults
 from app.services import catalog, engines, launcher, niceness
 from app.services.schedule import Schedule
 from app.widgets.dataset_picker import DatasetPicker
+from app.widgets.fitting_footer import FittingFooter
 from app.widgets.fold_board import CPU_COLUMN, FoldBoard
 from app.widgets.formatting import readable_style
 from app.widgets.key_order import OrderedInput
+from app.widgets.toggles import TextCheckbox, TextRadioButton
 
 
 def board_columns(snapshot: Any) -> list[str]:
-    gpus = getattr(snapshot, "gpus", ())
-    return [str(g.index) for g in gpus] if gpus else [CPU_COLUMN]
+    slots = getattr(snapshot, "slots", ())  # a MIG device is a column of its own
+    return [g.slot for g in slots] if slots else [CPU_COLUMN]
 
 
 class LaunchScreen(Screen):
@@ -71,16 +73,16 @@ class LaunchScreen(Screen):
             yield FoldBoard(board_columns(self.app.snapshot), id="board")
             with Vertical(id="launch-options"):
                 with RadioSet(id="ddp-launcher"):
-                    yield RadioButton("DDP via -num_gpus (spawn)", value=True, id="spawn")
-                    yield RadioButton("DDP via torchrun", id="torchrun")
-                yield Checkbox("resume (--c)", id="resume")
-                yield Checkbox("when free (wait for the GPUs)", id="when-free")
+                    yield TextRadioButton("DDP via -num_gpus (spawn)", value=True, id="spawn")
+                    yield TextRadioButton("DDP via torchrun", id="torchrun")
+                yield TextCheckbox("resume (--c)", id="resume")
+                yield TextCheckbox("when free (wait for the GPUs)", id="when-free")
                 yield OrderedInput(placeholder="trainer flags, e.g. --epochs 3", id="flags")
                 yield OrderedInput(placeholder="nice N threads T (default: as now)", id="manners")
         yield Static(id="launch-checks")
         with VerticalScroll(id="launch-preview-box"):
             yield Static(id="launch-preview")
-        yield Footer()
+        yield FittingFooter()
 
     def on_mount(self) -> None:
         self._ready = True

@@ -18,11 +18,13 @@ from textual.app import ComposeResult
 from textual.binding import BindingType
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import Button, Checkbox, Footer, Input, Static
+from textual.widgets import Button, Checkbox, Input, Static
 
 from app.screens import keys
 from app.screens.confirm import LaunchConfirmScreen
 from app.services import launcher, prediction
+from app.widgets.fitting_footer import FittingFooter
+from app.widgets.toggles import TextCheckbox
 from trainer.schema import DEFAULT_PLANS, Roots
 
 PREDICTIONS_FOLDER = "nnui_predictions"  # under results/DatasetNNN_Name/, nnui's own
@@ -85,11 +87,11 @@ class PredictScreen(Screen):
                 yield Static(" checkpoint ", classes="pf-label")
                 yield Input("checkpoint_final", id="pf-checkpoint")
             with Horizontal(classes="pf-row"):
-                yield Checkbox("test-time mirroring (TTA)", value=True, id="pf-tta")
-                yield Checkbox("save probabilities (CASE.npz)", id="pf-npz")
+                yield TextCheckbox("test-time mirroring (TTA)", value=True, id="pf-tta")
+                yield TextCheckbox("save probabilities (CASE.npz)", id="pf-npz")
             yield Button("Review and start (enter)", variant="success", id="pf-go")
         yield Static(id="pf-problems")
-        yield Footer()
+        yield FittingFooter()
 
     def on_mount(self) -> None:
         self.set_focus(self.query_one("#pf-input", Input))

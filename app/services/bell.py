@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-BELL_STATES = ("finished", "failed")
+from trainer.schema import State
+
+BELL_STATES = (State.FINISHED, State.FAILED)
 NO_BELL_ENV = "NNUI_NO_BELL"
 
 

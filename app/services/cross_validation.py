@@ -27,18 +27,22 @@ from trainer.schema import (
     SUMMARY_FILE,
     VALIDATION_DIR,
     Kind,
+    State,
     checkpoint_file,
 )
 
 FOLDS = ("0", "1", "2", "3", "4")
 MISSING = "missing"
-# Job states as the view's fold states (waiting / running / stopped / failed / finished).
-FOLD_STATE = {
-    "queued": "waiting", "starting": "running", "running": "running", "stopping": "running",
-    "stopped": "stopped", "killed": "stopped", "failed": "failed", "lost": "failed",
-    "finished": "finished",
+UNKNOWN = "unknown"
+# Every job state as the view's fold state: live ones stay live (a validating or stopping fold
+# is never "failed", never offered to the queue); a test keeps this total over State.
+FOLD_STATE: dict[State, str] = {
+    State.QUEUED: "waiting", State.STARTING: "running", State.RUNNING: "running",
+    State.STOPPING: "stopping", State.VALIDATING: "validating",
+    State.STOPPED: "stopped", State.KILLED: "stopped", State.FAILED: "failed",
+    State.LOST: "failed", State.FINISHED: "finished",
 }  # fmt: skip
-TO_QUEUE = (MISSING, "failed")
+TO_QUEUE = (MISSING, FOLD_STATE[State.FAILED])
 NNUNET_CHECKPOINTS = ("checkpoint_latest.pth", "checkpoint_final.pth", "checkpoint_best.pth")
 
 
@@ -138,12 +142,20 @@ def gpu_hours(job: Job, now: float) -> float:
 def fold_cell(fold: str, view: Any | None) -> FoldCell:
     if view is None:
         return FoldCell(fold, MISSING)
-    state = FOLD_STATE.get(str(view.state), "failed")
+    try:
+        state = FOLD_STATE[State(str(view.state))]
+    except ValueError:  # not a state at all: say so, never guess "failed" (it would be queued)
+        state = UNKNOWN
     dice = None
-    if state == "finished":
-        dice = summary_dice(view.job.run_dir)
+    if state == State.FINISHED:
+        # The job's own validation_finished first: the number `nnui status` and the board
+        # show (a later run in the same folder is another job's); summary.json only when the
+        # events have none (runs whose events predate validation_finished).
+        dice = getattr(view, "final_dice", None)
         if dice is None:
             dice = _run_facts(view.job)[1]
+        if dice is None:
+            dice = summary_dice(view.job.run_dir)
     return FoldCell(fold, state, dice, needs_continue(view.job.run_dir))
 
 

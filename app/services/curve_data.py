@@ -44,6 +44,7 @@ class EpochPoint:
     epoch_time_s: float
     iterations_per_s: float
     dice_per_class: tuple[float, ...] = ()  # entry 0 = label 1; NaN where undefined
+    data_wait_share: float = math.nan  # of the training steps' time, waiting for batches
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ def epoch_point(record: dict[str, Any]) -> EpochPoint:
         epoch_time_s=num(record.get("epoch_time_s")),
         iterations_per_s=num(record.get("iterations_per_s")),
         dice_per_class=tuple(num(d) for d in record.get("dice_per_class") or ()),
+        data_wait_share=num(record.get("data_wait_share")),
     )
 
 

@@ -63,7 +63,7 @@ class GpuClaims:
         """All of `gpus` or none (a DDP group claims its GPUs together)."""
         _ensure_dir(self.folder)
         got: dict[str, int] = {}
-        for gpu in sorted(gpus, key=int):
+        for gpu in sorted(gpus, key=lambda g: (not g.isdigit(), int(g) if g.isdigit() else 0, g)):
             fd = _open_lock(self.folder, gpu)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

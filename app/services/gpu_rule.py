@@ -63,7 +63,9 @@ def _largest(processes: Sequence[GpuProcess]) -> GpuProcess:
 
 def blocker(gpu: GpuSnapshot, rule: WaitRule, holder: Holder | None = None) -> str | None:
     """Why this GPU is not free under the rule (one line), or None when it is."""
-    index = gpu.index
+    index = gpu.index if gpu.parent_index is None else gpu.uuid
+    if gpu.lost:
+        return f"GPU {index}: lost (NVML: GPU is lost), needs a reset"
     if holder is not None:
         return (
             f"GPU {index}: claimed by nnui job {holder.job_id} of user {holder.user} "
@@ -111,7 +113,7 @@ def choose(
     free: list[str] = []
     reasons: list[str] = []
     for gpu in pool:
-        reading = snapshot.gpu(gpu) if gpu.isdigit() else None
+        reading = snapshot.slot(gpu)
         if reading is None:
             reasons.append(f"GPU {gpu}: not visible")
         elif gpu in taken:

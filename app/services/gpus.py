@@ -1,10 +1,15 @@
 """GPU readings through NVML — the only pynvml user (DESIGN §6).
 
 `GpuMonitor.snapshot()` never raises: a missing driver becomes `driver_problem` (the UI
-then offers CPU slots) and a reading that fails becomes None ("n/a"). Indices are NVML's,
-which with CUDA_DEVICE_ORDER=PCI_BUS_ID (set for every job) are the CUDA indices too, so
-a job launched with CUDA_VISIBLE_DEVICES=<index> lands on the GPU shown under that index.
-An inherited CUDA_VISIBLE_DEVICES limits the panel to those GPUs (indices or UUIDs).
+then offers CPU slots) and a reading that fails becomes None ("n/a"). Indices are CUDA's
+under CUDA_DEVICE_ORDER=PCI_BUS_ID (set for every job): the GPUs in PCI bus id order (which
+is NVML's own order on every driver seen), so a job launched with CUDA_VISIBLE_DEVICES=<index>
+lands on the GPU shown under that index. An inherited CUDA_VISIBLE_DEVICES limits the panel
+to those GPUs (indices or UUIDs).
+
+Slots (what a job is assigned): a GPU by its index, or, on a GPU in MIG mode, each MIG
+device by its UUID (`CUDA_VISIBLE_DEVICES=MIG-...`); the partitioned GPU itself is no slot.
+A GPU whose NVML calls answer NVML_ERROR_GPU_IS_LOST is `lost` (its jobs are flagged).
 """
 
 from __future__ import annotations
@@ -14,11 +19,15 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import psutil
+
+from app.services import gpu_nvml
+from app.services.gpu_nvml import StaticFields, describe_init_error, read_static
+from app.services.gpu_nvml import decode as _decode
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +59,17 @@ class GpuSnapshot:
     processes: tuple[GpuProcess, ...]
     power_limit_w: float | None = None
     fan_percent: int | None = None  # None also for GPUs without a fan (passively cooled)
+    lost: bool = False  # NVML_ERROR_GPU_IS_LOST: off the bus until a reset
+    pci_bus_id: str | None = None
+    mig_enabled: bool = False  # partitioned: its MIG devices (`mig`) are the slots
+    mig: tuple[GpuSnapshot, ...] = ()
+    parent_index: int | None = None  # a MIG device: the GPU it is part of
+    mig_position: int | None = None
+
+    @property
+    def slot(self) -> str:
+        """What a job names in --gpus and gets in CUDA_VISIBLE_DEVICES."""
+        return self.uuid if self.parent_index is not None else str(self.index)
 
     @property
     def short_uuid(self) -> str:
@@ -76,25 +96,27 @@ class GpuSnapshot:
 
 
 @dataclass(frozen=True)
-class StaticFields:
-    """What NVML reports that never changes while the driver is loaded: read once per GPU
-    (DESIGN §6), not every second."""
-
-    name: str
-    uuid: str
-    power_limit_w: float | None
-    has_fan: bool
-
-
-@dataclass(frozen=True)
 class MachineSnapshot:
     gpus: tuple[GpuSnapshot, ...]
     simulated: bool
     driver_problem: str | None
     taken_at: float
+    order_note: str | None = None  # NVML's order is not the PCI one (gpu_nvml.ORDER_NOTE)
 
     def gpu(self, index: int | str) -> GpuSnapshot | None:
         return next((g for g in self.gpus if g.index == int(index)), None)
+
+    @property
+    def slots(self) -> tuple[GpuSnapshot, ...]:
+        """What jobs can be assigned: each GPU, or each MIG device of a partitioned one."""
+        return tuple(s for g in self.gpus for s in (g.mig if g.mig_enabled else (g,)))
+
+    def slot(self, name: str) -> GpuSnapshot | None:
+        """The reading of a slot by its name (an index or a MIG UUID); a partitioned GPU's
+        index names the GPU itself (launch checks refuse it: it is no slot)."""
+        if name.isdigit():
+            return self.gpu(name)
+        return next((s for g in self.gpus for s in g.mig if s.uuid == name), None)
 
 
 def fmt_na(value: Any, fmt: str = "{}") -> str:
@@ -115,22 +137,6 @@ def parse_visible_devices(text: str | None) -> list[str] | None:
             break  # "-1" or anything else hides every device from there on
         entries.append(entry)
     return entries
-
-
-def _decode(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def describe_init_error(error: BaseException, nvml: Any) -> str:
-    not_found = getattr(nvml, "NVMLError_LibraryNotFound", None)
-    not_loaded = getattr(nvml, "NVMLError_DriverNotLoaded", None)
-    if isinstance(error, ImportError):
-        return "NVML Python bindings missing (install nvidia-ml-py) — jobs can run on CPU"
-    if not_found is not None and isinstance(error, not_found):
-        return "No NVIDIA driver found (NVML library not found) — jobs can run on CPU"
-    if not_loaded is not None and isinstance(error, not_loaded):
-        return "NVIDIA driver not loaded — jobs can run on CPU"
-    return f"NVML unavailable ({error}) — jobs can run on CPU"
 
 
 class GpuMonitor:
@@ -156,6 +162,9 @@ class GpuMonitor:
         self._initialised = False
         self._init_problem: str | None = None
         self._static: dict[int, StaticFields] = {}
+        self._order: list[int] | None = None  # NVML index of each CUDA index (PCI order)
+        self._lost = False  # a reading of the GPU being read answered GPU_IS_LOST
+        self._last_mig: dict[int, tuple[GpuSnapshot, ...]] = {}  # MIG devices last seen
         self.num_static_reads = 0  # tests: the static fields are read once per GPU
         self._me: tuple[str | None] | None = None  # (nnui's user,) once read (simulate mode)
 
@@ -199,8 +208,21 @@ class GpuMonitor:
             count = int(self._nvml.nvmlDeviceGetCount())
         except Exception as error:
             return MachineSnapshot((), False, f"NVML failed to count GPUs ({error})", now)
-        gpus = tuple(self._read_gpu(i) for i in self._visible_indices(count))
-        return MachineSnapshot(gpus, False, None, now)
+        order = self._pci_order(count)
+        gpus = tuple(self._read_gpu(i, order[i]) for i in self._visible_indices(count))
+        note = gpu_nvml.ORDER_NOTE if order != list(range(count)) else None
+        return MachineSnapshot(gpus, False, None, now, note)
+
+    def _pci_order(self, count: int) -> list[int]:
+        """NVML index of each CUDA index: read once (bus ids do not change while the driver
+        is loaded); NVML's own order until every bus id could be read."""
+        if self._order is not None and len(self._order) == count:
+            return self._order
+        found = gpu_nvml.pci_order(self._nvml, count)
+        if found is None:
+            return list(range(count))
+        self._order = found[0]
+        return self._order
 
     def _visible_indices(self, count: int) -> list[int]:
         if self.visible is None:
@@ -227,39 +249,64 @@ class GpuMonitor:
         return chosen
 
     def _uuid(self, index: int) -> Any:
-        return self._nvml.nvmlDeviceGetUUID(self._nvml.nvmlDeviceGetHandleByIndex(index))
+        nvml_index = self._order[index] if self._order else index
+        return self._nvml.nvmlDeviceGetUUID(self._nvml.nvmlDeviceGetHandleByIndex(nvml_index))
 
     def _safe(self, read: Callable[[], Any], default: Any = None) -> Any:
         try:
             return read()
         except Exception as error:  # NVMLError subclasses, or a lost GPU
-            log.debug("NVML reading failed: %s", error)
+            self._note_error(error)
             return default
+
+    def _note_error(self, error: BaseException) -> None:
+        log.debug("NVML reading failed: %s", error)
+        if gpu_nvml.nvml_code(error) == gpu_nvml.GPU_IS_LOST:
+            self._lost = True
 
     def _static_fields(self, index: int, handle: Any) -> StaticFields:
         known = self._static.get(index)
         if known is not None:
             return known
-        nvml = self._nvml
         self.num_static_reads += 1
-        limit_mw = self._safe(lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(handle))
-        fields = StaticFields(
-            name=self._safe(lambda: _decode(nvml.nvmlDeviceGetName(handle)), "n/a"),
-            uuid=self._safe(lambda: _decode(nvml.nvmlDeviceGetUUID(handle)), "n/a"),
-            power_limit_w=None if limit_mw is None else limit_mw / 1000.0,
-            # A passively cooled GPU answers "not supported": ask once, then never again.
-            has_fan=self._safe(lambda: nvml.nvmlDeviceGetFanSpeed(handle)) is not None,
-        )
-        if "n/a" not in (fields.name, fields.uuid):  # a failed read is tried again later
+        fields = read_static(self._nvml, handle, self._safe)
+        if "n/a" not in (fields.name, fields.uuid) and not self._lost:  # else: again later
             self._static[index] = fields
         return fields
 
-    def _read_gpu(self, index: int) -> GpuSnapshot:
+    def _read_gpu(self, index: int, nvml_index: int) -> GpuSnapshot:
         nvml = self._nvml
-        handle = self._safe(lambda: nvml.nvmlDeviceGetHandleByIndex(index))
+        self._lost = False
+        handle = self._safe(lambda: nvml.nvmlDeviceGetHandleByIndex(nvml_index))
+        devices = None
         if handle is None:
-            return GpuSnapshot(index, "n/a", "n/a", None, None, None, None, None, ())
-        static = self._static_fields(index, handle)
+            known = self._static.get(index)  # a GPU lost after it was seen keeps its name
+            name, uuid = (known.name, known.uuid) if known else ("n/a", "n/a")
+            reading = GpuSnapshot(index, name, uuid, None, None, None, None, None, ())
+        else:
+            reading = self._readings(index, handle, self._static_fields(index, handle))
+            devices = gpu_nvml.mig_devices(nvml, handle, self._safe)
+        instances = tuple(self._read_mig(index, device) for device in devices or ())
+        if self._lost:  # its MIG devices as last seen, lost with it: their jobs are flagged
+            instances = tuple(
+                replace(d, lost=True, memory_used_bytes=None, processes=())
+                for d in self._last_mig.get(index, ())
+            )
+        else:
+            self._last_mig[index] = instances
+        enabled = devices is not None or bool(instances)
+        return replace(reading, lost=self._lost, mig_enabled=enabled, mig=instances)
+
+    def _read_mig(self, index: int, device: gpu_nvml.MigDevice) -> GpuSnapshot:
+        """A MIG device: its own UUID, memory and processes (no power, fan or temperature:
+        those belong to the whole GPU, and NVML answers "not supported")."""
+        reading = self._readings(
+            index, device.handle, read_static(self._nvml, device.handle, self._safe, mig=True)
+        )
+        return replace(reading, parent_index=index, mig_position=device.position)
+
+    def _readings(self, index: int, handle: Any, static: StaticFields) -> GpuSnapshot:
+        nvml = self._nvml
         memory = self._safe(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
         util = self._safe(lambda: nvml.nvmlDeviceGetUtilizationRates(handle))
         power_mw = self._safe(lambda: nvml.nvmlDeviceGetPowerUsage(handle))
@@ -281,32 +328,15 @@ class GpuMonitor:
             processes=self._read_processes(handle),
             power_limit_w=static.power_limit_w,
             fan_percent=fan,
+            pci_bus_id=static.pci_bus_id,
         )
 
     def _read_processes(self, handle: Any) -> tuple[GpuProcess, ...]:
-        seen: dict[int, Any] = {}
-        for getter in (
-            "nvmlDeviceGetComputeRunningProcesses",
-            "nvmlDeviceGetGraphicsRunningProcesses",
-        ):
-            function = getattr(self._nvml, getter, None)
-            if function is None:
-                continue
-            for entry in self._safe(lambda f=function: f(handle), []) or []:
-                seen.setdefault(int(entry.pid), entry)
         result = []
-        for pid, entry in sorted(seen.items()):
-            used = getattr(entry, "usedGpuMemory", None)
-            user, name, uid = self._owner(pid)
-            result.append(
-                GpuProcess(
-                    pid=pid,
-                    user=user,
-                    used_memory_bytes=None if used is None else int(used),
-                    name=name,
-                    is_mine=uid == os.getuid(),
-                )
-            )
+        for entry in gpu_nvml.running_processes(self._nvml, handle, self._note_error):
+            user, name, uid = self._owner(entry.pid)
+            mine = uid == os.getuid()
+            result.append(GpuProcess(entry.pid, user, entry.used_memory_bytes, name, mine))
         return tuple(result)
 
     def _owner(self, pid: int) -> tuple[str | None, str | None, int | None]:

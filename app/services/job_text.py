@@ -3,6 +3,7 @@ resume continues from: one place, so the table, the header, the dialogs and the 
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,3 +60,20 @@ def alert_condition(alert: str) -> str:
     """What an alert is about, without its changing numbers ("stalled: no event for 208 s"
     and "... 209 s" are one condition): notifications are de-duplicated by it."""
     return re.sub(r"(?<!GPU )\d+(\.\d+)?", "#", alert)  # a GPU's index names the condition
+
+
+def human_duration(seconds: float | None) -> str:
+    """Every duration users read: `31 s`, `4 min`, `2 h 10 min`; `n/a` when unknown.
+
+    Whole units only: an ETA is an estimate, and `0m` for half a minute read as "done".
+    """
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    whole = max(0, round(seconds))
+    if whole < 60:
+        return f"{whole} s"
+    minutes = round(whole / 60)
+    if minutes < 60:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min" if minutes else f"{hours} h"

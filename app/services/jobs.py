@@ -74,9 +74,28 @@ class JobView:
     # checkpoint_saved events of every run in the folder: (kind, epochs completed), newest
     # save of each kind (what a --c resume can continue from, if the file is still there).
     checkpoints: tuple[tuple[str, int], ...] = ()
+    data_wait_share: float | None = None  # newest epoch: share of step time spent waiting
     # A run nnui did not launch (discovery.py); watch_only when it is another user's.
     adopted: AdoptedRun | None = None
     slurm_state: str | None = None  # the user's SLURM job: PENDING, RUNNING ... (squeue)
+
+
+DATA_WAIT_ALERT_SHARE = 0.3  # of the step time, over each of the last DATA_WAIT_EPOCHS epochs
+DATA_WAIT_EPOCHS = 3
+
+
+def data_wait_alert(history: tuple[EpochPoint, ...]) -> str | None:
+    """The step waited for batches for a large share of its time, epoch after epoch: the
+    GPU (or CPU) is starved by data loading, and the fix is on the user's side."""
+    recent = [p.data_wait_share for p in history[-DATA_WAIT_EPOCHS:]]
+    if len(recent) < DATA_WAIT_EPOCHS or not all(
+        math.isfinite(s) and s >= DATA_WAIT_ALERT_SHARE for s in recent
+    ):
+        return None
+    return (
+        f"waiting for data {recent[-1]:.0%} of the step: more --num-workers, fewer parallel "
+        "jobs on this machine's cores"
+    )
 
 
 def _finite(value: float) -> float | None:
@@ -191,7 +210,7 @@ class _RunState:
             self.last_kind, self.stop_requested = None, False
             if kind == Kind.PREDICTION_STARTED:
                 self.cases = CaseProgress()
-        elif kind == Kind.STOP_REQUESTED:
+        elif kind in (Kind.STOP_REQUESTED, Kind.STOP_HEARD):
             self.stop_requested = True
         if kind in (Kind.PREDICTION_STARTED, Kind.CASE_PREDICTED):
             self.cases.absorb(record)
@@ -520,6 +539,7 @@ class JobTracker:
             validation_cases=run.validation[1] if run.validation else None,
             run_dir_gone=_run_dir_gone(job, run),
             checkpoints=tuple(run.checkpoints.items()),
+            data_wait_share=_finite(last.data_wait_share) if last else None,
         )
 
     def _eta_s(
@@ -559,13 +579,18 @@ class JobTracker:
             alerts.append(f"run folder gone: {job.run_dir}")
         if run.events.num_invalid:
             alerts.append(f"{run.events.num_invalid} invalid event lines skipped")
+        waiting = data_wait_alert(run.history_points()) if state == State.RUNNING else None
+        if waiting is not None:
+            alerts.append(waiting)
         if (
             snapshot is not None
             and not snapshot.simulated
             and state in (State.RUNNING, State.STARTING, State.VALIDATING)
         ):
             for gpu in job.gpus:
-                reading = snapshot.gpu(gpu) if gpu.isdigit() else None
+                reading = snapshot.slot(gpu)
+                if reading is not None and reading.lost:
+                    alerts.append(f"GPU {gpu} lost (NVML: GPU is lost): the job cannot go on")
                 if reading is not None and reading.other_users:
                     alerts.append(f"GPU {gpu} also used by {', '.join(reading.other_users)}")
         return tuple(alerts)

@@ -16,10 +16,11 @@ from pathlib import Path
 from app.services import claims, engines, flag_check
 from app.services.busy_gpus import occupied_note
 from app.services.claims import ClaimRefused
+from app.services.cpu_slots import cpu_slots, oversubscription_note, queue_note
 from app.services.engines import ENGINES, NNUI, NNUNET_MISSING, Engine, engine
 from app.services.gpus import MachineSnapshot
 from app.services.niceness import NICE_ENV, THREADS_ENV, env_int, inherited_warning, nice_problems
-from app.services.registry import Job, Registry, valid_pid
+from app.services.registry import TRAIN, Job, Registry, valid_pid
 from app.services.schedule import Schedule, resumed_schedule
 from app.services.signals import job_alive, proc_info
 from app.services.trainer_flags import flag_value
@@ -31,6 +32,7 @@ from trainer.schema import (
     TERMINAL_STATES,
     DatasetNotFound,
     Roots,
+    State,
     find_dataset,
     is_legacy_identifier,
     read_status,
@@ -38,6 +40,7 @@ from trainer.schema import (
 )
 
 MODES = ("per_gpu", "spawn", "torchrun")
+RETRAIN_FLAG = "--retrain"  # nnui-train's: start a finished fold over (asked explicitly)
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,12 @@ class LaunchRequest:
     )  # --when-free, --retries, --on-event (schedule.py)
     nice: int | None = None  # the trainer's nice value (niceness.py); None: as nnui's
     threads: int | None = None  # CPU threads per trainer (OMP_NUM_THREADS); None: its own
+    oversubscribe: bool = False  # CPU: start every fold now, more jobs than CPU slots
+
+    @property
+    def on_cpu_slots(self) -> bool:
+        """Real CPU jobs, one per fold: they take CPU slots (cpu_slots.py)."""
+        return self.device == "cpu" and not self.simulated and self.mode == "per_gpu"
 
 
 @dataclass
@@ -314,6 +323,8 @@ def check_request(
     checks.errors.extend(assignment_errors)
     if request.mode == "per_gpu" and not (request.sequential or request.schedule.when_free):
         _shared_gpu_warnings(request, checks)
+    if request.on_cpu_slots:
+        _cpu_slot_warnings(request, registry, checks)
     inherited = inherited_warning(request.nice)
     if inherited is not None:
         checks.warnings.append(inherited)
@@ -333,9 +344,17 @@ def _gpu_checks(request: LaunchRequest, snapshot: MachineSnapshot, checks: Launc
         checks.errors.append(f"{snapshot.driver_problem} (use --cpu)")
         return
     for gpu in dict.fromkeys(request.gpus):
-        reading = snapshot.gpu(gpu) if gpu.isdigit() else None
+        reading = snapshot.slot(gpu)
         if reading is None:
             checks.errors.append(f"GPU {gpu} is not visible on this machine")
+            continue
+        if reading.lost:
+            checks.errors.append(f"GPU {gpu} is lost (NVML: GPU is lost): it needs a reset")
+            continue
+        if reading.mig_enabled:
+            devices = ", ".join(d.uuid for d in reading.mig) or "none yet"
+            checks.errors.append(f"GPU {gpu} is partitioned (MIG): give one of its MIG devices "
+                                 f"({devices})")  # fmt: skip
             continue
         if request.schedule.when_free:
             continue  # busy now is why it waits
@@ -352,6 +371,28 @@ def _gpu_checks(request: LaunchRequest, snapshot: MachineSnapshot, checks: Launc
             checks.confirmations.append(note)
 
 
+def running_cpu_jobs(registry: Registry | None) -> list[Job]:
+    """The live real-CPU trainings of this user (any dataset): they hold CPU slots."""
+    return [
+        j
+        for j in (registry.list() if registry else [])
+        if j.device == "cpu" and not j.simulated and j.kind == TRAIN and j.exit_code is None
+        and job_alive(j, proc_info)
+    ]  # fmt: skip
+
+
+def _cpu_slot_warnings(
+    request: LaunchRequest, registry: Registry | None, checks: LaunchChecks
+) -> None:
+    slots = cpu_slots(request.threads)
+    running = len(running_cpu_jobs(registry))
+    note = (oversubscription_note if request.oversubscribe else queue_note)(
+        len(request.folds), slots, running
+    )
+    if note is not None:
+        checks.warnings.append(note)
+
+
 def _running_jobs(registry: Registry | None, dataset_name: str, configuration: str) -> list[Job]:
     return [
         j
@@ -364,8 +405,9 @@ def _running_jobs(registry: Registry | None, dataset_name: str, configuration: s
 
 
 def folder_problem(
-    folder: Path, fold: str, continue_training: bool, running_jobs: list[Job]
-) -> tuple[str | None, bool]:
+    folder: Path, fold: str, continue_training: bool, running_jobs: list[Job],
+    retrain: bool = False,
+) -> tuple[str | None, bool]:  # fmt: skip
     """(why this run folder cannot take a new run, resumable?) — (None, False) when free.
 
     The same check runs once more inside start()'s claim, under the lock.
@@ -384,14 +426,20 @@ def folder_problem(
         return f"fold {fold} is already running (pids {pids})", False
     if continue_training:
         return None, False
-    if state == "finished":
-        return (
-            f"fold {fold} already finished training in {folder}; move that folder to train it again"
-        ), False
+    if state == State.FINISHED:
+        return (None, False) if retrain else (finished_refusal(fold, folder), False)
     return (
         f"fold {fold} has an earlier run ({state} at epoch {status.epoch}): "
         "resume it (nnui resume JOB, or launch with --c) or move its folder away"
     ), True
+
+
+def finished_refusal(fold: str, folder: Path) -> str:
+    """The one wording for a finished fold, nnui-train's too (trainer/run.py)."""
+    return (
+        f"fold {fold} already finished training in {folder}; move that folder to train it "
+        "again, or pass --retrain"
+    )
 
 
 def _nnunet_folder_problem(
@@ -403,7 +451,7 @@ def _nnunet_folder_problem(
     if (folder / "checkpoint_final.pth").is_file():
         return (
             f"fold {fold} already finished training in {folder}; move that folder to train it again"
-        ), False
+        ), False  # nnU-Net's files: nnui never replaces them, so no --retrain here
     if any(folder.glob("checkpoint_*.pth")):
         return (
             f"fold {fold} has an earlier nnU-Net run in {folder}: continue it with --c "
@@ -424,7 +472,11 @@ def _fold_checks(
         folder = request_run_dir(request, roots, dataset_name, fold)
         try:
             problem, resumable = folder_problem(
-                folder, fold, request.continue_training, running_jobs
+                folder,
+                fold,
+                request.continue_training,
+                running_jobs,
+                retrain=RETRAIN_FLAG in request.trainer_args,
             )
         except ClaimRefused as refused:
             problem, resumable = str(refused), False

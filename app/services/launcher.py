@@ -22,10 +22,12 @@ import app
 from app.services import claims
 from app.services.claims import ClaimRefused
 from app.services.consoles import console_name
+from app.services.cpu_slots import cpu_slots, slot_chains
 from app.services.engines import NNUI, NNUNET
 from app.services.gpus import MachineSnapshot
 from app.services.launch_request import (
     MODES,
+    RETRAIN_FLAG,
     Identity,
     LaunchChecks,
     LaunchRequest,
@@ -42,6 +44,7 @@ from app.services.launch_request import (
     job_roots,
     request_run_dir,
     resume_request,
+    running_cpu_jobs,
 )
 from app.services.niceness import job_env
 from app.services.registry import PREDICT, TRAIN, Job, ProcessRecord, Registry, new_job_id
@@ -146,8 +149,9 @@ def plan_launch(
     device = "cpu" if request.simulated else request.device
     job_mode = "single" if request.mode == "per_gpu" else request.mode
     plans: list[LaunchPlan] = []
-    last_on: dict[tuple[str, ...], str] = {}
-    for fold, gpus in assignments:
+    last_on = _cpu_slot_chains(request, registry)
+    slots = cpu_slots(request.threads).count if request.on_cpu_slots else 1
+    for index, (fold, gpus) in enumerate(assignments):
         job_id = new_job_id(fold)
         folder = request_run_dir(request, roots, dataset_name, fold)
         argv = _argv(request, who, dataset_name, fold, device, job_mode, len(gpus))
@@ -161,6 +165,9 @@ def plan_launch(
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         key = tuple(gpus) if gpus else ("cpu", fold)
         after = last_on.get(key) if request.sequential else None
+        if request.on_cpu_slots and not request.oversubscribe:
+            key = ("cpu-slot", str(index % slots))  # one job per CPU slot at a time
+            after = last_on.get(key)
         last_on[key] = job_id
         plans.append(
             LaunchPlan(
@@ -184,6 +191,16 @@ def plan_launch(
             )
         )
     return plans, []
+
+
+def _cpu_slot_chains(
+    request: LaunchRequest, registry: Registry | None
+) -> dict[tuple[str, ...], str]:
+    """The CPU jobs already running, as the job each CPU slot's next job waits for."""
+    if not request.on_cpu_slots or request.oversubscribe:
+        return {}
+    chains = slot_chains(cpu_slots(request.threads), running_cpu_jobs(registry))
+    return {("cpu-slot", str(slot)): job_id for slot, job_id in chains.items()}
 
 
 def _argv(
@@ -240,7 +257,10 @@ def start(plan: LaunchPlan, registry: Registry) -> Job:
     results_root = plan.run_dir.parents[2]  # results/DatasetNNN_Name/T__P__C/fold_F
     with claims.locked(results_root):
         running = _running_jobs(registry, plan.dataset, plan.configuration)
-        problem, _ = folder_problem(plan.run_dir, plan.fold, plan.continue_training, running)
+        problem, _ = folder_problem(
+            plan.run_dir, plan.fold, plan.continue_training, running,
+            retrain=RETRAIN_FLAG in plan.trainer_args,
+        )  # fmt: skip
         if problem is not None:
             raise ClaimRefused(problem)
         plan.run_dir.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from app.services.engines import ENGINES, NNUI, NNUNET, engine
 from app.services.trainer_flags import flag_value, without_flags
@@ -45,6 +46,7 @@ from trainer.schema import (
     ROOT_ENVS,
     find_dataset,
     resolve_roots,
+    with_close_flag,
 )
 
 _TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
@@ -279,8 +281,13 @@ class UsageError(ValueError):
 class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing the whole usage block and exiting."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # `--node` is not `--nodes`
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # type: ignore[override]
-        raise UsageError(f"{message} (see nnui sbatch --help)")
+        known = [o for action in self._actions for o in action.option_strings]
+        raise UsageError(f"{with_close_flag(message, known)} (see nnui sbatch --help)")
 
 
 def check_preprocessed(spec: JobSpec) -> None:

@@ -328,7 +328,7 @@ def _cancelled(registry: Registry, job: Job, held: GpuClaims) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.services.supervisor")
+    parser = argparse.ArgumentParser(prog="python -m app.services.supervisor", allow_abbrev=False)
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--state-dir", required=True, type=Path)
     parser.add_argument("command", nargs=argparse.REMAINDER)

@@ -139,6 +139,8 @@ class FoldBoard(KeysOnArrival, Widget, can_focus=True):
             label = "CPU" if col == CPU_COLUMN else f"GPU {col}"
             if len(label) >= cell:
                 label = "CPU" if col == CPU_COLUMN else f"G{col}"
+            if col.startswith("MIG-"):  # a MIG device: the first digits of its UUID
+                label = f"MIG {col[4:8]}"[: cell - 1]
             text.append(label.center(cell), style="bold")
         for row, fold in enumerate(FOLDS):
             text.append("\n")

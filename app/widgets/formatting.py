@@ -25,20 +25,6 @@ def fmt_mib(num_bytes: int | None) -> str:
     return NA if num_bytes is None else f"{num_bytes / 2**20:.0f} MiB"
 
 
-def fmt_duration_s(seconds: float | None) -> str:
-    """`1h02m`, `4m05s`, `12s`; n/a when unknown."""
-    if seconds is None or (isinstance(seconds, float) and not math.isfinite(seconds)):
-        return NA
-    seconds = max(0, round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{secs:02d}s"
-    return f"{secs}s"
-
-
 def bar(fraction: float | None, width: int) -> str:
     """A fixed-width text bar with eighth-block resolution (cheap to diff, safe over SSH)."""
     if fraction is None or not math.isfinite(fraction):

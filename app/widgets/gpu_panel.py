@@ -5,7 +5,9 @@ utilisation sparkline when there is room), then for a GPU in use a history line
 memory, %CPU, host RSS, elapsed time, command). The host line (CPU %, RAM, load) is the
 panel's title. Lines never wrap: they are cut to the panel's width, parts the width has no
 room for are left out, and when the height has no room for every line the panel turns
-compact (one line per GPU, as nvitop's). An idle GPU always takes one line.
+compact (one line per GPU, as nvitop's). An idle GPU always takes one line. A GPU in MIG
+mode shows "MIG: partitioned" and one line per MIG device (each one a slot jobs can be
+given, named by its UUID); a lost GPU (NVML_ERROR_GPU_IS_LOST) one red line saying so.
 
 Renders a `MachineSnapshot` and `PanelReadings` it is given; it never polls anything.
 """
@@ -24,11 +26,11 @@ from textual.widgets import Static
 
 from app.services.gpu_history import HistorySeries, PanelReadings
 from app.services.gpus import GpuProcess, GpuSnapshot, MachineSnapshot
+from app.services.job_text import human_duration
 from app.services.procs import HostSnapshot, ProcLoad
 from app.widgets.formatting import (
     NA,
     bar,
-    fmt_duration_s,
     fmt_gib,
     fmt_or_na,
     readable_style,
@@ -110,6 +112,8 @@ def header_line(gpu: GpuSnapshot, fit: _HeaderFit, compact: bool, mono: bool = F
     used, total = gpu.memory_used_bytes, gpu.memory_total_bytes
     text = Text()
     text.append(f"GPU {gpu.index} ", style="bold")
+    if gpu.lost:
+        return _lost_line(text, gpu, mono)
     if fit.name:
         text.append(f"{(gpu.name or NA).removeprefix('NVIDIA ')} ", readable_style("cyan", mono))
     if fit.uuid:
@@ -128,11 +132,39 @@ def header_line(gpu: GpuSnapshot, fit: _HeaderFit, compact: bool, mono: bool = F
     if fit.fan and gpu.fan_percent is not None:
         text.append(f"  fan {gpu.fan_percent}%")
     text.append(f"  {_power(gpu, fit.power_limit)}")
-    if not gpu.processes:
+    if gpu.mig_enabled:
+        text.append(f"  MIG: partitioned in {len(gpu.mig)}", style=readable_style("cyan", mono))
+    elif not gpu.processes:
         text.append("  idle", style=readable_style("dim", mono))
     elif compact and fit.procs:
         warning = readable_style("bold yellow", mono) if gpu.other_users else ""
         text.append(f"  {_procs_summary(gpu)}", style=warning)
+    return text
+
+
+def _lost_line(text: Text, gpu: GpuSnapshot, mono: bool) -> Text:
+    name = "" if gpu.name == NA else f"{gpu.name.removeprefix('NVIDIA ')} "
+    text.append(f"{name}[{short_uuid(gpu.uuid or '')}] ", style=readable_style("dim", mono))
+    text.append(" LOST ", style=readable_style("bold white on red", mono))
+    text.append("  NVML: GPU is lost (needs a reset); jobs on it are flagged")
+    return text
+
+
+def mig_line(device: GpuSnapshot, options: CardOptions) -> Text:
+    """One MIG device: the slot name jobs are given (its UUID), memory, its processes."""
+    text = Text("   ")
+    text.append(f"MIG {device.mig_position} ", style="bold")
+    text.append(f"{device.uuid} ", style=readable_style("cyan", options.mono))
+    used, total = device.memory_used_bytes, device.memory_total_bytes
+    text.append(f"MEM {fmt_gib(used)}/{fmt_gib(total)} GiB  ")
+    if device.lost:
+        text.append("lost with its GPU", style=readable_style("bold red", options.mono))
+    elif device.processes:
+        warning = readable_style("bold yellow", options.mono) if device.other_users else ""
+        text.append(_procs_summary(device), style=warning)
+    else:
+        text.append("idle", style=readable_style("dim", options.mono))
+    text.truncate(options.width, overflow="ellipsis")
     return text
 
 
@@ -196,7 +228,7 @@ def process_line(proc: GpuProcess, load: ProcLoad | None, options: CardOptions) 
     text.append(f"{memory:>10s}  ")
     cpu = NA if load is None or load.cpu_percent is None else f"{load.cpu_percent:.0f}%"
     rss = NA if load is None or load.rss_bytes is None else f"{fmt_gib(load.rss_bytes)}G"
-    elapsed = fmt_duration_s(None if load is None else load.elapsed_s)
+    elapsed = human_duration(None if load is None else load.elapsed_s)
     text.append(
         f"cpu {cpu:>5s}  rss {rss:>6s}  {elapsed:>6s}  ", readable_style("dim", options.mono)
     )
@@ -217,7 +249,10 @@ def gpu_lines(
 ) -> Text:
     """The text of one GPU card (a pure function of what it is given, easy to diff)."""
     text = fitted_header(gpu, series, options, level)
-    if not options.compact and gpu.processes:
+    for device in gpu.mig:  # slots: shown even when compact
+        text.append("\n")
+        text.append_text(mig_line(device, options))
+    if not options.compact and gpu.processes and not gpu.lost:
         text.append("\n")
         text.append_text(history_line(series, options.width, options.mono))
         for proc in sorted_processes(gpu.processes, options.sort_by):
@@ -228,7 +263,7 @@ def gpu_lines(
 
 def full_lines(gpu: GpuSnapshot) -> int:
     """Lines a card takes when not compact (an idle GPU: one)."""
-    return 1 if not gpu.processes else 2 + len(gpu.processes)
+    return len(gpu.mig) + (1 if not gpu.processes or gpu.lost else 2 + len(gpu.processes))
 
 
 def host_title(host: HostSnapshot | None) -> str:
@@ -293,6 +328,8 @@ class GpuPanel(VerticalScroll):
             text.append(snapshot.driver_problem.split(" — ")[0], style="dim")
         elif not snapshot.gpus:
             text.append(f"No GPUs visible: jobs run on CPU  CPU slots: {self.cpu_slots}")
+        elif snapshot.order_note:  # NVML's order is not CUDA's: say which one is shown
+            text.append(snapshot.order_note, style="dim")
         return text
 
     def _options(self, snapshot: MachineSnapshot) -> CardOptions:

@@ -16,8 +16,8 @@ from textual.geometry import Region
 from textual.widgets import DataTable
 from textual.widgets.data_table import CellDoesNotExist
 
-from app.services.job_text import state_label
-from app.widgets.formatting import bar, fmt_duration_s, fmt_or_na
+from app.services.job_text import human_duration, state_label
+from app.widgets.formatting import bar, fmt_or_na
 from trainer.schema import State
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("dice", "Dice"),
     ("ema", "EMA"),
     ("its", "it/s"),
+    ("wait", "wait"),  # share of the step time spent waiting for data (data loading)
     ("eta", "ETA"),
     ("alerts", "alerts"),
 )
@@ -162,13 +163,13 @@ def both_row_cells(
     job each second, and they differ only in the epoch cell."""
     job = view.job
     state = state_label(view)
-    if job.after and view.state in ("starting", "queued"):
+    if job.after and view.state in (State.STARTING, State.QUEUED):
         state = f"{view.state} (after fold {after_fold or '?'})"
     if getattr(view, "watch_only", False):
         owner = getattr(view.watch, "owner", "?")
         state = f"{view.state} {WATCH_ONLY} ({owner})"
     if view.epoch is not None and view.num_epochs:
-        done = min(view.epoch + 1, view.num_epochs) if view.state == "finished" else view.epoch
+        done = min(view.epoch + 1, view.num_epochs) if view.state == State.FINISHED else view.epoch
         short_epoch = f"{view.epoch}/{view.num_epochs}"
         epoch = f"{short_epoch} {bar(done / view.num_epochs, 6)}"
     else:
@@ -179,7 +180,7 @@ def both_row_cells(
         short_epoch = epoch
     alerts = Text(" ".join(view.alerts), style=styles["alerts"]) if view.alerts else Text("")
     waiting = getattr(job, "waiting_reason", None)
-    if waiting and view.state == "queued":  # a --when-free job: why it has not started
+    if waiting and view.state == State.QUEUED:  # a --when-free job: why it has not started
         alerts = Text(f"waiting: {waiting} ", style="yellow") + alerts
     restarts = getattr(job, "restarts", None)
     if restarts:
@@ -197,10 +198,17 @@ def both_row_cells(
         "dice": dice_cell(view),
         "ema": fmt_or_na(view.ema_dice, "{:.3f}"),
         "its": its,
-        "eta": fmt_duration_s(view.eta_s) if view.state in ("running", "validating") else "",
+        "wait": _share(getattr(view, "data_wait_share", None)),
+        "eta": human_duration(view.eta_s)
+        if view.state in (State.RUNNING, State.VALIDATING)
+        else "",
         "alerts": alerts,
     }
     return full, {**full, "epoch": short_epoch}
+
+
+def _share(value: float | None) -> str:
+    return "" if value is None else f"{value:.0%}"
 
 
 def _plain(value: Text | str) -> str:
@@ -220,13 +228,14 @@ def _plain_pair(
 # selection mark and the job id fixed on the left.
 LAYOUTS: tuple[tuple[frozenset[str], bool], ...] = (
     (frozenset(), False),
-    (frozenset({"ema"}), False),
-    (frozenset({"ema"}), True),
-    (frozenset({"ema", "val"}), True),
-    (frozenset({"ema", "val", "train"}), True),
-    (frozenset({"ema", "val", "train", "dataset"}), True),
-    (frozenset({"ema", "val", "train", "dataset", "where"}), True),
-    (frozenset({"ema", "val", "train", "dataset", "where", "fold"}), True),
+    (frozenset({"wait"}), False),
+    (frozenset({"wait", "ema"}), False),
+    (frozenset({"wait", "ema"}), True),
+    (frozenset({"wait", "ema", "val"}), True),
+    (frozenset({"wait", "ema", "val", "train"}), True),
+    (frozenset({"wait", "ema", "val", "train", "dataset"}), True),
+    (frozenset({"wait", "ema", "val", "train", "dataset", "where"}), True),
+    (frozenset({"wait", "ema", "val", "train", "dataset", "where", "fold"}), True),
 )
 NUM_FIXED_COLUMNS = 2  # "sel" and "job" stay in place when scrolling sideways
 ALERTS_FIT_WIDTH = 12  # the last column may run past the edge; this much must show

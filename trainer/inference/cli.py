@@ -8,11 +8,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any, NoReturn
+
+from trainer.schema import with_close_flag
 
 
 class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line instead of usage + error
-        sys.stderr.write(f"error: {message} (see {self.prog} --help)\n")
+    """Every trainer-side CLI's parser: flags spelled out in full, errors on one line."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:  # one line instead of usage + error
+        known = [o for action in self._actions for o in action.option_strings]
+        sys.stderr.write(f"error: {with_close_flag(message, known)} (see {self.prog} --help)\n")
         raise SystemExit(2)
 
 
