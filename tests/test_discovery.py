@@ -418,6 +418,10 @@ def test_runs_that_ended_unseen_are_listed_with_their_outcome(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     (csv,) = out.glob("*.csv")
     assert len(csv.read_text().splitlines()) == 2  # the header and the one epoch
+    done = _nnui("cv", "--json", "--results", str(results), env=env)
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(done.stdout)  # the adopted folds are the dataset's cross-validation
+    assert row["dataset"] == "Dataset900_NnuiDemo", row
 
 
 def test_slurm_trainings_are_found_in_own_and_nnui_sbatch_scripts() -> None:
