@@ -94,8 +94,12 @@ def stop(options: argparse.Namespace, registry: Registry, view: JobView) -> int:
     for target in plan.targets:
         print(f"  pid {target.pid}  rank {target.rank}  local rank {target.local_rank}  "
               f"device {target.device}  host {target.host}")  # fmt: skip
-    if not options.yes:
-        return _error("add --yes to send the stop to a run nnui did not launch", EXIT_USAGE)
+    if not options.yes and not sys.stdin.isatty():
+        return _error("no terminal to confirm the stop: add --yes to send it", EXIT_USAGE)
+    if not options.yes and input("send the graceful stop? [y/N] ").strip().lower() not in (
+        "y", "yes"):  # fmt: skip
+        print("not sent")
+        return EXIT_NOTHING
     step = slurm_step_of(plan, job)
     if step is not None:  # the workers are the step's tasks: SLURM signals exactly them
         print(f"  via scancel --signal=USR1 {step} (the step's tasks; never the batch shell)")
