@@ -15,10 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app import cli_cv, cli_history
+from app import cli_adopted, cli_cv, cli_history
 from app.cli_schedule import cmd_priority, cmd_watch, schedule_notes, schedule_of
 from app.services import busy_gpus, catalog, job_list, launcher, prediction
 from app.services.claims import ClaimRefused
+from app.services.discovery import RUN_ID_PREFIX as ADOPTED_PREFIX
 from app.services.gpus import GpuMonitor, MachineSnapshot
 from app.services.job_text import human_duration, resume_from, state_label
 from app.services.jobs import JobTracker, JobView, simulated_gpu_load
@@ -26,7 +27,8 @@ from app.services.nnunet_runs import RUN_ID_PREFIX, WatchOnlyRun, is_train_cmdli
 from app.services.procs import proc_info
 from app.services.registry import PREDICT, Job, Registry
 from app.services.signals import kill as kill_job
-from app.services.signals import kill_plan, plan_stop, send_stop
+from app.services.signals import kill_plan, plan_stop, send_stop, topology_ranks
+from app.services.slurm_jobs import SLURM_ID_PREFIX
 from app.services.waiting import between_attempts
 from trainer.schema import (
     ACTIVE_STATES,
@@ -134,6 +136,7 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "validation_cases": view.validation_cases,
         "run_dir_gone": view.run_dir_gone,
         "data_wait_share": view.data_wait_share,  # newest epoch's share of waiting for data
+        "slurm_state": view.slurm_state,  # the user's SLURM job (squeue), else null
     }
 
 
@@ -180,6 +183,49 @@ def watch_only_dict(view: JobView) -> dict[str, Any]:
     return row
 
 
+def adopted_dict(view: JobView) -> dict[str, Any]:
+    """An adopted row: the job keys plus who started it, how, and its processes by role."""
+    run = view.adopted
+    assert run is not None
+    row = view_dict(view)
+    workers = [p for p in view.job.processes if p.role == "worker"]
+    ranks = {r.get("pid"): r.get("global_rank") for r in topology_ranks(view.topology)}
+    row.update(
+        {
+            "adopted": True,
+            "watch_only": not run.own,
+            "owner": run.owner,
+            "uid": run.uid,
+            "launcher": run.launcher,
+            "num_ranks": run.world_size,
+            "top_pid": run.top_pid,
+            "processes": [
+                {
+                    "pid": m.pid,
+                    "role": m.role,
+                    "rank": m.rank if m.rank is not None else ranks.get(m.pid),
+                }
+                for m in run.members
+            ],
+            "worker_pids": [p.pid for p in workers],
+            "run_dir_source": run.run_dir_source,
+            "slurm_job": run.slurm_job,
+            "slurm_step": run.slurm_step,
+            "argv": list(run.argv),
+        }
+    )
+    return row
+
+
+def _row_dict(view: JobView) -> dict[str, Any]:
+    if view.adopted is not None:
+        return adopted_dict(view)
+    if view.watch is not None:
+        return watch_only_dict(view)
+    adopted = view.job.job_id.startswith((ADOPTED_PREFIX, SLURM_ID_PREFIX))
+    return {**view_dict(view), "adopted": adopted}
+
+
 def watch_only_table(views: list[JobView]) -> str:
     header = ("ID", "OWNER", "DATASET", "CONFIG", "FOLD", "TRAINER", "GPUS", "EPOCH", "TRAIN",
               "VAL", "DICE(EMA)", "EPOCH-TIME", "ETA")  # fmt: skip
@@ -187,17 +233,18 @@ def watch_only_table(views: list[JobView]) -> str:
     for v in views:
         run = v.watch
         assert run is not None
-        gpus = ",".join(run.gpus) or ("cpu" if run.args.device == "cpu" else "n/a")
+        job = v.job  # an adopted run of another user is a WatchOnlyRun look-alike
+        gpus = ",".join(run.gpus) or ("cpu" if job.device == "cpu" else "n/a")
         epoch = "n/a" if v.epoch is None else f"{v.epoch}/{v.num_epochs or '?'}"
         rows.append(
             (
-                run.run_id, run.owner, run.dataset, run.configuration, run.fold, run.trainer,
+                job.job_id, run.owner, job.dataset, job.configuration, job.fold, run.trainer,
                 gpus, epoch, _f(v.train_loss), _f(v.val_loss), _f(v.ema_dice, "{:.3f}"),
-                _f(run.median_epoch_time_s, "{:.1f} s"), human_duration(v.eta_s),
+                _f(v.mean_epoch_time_s, "{:.1f} s"), human_duration(v.eta_s),
             )
         )  # fmt: skip
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
-    lines = ["watch-only nnU-Net runs (not started by nnui; never signalled by nnui):"]
+    lines = ["watch-only runs (other users' or stock nnU-Net; never signalled by nnui):"]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
               for r in rows]  # fmt: skip
     return "\n".join(lines)
@@ -227,6 +274,13 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
     ]
     for v in views:
         lines.extend(f"  {v.job.job_id}: {note}" for note in schedule_notes(v))
+        if v.adopted is not None:
+            run = v.adopted
+            lines.append(f"  {v.job.job_id}: started outside nnui by {run.owner} ({run.launcher}, "
+                         f"{run.world_size} rank{'s' if run.world_size > 1 else ''})")  # fmt: skip
+        if v.slurm_state is not None:
+            lines.append(f"  {v.job.job_id}: SLURM job {v.job.env.get('SLURM_JOB_ID')} "
+                         f"{v.slurm_state}")  # fmt: skip
         if v.final_dice is not None:
             lines.append(f"  {v.job.job_id}: final validation Dice {v.final_dice:.3f}")
         for alert in v.alerts:
@@ -281,8 +335,14 @@ def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
         cutoff = time.time() - RECENT_S
         views = [v for v in views if v.job.ended_at is None or v.job.ended_at >= cutoff]
     watched = _watch_only_views(options, tracker)
+    adopted = [v for v in watched if v.watch is None or v.adopted is not None]
+    if not options.all:
+        cutoff = time.time() - RECENT_S
+        adopted = [v for v in adopted if v.job.ended_at is None or v.job.ended_at >= cutoff]
+    views = [*views, *[v for v in adopted if not v.watch_only]]
+    watched = [v for v in watched if v.watch_only and (v.adopted is None or v in adopted)]
     if options.json:
-        rows = [view_dict(v) for v in views] + [watch_only_dict(v) for v in watched]
+        rows = [_row_dict(v) for v in [*views, *watched]]
         print(json.dumps([_json_safe(row) for row in rows], indent=1))
         return EXIT_OK
     if not views and not watched:
@@ -347,7 +407,29 @@ def _refuse_watch_only(options: argparse.Namespace, registry: Registry, text: st
     return code
 
 
+def _adopted(options: argparse.Namespace, registry: Registry, action: str) -> int | None:
+    """Exit code of `action` on an adopted run (`run:PID`, or a pid of one), None: not one."""
+    text = options.job
+    if not (cli_adopted.is_adopted_id(text) or text.isdigit() or text.startswith(SLURM_ID_PREFIX)):
+        return None
+    if text.isdigit():
+        try:
+            registry.resolve(text)
+            return None  # a job of nnui's own
+        except KeyError:
+            pass
+    view = cli_adopted.find(options, registry, text)
+    if view is None:
+        if text.isdigit():
+            return None
+        return error(f"no run {text!r} on this machine (see nnui status)", EXIT_USAGE)
+    return getattr(cli_adopted, action)(options, registry, view)
+
+
 def cmd_stop(options: argparse.Namespace, registry: Registry) -> int:
+    code = _adopted(options, registry, "stop")
+    if code is not None:
+        return code
     if options.job.startswith(RUN_ID_PREFIX):
         code = _refuse_watch_only(options, registry, options.job)
         if code is None:
@@ -572,6 +654,9 @@ def start_predictions(plans: list[launcher.LaunchPlan], registry: Registry) -> i
 
 
 def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:
+    code = _adopted(options, registry, "resume")
+    if code is not None:
+        return code
     view, problem = _view_of(registry, options.job)
     if view is None:
         return error(problem or "unknown job", EXIT_USAGE)
@@ -611,6 +696,9 @@ def cmd_kill(options: argparse.Namespace, registry: Registry) -> int:
         return error(
             "kill loses the current epoch; confirm with --yes (or use nnui stop)", EXIT_USAGE
         )
+    code = _adopted(options, registry, "kill")
+    if code is not None:
+        return code
     if options.job.startswith(RUN_ID_PREFIX):  # a watch-only nnU-Net run: never nnui's to end
         return error(
             f"refused to kill {options.job}: an nnU-Net training nnui did not start "

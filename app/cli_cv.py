@@ -11,7 +11,7 @@ from app.services.cross_validation import CvRow, cv_rows, queue_launches
 from app.services.job_text import human_duration
 from app.services.jobs import JobTracker
 from app.services.registry import Registry
-from trainer.schema import State
+from trainer.schema import State, resolve_roots
 
 EXIT_OK = 0
 DASH = "–"
@@ -85,7 +85,11 @@ def row_dict(row: CvRow) -> dict[str, Any]:
 
 def cmd_cv(options: argparse.Namespace, registry: Registry) -> int:
     tracker = JobTracker(registry, include_forgotten=False)
-    rows = cv_rows(tracker.refresh(), tracker.cross_validation_eta_s)
+    views = tracker.refresh()
+    results = resolve_roots(options.raw, options.preprocessed, options.results).results
+    # Runs started by hand count as launched ones (another user's stay out: watch-only).
+    views += [v for v in tracker.refresh_watch_only([results]) if v.watch is None and v.job.run_dir]
+    rows = cv_rows(views, tracker.cross_validation_eta_s)
     if options.json:
         print(json.dumps([row_dict(r) for r in rows], indent=1))
         return EXIT_OK

@@ -15,7 +15,9 @@ import sys
 import time
 from pathlib import Path
 
+from app import cli_adopted
 from app.services import curve_export
+from app.services.discovery import RUN_ID_PREFIX
 from app.services.jobs import JobTracker
 from app.services.registry import Job, Registry
 from trainer.schema import ENDED_STATES
@@ -36,7 +38,13 @@ def _resolve(registry: Registry, text: str) -> tuple[Job | None, int]:
 
 
 def cmd_export(options: argparse.Namespace, registry: Registry) -> int:
-    job, code = _resolve(registry, options.job)
+    if options.job.startswith(RUN_ID_PREFIX):  # an adopted run: found from /proc or its folder
+        view = cli_adopted.find(options, registry, options.job)
+        if view is None or not view.job.run_dir:
+            return _error(f"no run {options.job!r} with a readable run folder", EXIT_USAGE)
+        job, code = view.job, EXIT_OK
+    else:
+        job, code = _resolve(registry, options.job)
     if job is None:
         return code
     folder = Path(options.output or ".").expanduser()

@@ -9,6 +9,10 @@ from typing import NamedTuple
 
 import pytest
 
+# Adopted runs (app/services/discovery.py): only those under a test's own results root, so
+# that trainings elsewhere on a shared box never show in another test's status or board.
+os.environ.setdefault("NNUI_ADOPT_SCOPE", "roots")
+
 DEMO_TEST_CASES = 6
 DEMO_TEST_SHAPE_SCALE = 0.4  # cases of roughly 16-32 x 24-44 x 24-44 voxels
 DEMO_TEST_PATCH = {"3d_fullres": (16, 32, 32), "2d": (32, 32)}

@@ -19,8 +19,9 @@ from app.screens.confirm import (
     RefusalScreen,
     StopConfirmScreen,
 )
-from app.services import catalog, job_text, launcher, nnunet_runs, prediction, signals
+from app.services import adopted, catalog, job_text, launcher, nnunet_runs, prediction, signals
 from app.services.registry import PREDICT
+from app.services.targets import is_adopted
 from app.services.waiting import between_attempts
 from trainer.schema import ACTIVE_STATES, ENDED_STATES, DatasetNotFound, State, find_dataset
 
@@ -214,6 +215,9 @@ def resume_plan(app: Any, job: Any) -> tuple[list[Any], list[str]]:
     a prediction part continues with --continue_prediction."""
     if job.kind == PREDICT:
         return [prediction.resume_plan(job, app.services.registry)], []
+    if is_adopted(job):  # started by hand: its own argv + --c, in its own roots
+        plan = adopted.resume_plan(job)
+        return ([], [plan]) if isinstance(plan, str) else ([plan], [])
     request = launcher.resume_request(job)
     planned = launcher.request_run_dir(
         request, launcher.effective_roots(request, app.config.roots), job.dataset, job.fold
@@ -228,7 +232,7 @@ def resume_plan(app: Any, job: Any) -> tuple[list[Any], list[str]]:
 
 def busy_notes(app: Any, job: Any) -> list[str]:
     """The GPUs of a resume that already run a process (the dialog names them)."""
-    if job.kind == PREDICT:
+    if job.kind == PREDICT or is_adopted(job):
         return []
     request = launcher.resume_request(job)
     batch = batch_size_of(request, app.config.roots)

@@ -49,7 +49,8 @@ def one_row_per_run_folder(views: Sequence[Any]) -> tuple[list[Any], dict[str, l
     Watch-only runs are never folded into nnui's jobs."""
     folders: dict[tuple[bool, str], list[Any]] = {}
     for view in views:
-        key = (bool(getattr(view, "watch_only", False)), str(view.job.run_dir))
+        # No folder known (a pending SLURM job, a run not yet writing): a row of its own.
+        key = (bool(getattr(view, "watch_only", False)), str(view.job.run_dir or view.job.job_id))
         folders.setdefault(key, []).append(view)
     rows, earlier = [], {}
     for members in folders.values():

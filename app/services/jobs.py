@@ -13,18 +13,21 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from app.services.adopted import EndedScan, adopted_job
 from app.services.case_progress import CaseProgress
 from app.services.curve_data import EpochPoint, RunningPoint, epoch_point, running_point
+from app.services.discovery import AdoptedRun, discover, is_related
 from app.services.gpus import GpuMonitor, MachineSnapshot
 from app.services.job_events import EventBatch, JobEvents, Scope
 from app.services.nnunet_log import EpochStats
-from app.services.nnunet_runs import NnunetRunWatcher, WatchOnlyRun
-from app.services.procs import ProcRow, job_alive, proc_info
+from app.services.nnunet_runs import NnunetRunWatcher, WatchOnlyRun, is_train_cmdline
+from app.services.procs import ProcRow, job_alive, proc_info, process_table
 from app.services.registry import PREDICT, TRAIN, Job, ProcessRecord, Registry
+from app.services.slurm_jobs import SLURM_ID_PREFIX, SlurmJob, SlurmWatcher
 from app.services.tail import TextTail
 from trainer.schema import ACTIVE_STATES, START_KINDS, Kind, State
 
@@ -72,6 +75,9 @@ class JobView:
     # save of each kind (what a --c resume can continue from, if the file is still there).
     checkpoints: tuple[tuple[str, int], ...] = ()
     data_wait_share: float | None = None  # newest epoch: share of step time spent waiting
+    # A run nnui did not launch (discovery.py); watch_only when it is another user's.
+    adopted: AdoptedRun | None = None
+    slurm_state: str | None = None  # the user's SLURM job: PENDING, RUNNING ... (squeue)
 
 
 DATA_WAIT_ALERT_SHARE = 0.3  # of the step time, over each of the last DATA_WAIT_EPOCHS epochs
@@ -335,6 +341,24 @@ def watch_only_view(run: WatchOnlyRun, console_tail: tuple[str, ...] = ()) -> Jo
     )  # fmt: skip
 
 
+def slurm_view(entry: SlurmJob, seen_at: float) -> JobView:
+    """A SLURM training with no process on this machine: pending, or on another node."""
+    args = entry.args
+    where = f" on {entry.node}" if entry.node else ""
+    job = Job(
+        job_id=f"{SLURM_ID_PREFIX}{entry.job_id}", created_at=seen_at, dataset=args.dataset,
+        configuration=args.configuration, fold=args.fold, mode="single", device=args.device,
+        gpus=[], simulated=False, argv=[], env={"SLURM_JOB_ID": entry.job_id}, run_dir="",
+        console_path=os.devnull, waiting_reason=f"SLURM {entry.state} ({entry.reason}){where}",
+        note=f"SLURM job {entry.job_id} ({entry.name})",
+    )  # fmt: skip
+    state = State.QUEUED if entry.state == "PENDING" else State.STARTING
+    return JobView(job=job, state=state, epoch=None, num_epochs=None, train_loss=None,
+                   val_loss=None, mean_dice=None, ema_dice=None, it_per_s=None, eta_s=None,
+                   alerts=(), topology=None, history=(), console_tail=(), exit_code=None,
+                   slurm_state=entry.state)  # fmt: skip
+
+
 class JobTracker:
     def __init__(
         self,
@@ -351,6 +375,11 @@ class JobTracker:
         self._watcher = NnunetRunWatcher()
         self._watch_consoles: dict[str, TextTail] = {}
         self.watch_only: list[JobView] = []
+        self.adopted: list[JobView] = []
+        self._adopted: dict[str, tuple[Job, AdoptedRun]] = {}  # seen live: kept once ended
+        self._ended = EndedScan()
+        self._slurm = SlurmWatcher()
+        self._slurm_seen: dict[str, float] = {}  # SLURM job id -> first seen (its row's age)
         self.problems: list[str] = []  # job files the newest refresh() could not read
 
     def refresh_watch_only(
@@ -359,9 +388,13 @@ class JobTracker:
         snapshot: MachineSnapshot | None = None,
         procs: list[ProcRow] | None = None,
     ) -> list[JobView]:
-        """Views of the nnU-Net runs nnui did not start (call after refresh(): the folders
-        of nnui's own active jobs are left out). Reads only, like refresh()."""
+        """Views of the runs nnui did not start: stock nnU-Net runs (watch-only) and adopted
+        nnui-train runs (call after refresh(): the folders of nnui's own active jobs are
+        left out). One /proc reading serves both. Reads only, like refresh()."""
         active = [v.job.run_dir for v in self.views if v.state in ACTIVE_STATES]
+        if procs is None:
+            procs = process_table(detail=lambda _: True,
+                                  roots=lambda c: is_train_cmdline(c) or is_related(c))  # fmt: skip
         runs = self._watcher.refresh(results_roots, procs, snapshot, exclude_dirs=active)
         consoles = {}
         for run in runs:
@@ -372,7 +405,72 @@ class JobTracker:
         self.watch_only = [
             watch_only_view(r, tuple(consoles[r.log_path].lines)[-CONSOLE_LINES:]) for r in runs
         ]
+        # The folders of live stock nnU-Net runs are not "ended unseen" either.
+        busy = [*active, *(r.fold_dir for r in runs)]
+        self.adopted = self.refresh_adopted(results_roots, procs, snapshot, busy)
+        # What the board shows between two readings of /proc (tui.py reads `watch_only`).
+        self.watch_only = [*self.watch_only, *self.adopted]
         return self.watch_only
+
+    def refresh_adopted(
+        self,
+        results_roots: list[Path],
+        procs: list[ProcRow],
+        snapshot: MachineSnapshot | None,
+        active: list[str],
+    ) -> list[JobView]:
+        """Adopted runs: live ones, those seen live that ended since, and those that ended
+        while nnui was not looking (their folder's newest run, claimed by no job)."""
+        live = discover(results_roots, procs, exclude_dirs=active)
+        live_ids = {run.run_id for run in live}
+        for run in live:
+            self._adopted[run.run_id] = (adopted_job(run, snapshot), run)
+        for run_id, (job, _) in list(self._adopted.items()):
+            if run_id not in live_ids and not job.run_dir:
+                del self._adopted[run_id]  # gone, and no folder to say how it ended
+        views = [self._adopted_view(job, run, job.job_id in live_ids, snapshot)
+                 for job, run in self._adopted.values()]  # fmt: skip
+        folders = {job.run_dir for job, _ in self._adopted.values() if job.run_dir}
+        jobs = self.registry.list(copies=False)
+        for job in self._ended.runs(results_roots, jobs, folders | set(active)):
+            views.append(self._view(job, self._run(job), False, snapshot))
+        return self._with_slurm(views)
+
+    def _with_slurm(self, views: list[JobView]) -> list[JobView]:
+        """The user's SLURM trainings: the state on the run found here, else a row of its own
+        (pending, or running on another node)."""
+        slurm = self._slurm.jobs()
+        by_job = {
+            v.adopted.slurm_job: i
+            for i, v in enumerate(views)
+            if v.adopted is not None and v.adopted.slurm_job and v.state in ACTIVE_STATES
+        }
+        for entry in slurm:
+            index = by_job.get(entry.job_id)
+            if index is not None:
+                views[index] = replace(views[index], slurm_state=entry.state)
+                continue
+            seen = self._slurm_seen.setdefault(entry.job_id, time.time())
+            views.append(slurm_view(entry, seen))
+        self._slurm_seen = {k: v for k, v in self._slurm_seen.items()
+                            if k in {e.job_id for e in slurm}}  # fmt: skip
+        return views
+
+    def _adopted_view(
+        self, job: Job, run: AdoptedRun, alive: bool, snapshot: MachineSnapshot | None
+    ) -> JobView:
+        if not job.run_dir:  # another user's run under an unwatched root: processes only
+            view = JobView(job=job, state=State.STARTING, epoch=None, num_epochs=None,
+                           train_loss=None, val_loss=None, mean_dice=None, ema_dice=None,
+                           it_per_s=None, eta_s=None, alerts=(), topology=None, history=(),
+                           console_tail=(), exit_code=None)  # fmt: skip
+        else:
+            state = self._run(job)
+            if not alive and job.ended_at is None:
+                job.ended_at = state.last_event_t or time.time()
+            view = self._view(job, state, alive, snapshot)
+        own = run.own
+        return replace(view, adopted=run, watch_only=not own, watch=None if own else run)
 
     def _run(self, job: Job) -> _RunState:
         run = self._runs.get(job.job_id)

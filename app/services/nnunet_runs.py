@@ -464,7 +464,11 @@ _USR1_BIT = 1 << (signal.SIGUSR1 - 1)
 
 
 def stop_refusal(run: WatchOnlyRun, sigcgt_mask: int | None = None) -> StopRefusal:
-    """Why nnui does not stop this run (it is never signalled); SigCgt is read fresh."""
+    """Why nnui does not stop this run (it is never signalled); SigCgt is read fresh.
+    Another user's adopted nnui-train run (discovery.py) says whose it is, in one line."""
+    if getattr(run, "adopted", False):
+        return StopRefusal(run.refusal_line().removeprefix("refused to stop ").partition(": ")[2],
+                           ())  # fmt: skip
     mask = read_sigcgt_mask(run.pid) if sigcgt_mask is None else sigcgt_mask
     handler = None if mask is None else bool(mask & _USR1_BIT)
     who = f"pid {run.pid} of user {run.owner}"

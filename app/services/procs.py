@@ -420,6 +420,36 @@ def process_table(
     return rows
 
 
+def read_comm(pid: int) -> str | None:
+    """The command name of a pid (/proc/PID/comm), None when it is gone."""
+    if not valid_pid(pid):
+        return None
+    try:
+        with open(f"/proc/{pid}/comm") as handle:
+            return handle.read().strip()
+    except OSError:
+        return None
+
+
+def held_folder(pid: int, names: tuple[str, ...]) -> str | None:
+    """The folder of a file named one of `names` that the pid holds open (its /proc/PID/fd
+    links; readable for our own processes): e.g. a trainer's events.jsonl or owner.lock."""
+    if not valid_pid(pid):
+        return None
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/") and os.path.basename(target) in names:
+            return os.path.dirname(target)
+    return None
+
+
 def descendants(rows: list[ProcRow], pid: int) -> list[int]:
     """Pids below `pid` in the table's parent links (children, grandchildren, ...)."""
     children: dict[int, list[int]] = {}

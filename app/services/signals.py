@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ from app.services.procs import (
     process_identity,
     process_start_ticks,
     process_start_time,
+    read_comm,
     record_alive,
 )
 from app.services.registry import Job, ProcessRecord, Registry, SignalRecord, valid_pid
@@ -31,6 +33,7 @@ from app.services.targets import (
     StopPlan,
     StopTarget,
     check_worker,
+    is_adopted,
     is_launcher_cmdline,
     job_members,
     kill_plan,
@@ -63,8 +66,10 @@ __all__ = [  # identity lives in procs.py, planning in targets.py; re-exported a
     "process_start_time",
     "record_alive",
     "remember_workers",
+    "send_adopted_stop",
     "send_stop",
     "signal_job",
+    "slurm_step_of",
     "topology_problem",
     "topology_ranks",
 ]  # fmt: skip
@@ -127,6 +132,8 @@ def _send(pid: int, create_time: float, signum: int, start_ticks: int | None = N
 
 def send_stop(plan: StopPlan, job: Job, registry: Registry) -> list[SignalRecord]:
     """SIGUSR1 to every target of an ok plan; each attempt recorded in the registry."""
+    if is_adopted(job):
+        return send_adopted_stop(plan, job)
     if not plan.ok:
         if not plan.queued:
             record = SignalRecord(time.time(), 0, "SIGUSR1", None, f"refused: {plan.reason}")
@@ -142,6 +149,66 @@ def send_stop(plan: StopPlan, job: Job, registry: Registry) -> list[SignalRecord
         registry.record_signal(job.job_id, record)
         records.append(record)
     registry.update(job.job_id, queued_stop=False)
+    return records
+
+
+def slurm_step_of(plan: StopPlan, job: Job) -> str | None:
+    """`JOB.STEP` when every target is a task of that srun step (a child of slurmstepd):
+    then SLURM delivers the stop to exactly the step's tasks (scancel --signal=USR1)."""
+    step_job, step = job.env.get("SLURM_JOB_ID"), job.env.get("SLURM_STEP_ID")
+    if not step_job or not step or not step_job.isdigit() or not step.isdigit():
+        return None
+    for target in plan.targets:
+        info = proc_info(target.pid)
+        if info is None or read_comm(info.ppid) != "slurmstepd":
+            return None
+    return f"{step_job}.{step}"
+
+
+def send_adopted_stop(plan: StopPlan, job: Job) -> list[SignalRecord]:
+    """SIGUSR1 to the verified workers of a run nnui did not launch (never its torchrun
+    agent, -num_gpus parent or srun); nothing is written to the registry (it has no job)."""
+    now = time.time()
+    if not plan.ok:
+        return [SignalRecord(now, 0, "SIGUSR1", None, f"refused: {plan.reason}")]
+    step = slurm_step_of(plan, job)
+    if step is not None:
+        result = slurm_signal_step(step)
+        return [SignalRecord(now, t.pid, "SIGUSR1", t.rank, result) for t in plan.targets]
+    return [
+        SignalRecord(time.time(), t.pid, "SIGUSR1", t.rank,
+                     _send(t.pid, t.create_time, signal.SIGUSR1, t.start_ticks))
+        for t in plan.targets
+    ]  # fmt: skip
+
+
+def slurm_signal_step(step: str) -> str:
+    """`scancel --signal=USR1 JOB.STEP`: SLURM signals the step's tasks (the workers)."""
+    try:
+        done = subprocess.run(["scancel", "--signal=USR1", step], capture_output=True,
+                              text=True, timeout=30, check=False)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"failed: scancel: {error}"
+    if done.returncode != 0:
+        return f"failed: scancel: {(done.stderr or '').strip() or done.returncode}"
+    return "sent"
+
+
+def _kill_adopted(job: Job, grace_s: float) -> list[SignalRecord]:
+    """SIGTERM to the run's verified topmost process (it ends its ranks), SIGKILL after the
+    grace; nothing is written to the registry."""
+    records = []
+    targets = kill_plan(job).targets
+    for info in targets:
+        result = _send(info.pid, info.create_time, signal.SIGTERM, info.start_ticks)
+        records.append(SignalRecord(time.time(), info.pid, "SIGTERM", None, result))
+    deadline = time.monotonic() + grace_s
+    while any(_still(i) for i in targets) and time.monotonic() < deadline:
+        time.sleep(KILL_POLL_S)
+    for info in targets:
+        if _still(info):
+            result = _send(info.pid, info.create_time, signal.SIGKILL, info.start_ticks)
+            records.append(SignalRecord(time.time(), info.pid, "SIGKILL", None, result))
     return records
 
 
@@ -215,6 +282,8 @@ def kill(
     When everything is gone and nobody recorded an exit code (the supervisor died before
     its handler existed), the kill records one: the job ends killed, not lost.
     """
+    if is_adopted(job):
+        return _kill_adopted(job, grace_s)
     session = _KillSession(job.job_id, registry)
     try:
         deadline = time.monotonic() + grace_s

@@ -20,6 +20,7 @@ from typing import Any
 
 import psutil
 
+from app.services.discovery import RUN_ID_PREFIX
 from app.services.procs import (
     WALL_CLOCK_TOLERANCE_S,
     ProcInfo,
@@ -157,6 +158,22 @@ def _descends_from_job(
     return False
 
 
+def is_adopted(job: Job) -> bool:
+    """A run nnui did not launch (discovery.py): its Job is built from /proc, never stored."""
+    return job.job_id.startswith(RUN_ID_PREFIX)
+
+
+def _adopted_problem(info: ProcInfo, job: Job, label: str) -> str | None:
+    """An adopted run has no NNUI_JOB_ID: a process is its own only as discovered in its
+    process group (pid + start ticks recorded from the same /proc reading)."""
+    recorded = [p for p in job.processes if p.pid == info.pid]
+    if not recorded:
+        return f"{label} is not a process of this run (not in its process group)"
+    if not any(same_identity(info, p.create_time, p.start_ticks) for p in recorded):
+        return f"{label} is another process now (pid reused)"
+    return None
+
+
 def _identity_problem(
     info: ProcInfo, job: Job, label: str, proc_lookup: Callable[[int], ProcInfo | None]
 ) -> str | None:
@@ -165,6 +182,8 @@ def _identity_problem(
         return f"{label} belongs to another user (uid {info.uid})"
     if info.create_time < job.created_at - LAUNCH_SLACK_S:
         return f"{label} started before this job was launched (pid reused)"
+    if is_adopted(job):
+        return _adopted_problem(info, job, label)
     if info.env_job_id == job.job_id:
         return None
     if info.env_job_id is not None:
@@ -197,6 +216,8 @@ def check_worker(
     recorded = next((p for p in job.processes if p.pid == pid and p.role == "worker"), None)
     if recorded is not None and not same_identity(info, recorded.create_time, recorded.start_ticks):
         return info, f"{label} is another process now (pid reused)"
+    if recorded is None and is_adopted(job):  # only the workers found in its process group
+        return info, f"{label} is not a worker of this run's process group"
     if topology_t is not None and info.create_time > topology_t + WALL_CLOCK_TOLERANCE_S:
         return info, f"{label} started after the topology was written (pid reused)"
     problem = _identity_problem(info, job, label, proc_lookup)
@@ -217,6 +238,9 @@ def plan_stop(
     if job.exit_code is not None or job.ended_at is not None:
         return StopPlan(False, (), "the job has already ended", last_epoch, False)
     if not _raw_ranks(topology):
+        if is_adopted(job):  # no supervisor of ours would deliver a queued stop
+            reason = "nothing sent: the run has not reported its ranks yet; try again shortly"
+            return StopPlan(False, (), reason, last_epoch, False)
         reason = "no topology yet: the stop is queued and sent once the workers are up"
         return StopPlan(False, (), reason, last_epoch, True)
     problem = topology_problem(topology)
@@ -274,6 +298,8 @@ def _kill_candidates(
 ) -> list[int]:
     # A list, not a dict by pid: in single mode the trainer is also the worker (same pid).
     alive = [p for p in job.processes if record_alive(p, proc_lookup)]
+    if is_adopted(job):  # its topmost process (torchrun, the -num_gpus parent) ends the rest
+        return [p.pid for p in alive if p.role == "trainer"]
     candidates: list[int] = []
     for record in alive:
         if record.role == "trainer":

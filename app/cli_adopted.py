@@ -1,0 +1,158 @@
+"""`nnui stop|kill|resume|export run:PID`: the headless actions on adopted runs.
+
+An adopted run (app/services/discovery.py) has no registry record: it is found again from
+/proc and its run folder at each command. The user's own runs get the same stop as a
+launched job (SIGUSR1 to the verified workers only, or `scancel --signal=USR1` to an srun
+step whose tasks are the workers); another user's are refused with one line.
+Exit codes as app/main.py says: 0 ok, 1 refused, 2 usage, 3 nothing to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from app.services import launcher
+from app.services.adopted import resume_plan
+from app.services.claims import ClaimRefused
+from app.services.discovery import RUN_ID_PREFIX
+from app.services.jobs import JobTracker, JobView
+from app.services.registry import Registry
+from app.services.signals import kill as kill_job
+from app.services.signals import plan_stop, send_stop, slurm_step_of
+from app.services.slurm_jobs import SLURM_ID_PREFIX, cancel_pending
+from trainer.schema import ENDED_STATES, resolve_roots
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3
+
+
+def _error(message: str, code: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def is_adopted_id(text: str) -> bool:
+    return text.startswith(RUN_ID_PREFIX)
+
+
+def find(options: argparse.Namespace, registry: Registry, text: str) -> JobView | None:
+    """The adopted (or ended-unseen) run `run:PID`, or the live one a bare pid belongs to."""
+    roots = resolve_roots(options.raw, options.preprocessed, options.results)
+    tracker = JobTracker(registry)
+    tracker.refresh()
+    views = [v for v in tracker.refresh_watch_only([roots.results]) if _is_adopted(v)]
+    found = next((v for v in views if v.job.job_id == text), None)
+    if found is None and text.isdigit():
+        pid = int(text)
+        found = next((v for v in views if v.adopted and pid in v.adopted.pids), None)
+    return found
+
+
+def _is_adopted(view: JobView) -> bool:
+    return view.adopted is not None or view.job.job_id.startswith((RUN_ID_PREFIX, SLURM_ID_PREFIX))
+
+
+def _slurm_only(view: JobView, action: str) -> int | None:
+    """A SLURM training with no process here: a pending one is cancelled (nothing trained
+    yet); a running one on another node is refused (its workers are not ours to see)."""
+    if not view.job.job_id.startswith(SLURM_ID_PREFIX):
+        return None
+    job_id = view.job.job_id.removeprefix(SLURM_ID_PREFIX)
+    if view.slurm_state != "PENDING":
+        return _error(f"refused to {action} {view.job.job_id}: SLURM job {job_id} is "
+                      f"{view.slurm_state} with no worker on this machine; run nnui on the "
+                      "node that trains it", EXIT_REFUSED)  # fmt: skip
+    result = cancel_pending(job_id)
+    if result != "sent":
+        return _error(f"cannot cancel pending SLURM job {job_id}: {result}", EXIT_REFUSED)
+    print(f"cancelled pending SLURM job {job_id} (it had not started: nothing trained)")
+    return EXIT_OK
+
+
+def _others(view: JobView, action: str) -> int | None:
+    run = view.adopted
+    if run is not None and not run.own:
+        return _error(run.refusal_line(action), EXIT_REFUSED)
+    return None
+
+
+def stop(options: argparse.Namespace, registry: Registry, view: JobView) -> int:
+    job = view.job
+    refused = _others(view, "stop")
+    if refused is None:
+        refused = _slurm_only(view, "stop")
+    if refused is not None:
+        return refused
+    if view.state in ENDED_STATES:
+        print(f"nothing to do: run {job.job_id} is {view.state}")
+        return EXIT_NOTHING
+    plan = plan_stop(job, view.topology, view.epoch)
+    if not plan.ok:
+        return _error(f"refused to stop {job.job_id}: {plan.reason}", EXIT_REFUSED)
+    print(f"run {job.job_id} (adopted, epoch {plan.epoch if plan.epoch is not None else 'n/a'})"
+          ": SIGUSR1 to")  # fmt: skip
+    for target in plan.targets:
+        print(f"  pid {target.pid}  rank {target.rank}  local rank {target.local_rank}  "
+              f"device {target.device}  host {target.host}")  # fmt: skip
+    if not options.yes and not sys.stdin.isatty():
+        return _error("no terminal to confirm the stop: add --yes to send it", EXIT_USAGE)
+    if not options.yes and input("send the graceful stop? [y/N] ").strip().lower() not in (
+        "y", "yes"):  # fmt: skip
+        print("not sent")
+        return EXIT_NOTHING
+    step = slurm_step_of(plan, job)
+    if step is not None:  # the workers are the step's tasks: SLURM signals exactly them
+        print(f"  via scancel --signal=USR1 {step} (the step's tasks; never the batch shell)")
+    records = send_stop(plan, job, registry)
+    failed = [r for r in records if r.result != "sent"]
+    for record in failed:
+        print(f"  pid {record.pid}: {record.result}", file=sys.stderr)
+    if failed and len(failed) == len(records):
+        return _error("no worker received the signal", EXIT_REFUSED)
+    print("sent; the run checkpoints and exits at the end of its current epoch")
+    return EXIT_OK
+
+
+def kill(options: argparse.Namespace, registry: Registry, view: JobView) -> int:
+    refused = _others(view, "kill")
+    if refused is None:
+        refused = _slurm_only(view, "kill")
+    if refused is not None:
+        return refused
+    if view.state in ENDED_STATES or view.adopted is None:
+        print(f"nothing to do: run {view.job.job_id} is {view.state}")
+        return EXIT_NOTHING
+    records = kill_job(view.job, registry, grace_s=options.grace)
+    for record in records:
+        print(f"  {record.signal} -> pid {record.pid}: {record.result}")
+    if not any(r.result == "sent" for r in records):
+        return _error(f"refused to kill {view.job.job_id}: no process passed the identity "
+                      "checks", EXIT_REFUSED)  # fmt: skip
+    return EXIT_OK
+
+
+def resume(options: argparse.Namespace, registry: Registry, view: JobView) -> int:
+    job = view.job
+    refused = _others(view, "resume")
+    if refused is not None:
+        return refused
+    if view.state not in ENDED_STATES:
+        print(f"nothing to do: run {job.job_id} is {view.state}")
+        return EXIT_NOTHING
+    if view.state == "finished":
+        print(f"nothing to do: run {job.job_id} finished training")
+        return EXIT_NOTHING
+    plan = resume_plan(job)
+    if isinstance(plan, str):
+        return _error(f"cannot resume {job.job_id}: {plan}", EXIT_REFUSED)
+    try:
+        started = launcher.start(plan, registry)
+    except ClaimRefused as refused:
+        return _error(f"cannot resume {job.job_id}: {refused}", EXIT_REFUSED)
+    except OSError as problem:
+        return _error(f"cannot resume {job.job_id}: {problem}", EXIT_REFUSED)
+    # On stderr: stdout stays one started job id per line, for scripts.
+    print(f"resume {job.job_id} as it was started, with --c: {launcher.preview(plan)}",
+          file=sys.stderr)  # fmt: skip
+    print(f"{started.job_id}  fold {started.fold}  {started.mode}  {started.run_dir}")
+    return EXIT_OK
