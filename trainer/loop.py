@@ -19,6 +19,8 @@ import torch
 from trainer import checkpoint, distributed, running_loss, stop
 from trainer.config import TrainConfig
 from trainer.events import RunRecorder, finite_or_none
+from trainer.label_loss import validation_counts
+from trainer.labels import is_plain
 from trainer.schema import Kind, State, checkpoint_file
 
 log = logging.getLogger("trainer")
@@ -71,6 +73,14 @@ class Trainee:
     num_classes: int
     after_first_step: Callable[[], Any] | None = None  # allocator.keep_freed_memory on CPU
     step_hook: Callable[[int, torch.Tensor], Any] | None = None  # running loss (rank 0)
+    label_spec: Any = None  # trainer.labels.LabelSpec: regions / ignore label change the counts
+
+    @property
+    def num_scored(self) -> int:
+        """Classes (or regions) the pseudo-Dice scores."""
+        if self.label_spec is None:
+            return self.num_classes - 1
+        return len(self.label_spec.foreground_keys)
 
 
 class Checkpointer:
@@ -152,7 +162,8 @@ def validation_iterations(
 ) -> torch.Tensor:
     """[summed val loss, tp(K-1), fp(K-1), fn(K-1)] on the argmax of the top output."""
     trainee.model.eval()
-    k = trainee.num_classes - 1
+    k = trainee.num_scored
+    plain = trainee.label_spec is None or is_plain(trainee.label_spec)
     stats = torch.zeros(1 + 3 * k, device=trainee.device, dtype=torch.float64)
     for _ in range(num_iterations):
         batch = next(batches)
@@ -161,9 +172,13 @@ def validation_iterations(
             outputs = trainee.model(batch.data)
             loss = trainee.loss_fn(outputs, target)
         top = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
+        stats[0] += loss.detach().double()
+        if not plain:  # regions (sigmoid > 0.5) or the ignore label left out
+            counts = validation_counts(top, target, trainee.label_spec)
+            stats[1:] += torch.cat(counts).double()
+            continue
         pred = top.argmax(1)
         labels = target[:, 0].long()
-        stats[0] += loss.detach().double()
         for c in range(1, k + 1):
             p, g = pred == c, labels == c
             stats[c] += (p & g).sum()
@@ -251,7 +266,7 @@ def _train_and_validate(
         .cpu()
         .tolist()
     )
-    k = trainee.num_classes - 1
+    k = trainee.num_scored
     dice = pseudo_dice(totals[2 : 2 + k], totals[2 + k : 2 + 2 * k], totals[2 + 2 * k :])
     return EpochMetrics(
         lr=lr,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.labels import LabelSpec, parse_labels
 from trainer.schema import DEFAULT_PLANS, is_legacy_identifier, plans_file_name
 
 PLANS_FORMAT_VERSION = 1
@@ -77,13 +78,21 @@ class Plans:
     plans_name: str  # "nnuiPlans"
     configurations: dict[str, ConfigurationPlan]
     num_input_channels: int
-    labels: dict[str, int]  # from dataset.json, includes background
+    # From dataset.json, includes background: an int per label, a list per region
+    # (trainer.labels), and `ignore` when the dataset has one.
+    labels: dict[str, Any]
     identity: str  # sha256 hex of the canonical JSON of the whole content (all configurations)
     foreground_intensity_properties: dict[str, dict[str, float]] = field(default_factory=dict)
+    regions_class_order: tuple[int, ...] | None = None  # with regions only
+
+    @property
+    def label_spec(self) -> LabelSpec:
+        return parse_labels(self.labels, self.regions_class_order)
 
     @property
     def num_classes(self) -> int:
-        return len(self.labels)
+        """Network outputs: a softmax channel per label, or a sigmoid per region."""
+        return self.label_spec.num_heads
 
     def configuration(self, name: str) -> ConfigurationPlan:
         if name not in self.configurations:
@@ -198,7 +207,14 @@ def _configuration_plan(name: str, d: dict) -> ConfigurationPlan:
 
 def plans_content(plans: Plans) -> dict:
     """Everything that defines the plans, without the identity itself."""
+    # regions_class_order only where there are regions: other plans keep their identity.
+    regions = (
+        {}
+        if plans.regions_class_order is None
+        else {"regions_class_order": list(plans.regions_class_order)}
+    )
     return {
+        **regions,
         "format_version": PLANS_FORMAT_VERSION,
         "dataset_name": plans.dataset_name,
         "plans_name": plans.plans_name,
@@ -233,7 +249,10 @@ def _block_for_identity(block: dict) -> dict:
 
 def dataset_level(content: dict) -> dict:
     """The plans-level fields every configuration depends on."""
-    return {key: content.get(key) for key in DATASET_LEVEL_KEYS}
+    out = {key: content.get(key) for key in DATASET_LEVEL_KEYS}
+    if content.get("regions_class_order") is not None:  # absent: identities stay as they were
+        out["regions_class_order"] = content["regions_class_order"]
+    return out
 
 
 def compute_identity(content: dict) -> str:
@@ -312,11 +331,21 @@ def plans_from_dict(data: dict) -> Plans:
         plans_name=data["plans_name"],
         configurations=configurations,
         num_input_channels=int(data["num_input_channels"]),
-        labels={str(k): int(v) for k, v in data["labels"].items()},
+        labels=plans_labels(data["labels"]),
         identity="",
         foreground_intensity_properties=data.get("foreground_intensity_properties_per_channel", {}),
+        regions_class_order=regions_order(data.get("regions_class_order")),
     )
     return with_identity(plans)
+
+
+def plans_labels(labels: dict) -> dict[str, Any]:
+    """dataset.json's labels as plans hold them: ints, and lists for regions."""
+    return {str(k): list(v) if isinstance(v, (list, tuple)) else int(v) for k, v in labels.items()}
+
+
+def regions_order(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else tuple(int(v) for v in value)
 
 
 def plans_file(preprocessed_dataset_dir: Path, plans_name: str = DEFAULT_PLANS) -> Path:

@@ -243,6 +243,7 @@ def _load_weights(checkpoints: dict[str, Path]) -> list[dict]:
 
 
 def _write_info(resolved: Resolved, args: argparse.Namespace) -> None:
+    from trainer.labels import prediction_labels
     from trainer.schema import atomic_write_text
 
     info = {
@@ -255,7 +256,7 @@ def _write_info(resolved: Resolved, args: argparse.Namespace) -> None:
         "step_size": args.step_size,
         "tta": not args.disable_tta,
         "precision": args.precision,
-        "labels": resolved.plans.labels,
+        **prediction_labels(resolved.plans.label_spec),  # labels (+ regions_class_order)
     }
     atomic_write_text(resolved.out_dir / PREDICTION_INFO_FILE, json.dumps(info, indent=1) + "\n")
 

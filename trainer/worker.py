@@ -176,8 +176,8 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
     import torch
 
     from trainer import distributed, precision
+    from trainer.label_loss import make_loss
     from trainer.loop import Trainee
-    from trainer.loss import DeepSupervisionLoss
     from trainer.model import build_network
 
     torch.manual_seed(config.seed)
@@ -193,8 +193,10 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
     log.info("precision: %s (--precision %s)", precision.describe(autocast_dtype), config.precision)
     # Loss scaling is needed for fp16 only (bf16 has fp32's exponent range).
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
-    loss_fn = DeepSupervisionLoss(
-        cplan.network.num_stages - 1, reduce_fn=distributed.differentiable_all_reduce_sum,
+    # Regions / ignore label: trainer.label_loss; plain labels: trainer.loss as before.
+    loss_fn = make_loss(
+        plans.label_spec, cplan.network.num_stages - 1,
+        reduce_fn=distributed.differentiable_all_reduce_sum,
         weight_ce=weight_ce, batch_dice=cplan.batch_dice,
     )  # fmt: skip
     from trainer.allocator import keep_freed_memory
@@ -202,7 +204,7 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
     return Trainee(
         model=raw_model, raw_model=raw_model, optimizer=optimizer, scaler=scaler,
         loss_fn=loss_fn, device=device, autocast_dtype=autocast_dtype,
-        num_classes=plans.num_classes,
+        num_classes=plans.num_classes, label_spec=plans.label_spec,
         after_first_step=keep_freed_memory if device.type == "cpu" else None,
     )  # fmt: skip
 
@@ -354,8 +356,10 @@ def _train(config: TrainConfig, topology: Any, trainee: Any, state: Any, cases: 
            checkpointer: Any) -> bool:  # fmt: skip
     """The epochs, with both loaders closed whatever happens. False = stopped by SIGUSR1."""
     from trainer.data.loader import PatchLoader
+    from trainer.labels import location_rule
     from trainer.loop import run_epochs
 
+    spec = trainee.label_spec
     with contextlib.ExitStack() as exits:
 
         def make_batches(stream: str, start_iteration: int) -> Any:
@@ -366,7 +370,7 @@ def _train(config: TrainConfig, topology: Any, trainee: Any, state: Any, cases: 
                 rank_batch.oversample_share, config.seed, topology.global_rank, trainee.device,
                 augment=stream == "train", start_iteration=start_iteration,
                 num_workers=config.num_workers, stream=stream,
-                mask_channels=tuple(cplan.use_mask_for_norm),
+                mask_channels=tuple(cplan.use_mask_for_norm), rule=location_rule(spec),
             )  # fmt: skip
             return iter(exits.enter_context(loader))
 
