@@ -88,7 +88,7 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
         cplan.batch_size, topology.world_size, config.oversample_foreground
     )
     rank_batch = rank_batches[topology.global_rank]
-    _record_start(config, topology, recorder, device, rank_batch)
+    _record_start(config, topology, recorder, device, rank_batch, plans.label_spec.class_names())
     log.info(
         "%s %s fold %s: %d train / %d val cases, patch %s, batch %d on %s (world size %d)",
         config.dataset_name, config.configuration, config.fold, len(train_ids), len(val_ids),
@@ -143,7 +143,7 @@ def _remove_stale_tmp(config: TrainConfig, topology: Any) -> None:
 
 
 def _record_start(config: TrainConfig, topology: Any, recorder: RunRecorder, device: Any,
-                  rank_batch: Any) -> None:  # fmt: skip
+                  rank_batch: Any, class_names: list[str]) -> None:  # fmt: skip
     from trainer import distributed
 
     me = {
@@ -165,6 +165,8 @@ def _record_start(config: TrainConfig, topology: Any, recorder: RunRecorder, dev
         fold=config.fold, num_epochs=config.num_epochs,
         iterations_per_epoch=config.iterations_per_epoch, world_size=topology.world_size,
         launcher=topology.launcher, host=topology.host, argv=config.argv,
+        # What dice_per_class entry i scores: label or region names (trainer.labels).
+        class_names=class_names,
     )  # fmt: skip
     recorder.event(Kind.TOPOLOGY, ranks=ranks)
     recorder.status(State.STARTING, pids=[r["pid"] for r in ranks])
@@ -405,6 +407,7 @@ def _final_validation(config: TrainConfig, topology: Any, trainee: Any, cases: A
     recorder.event(
         Kind.VALIDATION_FINISHED, mean_fg_dice=mean_fg_dice,
         dice_per_class=[summary["mean"][label]["Dice"] for label in foreground],
+        class_names=plans.label_spec.class_names(),
         num_cases=len(summary["metric_per_case"]),
     )  # fmt: skip
     recorder.status(message=None)
