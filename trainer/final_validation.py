@@ -185,6 +185,8 @@ class Collector:
     def __init__(self, target: Target) -> None:
         self.target = target
         self.entries: list[tuple[str, dict]] = []
+        # 3d_lowres: (case id, raw segmentation) -> the next stage's input (trainer.cascade)
+        self.next_stage: Callable[[str, Any], None] | None = None
 
     def add(self, case_id: str, prediction: Any) -> None:
         from trainer.data.image_io import read_image
@@ -200,6 +202,8 @@ class Collector:
         assert target.ending is not None
         write_prediction(target.output_dir, case_id, prediction, target.image(case_id),
                          target.ending)  # fmt: skip
+        if self.next_stage is not None:
+            self.next_stage(case_id, prediction.segmentation)
         reference = read_image(target.reference(case_id))[0]
         entry = {
             "reference_file": str(target.reference(case_id)),
@@ -261,6 +265,18 @@ def make_sink(topology: Any, shares: list[list[str]], collector: Collector | Non
     return sink
 
 
+def _export_next_stage(collector: Collector, config: Any, plans: Any, cplan: Any) -> None:
+    from trainer.cascade import export_next_stage
+
+    if collector.target.raw_dataset is None:
+        log.warning("no raw dataset: %s's segmentations for %s are not written",
+                    cplan.name, ", ".join(cplan.next_stage))  # fmt: skip
+        return
+    collector.next_stage = lambda case_id, seg: export_next_stage(
+        config, plans, cplan, case_id, seg
+    )
+
+
 def validate(config: Any, topology: Any, model: Any, cases: Any, val_ids: list[str],
              plans: Any, cplan: Any, device: Any, autocast_dtype: Any,
              on_case: Callable[[], None],
@@ -278,6 +294,8 @@ def validate(config: Any, topology: Any, model: Any, cases: Any, val_ids: list[s
     world = topology.world_size
     shares = [list(val_ids)[rank::world] for rank in range(world)]
     collector = Collector(target) if topology.is_main else None
+    if collector is not None and cplan.next_stage:
+        _export_next_stage(collector, config, plans, cplan)
 
     def on_round(num_done: int) -> None:  # progress: cases of every rank done, of all
         if on_progress is not None:

@@ -60,6 +60,10 @@ class ConfigurationPlan:
     # The cases preprocessing wrote for this configuration: a deleted file is then noticed
     # (trainer.data.dataset). Not part of any identity: the splits decide what is trained on.
     case_ids: tuple[str, ...] = ()
+    # nnU-Net's cascade: 3d_lowres names its next stage(s), 3d_cascade_fullres its previous
+    # one, whose segmentations it takes as extra input channels (trainer.cascade).
+    previous_stage: str | None = None
+    next_stage: tuple[str, ...] = ()
 
     @property
     def ndim(self) -> int:
@@ -162,6 +166,11 @@ def _configuration_to_dict(c: ConfigurationPlan) -> dict:
     }
     if c.case_ids:
         out["case_ids"] = list(c.case_ids)
+    # Written only for cascade stages: other blocks keep their bytes and identity.
+    if c.previous_stage:
+        out["previous_stage"] = c.previous_stage
+    if c.next_stage:
+        out["next_stage"] = list(c.next_stage)
     return out
 
 
@@ -202,7 +211,45 @@ def _configuration_plan(name: str, d: dict) -> ConfigurationPlan:
         network=_network_from_dict(d["network"]),
         median_image_size=tuple(int(v) for v in d.get("median_image_size_in_voxels", ())),
         case_ids=tuple(str(v) for v in d.get("case_ids", ())),
+        previous_stage=d.get("previous_stage") or None,
+        next_stage=_stage_names(d.get("next_stage")),
     )
+
+
+def _stage_names(value: Any) -> tuple[str, ...]:
+    """nnU-Net writes next_stage as one name or a list of names."""
+    if not value:
+        return ()
+    return (str(value),) if isinstance(value, str) else tuple(str(v) for v in value)
+
+
+def resolve_inheritance(configurations: dict) -> dict:
+    """Blocks with nnU-Net's `inherits_from` completed from their parent (the parent's
+    keys, then the block's own): 3d_cascade_fullres inherits 3d_fullres's data and network."""
+    resolved: dict = {}
+
+    def block(name: str, seen: tuple[str, ...]) -> dict:
+        if name in resolved:
+            return resolved[name]
+        own = configurations[name]
+        parent = own.get("inherits_from") if isinstance(own, dict) else None
+        if parent is None:
+            resolved[name] = own
+            return own
+        if parent not in configurations or parent in seen:
+            raise ValueError(
+                f"configuration {name!r} inherits from {parent!r}, which is not usable"
+            )
+        merged = {**block(parent, (*seen, name)), **own}
+        merged.pop("inherits_from")
+        if "next_stage" not in own:  # the parent's next stage is not the child's
+            merged.pop("next_stage", None)
+        resolved[name] = merged
+        return merged
+
+    for name in configurations:
+        block(name, ())
+    return resolved
 
 
 def plans_content(plans: Plans) -> dict:
@@ -323,9 +370,8 @@ def read_plans_json(path: Path) -> dict | None:
 
 
 def plans_from_dict(data: dict) -> Plans:
-    configurations = {
-        name: _configuration_from_dict(name, d) for name, d in data["configurations"].items()
-    }
+    blocks = resolve_inheritance(data["configurations"])
+    configurations = {name: _configuration_from_dict(name, d) for name, d in blocks.items()}
     plans = Plans(
         dataset_name=data["dataset_name"],
         plans_name=data["plans_name"],

@@ -84,6 +84,8 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
     splits = load_or_create_splits(dataset_dir, cases.case_ids, write=topology.is_main)
     distributed.barrier()
     train_ids, val_ids = fold_cases(splits, config.fold, cases.case_ids)
+    if cplan.previous_stage:  # 3d_cascade_fullres: the previous stage's segmentations too
+        cases = _cascade_cases(config, plans, cplan, cases, [*train_ids, *val_ids], splits)
     rank_batches = launch.split_global_batch(
         cplan.batch_size, topology.world_size, config.oversample_foreground
     )
@@ -128,6 +130,15 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
     recorder.status(State.FINISHED, epoch=state.epoch_next)
     log.info("finished")
     return 0
+
+
+def _cascade_cases(config: TrainConfig, plans: Any, cplan: Any, cases: Any,
+                   case_ids: list[str], splits: list) -> Any:  # fmt: skip
+    from trainer.cascade import CascadeCases, check_inputs, previous_stage_folder
+
+    folder = previous_stage_folder(Path(config.run_dir), cplan)
+    check_inputs(folder, case_ids, splits, cplan)  # the CLI checked; a fold may have gone
+    return CascadeCases(cases.folder, folder, plans.label_spec)
 
 
 def _remove_stale_tmp(config: TrainConfig, topology: Any) -> None:
@@ -178,13 +189,14 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
     import torch
 
     from trainer import distributed, precision
+    from trainer.cascade import input_channels
     from trainer.label_loss import make_loss
     from trainer.loop import Trainee
     from trainer.model import build_network
 
     torch.manual_seed(config.seed)
     raw_model = build_network(
-        cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim,
+        cplan.network, input_channels(plans, cplan), plans.num_classes, cplan.ndim,
         recompute_norm=config.recomputes_norm(device.type, cplan.ndim),
     ).to(device)  # fmt: skip
     optimizer = torch.optim.SGD(
@@ -357,6 +369,7 @@ def _train(config: TrainConfig, topology: Any, trainee: Any, state: Any, cases: 
            streams: dict[str, list[str]], cplan: Any, rank_batch: Any, recorder: RunRecorder,
            checkpointer: Any) -> bool:  # fmt: skip
     """The epochs, with both loaders closed whatever happens. False = stopped by SIGUSR1."""
+    from trainer.cascade import CascadeBatches, CascadeCases
     from trainer.data.loader import PatchLoader
     from trainer.labels import location_rule
     from trainer.loop import run_epochs
@@ -374,7 +387,10 @@ def _train(config: TrainConfig, topology: Any, trainee: Any, state: Any, cases: 
                 num_workers=config.num_workers, stream=stream,
                 mask_channels=tuple(cplan.use_mask_for_norm), rule=location_rule(spec),
             )  # fmt: skip
-            return iter(exits.enter_context(loader))
+            batches = iter(exits.enter_context(loader))
+            if isinstance(cases, CascadeCases):  # seg + K * previous -> seg, one-hot input
+                return CascadeBatches(batches, cases.factor, cases.labels)
+            return batches
 
         return run_epochs(
             config, trainee, state, make_batches, recorder, checkpointer, topology.world_size

@@ -39,19 +39,21 @@ class PredictSettings:
     fallback_spacing: tuple[float, ...] | None = None
     largest_component_labels: tuple[int, ...] = ()  # --postprocess
     precision: str = "auto"  # trainer.precision: autocast on CUDA and AMX CPUs
+    previous_stage_dir: Path | None = None  # a cascade: the previous stage's segmentations
 
 
 def build_models(
     plans: Plans, cplan: ConfigurationPlan, weights: Sequence[dict], device: torch.device
 ) -> list[torch.nn.Module]:
     """One evaluation-mode network per fold from `model.*` tensors (checkpoint.load)."""
+    from trainer.cascade import input_channels
     from trainer.model import build_network
 
     models = []
     for tensors in weights:
         model = build_network(
             cplan.network,
-            plans.num_input_channels,
+            input_channels(plans, cplan),  # the cascade adds the previous stage's one-hot
             plans.num_classes,
             cplan.ndim,
             deep_supervision=False,
@@ -91,7 +93,10 @@ def predict_cases(
     ):
 
         def read(i: int) -> Future:
-            return reader.submit(prepare_case, cases[i], plans, cplan, settings.fallback_spacing)
+            return reader.submit(
+                prepare_case, cases[i], plans, cplan, settings.fallback_spacing,
+                settings.previous_stage_dir,
+            )  # fmt: skip
 
         next_case = read(0) if cases else None
         pending_write: Future | None = None
