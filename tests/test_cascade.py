@@ -141,7 +141,7 @@ def test_cascade_trains_predicts_and_is_compared(cascade, tmp_path):
     from trainer import checkpoint
 
     tensors, _ = checkpoint.load(run_dir / schema.checkpoint_file("final"))
-    first_conv = next(v for k, v in tensors.items() if k.startswith("model.") and v.ndim == 5)
+    first_conv = tensors["model.encoder.0.0.0.weight"]
     assert first_conv.shape[1] == 1 + 2  # MRI + one-hot organ and lesion of the lowres stage
 
     images = tmp_path / "images"

@@ -43,3 +43,28 @@ def test_fold_without_names_reads_summary_keys(tmp_path):
     (folder / VALIDATION_DIR / SUMMARY_FILE).write_text(json.dumps(summary))
     assert fold_class_dice(folder) == [("(1, 2, 3)", 0.9), ("(3,)", None)]
     assert fold_class_dice(tmp_path / "nowhere") is None
+
+
+def test_launch_form_lists_the_cascade_and_marks_its_dependency(tmp_path):
+    """nnU-Net's plans write 3d_cascade_fullres as `inherits_from` 3d_fullres: the form lists
+    it (its patch and batch are 3d_fullres's) and says it runs after 3d_lowres's folds."""
+    from app.services.catalog import DatasetInfo, read_configurations
+    from app.widgets.dataset_picker import choices_of
+
+    full = {"patch_size": [16, 32, 32], "batch_size": 2}
+    plans = {"configurations": {
+        "3d_fullres": full,
+        "3d_lowres": {**full, "patch_size": [16, 16, 16], "next_stage": "3d_cascade_fullres"},
+        "3d_cascade_fullres": {"inherits_from": "3d_fullres", "previous_stage": "3d_lowres"},
+    }}  # fmt: skip
+    (tmp_path / "nnuiPlans.json").write_text(json.dumps(plans))
+    configurations = read_configurations(tmp_path)
+    assert [(c.name, c.patch_size, c.batch_size, c.previous_stage) for c in configurations] == [
+        ("3d_fullres", (16, 32, 32), 2, None),
+        ("3d_lowres", (16, 16, 16), 2, None),
+        ("3d_cascade_fullres", (16, 32, 32), 2, "3d_lowres"),
+    ]
+    choices = choices_of([DatasetInfo("Dataset900_X", configurations, {})])
+    assert [c.configuration_text for c in choices][-1] == (
+        "3d_cascade_fullres (after 3d_lowres folds 0-4)"
+    )

@@ -242,3 +242,47 @@ def test_bad_labels_stop_preprocessing_in_one_line(tmp_path, labels, order, mess
     assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
     assert message in done.stderr
     assert not (tmp_path / "pre").exists() or not any((tmp_path / "pre").rglob("*.b2nd"))
+
+
+def test_region_ensemble_and_find_best_configuration(brats, tmp_path):
+    """Both average the regions' sigmoid probabilities and write the label map in
+    regions_class_order; find-best scores the regions as the final validation did."""
+    best = subprocess.run(
+        [sys.executable, "-m", "trainer.best_configuration", "900", "-c", "2d", "-f", "0",
+         "--raw", str(brats / "raw"), "--results", str(brats / "res")],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert best.returncode == 0, best.stdout[-2000:] + best.stderr[-2000:]
+    info = json.loads(
+        (brats / "res" / DEMO_DATASET / "nnui_inference_information.json").read_text()
+    )
+    run_dir = schema.run_dir(brats / "res", DEMO_DATASET, "2d", "0")
+    summary = json.loads((run_dir / schema.VALIDATION_DIR / schema.SUMMARY_FILE).read_text())
+    assert info["mean_foreground_dice"]["2d"] == pytest.approx(summary["foreground_mean"]["Dice"])
+
+    images = tmp_path / "images"
+    images.mkdir()
+    name = "demo_000_0000.nii.gz"
+    shutil.copy(brats / "raw" / DEMO_DATASET / "imagesTr" / name, images / name)
+    first = tmp_path / "first"
+    argv = [
+        sys.executable, "-m", "trainer.predict", "-i", str(images), "-o", str(first), "-d", "900",
+        "-c", "2d", "-f", "0", "-device", "cpu", "--disable_tta", "--save_probabilities",
+        "--preprocessed", str(brats / "pre"), "--results", str(brats / "res"),
+    ]  # fmt: skip
+    assert run(argv, tmp_path / "predict.log") == 0, (tmp_path / "predict.log").read_text()
+    second = tmp_path / "second"
+    shutil.copytree(first, second)
+    from trainer.ensemble import main as ensemble_main
+
+    out = tmp_path / "ensemble"
+    assert ensemble_main(["-i", str(first), str(second), "-o", str(out)]) == 0
+    ours = read_image(out / "demo_000.nii.gz")[0]
+    assert np.array_equal(ours, read_image(first / "demo_000.nii.gz")[0])
+    # Folders predicted with other labels (names, regions or their order): refused.
+    info_path = second / PREDICTION_INFO_FILE
+    other = json.loads(info_path.read_text())
+    other["labels"] = {"background": 0, "a": [1, 2, 3], "b": [2, 3], "c": [3]}
+    info_path.write_text(json.dumps(other))
+    assert ensemble_main(["-i", str(first), str(second), "-o", str(tmp_path / "refused")]) == 2
+    assert not (tmp_path / "refused").exists()
