@@ -84,8 +84,7 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
     splits = load_or_create_splits(dataset_dir, cases.case_ids, write=topology.is_main)
     distributed.barrier()
     train_ids, val_ids = fold_cases(splits, config.fold, cases.case_ids)
-    if cplan.previous_stage:  # 3d_cascade_fullres: the previous stage's segmentations too
-        cases = _cascade_cases(config, plans, cplan, cases, [*train_ids, *val_ids], splits)
+    cases = _stage_cases(config, plans, cplan, cases, [*train_ids, *val_ids], splits)
     rank_batches = launch.split_global_batch(
         cplan.batch_size, topology.world_size, config.oversample_foreground
     )
@@ -96,7 +95,6 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
         config.dataset_name, config.configuration, config.fold, len(train_ids), len(val_ids),
         list(cplan.patch_size), rank_batch.batch_size, device, topology.world_size,
     )  # fmt: skip
-
     if device.type == "cpu":
         from trainer import allocator
 
@@ -132,9 +130,13 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
     return 0
 
 
-def _cascade_cases(config: TrainConfig, plans: Any, cplan: Any, cases: Any,
-                   case_ids: list[str], splits: list) -> Any:  # fmt: skip
+def _stage_cases(config: TrainConfig, plans: Any, cplan: Any, cases: Any,
+                 case_ids: list[str], splits: list) -> Any:  # fmt: skip
+    """3d_cascade_fullres: the cases with the previous stage's segmentations; else `cases`."""
     from trainer.cascade import CascadeCases, check_inputs, previous_stage_folder
+
+    if not cplan.previous_stage:
+        return cases
 
     folder = previous_stage_folder(Path(config.run_dir), cplan)
     check_inputs(folder, case_ids, splits, cplan)  # the CLI checked; a fold may have gone
