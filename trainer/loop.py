@@ -71,16 +71,9 @@ class Trainee:
     device: torch.device
     autocast_dtype: torch.dtype | None
     num_classes: int
+    label_spec: Any = None  # trainer.labels.LabelSpec: regions / ignore label change the counts
     after_first_step: Callable[[], Any] | None = None  # allocator.keep_freed_memory on CPU
     step_hook: Callable[[int, torch.Tensor], Any] | None = None  # running loss (rank 0)
-    label_spec: Any = None  # trainer.labels.LabelSpec: regions / ignore label change the counts
-
-    @property
-    def num_scored(self) -> int:
-        """Classes (or regions) the pseudo-Dice scores."""
-        if self.label_spec is None:
-            return self.num_classes - 1
-        return len(self.label_spec.foreground_keys)
 
 
 class Checkpointer:
@@ -156,13 +149,20 @@ def train_iterations(
     return total
 
 
+def num_scored(trainee: Trainee) -> int:
+    """Classes (or regions) the pseudo-Dice scores."""
+    if trainee.label_spec is None:
+        return trainee.num_classes - 1
+    return len(trainee.label_spec.foreground_keys)
+
+
 @torch.no_grad()
 def validation_iterations(
     trainee: Trainee, batches: Iterator[Any], num_iterations: int
 ) -> torch.Tensor:
     """[summed val loss, tp(K-1), fp(K-1), fn(K-1)] on the argmax of the top output."""
     trainee.model.eval()
-    k = trainee.num_scored
+    k = num_scored(trainee)
     plain = trainee.label_spec is None or is_plain(trainee.label_spec)
     stats = torch.zeros(1 + 3 * k, device=trainee.device, dtype=torch.float64)
     for _ in range(num_iterations):
@@ -266,7 +266,7 @@ def _train_and_validate(
         .cpu()
         .tolist()
     )
-    k = trainee.num_scored
+    k = num_scored(trainee)
     dice = pseudo_dice(totals[2 : 2 + k], totals[2 + k : 2 + 2 * k], totals[2 + 2 * k :])
     return EpochMetrics(
         lr=lr,
