@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+from app.services.class_dice import class_dice_text, fold_dirs, mean_class_dice
 from app.services.cross_validation import CvRow, cv_rows, queue_launches
 from app.services.job_text import human_duration
 from app.services.jobs import JobTracker
@@ -73,13 +74,21 @@ def cv_table(rows: list[CvRow]) -> str:
     )
 
 
+def row_class_dice(row: CvRow) -> tuple[list, int]:
+    """Final validation Dice per class or region (with its name), mean of finished folds."""
+    finished = [c.fold for c in row.folds if c.state == "finished"]
+    return mean_class_dice(fold_dirs(row.template.run_dir, finished))
+
+
 def row_dict(row: CvRow) -> dict[str, Any]:
+    per_class, _ = row_class_dice(row)
     return {
         "dataset": row.dataset, "configuration": row.configuration, "trainer": row.trainer,
         "plans": row.plans, "folds": [asdict(c) for c in row.folds],
         "mean_dice": row.mean_dice, "std_dice": row.std_dice, "gpu_hours": row.gpu_hours,
         "eta_s": row.eta_s, "gpus": list(row.gpus),
         "queue": [q.command() for q in queue_launches(row, list(row.gpus))],
+        "dice_per_class": [{"name": n, "dice": d} for n, d in per_class],
     }  # fmt: skip
 
 
@@ -97,6 +106,11 @@ def cmd_cv(options: argparse.Namespace, registry: Registry) -> int:
         print("no cross-validation folds yet (nnui launch DATASET CONFIG --folds all ...)")
         return EXIT_OK
     print(cv_table(rows))
+    for row in rows:
+        per_class, num_folds = row_class_dice(row)
+        if per_class:  # labels or regions by name (region-based training: the regions)
+            print(f"  Dice per class ({row.dataset} {row.configuration}, mean of {num_folds} "
+                  f"fold(s)): {class_dice_text(per_class)}")  # fmt: skip
     for row in rows:
         for launch in queue_launches(row, list(row.gpus)):
             print(f"  to queue ({row.dataset} {row.configuration}): {launch.text()}")

@@ -49,6 +49,7 @@ def schedule_of(options: argparse.Namespace) -> Schedule:
         on_event=tuple(hook),
         stall_action=getattr(options, "stall_action", "none"),
         stall_min_s=getattr(options, "stall_min_s", None),
+        after_previous_stage=getattr(options, "after_previous_stage", False),
     )
 
 

@@ -69,6 +69,11 @@ def _schedule_flags(launch: argparse.ArgumentParser) -> None:
     group.add_argument("--share", action="store_true", help="free even beside other users")
     group.add_argument("--priority", type=int, default=0, help="higher starts first (FIFO)")
     group.add_argument(
+        "--after-lowres", dest="after_previous_stage", action="store_true",
+        help="a cascade (3d_cascade_fullres): each fold waits until the 3d_lowres folds "
+        "that validated its cases are done",
+    )  # fmt: skip
+    group.add_argument(
         "--retries", type=int, default=0, metavar="N",
         help="restart with --c after an abnormal end, at most N times (default 0)",
     )  # fmt: skip

@@ -26,6 +26,7 @@ from trainer.data.image_io import ImageReadError, read_image
 from trainer.evaluate_folder import case_metrics, summarize
 from trainer.inference.cli import OneLineParser, one_line
 from trainer.inference.postprocess import POSTPROCESSING_KEY, keep_largest_component
+from trainer.labels import LabelSpec, from_dataset_json
 from trainer.schema import (
     DEFAULT_PLANS,
     DEFAULT_TRAINER,
@@ -47,7 +48,7 @@ class SelectionError(ValueError):
 @dataclass(frozen=True)
 class Inputs:
     dataset_name: str
-    labels: dict[str, int]
+    spec: LabelSpec  # labels, regions (sigmoid, regions_class_order) and the ignore label
     references: dict[str, Path]  # case id -> raw label file
     probabilities: dict[str, dict[str, Path]]  # configuration -> case id -> CASE.npz
 
@@ -80,10 +81,12 @@ def collect(
     name = find_dataset(raw, dataset)
     try:
         dataset_json = json.loads((raw / name / "dataset.json").read_text())
-        labels = {str(k): int(v) for k, v in dataset_json["labels"].items()}
+        spec = from_dataset_json(dataset_json)
         ending = dataset_json["file_ending"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise SelectionError(f"{raw / name / 'dataset.json'} is unreadable ({exc})") from None
+        raise SelectionError(
+            f"{raw / name / 'dataset.json'} is unreadable ({one_line(exc)})"
+        ) from None
     probabilities = {
         c: _validation_npz(results, name, c, folds, trainer, plans) for c in configurations
     }
@@ -98,7 +101,7 @@ def collect(
     for case_id, path in references.items():
         if not path.is_file():
             raise SelectionError(f"validation case {case_id} has no label {path}")
-    return Inputs(name, labels, references, probabilities)
+    return Inputs(name, spec, references, probabilities)
 
 
 def _segmentation(
@@ -109,14 +112,14 @@ def _segmentation(
         with np.load(inputs.probabilities[config][case_id]) as archive:
             probs = archive["probabilities"].astype(np.float64)
         total = probs if total is None else total + probs
-    values = np.asarray(sorted(inputs.labels.values()))
-    segmentation = values[np.argmax(total, axis=0)]
+    assert total is not None
+    segmentation = inputs.spec.to_segmentation(total / len(configs))
     return keep_largest_component(segmentation, largest) if largest else segmentation
 
 
 def score(inputs: Inputs, configs: Sequence[str], largest: Sequence[int] = ()) -> dict[str, Any]:
     """summary.json content of one candidate (one case in memory at a time)."""
-    foreground = [v for v in sorted(inputs.labels.values()) if v != 0]
+    foreground = inputs.spec.foreground_keys  # label values, or regions
     per_case = []
     for case_id, ref_path in inputs.references.items():
         try:
@@ -128,7 +131,9 @@ def score(inputs: Inputs, configs: Sequence[str], largest: Sequence[int] = ()) -
             {
                 "reference_file": str(ref_path),
                 "prediction_file": case_id,
-                "metrics": case_metrics(reference, prediction, foreground),
+                "metrics": case_metrics(
+                    reference, prediction, foreground, inputs.spec.ignore_label
+                ),
             }
         )
     return summarize(per_case, foreground)
@@ -145,7 +150,7 @@ def choose_postprocessing(
     """Labels whose largest-component filter raises the mean foreground Dice, one by one."""
     kept: list[int] = []
     best = baseline
-    for label in (v for v in sorted(inputs.labels.values()) if v != 0):
+    for label in (v for v in inputs.spec.output_values if v != 0):
         dice = _dice(score(inputs, configs, [*kept, label]))
         progress(f"largest component of label {label}: Dice {dice:.4f} (was {best:.4f})")
         if dice > best:

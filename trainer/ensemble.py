@@ -26,6 +26,8 @@ from trainer.inference.export import (
     write_prediction,
 )
 from trainer.inference.postprocess import keep_largest_component, read_postprocessing
+from trainer.labels import REGIONS_CLASS_ORDER, LabelSpec, parse_labels, prediction_labels
+from trainer.plans import plans_labels
 from trainer.predict import PREDICTION_INFO_FILE
 from trainer.schema import atomic_write_text, refuse_nnunet_output
 
@@ -38,14 +40,15 @@ def _info(folder: Path) -> dict[str, Any]:
     path = folder / PREDICTION_INFO_FILE
     try:
         info = json.loads(path.read_text())
-        info["labels"] = {str(k): int(v) for k, v in info["labels"].items()}
+        info["labels"] = plans_labels(info["labels"])
+        info["spec"] = parse_labels(info["labels"], info.get(REGIONS_CLASS_ORDER))
     except FileNotFoundError:
         raise EnsembleError(
             f"{folder} has no {PREDICTION_INFO_FILE}: ensemble folders written by "
             "nnui-predict --save_probabilities"
         ) from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise EnsembleError(f"{path} is unreadable ({exc})") from None
+        raise EnsembleError(f"{path} is unreadable ({one_line(exc)})") from None
     return info
 
 
@@ -59,7 +62,7 @@ def _segmentation_file(folder: Path, case_id: str) -> tuple[Path, str]:
     raise EnsembleError(f"{folder} has {case_id}.npz but no segmentation {case_id}.<ending>")
 
 
-def plan_ensemble(folders: list[Path], out_dir: Path) -> tuple[list[str], dict[str, int]]:
+def plan_ensemble(folders: list[Path], out_dir: Path) -> tuple[list[str], LabelSpec]:
     """(case ids, labels) after every check."""
     if len(folders) < 2:
         raise EnsembleError("-i needs at least two folders")
@@ -74,9 +77,10 @@ def plan_ensemble(folders: list[Path], out_dir: Path) -> tuple[list[str], dict[s
             raise EnsembleError(f"-o {out_dir} is one of the input folders: choose another")
     infos = [_info(folder) for folder in folders]
     for folder, info in zip(folders[1:], infos[1:], strict=True):
-        if info["labels"] != infos[0]["labels"]:
+        if info["spec"] != infos[0]["spec"]:  # labels, regions and their order alike
             raise EnsembleError(
                 f"{folder} has labels {info['labels']}, {folders[0]} {infos[0]['labels']}"
+                + _order_note(info, infos[0])
             )
     case_sets = [{p.stem for p in folder.glob("*.npz")} for folder in folders]
     if not case_sets[0]:
@@ -90,7 +94,12 @@ def plan_ensemble(folders: list[Path], out_dir: Path) -> tuple[list[str], dict[s
     case_ids = sorted(case_sets[0])
     for case_id in case_ids:
         _segmentation_file(folders[0], case_id)
-    return case_ids, infos[0]["labels"]
+    return case_ids, infos[0]["spec"]
+
+
+def _order_note(info: dict, first: dict) -> str:
+    ours, theirs = info.get(REGIONS_CLASS_ORDER), first.get(REGIONS_CLASS_ORDER)
+    return "" if ours == theirs else f" (regions_class_order {ours} vs {theirs})"
 
 
 def mean_probabilities(files: list[Path]) -> np.ndarray:
@@ -118,15 +127,15 @@ def ensemble(
     progress: Callable[[str], None] = print,
     largest_component_labels: tuple[int, ...] = (),
 ) -> int:
-    case_ids, labels = plan_ensemble(folders, out_dir)
-    values = np.asarray(sorted(labels.values()))
+    case_ids, spec = plan_ensemble(folders, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    info = {"ensemble_of": [str(f) for f in folders], "labels": labels}
+    info = {"ensemble_of": [str(f) for f in folders], **prediction_labels(spec)}
     atomic_write_text(out_dir / PREDICTION_INFO_FILE, json.dumps(info, indent=1) + "\n")
     for index, case_id in enumerate(case_ids):
         started = time.perf_counter()
         probs = mean_probabilities([folder / f"{case_id}.npz" for folder in folders])
-        seg = values[np.argmax(probs, axis=0)].astype(np.uint8 if values.max() < 256 else np.uint16)
+        # Mean softmax -> argmax; mean sigmoid of regions -> thresholds in regions_class_order.
+        seg = spec.to_segmentation(probs)
         if largest_component_labels:
             seg = keep_largest_component(seg, largest_component_labels)
         reference, ending = _segmentation_file(folders[0], case_id)

@@ -22,6 +22,7 @@ import numpy as np
 
 from trainer.data.image_io import SUPPORTED_ENDINGS, ImageReadError, file_ending, read_labels
 from trainer.inference.cli import OneLineParser, one_line
+from trainer.labels import Key, LabelError, LabelSpec, from_dataset_json, key_mask, metric_key
 from trainer.schema import SUMMARY_FILE, atomic_write_text
 
 METRICS = ("Dice", "FN", "FP", "IoU", "TN", "TP", "n_pred", "n_ref")
@@ -31,12 +32,18 @@ class EvaluationError(ValueError):
     """A user mistake (one line; the CLI exits 2)."""
 
 
-def label_metrics(reference: np.ndarray, prediction: np.ndarray, label: int) -> dict[str, Any]:
-    ref, pred = reference == label, prediction == label
+def label_metrics(
+    reference: np.ndarray, prediction: np.ndarray, label: Key, keep: np.ndarray | None = None
+) -> dict[str, Any]:
+    """Metrics of a label value or a region (a tuple of values: voxels in any of them);
+    `keep`: the voxels scored (False where the reference holds the ignore label)."""
+    ref, pred = key_mask(reference, label), key_mask(prediction, label)
+    if keep is not None:
+        ref, pred = ref & keep, pred & keep
     tp = int(np.count_nonzero(ref & pred))
     fp = int(np.count_nonzero(pred)) - tp
     fn = int(np.count_nonzero(ref)) - tp
-    tn = int(ref.size) - tp - fp - fn
+    tn = int(ref.size if keep is None else np.count_nonzero(keep)) - tp - fp - fn
     defined = tp + fp + fn > 0
     return {
         "Dice": 2 * tp / (2 * tp + fp + fn) if defined else None,
@@ -50,12 +57,19 @@ def label_metrics(reference: np.ndarray, prediction: np.ndarray, label: int) -> 
     }
 
 
-def case_metrics(reference: np.ndarray, prediction: np.ndarray, labels: Sequence[int]) -> dict:
+def case_metrics(
+    reference: np.ndarray,
+    prediction: np.ndarray,
+    labels: Sequence[Key],
+    ignore_label: int | None = None,
+) -> dict:
+    """Keyed as nnU-Net's summary.json: "1" for a label, "(1, 2, 3)" for a region."""
     if reference.shape != prediction.shape:
         raise EvaluationError(
             f"shapes differ: reference {list(reference.shape)}, prediction {list(prediction.shape)}"
         )
-    return {str(label): label_metrics(reference, prediction, label) for label in labels}
+    keep = None if ignore_label is None else reference != ignore_label
+    return {metric_key(k): label_metrics(reference, prediction, k, keep) for k in labels}
 
 
 def _mean(values: list[Any]) -> float | None:
@@ -63,13 +77,13 @@ def _mean(values: list[Any]) -> float | None:
     return float(np.mean(defined)) if defined else None
 
 
-def summarize(per_case: list[dict[str, Any]], labels: Sequence[int]) -> dict[str, Any]:
+def summarize(per_case: list[dict[str, Any]], labels: Sequence[Key]) -> dict[str, Any]:
     """nnU-Net's summary.json content from per-case entries (`metrics` keyed by label)."""
+    keys = [metric_key(label) for label in labels]
     means = {
-        str(label): {m: _mean([c["metrics"][str(label)][m] for c in per_case]) for m in METRICS}
-        for label in labels
+        key: {m: _mean([c["metrics"][key][m] for c in per_case]) for m in METRICS} for key in keys
     }
-    foreground = [str(label) for label in labels if label != 0]
+    foreground = [key for key in keys if key != "0"]
     foreground_mean = {}
     for metric in METRICS:
         values = [means[k][metric] for k in foreground]
@@ -102,13 +116,25 @@ def _read_labels(path: Path) -> np.ndarray:
         raise EvaluationError(str(exc)) from None
 
 
-def default_labels(ref_dir: Path, references: list[np.ndarray] | None = None) -> list[int]:
-    """dataset.json's foreground labels next to REF (labelsTr/labelsTs of a raw dataset)."""
+def dataset_spec(path: Path) -> LabelSpec | None:
+    """The labels of a dataset.json (None when absent or unreadable); EvaluationError when
+    its labels cannot be scored (trainer.labels' one-line reasons)."""
     try:
-        labels = json.loads((ref_dir.parent / "dataset.json").read_text())["labels"]
-        return sorted(int(v) for v in labels.values() if int(v) != 0)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
+        dataset_json = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        return from_dataset_json(dataset_json if isinstance(dataset_json, dict) else {})
+    except LabelError as exc:
+        raise EvaluationError(f"{path}: {exc}") from None
+
+
+def default_labels(ref_dir: Path, references: list[np.ndarray] | None = None) -> list[Key]:
+    """dataset.json's foreground labels (or regions) next to REF (labelsTr/labelsTs of a raw
+    dataset), else the values found in the references."""
+    spec = dataset_spec(ref_dir.parent / "dataset.json")
+    if spec is not None:
+        return spec.foreground_keys
     values: set[int] = set()
     for array in references or []:
         values |= {int(v) for v in np.unique(array)}
@@ -116,9 +142,14 @@ def default_labels(ref_dir: Path, references: list[np.ndarray] | None = None) ->
 
 
 def evaluate_folders(
-    ref_dir: Path, pred_dir: Path, labels: Sequence[int] | None = None, chill: bool = False
+    ref_dir: Path,
+    pred_dir: Path,
+    labels: Sequence[Key] | None = None,
+    chill: bool = False,
+    ignore_label: int | None = None,
 ) -> dict[str, Any]:
-    """Every prediction in pred_dir against its reference (one case in memory at a time)."""
+    """Every prediction in pred_dir against its reference (one case in memory at a time);
+    voxels where the reference holds `ignore_label` are not scored."""
     ref_dir, pred_dir = Path(ref_dir), Path(pred_dir)
     for folder in (ref_dir, pred_dir):
         if not folder.is_dir():
@@ -141,7 +172,7 @@ def evaluate_folders(
     for case_id in sorted(preds):
         reference, prediction = _read_labels(refs[case_id]), _read_labels(preds[case_id])
         try:
-            metrics = case_metrics(reference, prediction, labels)
+            metrics = case_metrics(reference, prediction, labels, ignore_label)
         except EvaluationError as exc:
             raise EvaluationError(f"case {case_id}: {exc}") from None
         per_case.append(
@@ -152,6 +183,17 @@ def evaluate_folders(
             }
         )
     return summarize(per_case, list(labels))
+
+
+def _labels_to_score(args: Any) -> tuple[list[Key] | None, int | None]:
+    """-l / -il, else the dataset.json given (-djfile) or next to REF."""
+    path = Path(args.djfile) if args.djfile else Path(args.ref).parent / "dataset.json"
+    if args.djfile and not path.is_file():
+        raise EvaluationError(f"{path} does not exist")
+    spec = dataset_spec(path)
+    labels = args.l if args.l is not None else (spec.foreground_keys if spec else None)
+    ignore = args.il if args.il is not None else (spec.ignore_label if spec else None)
+    return labels, ignore
 
 
 def write_summary(summary: dict[str, Any], path: Path) -> None:
@@ -172,6 +214,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="labels (default: dataset.json next to REF, else those found)",
     )
+    parser.add_argument(
+        "-il", type=int, default=None, help="ignore label (default: dataset.json's)"
+    )
+    parser.add_argument(
+        "-djfile",
+        default=None,
+        help="dataset.json whose labels, regions and ignore label are scored "
+        "(default: the one next to REF)",
+    )
     parser.add_argument("-o", default=None, help=f"output file (default PRED/{SUMMARY_FILE})")
     parser.add_argument("--chill", action="store_true", help="allow references without prediction")
     try:
@@ -180,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     output = Path(args.o) if args.o else Path(args.pred) / SUMMARY_FILE
     try:
-        summary = evaluate_folders(Path(args.ref), Path(args.pred), args.l, args.chill)
+        labels, ignore = _labels_to_score(args)
+        summary = evaluate_folders(Path(args.ref), Path(args.pred), labels, args.chill, ignore)
         write_summary(summary, output)
     except EvaluationError as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)

@@ -94,9 +94,10 @@ class Target:
     output_dir: Path
     raw_dataset: Path | None
     ending: str | None  # of the raw files
-    label_values: list[int]  # sorted, background first
-    foreground: list[int]
+    label_values: list[int]  # sorted, background first: what a prediction can hold
+    foreground: list[Any]  # scored keys: label values, or regions (tuples)
     preprocessed_dir: Path
+    spec: Any = None  # trainer.labels.LabelSpec
 
     def reference(self, case_id: str) -> Path:
         assert self.raw_dataset is not None
@@ -111,19 +112,22 @@ def make_target(config: Any, plans: Any, preprocessed_dir: Path, is_main: bool) 
     """Only rank 0 reads the raw dataset (other nodes may not have it)."""
     from trainer import distributed
     from trainer.evaluate_folder import default_labels
+    from trainer.labels import is_plain
     from trainer.schema import VALIDATION_DIR
 
-    values = sorted(int(v) for v in plans.labels.values())
+    spec = plans.label_spec
+    values = list(spec.output_values)
     # Under torchrun only rank 0's CLI looked for the raw data: its answer holds for all.
     raw_dir = distributed.broadcast_object(config.raw_dataset_dir)
     raw = Path(raw_dir) if raw_dir else None
-    foreground = [v for v in values if v != 0]
+    foreground = spec.foreground_keys
     ending = None
     if raw is not None and is_main:
         ending = _raw_ending(raw)
-        foreground = default_labels(raw / "labelsTr")  # what nnui-evaluate takes
+        if is_plain(spec):
+            foreground = default_labels(raw / "labelsTr")  # what nnui-evaluate takes
     output = Path(config.run_dir) / VALIDATION_DIR
-    return Target(output, raw, ending, values, foreground, Path(preprocessed_dir))
+    return Target(output, raw, ending, values, foreground, Path(preprocessed_dir), spec)
 
 
 def evaluation_model(plans: Any, cplan: Any, raw_model: Any, device: Any) -> Any:
@@ -148,26 +152,27 @@ def predict_share(model: Any, cases: Any, case_ids: list[str], cplan: Any, num_c
     import numpy as np
 
     from trainer.evaluate_folder import case_metrics
-    from trainer.inference.export import to_raw_geometry
+    from trainer.inference.region_export import export_raw
     from trainer.inference.sliding import predict_probabilities
 
     entries = []
-    values = np.asarray(target.label_values)
+    spec = target.spec
     for index, case_id in enumerate(case_ids):
         image, seg, properties = cases.load_case(case_id)
         probs = predict_probabilities(
             [model], np.asarray(image), cplan.patch_size, num_classes, device,
-            mirror=mirror, autocast_dtype=autocast_dtype,
+            mirror=mirror, autocast_dtype=autocast_dtype, sigmoid=spec.has_regions,
         ).cpu()  # fmt: skip
         if target.raw_dataset is None:
-            prediction = values[probs.argmax(0).numpy()]
+            prediction = spec.to_segmentation(probs.numpy())
             reference = np.maximum(np.asarray(seg)[0], 0)
             entries.append([case_id, {
                 "reference_file": str(target.preprocessed_dir / f"{case_id}_seg.b2nd"),
                 "prediction_file": None,
-                "metrics": case_metrics(reference, prediction, target.foreground),
+                "metrics": case_metrics(reference, prediction, target.foreground,
+                                        spec.ignore_label),
             }])  # fmt: skip
-        raw = to_raw_geometry(probs, properties, target.label_values, keep_probabilities)
+        raw = export_raw(probs, properties, spec, keep_probabilities)
         del probs, image, seg
         sink(index, case_id, raw)
     return entries
@@ -180,6 +185,8 @@ class Collector:
     def __init__(self, target: Target) -> None:
         self.target = target
         self.entries: list[tuple[str, dict]] = []
+        # 3d_lowres: (case id, raw segmentation) -> the next stage's input (trainer.cascade)
+        self.next_stage: Callable[[str, Any], None] | None = None
 
     def add(self, case_id: str, prediction: Any) -> None:
         from trainer.data.image_io import read_image
@@ -195,11 +202,15 @@ class Collector:
         assert target.ending is not None
         write_prediction(target.output_dir, case_id, prediction, target.image(case_id),
                          target.ending)  # fmt: skip
+        if self.next_stage is not None:
+            self.next_stage(case_id, prediction.segmentation)
         reference = read_image(target.reference(case_id))[0]
         entry = {
             "reference_file": str(target.reference(case_id)),
             "prediction_file": str(target.output_dir / f"{case_id}{target.ending}"),
-            "metrics": case_metrics(reference, prediction.segmentation, target.foreground),
+            "metrics": case_metrics(
+                reference, prediction.segmentation, target.foreground, target.spec.ignore_label
+            ),
         }
         self.entries.append((case_id, entry))
 
@@ -254,6 +265,18 @@ def make_sink(topology: Any, shares: list[list[str]], collector: Collector | Non
     return sink
 
 
+def _export_next_stage(collector: Collector, config: Any, plans: Any, cplan: Any) -> None:
+    from trainer.cascade import export_next_stage
+
+    if collector.target.raw_dataset is None:
+        log.warning("no raw dataset: %s's segmentations for %s are not written",
+                    cplan.name, ", ".join(cplan.next_stage))  # fmt: skip
+        return
+    collector.next_stage = lambda case_id, seg: export_next_stage(
+        config, plans, cplan, case_id, seg
+    )
+
+
 def validate(config: Any, topology: Any, model: Any, cases: Any, val_ids: list[str],
              plans: Any, cplan: Any, device: Any, autocast_dtype: Any,
              on_case: Callable[[], None],
@@ -271,6 +294,8 @@ def validate(config: Any, topology: Any, model: Any, cases: Any, val_ids: list[s
     world = topology.world_size
     shares = [list(val_ids)[rank::world] for rank in range(world)]
     collector = Collector(target) if topology.is_main else None
+    if collector is not None and cplan.next_stage:
+        _export_next_stage(collector, config, plans, cplan)
 
     def on_round(num_done: int) -> None:  # progress: cases of every rank done, of all
         if on_progress is not None:

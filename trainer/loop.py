@@ -19,6 +19,8 @@ import torch
 from trainer import checkpoint, distributed, running_loss, stop
 from trainer.config import TrainConfig
 from trainer.events import RunRecorder, finite_or_none
+from trainer.label_loss import validation_counts
+from trainer.labels import is_plain
 from trainer.schema import Kind, State, checkpoint_file
 
 log = logging.getLogger("trainer")
@@ -69,6 +71,7 @@ class Trainee:
     device: torch.device
     autocast_dtype: torch.dtype | None
     num_classes: int
+    label_spec: Any = None  # trainer.labels.LabelSpec: regions / ignore label change the counts
     after_first_step: Callable[[], Any] | None = None  # allocator.keep_freed_memory on CPU
     step_hook: Callable[[int, torch.Tensor], Any] | None = None  # running loss (rank 0)
     stop_notice: StopNotice | None = None  # says "stop heard" at the first step after SIGUSR1
@@ -168,13 +171,21 @@ def train_iterations(
     return total
 
 
+def num_scored(trainee: Trainee) -> int:
+    """Classes (or regions) the pseudo-Dice scores."""
+    if trainee.label_spec is None:
+        return trainee.num_classes - 1
+    return len(trainee.label_spec.foreground_keys)
+
+
 @torch.no_grad()
 def validation_iterations(
     trainee: Trainee, batches: Iterator[Any], num_iterations: int
 ) -> torch.Tensor:
     """[summed val loss, tp(K-1), fp(K-1), fn(K-1)] on the argmax of the top output."""
     trainee.model.eval()
-    k = trainee.num_classes - 1
+    k = num_scored(trainee)
+    plain = trainee.label_spec is None or is_plain(trainee.label_spec)
     stats = torch.zeros(1 + 3 * k, device=trainee.device, dtype=torch.float64)
     for _ in range(num_iterations):
         batch = next(batches)
@@ -183,9 +194,13 @@ def validation_iterations(
             outputs = trainee.model(batch.data)
             loss = trainee.loss_fn(outputs, target)
         top = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
+        stats[0] += loss.detach().double()
+        if not plain:  # regions (sigmoid > 0.5) or the ignore label left out
+            counts = validation_counts(top, target, trainee.label_spec)
+            stats[1:] += torch.cat(counts).double()
+            continue
         pred = top.argmax(1)
         labels = target[:, 0].long()
-        stats[0] += loss.detach().double()
         for c in range(1, k + 1):
             p, g = pred == c, labels == c
             stats[c] += (p & g).sum()
@@ -273,7 +288,7 @@ def _train_and_validate(
         .cpu()
         .tolist()
     )
-    k = trainee.num_classes - 1
+    k = num_scored(trainee)
     dice = pseudo_dice(totals[2 : 2 + k], totals[2 + k : 2 + 2 * k], totals[2 + 2 * k :])
     return EpochMetrics(
         lr=lr,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.labels import LabelSpec, parse_labels
 from trainer.schema import DEFAULT_PLANS, is_legacy_identifier, plans_file_name
 
 PLANS_FORMAT_VERSION = 1
@@ -59,6 +60,10 @@ class ConfigurationPlan:
     # The cases preprocessing wrote for this configuration: a deleted file is then noticed
     # (trainer.data.dataset). Not part of any identity: the splits decide what is trained on.
     case_ids: tuple[str, ...] = ()
+    # nnU-Net's cascade: 3d_lowres names its next stage(s), 3d_cascade_fullres its previous
+    # one, whose segmentations it takes as extra input channels (trainer.cascade).
+    previous_stage: str | None = None
+    next_stage: tuple[str, ...] = ()
 
     @property
     def ndim(self) -> int:
@@ -77,13 +82,21 @@ class Plans:
     plans_name: str  # "nnuiPlans"
     configurations: dict[str, ConfigurationPlan]
     num_input_channels: int
-    labels: dict[str, int]  # from dataset.json, includes background
+    # From dataset.json, includes background: an int per label, a list per region
+    # (trainer.labels), and `ignore` when the dataset has one.
+    labels: dict[str, Any]
     identity: str  # sha256 hex of the canonical JSON of the whole content (all configurations)
     foreground_intensity_properties: dict[str, dict[str, float]] = field(default_factory=dict)
+    regions_class_order: tuple[int, ...] | None = None  # with regions only
+
+    @property
+    def label_spec(self) -> LabelSpec:
+        return parse_labels(self.labels, self.regions_class_order)
 
     @property
     def num_classes(self) -> int:
-        return len(self.labels)
+        """Network outputs: a softmax channel per label, or a sigmoid per region."""
+        return self.label_spec.num_heads
 
     def configuration(self, name: str) -> ConfigurationPlan:
         if name not in self.configurations:
@@ -153,6 +166,11 @@ def _configuration_to_dict(c: ConfigurationPlan) -> dict:
     }
     if c.case_ids:
         out["case_ids"] = list(c.case_ids)
+    # Written only for cascade stages: other blocks keep their bytes and identity.
+    if c.previous_stage:
+        out["previous_stage"] = c.previous_stage
+    if c.next_stage:
+        out["next_stage"] = list(c.next_stage)
     return out
 
 
@@ -193,12 +211,57 @@ def _configuration_plan(name: str, d: dict) -> ConfigurationPlan:
         network=_network_from_dict(d["network"]),
         median_image_size=tuple(int(v) for v in d.get("median_image_size_in_voxels", ())),
         case_ids=tuple(str(v) for v in d.get("case_ids", ())),
+        previous_stage=d.get("previous_stage") or None,
+        next_stage=_stage_names(d.get("next_stage")),
     )
+
+
+def _stage_names(value: Any) -> tuple[str, ...]:
+    """nnU-Net writes next_stage as one name or a list of names."""
+    if not value:
+        return ()
+    return (str(value),) if isinstance(value, str) else tuple(str(v) for v in value)
+
+
+def resolve_inheritance(configurations: dict) -> dict:
+    """Blocks with nnU-Net's `inherits_from` completed from their parent (the parent's
+    keys, then the block's own): 3d_cascade_fullres inherits 3d_fullres's data and network."""
+    resolved: dict = {}
+
+    def block(name: str, seen: tuple[str, ...]) -> dict:
+        if name in resolved:
+            return resolved[name]
+        own = configurations[name]
+        parent = own.get("inherits_from") if isinstance(own, dict) else None
+        if parent is None:
+            resolved[name] = own
+            return own
+        if parent not in configurations or parent in seen:
+            raise ValueError(
+                f"configuration {name!r} inherits from {parent!r}, which is not usable"
+            )
+        merged = {**block(parent, (*seen, name)), **own}
+        merged.pop("inherits_from")
+        if "next_stage" not in own:  # the parent's next stage is not the child's
+            merged.pop("next_stage", None)
+        resolved[name] = merged
+        return merged
+
+    for name in configurations:
+        block(name, ())
+    return resolved
 
 
 def plans_content(plans: Plans) -> dict:
     """Everything that defines the plans, without the identity itself."""
+    # regions_class_order only where there are regions: other plans keep their identity.
+    regions = (
+        {}
+        if plans.regions_class_order is None
+        else {"regions_class_order": list(plans.regions_class_order)}
+    )
     return {
+        **regions,
         "format_version": PLANS_FORMAT_VERSION,
         "dataset_name": plans.dataset_name,
         "plans_name": plans.plans_name,
@@ -233,7 +296,10 @@ def _block_for_identity(block: dict) -> dict:
 
 def dataset_level(content: dict) -> dict:
     """The plans-level fields every configuration depends on."""
-    return {key: content.get(key) for key in DATASET_LEVEL_KEYS}
+    out = {key: content.get(key) for key in DATASET_LEVEL_KEYS}
+    if content.get("regions_class_order") is not None:  # absent: identities stay as they were
+        out["regions_class_order"] = content["regions_class_order"]
+    return out
 
 
 def compute_identity(content: dict) -> str:
@@ -304,19 +370,28 @@ def read_plans_json(path: Path) -> dict | None:
 
 
 def plans_from_dict(data: dict) -> Plans:
-    configurations = {
-        name: _configuration_from_dict(name, d) for name, d in data["configurations"].items()
-    }
+    blocks = resolve_inheritance(data["configurations"])
+    configurations = {name: _configuration_from_dict(name, d) for name, d in blocks.items()}
     plans = Plans(
         dataset_name=data["dataset_name"],
         plans_name=data["plans_name"],
         configurations=configurations,
         num_input_channels=int(data["num_input_channels"]),
-        labels={str(k): int(v) for k, v in data["labels"].items()},
+        labels=plans_labels(data["labels"]),
         identity="",
         foreground_intensity_properties=data.get("foreground_intensity_properties_per_channel", {}),
+        regions_class_order=regions_order(data.get("regions_class_order")),
     )
     return with_identity(plans)
+
+
+def plans_labels(labels: dict) -> dict[str, Any]:
+    """dataset.json's labels as plans hold them: ints, and lists for regions."""
+    return {str(k): list(v) if isinstance(v, (list, tuple)) else int(v) for k, v in labels.items()}
+
+
+def regions_order(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else tuple(int(v) for v in value)
 
 
 def plans_file(preprocessed_dataset_dir: Path, plans_name: str = DEFAULT_PLANS) -> Path:

@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="postprocessing.json of nnui-find-best-configuration",
     )
     p.add_argument("--continue_prediction", action="store_true", help="skip finished cases")
+    p.add_argument(
+        "-prev_stage_predictions",
+        default=None,
+        metavar="DIR",
+        help="a cascade (3d_cascade_fullres): the previous stage's segmentations "
+        "(default: predict the previous stage first, into OUTPUT/prev_stage_<config>)",
+    )
     p.add_argument("-device", default="cuda", choices=DEVICES)
     p.add_argument("--precision", choices=precision.PRECISIONS, default="auto", help=precision.HELP)
     p.add_argument("-num_parts", type=int, default=1, help="split the cases into N parts")
@@ -93,6 +100,7 @@ class Resolved:
     out_dir: Path
     fallback_spacing: tuple[float, ...] | None
     largest_component_labels: tuple[int, ...] = ()  # from --postprocess
+    previous_stage_dir: Path | None = None  # a cascade's inputs (given, or predicted first)
 
 
 def checkpoint_kind(name: str) -> str:
@@ -149,6 +157,7 @@ def resolve(args: argparse.Namespace) -> Resolved:
         from trainer.inference.postprocess import read_postprocessing
 
         largest = tuple(read_postprocessing(Path(args.postprocess)))
+    previous = _previous_stage(args, cplan, roots.results, name, plans, todo, out_dir)
     return Resolved(
         plans,
         cplan,
@@ -159,7 +168,30 @@ def resolve(args: argparse.Namespace) -> Resolved:
         out_dir,
         _fallback_spacing(roots.preprocessed / name),
         largest,
+        previous,
     )
+
+
+def _previous_stage(args: argparse.Namespace, cplan: Any, results: Path, name: str,
+                    plans: Any, cases: list, out_dir: Path) -> Path | None:  # fmt: skip
+    """A cascade's previous-stage folder: -prev_stage_predictions (every case's file there),
+    else OUTPUT/prev_stage_<config>, predicted first with the previous stage's folds."""
+    if not cplan.previous_stage:
+        if args.prev_stage_predictions:
+            raise ValueError(f"-prev_stage_predictions: {args.configuration} is not a cascade")
+        return None
+    if args.prev_stage_predictions:
+        folder = Path(args.prev_stage_predictions).absolute()
+        for case in cases:
+            if not (folder / f"{case.case_id}{case.ending}").is_file():
+                raise ValueError(
+                    f"-prev_stage_predictions {folder} has no {case.case_id}{case.ending}: "
+                    f"predict {cplan.previous_stage} first"
+                )
+        return folder
+    previous = argparse.Namespace(**{**vars(args), "configuration": cplan.previous_stage})
+    _checkpoints(previous, results, name, plans)  # its folds trained: refused now, else
+    return out_dir / f"prev_stage_{cplan.previous_stage}"
 
 
 def _done(out_dir: Path, case: Any, with_probabilities: bool, output_path: Any) -> bool:
@@ -243,6 +275,7 @@ def _load_weights(checkpoints: dict[str, Path]) -> list[dict]:
 
 
 def _write_info(resolved: Resolved, args: argparse.Namespace) -> None:
+    from trainer.labels import prediction_labels
     from trainer.schema import atomic_write_text
 
     info = {
@@ -255,7 +288,7 @@ def _write_info(resolved: Resolved, args: argparse.Namespace) -> None:
         "step_size": args.step_size,
         "tta": not args.disable_tta,
         "precision": args.precision,
-        "labels": resolved.plans.labels,
+        **prediction_labels(resolved.plans.label_spec),  # labels (+ regions_class_order)
     }
     atomic_write_text(resolved.out_dir / PREDICTION_INFO_FILE, json.dumps(info, indent=1) + "\n")
 
@@ -274,6 +307,8 @@ def run(args: argparse.Namespace, progress=print, events: PredictionEvents | Non
         progress("nothing to predict")
         events.event(Kind.FINISHED, num_done=0, num_cases=0)
         return 0
+    if resolved.cplan.previous_stage and not args.prev_stage_predictions:
+        _predict_previous_stage(args, resolved, progress)
     weights = _load_weights(resolved.checkpoints)
     try:
         models = build_models(resolved.plans, resolved.cplan, weights, device)
@@ -290,6 +325,7 @@ def run(args: argparse.Namespace, progress=print, events: PredictionEvents | Non
         resolved.fallback_spacing,
         resolved.largest_component_labels,
         args.precision,
+        resolved.previous_stage_dir,
     )
     started = time.perf_counter()
     num = predict_cases(
@@ -315,6 +351,21 @@ def run(args: argparse.Namespace, progress=print, events: PredictionEvents | Non
     else:
         events.event(Kind.FINISHED, num_done=num, num_cases=total)
     return 0
+
+
+def _predict_previous_stage(args: argparse.Namespace, resolved: Resolved, progress) -> None:
+    """The cascade's first stage, with the same folds and settings, into prev_stage_<c>."""
+    assert resolved.previous_stage_dir is not None
+    stage = resolved.cplan.previous_stage
+    progress(f"{args.configuration} is a cascade: predicting {stage} first")
+    first = {**vars(args), "configuration": stage, "output": str(resolved.previous_stage_dir),
+             "save_probabilities": False, "postprocess": None, "num_parts": 1, "part_id": 0,
+             "continue_prediction": True}  # fmt: skip
+    first_args = argparse.Namespace(**first)
+    first_args.input = (
+        str(resolved.cases[0].image_files[0].parent) if resolved.cases else args.input
+    )
+    run(first_args, progress)
 
 
 def _started(events: PredictionEvents, resolved: Resolved, args: argparse.Namespace) -> None:

@@ -44,6 +44,7 @@ from trainer.data.planning import (
 )
 from trainer.data.raw import DataError, RawCase, RawDataset, load_raw_case, open_raw_dataset
 from trainer.fingerprint import fingerprint_case, summarize
+from trainer.labels import ANNOTATED_KEY, IGNORE
 from trainer.plans import (
     Plans,
     content_to_json,
@@ -79,15 +80,21 @@ class CaseJob:
     configs: tuple[dict, ...]  # name, folder, spacing, patch_size, schemes, use_mask
 
 
-def sample_class_locations(seg: np.ndarray, values: list[int], seed: int) -> dict[str, list]:
-    """Up to MAX_CLASS_LOCATIONS random (z, y, x) voxels per foreground class."""
+def sample_class_locations(
+    seg: np.ndarray, values: list[int], seed: int, ignore: int | None = None
+) -> dict[str, list]:
+    """Up to MAX_CLASS_LOCATIONS random (z, y, x) voxels per foreground class and, with an
+    ignore label, of the annotated voxels (trainer.labels.ANNOTATED_KEY)."""
     rng = np.random.default_rng(seed)
     out = {}
-    for value in values:
-        coords = np.argwhere(seg == value)
+    wanted = [(str(v), seg == v) for v in values]
+    if ignore is not None:
+        wanted.append((ANNOTATED_KEY, seg != ignore))
+    for key, mask in wanted:
+        coords = np.argwhere(mask)
         if len(coords) > MAX_CLASS_LOCATIONS:
             coords = coords[np.sort(rng.choice(len(coords), MAX_CLASS_LOCATIONS, replace=False))]
-        out[str(value)] = coords.astype(int).tolist()
+        out[key] = coords.astype(int).tolist()
     return out
 
 
@@ -99,7 +106,7 @@ def preprocess_case(job: CaseJob) -> dict:
     image_c, seg_c = crop(image, bbox), crop(seg, bbox)
     first = job.configs[0]
     normalized = normalize(image_c, first["schemes"], first["use_mask"], job.fg_properties)
-    fg_values = sorted(v for v in job.labels.values() if v != 0)
+    fg_values = sorted(v for name, v in job.labels.items() if v != 0 and name != IGNORE)
     shapes = {}
     for config in job.configs:
         target = tuple(config["spacing"])
@@ -123,7 +130,7 @@ def preprocess_case(job: CaseJob) -> dict:
             "spacing_after_resampling": list(target),
             "shape_after_resampling": list(new_shape),
             "class_locations": sample_class_locations(
-                seg_r, fg_values, zlib.crc32(job.case.case_id.encode())
+                seg_r, fg_values, zlib.crc32(job.case.case_id.encode()), job.labels.get(IGNORE)
             ),
         }
         atomic_write_text(folder / f"{job.case.case_id}.json", json.dumps(properties) + "\n")

@@ -153,10 +153,12 @@ def network_shapes(plans: Any, cplan: Any) -> dict[str, tuple[int, ...]]:
     """State-dict shapes of this configuration's network, built on the meta device."""
     import torch
 
+    from trainer.cascade import input_channels
     from trainer.model import build_network
 
-    with torch.device("meta"):
-        net = build_network(cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim)
+    with torch.device("meta"):  # a cascade's input: the image and the previous stage's one-hot
+        net = build_network(cplan.network, input_channels(plans, cplan), plans.num_classes,
+                            cplan.ndim)  # fmt: skip
     return {name: tuple(t.shape) for name, t in net.state_dict().items()}
 
 

@@ -55,6 +55,7 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
     data_dir = dataset_dir / cplan.data_identifier
     config = _make_config(args, argv, dataset_name, dataset_dir, run_dir, plans)
     _check_cases_and_fold(data_dir, dataset_dir, config.fold)
+    _check_previous_stage(config, cplan, data_dir, dataset_dir)
     _check_device_and_batch(config, cplan.batch_size)
     if not launch.is_main_process():
         # Rank 0 checks and picks the checkpoint and hands it over (other nodes may not
@@ -255,6 +256,25 @@ def _check_cases_and_fold(data_dir: Path, dataset_dir: Path, fold: str) -> None:
                 f"case {case_id} listed in {source} has no preprocessed files in {data_dir}: "
                 "rerun nnui-preprocess"
             )
+
+
+def _check_previous_stage(config: Any, cplan: Any, data_dir: Path, dataset_dir: Path) -> None:
+    """A cascade fold needs the previous stage's segmentations of every case it trains and
+    validates on: one line naming the folds of that stage to train first."""
+    if not cplan.previous_stage:
+        return
+    from trainer.cascade import CascadeError, check_inputs, previous_stage_folder
+    from trainer.data.dataset import PreprocessedCases
+    from trainer.splits import fold_cases, load_or_create_splits
+
+    cases = PreprocessedCases(data_dir)
+    splits = load_or_create_splits(dataset_dir, cases.case_ids, write=False)
+    train_ids, val_ids = fold_cases(splits, config.fold, cases.case_ids)
+    try:
+        folder = previous_stage_folder(Path(config.run_dir), cplan)
+        check_inputs(folder, [*train_ids, *val_ids], splits, cplan)
+    except CascadeError as error:
+        raise UsageError(str(error)) from error
 
 
 def _check_device_and_batch(config: Any, global_batch: int) -> None:

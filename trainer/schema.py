@@ -303,6 +303,7 @@ OPTIONAL_KEYS: dict[Kind, dict[str, Check]] = {
         "launcher": TEXT,
         "host": TEXT,
         "argv": TEXTS,
+        "class_names": TEXTS,  # of dice_per_class's entries: labels, or regions
     },
     Kind.TOPOLOGY: {},
     Kind.EPOCH_ENDED: {
@@ -318,6 +319,7 @@ OPTIONAL_KEYS: dict[Kind, dict[str, Check]] = {
     Kind.VALIDATION_FINISHED: {
         "mean_fg_dice": METRIC,
         "dice_per_class": METRICS,
+        "class_names": TEXTS,
         "num_cases": COUNT,
     },
     Kind.FINISHED: {"epoch": EPOCH_INDEX, "num_done": COUNT, "num_cases": COUNT},

@@ -84,17 +84,17 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
     splits = load_or_create_splits(dataset_dir, cases.case_ids, write=topology.is_main)
     distributed.barrier()
     train_ids, val_ids = fold_cases(splits, config.fold, cases.case_ids)
+    cases = _stage_cases(config, plans, cplan, cases, [*train_ids, *val_ids], splits)
     rank_batches = launch.split_global_batch(
         cplan.batch_size, topology.world_size, config.oversample_foreground
     )
     rank_batch = rank_batches[topology.global_rank]
-    _record_start(config, topology, recorder, device, rank_batch)
+    _record_start(config, topology, recorder, device, rank_batch, plans.label_spec.class_names())
     log.info(
         "%s %s fold %s: %d train / %d val cases, patch %s, batch %d on %s (world size %d)",
         config.dataset_name, config.configuration, config.fold, len(train_ids), len(val_ids),
         list(cplan.patch_size), rank_batch.batch_size, device, topology.world_size,
     )  # fmt: skip
-
     if device.type == "cpu":
         from trainer import allocator
 
@@ -130,6 +130,19 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
     return 0
 
 
+def _stage_cases(config: TrainConfig, plans: Any, cplan: Any, cases: Any,
+                 case_ids: list[str], splits: list) -> Any:  # fmt: skip
+    """3d_cascade_fullres: the cases with the previous stage's segmentations; else `cases`."""
+    from trainer.cascade import CascadeCases, check_inputs, previous_stage_folder
+
+    if not cplan.previous_stage:
+        return cases
+
+    folder = previous_stage_folder(Path(config.run_dir), cplan)
+    check_inputs(folder, case_ids, splits, cplan)  # the CLI checked; a fold may have gone
+    return CascadeCases(cases.folder, folder, plans.label_spec)
+
+
 def _remove_stale_tmp(config: TrainConfig, topology: Any) -> None:
     """Rank 0, before writing anything: what a killed write left in the run folder."""
     from trainer.run_folder import remove_stale_tmp
@@ -143,7 +156,7 @@ def _remove_stale_tmp(config: TrainConfig, topology: Any) -> None:
 
 
 def _record_start(config: TrainConfig, topology: Any, recorder: RunRecorder, device: Any,
-                  rank_batch: Any) -> None:  # fmt: skip
+                  rank_batch: Any, class_names: list[str]) -> None:  # fmt: skip
     from trainer import distributed
 
     me = {
@@ -165,6 +178,8 @@ def _record_start(config: TrainConfig, topology: Any, recorder: RunRecorder, dev
         fold=config.fold, num_epochs=config.num_epochs,
         iterations_per_epoch=config.iterations_per_epoch, world_size=topology.world_size,
         launcher=topology.launcher, host=topology.host, argv=config.argv,
+        # What dice_per_class entry i scores: label or region names (trainer.labels).
+        class_names=class_names,
     )  # fmt: skip
     recorder.event(Kind.TOPOLOGY, ranks=ranks)
     recorder.status(State.STARTING, pids=[r["pid"] for r in ranks])
@@ -176,13 +191,14 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
     import torch
 
     from trainer import distributed, precision
+    from trainer.cascade import input_channels
+    from trainer.label_loss import make_loss
     from trainer.loop import Trainee
-    from trainer.loss import DeepSupervisionLoss
     from trainer.model import build_network
 
     torch.manual_seed(config.seed)
     raw_model = build_network(
-        cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim,
+        cplan.network, input_channels(plans, cplan), plans.num_classes, cplan.ndim,
         recompute_norm=config.recomputes_norm(device.type, cplan.ndim),
     ).to(device)  # fmt: skip
     optimizer = torch.optim.SGD(
@@ -193,8 +209,10 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
     log.info("precision: %s (--precision %s)", precision.describe(autocast_dtype), config.precision)
     # Loss scaling is needed for fp16 only (bf16 has fp32's exponent range).
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
-    loss_fn = DeepSupervisionLoss(
-        cplan.network.num_stages - 1, reduce_fn=distributed.differentiable_all_reduce_sum,
+    # Regions / ignore label: trainer.label_loss; plain labels: trainer.loss as before.
+    loss_fn = make_loss(
+        plans.label_spec, cplan.network.num_stages - 1,
+        reduce_fn=distributed.differentiable_all_reduce_sum,
         weight_ce=weight_ce, batch_dice=cplan.batch_dice,
     )  # fmt: skip
     from trainer.allocator import keep_freed_memory
@@ -202,7 +220,7 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
     return Trainee(
         model=raw_model, raw_model=raw_model, optimizer=optimizer, scaler=scaler,
         loss_fn=loss_fn, device=device, autocast_dtype=autocast_dtype,
-        num_classes=plans.num_classes,
+        num_classes=plans.num_classes, label_spec=plans.label_spec,
         after_first_step=keep_freed_memory if device.type == "cpu" else None,
     )  # fmt: skip
 
@@ -353,9 +371,12 @@ def _train(config: TrainConfig, topology: Any, trainee: Any, state: Any, cases: 
            streams: dict[str, list[str]], cplan: Any, rank_batch: Any, recorder: RunRecorder,
            checkpointer: Any) -> bool:  # fmt: skip
     """The epochs, with both loaders closed whatever happens. False = stopped by SIGUSR1."""
+    from trainer.cascade import CascadeBatches, CascadeCases
     from trainer.data.loader import PatchLoader
+    from trainer.labels import location_rule
     from trainer.loop import run_epochs
 
+    spec = trainee.label_spec
     with contextlib.ExitStack() as exits:
 
         def make_batches(stream: str, start_iteration: int) -> Any:
@@ -366,9 +387,12 @@ def _train(config: TrainConfig, topology: Any, trainee: Any, state: Any, cases: 
                 rank_batch.oversample_share, config.seed, topology.global_rank, trainee.device,
                 augment=stream == "train", start_iteration=start_iteration,
                 num_workers=config.num_workers, stream=stream,
-                mask_channels=tuple(cplan.use_mask_for_norm),
+                mask_channels=tuple(cplan.use_mask_for_norm), rule=location_rule(spec),
             )  # fmt: skip
-            return iter(exits.enter_context(loader))
+            batches = iter(exits.enter_context(loader))
+            if isinstance(cases, CascadeCases):  # seg + K * previous -> seg, one-hot input
+                return CascadeBatches(batches, cases.factor, cases.labels)
+            return batches
 
         return run_epochs(
             config, trainee, state, make_batches, recorder, checkpointer, topology.world_size
@@ -401,6 +425,7 @@ def _final_validation(config: TrainConfig, topology: Any, trainee: Any, cases: A
     recorder.event(
         Kind.VALIDATION_FINISHED, mean_fg_dice=mean_fg_dice,
         dice_per_class=[summary["mean"][label]["Dice"] for label in foreground],
+        class_names=plans.label_spec.class_names(),
         num_cases=len(summary["metric_per_case"]),
     )  # fmt: skip
     recorder.status(message=None)

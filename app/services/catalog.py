@@ -30,6 +30,9 @@ class ConfigurationInfo:
     name: str
     patch_size: tuple[int, ...]
     batch_size: int
+    # nnU-Net's cascade: 3d_cascade_fullres trains on 3d_lowres's segmentations (its five
+    # folds must be done first; trainer.cascade).
+    previous_stage: str | None = None
 
 
 @dataclass(frozen=True)
@@ -56,16 +59,21 @@ def read_configurations(
         log.warning("cannot read %s: %s", path, error)
         return ()
     result = []
-    for name, config in (data.get("configurations") or {}).items():
+    blocks = data.get("configurations") or {}
+    for name, config in blocks.items():
         if not isinstance(config, dict):
             continue
+        parent = blocks.get(config.get("inherits_from"))  # 3d_cascade_fullres: 3d_fullres's
+        if isinstance(parent, dict):
+            config = {**parent, **config}
         try:
             patch = tuple(int(v) for v in config.get("patch_size", ()))
             batch = int(config.get("batch_size", 0))
         except (TypeError, ValueError):
             continue
+        previous = config.get("previous_stage")
         if batch > 0:
-            result.append(ConfigurationInfo(name, patch, batch))
+            result.append(ConfigurationInfo(name, patch, batch, previous or None))
     return tuple(result)
 
 

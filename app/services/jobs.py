@@ -279,7 +279,8 @@ def derive_state(job: Job, run: _RunState, alive: bool) -> State:
         return ending
     if run.validation is not None:
         return State.VALIDATING
-    if (job.after or job.when_free) and not job.process("trainer"):
+    waits_for_inputs = getattr(job, "after_previous_stage", False)
+    if (job.after or job.when_free or waits_for_inputs) and not job.process("trainer"):
         return State.STOPPING if job.queued_stop else State.QUEUED
     stop_sent = any(s.signal == "SIGUSR1" and s.result == "sent" for s in job.signals)
     if run.stop_requested or stop_sent or job.queued_stop:

@@ -232,6 +232,8 @@ def preview(plan: LaunchPlan) -> str:
     wait = f"# after job {plan.after} ends\n" if plan.after else ""
     if plan.schedule.when_free:
         wait += f"# when a GPU of {','.join(plan.gpus)} is free (it is set then)\n"
+    if plan.schedule.after_previous_stage:
+        wait += "# when the previous stage's folds wrote its inputs (--after-lowres)\n"
     return f"{wait}cd {shlex.quote(os.getcwd())} && {env} {shlex.join(plan.argv)}"
 
 

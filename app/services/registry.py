@@ -127,6 +127,9 @@ class Job:
     stall_reason: str | None = None  # e.g. "no event for 950 s (allowed 300 s), no CPU ..."
     stall_acted_at: float | None = None  # the watchdog's first stop or kill of this attempt
     forgotten_at: float | None = None  # `nnui forget`: hidden from lists; results untouched
+    # A cascade fold (--after-lowres): the supervisor waits for the previous stage's
+    # segmentations of its cases (stage_inputs.py) before it starts the trainer.
+    after_previous_stage: bool = False
 
     def process(self, role: str) -> ProcessRecord | None:
         return next((p for p in self.processes if p.role == role), None)
@@ -266,6 +269,7 @@ _CHECKS: dict[type, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "stall_reason": (_optional(lambda v: isinstance(v, str)), "a string or null"),
         "stall_acted_at": (_optional(_is_time), "a finite number or null"),
         "forgotten_at": (_optional(_is_time), "a finite number or null"),
+        "after_previous_stage": _BOOL,
     },
 }
 

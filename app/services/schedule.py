@@ -25,6 +25,8 @@ class Schedule:
     on_event: tuple[str, ...] = ()  # argv, split once at launch (hooks.parse_hook)
     stall_action: str = "none"  # the stall watchdog's action (stall.py): none | stop | kill
     stall_min_s: float | None = None  # the stall rule's floor (None: stall.STALL_MIN_S)
+    # A cascade fold waits until the previous stage's folds wrote its inputs (--after-lowres).
+    after_previous_stage: bool = False
 
     def problems(self, sequential: bool, cpu: bool) -> list[str]:
         """Usage errors, each naming the flag to change."""
@@ -61,6 +63,7 @@ class Schedule:
             "on_event": list(self.on_event),
             "stall_action": self.stall_action,
             "stall_min_s": self.stall_min_s,
+            "after_previous_stage": self.after_previous_stage,
         }
 
 

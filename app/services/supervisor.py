@@ -96,6 +96,33 @@ def wait_for(registry: Registry, job_id: str, after: str) -> bool:
         time.sleep(POLL_S)
 
 
+def wait_for_inputs(registry: Registry, job_id: str) -> bool:
+    """A cascade fold (--after-lowres): wait until the previous stage's folds wrote the
+    segmentations of its cases; the job's waiting_reason names the folds still missing.
+    False if this job was asked to stop meanwhile."""
+    from app.services.stage_inputs import missing_folds, waiting_text
+
+    said = None
+    while True:
+        try:
+            me = registry.get(job_id)
+        except KeyError:
+            return False
+        if me.queued_stop or any(s.result == "sent" for s in me.signals):
+            return False
+        stage, folds = missing_folds(me)
+        if not folds:
+            if said is not None:
+                registry.update(job_id, waiting_reason=None)
+            return True
+        reason = waiting_text(stage or "?", folds)
+        if reason != said:
+            _say(f"waiting for {reason}")
+            registry.update(job_id, waiting_reason=reason)
+            said = reason
+        time.sleep(POLL_S)
+
+
 class RunWatch:
     """The supervisor's eye on its job's run, for the job's whole life (DESIGN §4).
 
@@ -374,6 +401,8 @@ def _supervise(registry: Registry, job_id: str, command: list[str], current: dic
     held = GpuClaims()
     env: dict[str, str] | None = None
     if job.after and not wait_for(registry, job_id, job.after):
+        return _cancelled(registry, job, held)
+    if job.after_previous_stage and not wait_for_inputs(registry, job_id):
         return _cancelled(registry, job, held)
     if job.when_free:
         env = _wait_for_gpus(registry, job, held)

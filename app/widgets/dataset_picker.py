@@ -29,6 +29,12 @@ class Choice:
     patch_size: tuple[int, ...]
     results: dict[str, str]  # fold -> state
     plans: str = DEFAULT_PLANS
+    previous_stage: str | None = None  # a cascade: the stage whose folds it needs first
+
+    @property
+    def configuration_text(self) -> str:
+        after = f" (after {self.previous_stage} folds 0-4)" if self.previous_stage else ""
+        return f"{self.configuration}{after}"
 
 
 def choices_of(datasets: Sequence[DatasetInfo]) -> list[Choice]:
@@ -38,7 +44,10 @@ def choices_of(datasets: Sequence[DatasetInfo]) -> list[Choice]:
             results = {f: s for (c, f), s in info.results.items() if c == conf.name}
             plans = getattr(info, "plans", DEFAULT_PLANS)
             patch = tuple(conf.patch_size)
-            out.append(Choice(info.name, conf.name, conf.batch_size, patch, results, plans))
+            previous = getattr(conf, "previous_stage", None)
+            out.append(
+                Choice(info.name, conf.name, conf.batch_size, patch, results, plans, previous)
+            )
     return out
 
 
@@ -70,7 +79,7 @@ class DatasetPicker(DataTable):
             cells: list[Any] = [
                 choice.dataset,
                 choice.plans,
-                choice.configuration,
+                choice.configuration_text,
                 "x".join(str(s) for s in choice.patch_size),
                 str(choice.batch_size),
             ]

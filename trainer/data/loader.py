@@ -27,7 +27,7 @@ import torch
 from trainer.data.augment import AugmentConfig, augment_batch, read_size
 from trainer.data.dataset import PreprocessedCases
 from trainer.data.patches import BatchSpec, init_worker, load_patches, load_patches_in_worker
-from trainer.data.sampling import STREAM_IDS, forced_slots
+from trainer.data.sampling import STREAM_IDS, LocationRule, forced_slots
 
 ANISO_THRESHOLD = 3.0
 LOADER_THREAD_NAME = b"nnui-loader"
@@ -148,6 +148,7 @@ class PatchLoader:
         worker_mode: str = "thread",
         augment_config: AugmentConfig | None = None,
         mask_channels: tuple[bool, ...] = (),  # the plans' use_mask_for_norm
+        rule: LocationRule | None = None,  # regions / ignore label (trainer.labels)
     ):
         _check_arguments(
             cases, case_ids, patch_size, batch_size, oversample_share, stream, worker_mode
@@ -170,6 +171,7 @@ class PatchLoader:
             int(rank),
             stream,
             read,
+            rule,
         )
         self.device = torch.device(device)
         self.augment = augment

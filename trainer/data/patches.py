@@ -13,7 +13,7 @@ import numpy as np
 from trainer import stop
 from trainer.data.blosc_io import read_padded
 from trainer.data.dataset import PreprocessedCases
-from trainer.data.sampling import batch_seed, plan_batch
+from trainer.data.sampling import LocationRule, batch_seed, plan_batch
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,8 @@ class BatchSpec:
     # Boxes read for the spatial transform, which cuts patch_size out of them (None: read
     # patch_size itself, as for un-augmented streams).
     read_size: tuple[int, ...] | None = None
+    # Regions / ignore label: where patches centre (None: per label, as plain labels).
+    rule: LocationRule | None = None
 
 
 def load_patches(cases: PreprocessedCases, spec: BatchSpec, iteration: int):
@@ -44,6 +46,7 @@ def load_patches(cases: PreprocessedCases, spec: BatchSpec, iteration: int):
         spec.patch_size,
         cases.properties,
         spec.read_size,
+        spec.rule,
     )
     images, segs = [], []
     for box in boxes:

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trainer.data.case_ops import CT, ZSCORE
-from trainer.plans import ConfigurationPlan, NetworkPlan, Plans, with_identity
+from trainer.plans import (
+    ConfigurationPlan,
+    NetworkPlan,
+    Plans,
+    plans_labels,
+    regions_order,
+    with_identity,
+)
 from trainer.schema import DEFAULT_PLANS
 
 ANISO_THRESHOLD = 3.0
@@ -208,7 +215,8 @@ def plan_experiment(
         plans_name=plans_name,
         configurations=planned,
         num_input_channels=len(channel_names),
-        labels={str(k): int(v) for k, v in dataset_json["labels"].items()},
+        labels=plans_labels(dataset_json["labels"]),
+        regions_class_order=regions_order(dataset_json.get("regions_class_order")),
         identity="",
         foreground_intensity_properties=fingerprint["foreground_intensity_properties_per_channel"],
     )

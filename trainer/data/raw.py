@@ -24,6 +24,7 @@ from trainer.data.image_io import (
     read_case,
     read_image,
 )
+from trainer.labels import LabelError, from_dataset_json, label_values_for_checks
 
 
 class DataError(ValueError):
@@ -50,7 +51,8 @@ class RawDataset:
 
     @property
     def labels(self) -> dict[str, int]:
-        return {str(k): int(v) for k, v in self.dataset_json["labels"].items()}
+        """name -> value of every value a label file may hold (regions: one per value)."""
+        return label_values_for_checks(from_dataset_json(self.dataset_json))
 
     @property
     def fallback_spacing(self) -> tuple[float, ...] | None:
@@ -74,9 +76,10 @@ def _read_dataset_json(folder: Path) -> dict:
         check_reader_override(data.get("overwrite_image_reader_writer"))
     except ImageReadError as exc:
         raise DataError(f"{path}: {exc}") from None
-    values = list(data["labels"].values())
-    if not all(isinstance(v, int) for v in values) or 0 not in values:
-        raise DataError(f"{path}: labels must map names to ints and include background 0")
+    try:  # ints, regions (lists) with regions_class_order, the ignore label: trainer.labels
+        from_dataset_json(data)
+    except LabelError as exc:
+        raise DataError(f"{path}: {exc}") from None
     return data
 
 

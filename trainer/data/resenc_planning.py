@@ -35,7 +35,15 @@ from trainer.data.planning import (
     _normalization,
     target_spacing,
 )
-from trainer.plans import RESIDUAL_ENCODER, ConfigurationPlan, NetworkPlan, Plans, with_identity
+from trainer.plans import (
+    RESIDUAL_ENCODER,
+    ConfigurationPlan,
+    NetworkPlan,
+    Plans,
+    plans_labels,
+    regions_order,
+    with_identity,
+)
 from trainer.schema import DEFAULT_PLANS
 
 BASE_FEATURES = 32
@@ -258,7 +266,8 @@ def plan_preset(fingerprint: dict, dataset_json: dict, dataset_name: str, planne
     plans = Plans(
         dataset_name=dataset_name, plans_name=preset.plans_name, configurations=planned,
         num_input_channels=len(channels),
-        labels={str(k): int(v) for k, v in dataset_json["labels"].items()}, identity="",
+        labels=plans_labels(dataset_json["labels"]), identity="",
+        regions_class_order=regions_order(dataset_json.get("regions_class_order")),
         foreground_intensity_properties=fingerprint["foreground_intensity_properties_per_channel"],
     )  # fmt: skip
     return with_identity(plans)

@@ -56,6 +56,40 @@ def _lower_bound(
     return max(lo, centre - read // 2)
 
 
+@dataclass(frozen=True)
+class LocationRule:
+    """Which stored locations a patch centres on when the labels are not plain
+    (trainer.labels): `groups` per class or region the class_locations keys whose union
+    holds its voxels; `annotated`: the key of every annotated voxel (an ignore-label
+    dataset), where the non-forced patches centre so none lies in unannotated space only."""
+
+    groups: tuple[tuple[str, ...], ...]
+    annotated: str | None = None
+
+
+def _pick(rng: np.random.Generator, locations: Sequence) -> Sequence[int]:
+    return locations[int(rng.integers(len(locations)))]
+
+
+def _centre(
+    rng: np.random.Generator, locations: dict, forced: bool, rule: LocationRule | None
+) -> Sequence[int] | None:
+    """The voxel a patch centres on, or None for a uniformly random box."""
+    if rule is None:
+        if not forced:
+            return None
+        present = sorted((k for k, v in locations.items() if len(v) and k.isdigit()), key=int)
+        return _pick(rng, locations[present[int(rng.integers(len(present)))]]) if present else None
+    if not forced:
+        annotated = locations.get(rule.annotated, []) if rule.annotated else []
+        return _pick(rng, annotated) if len(annotated) else None
+    eligible = [g for g in rule.groups if any(len(locations.get(k, [])) for k in g)]
+    if not eligible:
+        return None
+    group = eligible[int(rng.integers(len(eligible)))]
+    return _pick(rng, [voxel for key in group for voxel in locations.get(key, [])])
+
+
 def plan_batch(
     rng: np.random.Generator,
     case_ids: Sequence[str],
@@ -64,11 +98,13 @@ def plan_batch(
     patch_size: tuple[int, ...],
     properties: Callable[[str], dict],
     read_size: tuple[int, ...] | None = None,
+    rule: LocationRule | None = None,
 ) -> list[PatchBox]:
     """Boxes for one batch. A forced slot centres on a random stored location of a random
-    foreground class present in the case; a case without foreground falls back to uniform.
-    Boxes are `read_size` (default patch_size): the larger region a rotation or scaling of
-    the patch_size network patch draws on (trainer.data.augment.read_size)."""
+    foreground class (or region, `rule`) present in the case; a case without foreground
+    falls back to uniform. Boxes are `read_size` (default patch_size): the larger region a
+    rotation or scaling of the patch_size network patch draws on
+    (trainer.data.augment.read_size)."""
     boxes = []
     read = tuple(read_size) if read_size is not None else tuple(patch_size)
     size3 = (1, *read) if len(read) == 2 else read
@@ -76,12 +112,7 @@ def plan_batch(
         case_id = case_ids[int(rng.integers(len(case_ids)))]
         props = properties(case_id)
         shape = props["shape_after_resampling"]
-        centre = None
-        if forced:
-            present = sorted((k for k, v in props["class_locations"].items() if len(v)), key=int)
-            if present:
-                locations = props["class_locations"][present[int(rng.integers(len(present)))]]
-                centre = locations[int(rng.integers(len(locations)))]
+        centre = _centre(rng, props["class_locations"], forced, rule)
         if len(patch_size) == 2:
             z = int(centre[0]) if centre is not None else int(rng.integers(shape[0]))
             yx = [

@@ -16,9 +16,11 @@ import torch
 
 from trainer import precision
 from trainer.inference.cases import InputCase
-from trainer.inference.export import RawPrediction, to_raw_geometry, write_prediction
+from trainer.inference.export import RawPrediction, write_prediction
 from trainer.inference.prepare import PreparedCase, prepare_case
+from trainer.inference.region_export import export_raw
 from trainer.inference.sliding import memory_format, predict_probabilities
+from trainer.labels import LabelSpec
 from trainer.plans import ConfigurationPlan, Plans
 
 log = logging.getLogger(__name__)
@@ -37,19 +39,21 @@ class PredictSettings:
     fallback_spacing: tuple[float, ...] | None = None
     largest_component_labels: tuple[int, ...] = ()  # --postprocess
     precision: str = "auto"  # trainer.precision: autocast on CUDA and AMX CPUs
+    previous_stage_dir: Path | None = None  # a cascade: the previous stage's segmentations
 
 
 def build_models(
     plans: Plans, cplan: ConfigurationPlan, weights: Sequence[dict], device: torch.device
 ) -> list[torch.nn.Module]:
     """One evaluation-mode network per fold from `model.*` tensors (checkpoint.load)."""
+    from trainer.cascade import input_channels
     from trainer.model import build_network
 
     models = []
     for tensors in weights:
         model = build_network(
             cplan.network,
-            plans.num_input_channels,
+            input_channels(plans, cplan),  # the cascade adds the previous stage's one-hot
             plans.num_classes,
             cplan.ndim,
             deep_supervision=False,
@@ -80,7 +84,7 @@ def predict_cases(
     """Predict and write every case in order; returns the number written. The first error
     (of reading, predicting or writing) is raised once the threads are idle."""
     total = len(cases)
-    label_values = sorted(plans.labels.values())
+    spec = plans.label_spec  # regions: sigmoid outputs, label map in regions_class_order
     autocast_dtype = precision.autocast_dtype(settings.precision, device.type)
     progress(f"precision: {precision.describe(autocast_dtype)}")
     with (
@@ -89,7 +93,10 @@ def predict_cases(
     ):
 
         def read(i: int) -> Future:
-            return reader.submit(prepare_case, cases[i], plans, cplan, settings.fallback_spacing)
+            return reader.submit(
+                prepare_case, cases[i], plans, cplan, settings.fallback_spacing,
+                settings.previous_stage_dir,
+            )  # fmt: skip
 
         next_case = read(0) if cases else None
         pending_write: Future | None = None
@@ -103,12 +110,12 @@ def predict_cases(
                 next_case = read(i + 1) if i + 1 < total else None
                 probs = predict_probabilities(
                     models, prepared.data, cplan.patch_size, plans.num_classes, device,
-                    settings.step_size, settings.mirror, autocast_dtype,
+                    settings.step_size, settings.mirror, autocast_dtype, spec.has_regions,
                 ).cpu()  # fmt: skip
                 if pending_write is not None:
                     pending_write.result()  # at most one case waits to be written
                 pending_write = writer.submit(
-                    _export, prepared, probs, label_values, settings, started, i, total, progress,
+                    _export, prepared, probs, spec, settings, started, i, total, progress,
                     on_case,
                 )  # fmt: skip
                 num_done = i + 1
@@ -128,7 +135,7 @@ def predict_cases(
 def _export(
     prepared: PreparedCase,
     probs: torch.Tensor,
-    label_values: list[int],
+    spec: LabelSpec,
     settings: PredictSettings,
     started: float,
     index: int,
@@ -136,8 +143,8 @@ def _export(
     progress: Callable[[str], None],
     on_case: CaseHook | None = None,
 ) -> None:
-    prediction = to_raw_geometry(
-        probs, prepared.properties, label_values, keep_probabilities=settings.save_probabilities
+    prediction = export_raw(
+        probs, prepared.properties, spec, keep_probabilities=settings.save_probabilities
     )
     if settings.largest_component_labels:
         from trainer.inference.postprocess import keep_largest_component

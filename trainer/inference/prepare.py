@@ -8,12 +8,13 @@ have the keys of preprocessing's CASE.json, so `export.to_raw_geometry` undoes e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from trainer.data.case_ops import crop, nonzero_bbox, normalize, resample_image, resampled_shape
-from trainer.data.image_io import ImageReadError, read_case
+from trainer.data.image_io import ImageReadError, read_case, read_image
 from trainer.inference.cases import InputCase, InputError
 from trainer.plans import ConfigurationPlan, Plans
 
@@ -45,7 +46,10 @@ def prepare_case(
     plans: Plans,
     cplan: ConfigurationPlan,
     fallback_spacing: tuple[float, ...] | None = None,
+    previous_stage_dir: Path | None = None,
 ) -> PreparedCase:
+    """previous_stage_dir (a cascade): the previous stage's segmentation of the case there,
+    preprocessed alike and appended one-hot (trainer.cascade)."""
     image, spacing = read_channels(case, fallback_spacing)
     raw_shape = [int(n) for n in image.shape[1:]]
     bbox = nonzero_bbox(image)
@@ -69,4 +73,26 @@ def prepare_case(
         "spacing_after_resampling": list(target),
         "shape_after_resampling": list(new_shape),
     }
+    if previous_stage_dir is not None:
+        where = (bbox, new_shape, raw_shape)
+        data = _with_previous_stage(data, case, plans, where, previous_stage_dir)
     return PreparedCase(case, data, properties)
+
+
+def _with_previous_stage(
+    data: np.ndarray, case: InputCase, plans: Plans, where: tuple, folder: Path
+) -> np.ndarray:
+    from trainer.cascade import foreground_labels, one_hot
+    from trainer.data.case_ops import resample_seg
+
+    path = Path(folder) / f"{case.case_id}{case.ending}"
+    try:
+        previous = read_image(path)[0]
+    except (ImageReadError, OSError) as exc:
+        raise InputError(f"previous stage's segmentation of {case.case_id}: {exc}") from None
+    bbox, new_shape, raw_shape = where
+    if list(previous.shape) != list(raw_shape):
+        raise InputError(f"{path}: shape {list(previous.shape)}, the image's is {raw_shape}")
+    spec = plans.label_spec
+    seg = resample_seg(crop(previous, bbox), new_shape, list(spec.output_values))
+    return np.concatenate([data, one_hot(seg, foreground_labels(spec))])

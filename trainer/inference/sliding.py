@@ -116,9 +116,11 @@ def sliding_window_probabilities(
     step_size: float = 0.5,
     mirror: bool = True,
     autocast_dtype: torch.dtype | None = None,
+    sigmoid: bool = False,
 ) -> torch.Tensor:
     """Fold-averaged softmax (N, K, *spatial) for images (N, C, *spatial) on one device;
-    the networks run under autocast to `autocast_dtype` (trainer.precision), else float32."""
+    the networks run under autocast to `autocast_dtype` (trainer.precision), else float32.
+    sigmoid: one independent probability per channel (region-based training)."""
     images, crop = _pad_to_patch(images, patch)
     windows = _windows(tuple(images.shape[2:]), patch, step_size)
     weights = gaussian_importance(patch, images.device)
@@ -132,7 +134,7 @@ def sliding_window_probabilities(
     for model in models:
         logits = _fold_logits(model, images, windows, weights, combos, num_classes, batch, autocast)
         logits /= norm
-        probs = torch.softmax(logits, dim=1)
+        probs = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=1)
         del logits
         total = probs if total is None else total.add_(probs)
     assert total is not None, "at least one model"
@@ -156,15 +158,17 @@ def predict_probabilities(
     step_size: float = 0.5,
     mirror: bool = True,
     autocast_dtype: torch.dtype | None = None,
+    sigmoid: bool = False,
 ) -> torch.Tensor:
-    """Softmax (K, z, y, x) for one preprocessed case (C, z, y, x); 2d predicts slices."""
+    """Softmax (sigmoid: regions) (K, z, y, x) for one preprocessed case (C, z, y, x); 2d
+    predicts slices."""
     volume = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(device)
     if len(patch) == 3:
         return sliding_window_probabilities(
-            models, volume[None], patch, num_classes, step_size, mirror, autocast_dtype
+            models, volume[None], patch, num_classes, step_size, mirror, autocast_dtype, sigmoid
         )[0]
     slices = volume.permute(1, 0, 2, 3)  # (z, C, y, x): the slices are a batch of images
     probs = sliding_window_probabilities(
-        models, slices, patch, num_classes, step_size, mirror, autocast_dtype
+        models, slices, patch, num_classes, step_size, mirror, autocast_dtype, sigmoid
     )
     return probs.permute(1, 0, 2, 3)
