@@ -98,7 +98,9 @@ def preprocess_case(job: CaseJob) -> dict:
     bbox = nonzero_bbox(image)
     image_c, seg_c = crop(image, bbox), crop(seg, bbox)
     first = job.configs[0]
-    normalized = normalize(image_c, first["schemes"], first["use_mask"], job.fg_properties)
+    normalized = normalize(
+        image_c, first["schemes"], first["use_mask"], job.fg_properties, seg=seg_c
+    )
     fg_values = sorted(v for v in job.labels.values() if v != 0)
     shapes = {}
     for config in job.configs:
@@ -106,8 +108,8 @@ def preprocess_case(job: CaseJob) -> dict:
         if config["name"] == "2d":  # 2d keeps each case's own slice spacing
             target = (spacing[0], target[1], target[2])
         new_shape = resampled_shape(seg_c.shape, spacing, target)
-        data = resample_image(normalized, new_shape)
-        seg_r = resample_seg(seg_c, new_shape, list(job.labels.values()))
+        data = resample_image(normalized, new_shape, spacing, target)
+        seg_r = resample_seg(seg_c, new_shape, spacing, target)
         folder = Path(config["folder"])
         patch = tuple(config["patch_size"])
         from trainer.data.blosc_io import write_array  # blosc2 only where it is needed
