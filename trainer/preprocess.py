@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -63,7 +64,10 @@ from trainer.schema import (
 )
 from trainer.splits import NUM_FOLDS, load_or_create_splits
 
-MAX_CLASS_LOCATIONS = 2000
+# nnU-Net's rule for the stored foreground locations of a class: all of them up to
+# MIN_CLASS_LOCATIONS, beyond that MIN_CLASS_LOCATIONS or 1 % of them, whichever is more.
+MIN_CLASS_LOCATIONS = 10_000
+CLASS_LOCATION_SHARE = 0.01
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +83,20 @@ class CaseJob:
     configs: tuple[dict, ...]  # name, folder, spacing, patch_size, schemes, use_mask
 
 
+def class_location_count(num_voxels: int) -> int:
+    """How many of a class's num_voxels locations are stored (nnU-Net's rule)."""
+    return max(min(MIN_CLASS_LOCATIONS, num_voxels), math.ceil(num_voxels * CLASS_LOCATION_SHARE))
+
+
 def sample_class_locations(seg: np.ndarray, values: list[int], seed: int) -> dict[str, list]:
-    """Up to MAX_CLASS_LOCATIONS random (z, y, x) voxels per foreground class."""
+    """Random (z, y, x) voxels per foreground class, as many as class_location_count says."""
     rng = np.random.default_rng(seed)
     out = {}
     for value in values:
         coords = np.argwhere(seg == value)
-        if len(coords) > MAX_CLASS_LOCATIONS:
-            coords = coords[np.sort(rng.choice(len(coords), MAX_CLASS_LOCATIONS, replace=False))]
+        keep = class_location_count(len(coords))
+        if len(coords) > keep:
+            coords = coords[np.sort(rng.choice(len(coords), keep, replace=False))]
         out[str(value)] = coords.astype(int).tolist()
     return out
 
