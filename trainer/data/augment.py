@@ -26,7 +26,9 @@ class AugmentConfig:
 
     p_rotation: float = 0.2
     rotation_deg: float = 30.0
-    in_plane_only: bool = False  # anisotropic 3D data: rotate about the slice axis only
+    # nnU-Net's "dummy 2D" for 3D patches much thinner along axis 0: rotate about axis 0
+    # and scale y and x only, the patch's slices kept as they are
+    in_plane_only: bool = False
     p_scale: float = 0.2
     scale_range: tuple[float, float] = (0.7, 1.4)
     p_mirror: float = 0.5
@@ -265,8 +267,11 @@ class _Draws:
     """Every random number of one batch, drawn up front in a fixed order (reproducibility).
 
     u (b, 17): rotation/scale gates, angles, zoom, mirror gates, noise, brightness,
-    contrast, gamma; v (b, 4): blur and low-resolution gates, inverted gamma; per_channel
-    (b, C, 3 + ndim): blur gate and sigmas, low-resolution gate and zoom.
+    contrast and gamma gates (columns 12, 14, 16 unused since those factors are drawn per
+    channel); v (b, 4): blur and low-resolution gates, inverted gamma gate (column 3
+    unused); per_channel (b, C, 7 + ndim): blur gate and sigmas, low-resolution gate and
+    zoom, then brightness, contrast, inverted gamma and gamma factors (nnU-Net draws those
+    four per channel).
     """
 
     u: list[list[float]]
@@ -284,7 +289,7 @@ def _draw(
         noise_generator = torch.Generator(device=data.device)
         noise_generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
     v = torch.rand(b, 4, generator=generator, dtype=torch.float64).tolist()
-    per_channel = torch.rand(b, channels, 3 + ndim, generator=generator, dtype=torch.float64)
+    per_channel = torch.rand(b, channels, 7 + ndim, generator=generator, dtype=torch.float64)
     return _Draws(u, v, per_channel.tolist(), noise_generator)
 
 
@@ -318,6 +323,8 @@ def _rotate_and_scale(
         dtype=torch.float64,
     )
     matrices = _rotation_matrices(angles, ndim) * factors[:, None, None]
+    if ndim == 3 and config.in_plane_only:
+        matrices[:, 0, 0] = 1.0  # dummy 2D: y and x scaled, each slice stays one slice
     index = torch.tensor(moved, device=data.device)
     new_data, new_seg = spatial_transform(data[index], seg[index], matrices, out_size)
     for k, i in enumerate(moved):
@@ -352,10 +359,30 @@ def _low_res_channels(
     return x
 
 
-def _contrast(x: torch.Tensor, factor: float, dims: tuple[int, ...]) -> torch.Tensor:
+def _contrast(x: torch.Tensor, factor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     mean = _mean(x, dims)
     lo, hi = x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True)
     return torch.minimum(torch.maximum((x - mean) * factor + mean, lo), hi)
+
+
+FACTOR_NAMES = ("brightness", "contrast", "gamma_inverted", "gamma")
+
+
+def channel_factors(pc: list[list[float]], config: AugmentConfig) -> dict[str, list[float]]:
+    """Per-channel brightness, contrast, inverted-gamma and gamma factors of one sample
+    from its per-channel uniforms pc (C, 7 + ndim): one draw per channel, as nnU-Net's
+    transforms with synchronize_channels=False."""
+    ndim = len(pc[0]) - 7
+    ranges = (config.brightness_range, config.contrast_range, config.gamma_range)
+    ranges = (*ranges, config.gamma_range)
+    return {
+        name: [_below_or_above_one(row[3 + ndim + k], ranges[k]) for row in pc]
+        for k, name in enumerate(FACTOR_NAMES)
+    }
+
+
+def _per_channel(values: list[float], x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=x.dtype, device=x.device).view(-1, *[1] * (x.ndim - 1))
 
 
 def _intensities(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig) -> torch.Tensor:
@@ -364,6 +391,7 @@ def _intensities(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig) 
     ndim = x.ndim - 1
     dims = tuple(range(1, ndim + 1))  # spatial dims of one channel stack (C, *spatial)
     ui, vi, pc = draws.u[i], draws.v[i], draws.per_channel[i]
+    factors = channel_factors(pc, config)
     if ui[9] < config.p_noise:
         # nnU-Net draws the noise's standard deviation from this range (its argument is
         # named noise_variance, but batchgeneratorsv2 uses the draw as the std).
@@ -375,15 +403,15 @@ def _intensities(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig) 
     if vi[0] < config.p_blur:
         x = _blur_channels(x, pc, config, ndim)
     if ui[11] < config.p_brightness:
-        x = x * _below_or_above_one(ui[12], config.brightness_range)
+        x = x * _per_channel(factors["brightness"], x)
     if ui[13] < config.p_contrast:
-        x = _contrast(x, _below_or_above_one(ui[14], config.contrast_range), dims)
+        x = _contrast(x, _per_channel(factors["contrast"], x), dims)
     if vi[1] < config.p_low_res:
         x = _low_res_channels(x, pc, config, ndim)
     if vi[2] < config.p_gamma_inverted:
-        x = -_gamma(-x, _below_or_above_one(vi[3], config.gamma_range), dims)
+        x = -_gamma(-x, _per_channel(factors["gamma_inverted"], x), dims)
     if ui[15] < config.p_gamma:
-        x = _gamma(x, _below_or_above_one(ui[16], config.gamma_range), dims)
+        x = _gamma(x, _per_channel(factors["gamma"], x), dims)
     return x
 
 
