@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data.augment import AugmentConfig, augment_batch, channel_factors, read_size
+from trainer.data.augment import (
+    AugmentConfig,
+    augment_batch,
+    channel_factors,
+    gaussian_blur,
+    read_size,
+)
 from trainer.data.loader import default_augment_config
 
 trainer_module = pytest.importorskip("nnunetv2.training.nnUNetTrainer.nnUNetTrainer")
@@ -171,3 +177,15 @@ def test_brightness_contrast_gamma_differ_between_identical_channels():
         config = AugmentConfig(**{**off, gate: 1.0})
         out, _ = augment_batch(data, seg, torch.Generator().manual_seed(3), config)
         assert all(not torch.allclose(out[i, 0], out[i, 1]) for i in range(4)), gate
+
+
+blur_module = pytest.importorskip("batchgeneratorsv2.transforms.noise.gaussian_blur")
+
+
+@pytest.mark.parametrize("sigmas", [(0.5, 0.5, 0.5), (0.62, 0.81, 1.0), (1.0, 0.7, 0.55)])
+def test_blur_is_batchgenerators_kernel_and_reflect_padding(sigmas):
+    x = torch.randn((9, 12, 10), generator=torch.Generator().manual_seed(0))
+    theirs = x[None]
+    for axis, sigma in enumerate(sigmas):
+        theirs = blur_module.blur_dimension(theirs, sigma, axis)
+    torch.testing.assert_close(gaussian_blur(x, list(sigmas)), theirs[0], atol=1e-5, rtol=0)

@@ -223,18 +223,29 @@ def _mean_std(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, tor
     return mean, var.sqrt().to(x.dtype)
 
 
-def _gaussian_blur(x: torch.Tensor, sigmas: list[float], radius: int) -> torch.Tensor:
+def blur_radius(sigma: float) -> int:
+    """batchgeneratorsv2's kernel half-width: the odd size nearest to 6 sigma + 0.5 (halves
+    towards n's side), so sigma 0.5 -> 3 taps, sigma 1 -> 7."""
+    n = sigma * 6 + 0.5
+    size = round(n)
+    if size % 2 == 0:
+        size = size + 1 if n - size >= 0 else size - 1
+    return size // 2
+
+
+def gaussian_blur(x: torch.Tensor, sigmas: list[float]) -> torch.Tensor:
     """x (*spatial) blurred by a separable Gaussian, sigmas (ndim) in voxels, edges
-    replicated. A weighted sum of shifted views per axis: ~10x faster on CPU than a conv
-    with a (k, 1, 1) kernel."""
-    taps = torch.arange(-radius, radius + 1, dtype=torch.float64)
+    reflected (batchgeneratorsv2's kernel and padding). A weighted sum of shifted views
+    per axis: ~10x faster on CPU than a conv with a (k, 1, 1) kernel."""
     out = x
     for axis, sigma in enumerate(sigmas):
+        radius = min(blur_radius(sigma), x.shape[axis] - 1)  # reflect needs pad < length
+        taps = torch.arange(-radius, radius + 1, dtype=torch.float64)
         weights = torch.exp(-0.5 * (taps / sigma) ** 2)
         weights = (weights / weights.sum()).tolist()
         pad = [0] * (2 * x.ndim)
         pad[2 * (x.ndim - 1 - axis)] = pad[2 * (x.ndim - 1 - axis) + 1] = radius
-        padded = F.pad(out[None, None], pad, mode="replicate")[0, 0]
+        padded = F.pad(out[None, None], pad, mode="reflect")[0, 0]
         length = x.shape[axis]
         out = padded.narrow(axis, 0, length) * weights[0]
         for k in range(1, 2 * radius + 1):
@@ -338,10 +349,9 @@ def _blur_channels(
     if not picked:
         return x
     x = x.clone()  # x may be a view of the caller's batch
-    blur_radius = math.ceil(3 * config.blur_sigma[1])
     for c in picked:
         sigmas = [_uniform(s, config.blur_sigma) for s in pc[c][1 : 1 + ndim]]
-        x[c] = _gaussian_blur(x[c], sigmas, blur_radius)
+        x[c] = gaussian_blur(x[c], sigmas)
     return x
 
 
