@@ -73,3 +73,21 @@ def test_deep_supervision_targets_are_nnunets(shape, scales):
     for target in theirs:
         ours = downsample_target(seg[None], target.shape[1:])[0]
         torch.testing.assert_close(ours, target, rtol=0, atol=0)
+
+
+window_module = pytest.importorskip("nnunetv2.inference.sliding_window_prediction")
+
+
+@pytest.mark.parametrize("patch", [(8, 16, 16), (9, 12, 7), (64, 64), (128, 112, 160)])
+def test_gaussian_importance_and_window_starts_are_nnunets(patch):
+    from trainer.evaluate import gaussian_importance, window_starts
+
+    theirs = window_module.compute_gaussian.__wrapped__(
+        tuple(patch), dtype=torch.float32, device=torch.device("cpu")
+    )
+    torch.testing.assert_close(gaussian_importance(patch, torch.device("cpu")), theirs)
+    image = [int(p * 2.3) + 1 for p in patch]
+    steps = window_module.compute_steps_for_sliding_window(image, patch, 0.5)
+    assert [window_starts(s, p) for s, p in zip(image, patch, strict=True)] == [
+        list(x) for x in steps
+    ]
