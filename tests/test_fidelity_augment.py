@@ -189,3 +189,38 @@ def test_blur_is_batchgenerators_kernel_and_reflect_padding(sigmas):
     for axis, sigma in enumerate(sigmas):
         theirs = blur_module.blur_dimension(theirs, sigma, axis)
     torch.testing.assert_close(gaussian_blur(x, list(sigmas)), theirs[0], atol=1e-5, rtol=0)
+
+
+spatial_module = pytest.importorskip("batchgeneratorsv2.transforms.spatial.spatial")
+masking_module = pytest.importorskip("batchgeneratorsv2.transforms.utils.nnunet_masking")
+
+
+@pytest.mark.parametrize("scale", [0.75, 1.0, 1.3])
+def test_outside_the_body_is_masked_as_nnunets_minus_one_label(scale):
+    """A use_mask_for_norm channel through scaling and masking: nnU-Net stores -1 outside
+    the body, pads with -1 and resamples it as a label of its own; nnui's image and labels
+    come out the same (before: 3.6 % of the voxels masked differently at scale 1.3)."""
+    shape = (30, 60, 60)
+    z, y, x = torch.meshgrid(*[torch.arange(n) for n in shape], indexing="ij")
+    body = (((z - 15) / 13.3) ** 2 + ((y - 30) / 25.2) ** 2 + ((x - 30) / 21.7) ** 2) < 1
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    image = torch.where(body, noise * 0.5 + 1.0, torch.zeros(()))
+    seg = torch.zeros(shape, dtype=torch.int16)
+    seg[(((z - 15) / 6) ** 2 + ((y - 26) / 9) ** 2 + ((x - 33) / 8) ** 2) < 1] = 1
+    stored = torch.where(body | (seg > 0), seg, torch.full_like(seg, -1))
+    patch = (24, 48, 48)
+    spatial = spatial_module.SpatialTransform(
+        patch, 0, False, p_scaling=1, scaling=(scale, scale),
+        p_synchronize_scaling_across_axes=1, border_mode_seg="constant", padding_value_seg=-1,
+    )  # fmt: skip
+    theirs = spatial(image=image[None].clone(), segmentation=stored[None].clone())
+    theirs = masking_module.MaskImageTransform([0])(**theirs)
+    off = {k: 0.0 for k in AugmentConfig().__dict__ if k.startswith("p_")}
+    config = AugmentConfig(
+        **{**off, "p_scale": 1.0}, scale_range=(scale, scale), mask_channels=(True,)
+    )
+    generator = torch.Generator().manual_seed(1)
+    seg8 = seg.to(torch.uint8)[None, None]
+    ours, labels = augment_batch(image[None, None], seg8, generator, config, patch_size=patch)
+    torch.testing.assert_close(ours[0], theirs["image"], atol=1e-4, rtol=0)
+    assert torch.equal(labels[0, 0].long(), theirs["segmentation"][0].clamp_min(0).long())

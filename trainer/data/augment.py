@@ -151,29 +151,87 @@ def _affine_grid(m: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
     return grid
 
 
-def _resample_labels(seg: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+def _reaches_fill(grid: torch.Tensor, spatial: tuple[int, ...]) -> bool:
+    """Whether bilinear sampling at grid (affine: its extremes lie at its corners) draws on
+    the zero fill beyond the outermost voxel centres of an input of shape `spatial`."""
+    corners = grid
+    for axis in range(1, grid.ndim - 1):
+        ends = torch.tensor([0, grid.shape[axis] - 1], device=grid.device)
+        corners = corners.index_select(axis, ends)
+    limits = torch.tensor(
+        [1 - 1 / n for n in reversed(spatial)], dtype=grid.dtype, device=grid.device
+    )
+    return bool((corners.abs() > limits + 1e-6).any())
+
+
+def _fill_share(grid: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
+    """(b, 1, *out) weight bilinear sampling at grid gives the zero fill: 1 minus the
+    product over axes of the in-bounds weight, min(u + 1, n - u) clamped to [0, 1] at
+    voxel coordinate u. Equals sampling an all-zero outside label, without a grid_sample."""
+    inside = None
+    for k, n in enumerate(reversed(spatial)):
+        u = (grid[..., k] + 1) * (n / 2) - 0.5
+        w = torch.minimum(u + 1, n - u).clamp_(0, 1)
+        inside = w if inside is None else inside.mul_(w)
+    return (1 - inside).unsqueeze(1)
+
+
+def _resample_labels(
+    seg: torch.Tensor, grid: torch.Tensor, outside: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """seg (b, 1, *in) integer sampled at grid: each foreground label's indicator linearly
-    interpolated, background's score 1 - their sum (so the fill outside counts as
-    background), argmax (the lowest label on ties). nnU-Net's segmentation mode: thin
-    structures keep their shape under rotation instead of nearest's jagged steps."""
+    interpolated, background's score 1 - their sum, argmax (the lowest label on ties).
+    nnU-Net's segmentation mode: thin structures keep their shape under rotation instead
+    of nearest's jagged steps. `outside` (b, 1, *in) bool, nnU-Net's -1 label, is a label
+    of its own that the fill belongs to, first in the argmax (ties go to it); returns
+    where it won (None without it). Without it the fill counts as background."""
     # Labels present: a bincount of the (small, non-negative) label values is ~10x faster
     # on CPU than torch.unique's sort.
     counts = torch.bincount(seg.reshape(-1).to(torch.int64 if seg.is_cuda else seg.dtype))
     labels = [int(v) for v in counts.nonzero().flatten().tolist() if v != 0]
-    if not labels:
-        return torch.zeros((seg.shape[0], 1, *grid.shape[1:-1]), dtype=seg.dtype, device=seg.device)
-    onehot = torch.cat([(seg == v).to(grid.dtype) for v in labels], dim=1)
-    scores = F.grid_sample(onehot, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    shape = (seg.shape[0], 1, *grid.shape[1:-1])
+    # The outside label matters only where it is in the input or the fill is reached.
+    spatial = tuple(seg.shape[2:])
+    sample_outside = outside is not None and bool(outside.any())
+    use_outside = sample_outside or (outside is not None and _reaches_fill(grid, spatial))
+    won_outside = (
+        None if outside is None else torch.zeros(shape, dtype=torch.bool, device=seg.device)
+    )
+    out = torch.zeros(shape, dtype=seg.dtype, device=seg.device)
+    if not labels and not use_outside:
+        return out, won_outside
+    channels = [(seg == v).to(grid.dtype) for v in labels]
+    if sample_outside:  # sampled as indicator - 1 and 1 added back: the fill scores 1
+        channels.insert(0, outside.to(grid.dtype) - 1)
+    scores = (
+        F.grid_sample(
+            torch.cat(channels, dim=1),
+            grid,
+            mode="bilinear",
+            padding_mode="zeros",
+            align_corners=False,
+        )
+        if channels
+        else torch.zeros((seg.shape[0], 0, *shape[2:]), dtype=grid.dtype, device=grid.device)
+    )
+    if sample_outside:
+        scores[:, :1] += 1
+    elif use_outside:  # only the fill is outside
+        scores = torch.cat([_fill_share(grid, spatial), scores], dim=1)
     # A running maximum instead of argmax over the label axis: argmax across channels
     # cost 2/3 of a 3D batch's augmentation on CPU; strict > keeps the lowest label on ties.
     best = 1.0 - scores.sum(1, keepdim=True)  # background's score
-    out = torch.zeros(best.shape, dtype=seg.dtype, device=seg.device)
-    for k, value in enumerate(labels):
+    if use_outside:
+        won_outside = scores[:, :1] >= best
+        best = torch.maximum(best, scores[:, :1])
+    for k, value in enumerate(labels, start=1 if use_outside else 0):
         score = scores[:, k : k + 1]
         wins = score > best
         out.masked_fill_(wins, value)
+        if use_outside:
+            won_outside &= ~wins
         best = torch.maximum(best, score)
-    return out
+    return out, won_outside
 
 
 def spatial_transform(
@@ -185,6 +243,18 @@ def spatial_transform(
     """Apply per-sample voxel-space linear maps (b, d, d) (output -> input coordinates)
     about the centre: the output's centre lands on the input's centre, so out_size
     (default: the input's) smaller than the input cuts its middle."""
+    data, seg, _ = _spatial(data, seg, matrices, out_size, None)
+    return data, seg
+
+
+def _spatial(
+    data: torch.Tensor,
+    seg: torch.Tensor,
+    matrices: torch.Tensor,
+    out_size: tuple[int, ...] | None,
+    outside: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """spatial_transform, and where the outside label won (see _resample_labels)."""
     spatial = data.shape[2:]
     out = tuple(out_size) if out_size is not None else tuple(spatial)
     ndim = len(spatial)
@@ -197,7 +267,7 @@ def spatial_transform(
     m = m[:, flip][:, :, flip]
     grid = _affine_grid(m.to(device=data.device, dtype=data.dtype), out)
     data = F.grid_sample(data, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-    return data, _resample_labels(seg, grid)
+    return (data, *_resample_labels(seg, grid, outside))
 
 
 def centre_crop(x: torch.Tensor, out_size: tuple[int, ...]) -> torch.Tensor:
@@ -312,9 +382,11 @@ def _rotate_and_scale(
     images: list[torch.Tensor],
     labels: list[torch.Tensor],
     out_size: tuple[int, ...],
+    outside: tuple[list[int], list[torch.Tensor]] | None = None,
 ) -> None:
     """One grid_sample for the samples drawn for rotation or scaling, cut to out_size
-    about the centre; replaces their entries of images / labels in place."""
+    about the centre; replaces their entries of images / labels (and with outside, the
+    masked channels and the samples' outside masks, those of outside[1]) in place."""
     b, ndim = data.shape[0], data.ndim - 2
     moved = [i for i in range(b) if u[i][0] < config.p_rotation or u[i][1] < config.p_scale]
     if not moved:
@@ -337,9 +409,16 @@ def _rotate_and_scale(
     if ndim == 3 and config.in_plane_only:
         matrices[:, 0, 0] = 1.0  # dummy 2D: y and x scaled, each slice stays one slice
     index = torch.tensor(moved, device=data.device)
-    new_data, new_seg = spatial_transform(data[index], seg[index], matrices, out_size)
+    read_outside = None
+    if outside is not None:  # on the read of the moved samples only: it costs a pass
+        read_outside = _outside_body(data[index], seg[index], outside[0])
+    new_data, new_seg, new_outside = _spatial(
+        data[index], seg[index], matrices, out_size, read_outside
+    )
     for k, i in enumerate(moved):
         images[i], labels[i] = new_data[k], new_seg[k]
+        if outside is not None:
+            outside[1][i] = new_outside[k]
 
 
 def _blur_channels(
@@ -425,17 +504,18 @@ def _intensities(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig) 
     return x
 
 
-def _outside_body(
-    image: torch.Tensor, label: torch.Tensor, channels: list[int]
-) -> torch.Tensor | None:
-    """(C, *spatial) mask of the voxels of `channels` outside the body, or None: background
-    where those channels are exactly 0 (preprocessing zeroes them outside the nonzero
-    region; nnui's seg has no -1 label for it, and the spatial transform's fill is 0 too)."""
-    if not channels:
-        return None
-    outside = (image[channels] == 0).all(0) & (label[0] == 0)
+def _outside_body(data: torch.Tensor, seg: torch.Tensor, channels: list[int]) -> torch.Tensor:
+    """(b, 1, *spatial) nnU-Net's -1 label: background where the masked channels are
+    exactly 0 (preprocessing leaves them 0 outside the hole-filled body; reads pad with 0)."""
+    outside = seg == 0
+    for c in channels:
+        outside &= data[:, c : c + 1] == 0
+    return outside
+
+
+def _channel_mask(outside: torch.Tensor, image: torch.Tensor, channels: list[int]) -> torch.Tensor:
     mask = torch.zeros(image.shape, dtype=torch.bool, device=image.device)
-    mask[channels] = outside
+    mask[channels] = outside[0]
     return mask
 
 
@@ -459,14 +539,19 @@ def augment_batch(
     # Views of the centre, stacked at the end; rotated or scaled samples are replaced.
     images = list(centre_crop(data, out).unbind(0))
     labels = list(centre_crop(seg, out).unbind(0))
-    _rotate_and_scale(data, seg, draws.u, config, images, labels, out)
-    # Samples in order: the noise generator's stream is consumed sample by sample.
     masked = [c for c, on in enumerate(config.mask_channels) if on and c < data.shape[1]]
+    outside = None
+    if masked:  # each sample's outside, resampled as a label of its own where it moves
+        crops = [
+            _outside_body(x[None], y[None], masked)[0] for x, y in zip(images, labels, strict=True)
+        ]
+        outside = (masked, crops)
+    _rotate_and_scale(data, seg, draws.u, config, images, labels, out, outside)
+    # Samples in order: the noise generator's stream is consumed sample by sample.
     for i in range(data.shape[0]):
-        outside = _outside_body(images[i], labels[i], masked)
         x = _intensities(images[i], draws, i, config)
-        if outside is not None:
-            x = x.masked_fill(outside, 0.0)
+        if outside is not None:  # nnU-Net's MaskImageTransform, after the intensities
+            x = x.masked_fill(_channel_mask(outside[1][i], x, masked), 0.0)
         # --- mirroring last (as nnU-Net): one exact flip per sample
         flips = [1 + axis for axis in range(ndim) if draws.u[i][6 + axis] < config.p_mirror]
         if flips:
