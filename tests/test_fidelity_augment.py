@@ -11,13 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data.augment import (
-    AugmentConfig,
-    augment_batch,
-    channel_factors,
-    gaussian_blur,
-    read_size,
-)
+from trainer.data.augment import AugmentConfig, augment_batch, channel_factors, read_size
+from trainer.data.intensity_ops import gaussian_blur
 from trainer.data.loader import default_augment_config
 
 trainer_module = pytest.importorskip("nnunetv2.training.nnUNetTrainer.nnUNetTrainer")

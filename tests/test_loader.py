@@ -18,15 +18,10 @@ import pytest
 import torch
 
 import trainer.data.augment as augment_module
-from trainer.data.augment import (
-    AugmentConfig,
-    augment_batch,
-    centre_crop,
-    read_size,
-    spatial_transform,
-)
+from trainer.data.augment import AugmentConfig, augment_batch, read_size
 from trainer.data.blosc_io import choose_layout, read_padded
 from trainer.data.dataset import MissingCaseError, PreprocessedCases
+from trainer.data.grid_sampling import centre_crop, spatial_transform
 from trainer.data.loader import PatchLoader, default_augment_config
 from trainer.data.patches import BatchSpec, load_patches
 from trainer.data.raw import DataError

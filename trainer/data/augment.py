@@ -5,7 +5,11 @@ the samples that need it; image linear, segmentation by linear interpolation of 
 label's indicator and argmax), taking the network patch out of the centre of a larger
 read (read_size), so rotated or zoomed-out corners hold image, not fill; Gaussian noise, Gaussian
 blur, brightness, contrast, low-resolution simulation, gamma on the inverted image, gamma,
-mirroring (exact flips). Each transform touches only the samples it was drawn for. Every
+mirroring (exact flips); then, for use_mask_for_norm channels, the outside of the body
+(nnU-Net's -1 label, resampled as a label of its own) set back to 0. Brightness, contrast
+and gamma are drawn per channel; "dummy 2D" (in_plane_only) rotates about axis 0 and
+scales y and x only. The ops live in grid_sampling (spatial) and intensity_ops.
+Each transform touches only the samples it was drawn for. Every
 random number comes from the generators given, in a fixed number of draws, so a batch is
 reproducible from its seed; per-sample statistics are summed in float64 so the result
 does not depend on how many threads compute it (loader thread or main thread).
@@ -17,7 +21,14 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from trainer.data.grid_sampling import centre_crop, spatial_with_outside
+from trainer.data.intensity_ops import (
+    contrast,
+    gamma_retain_stats,
+    gaussian_blur,
+    low_resolution,
+)
 
 
 @dataclass(frozen=True)
@@ -127,222 +138,6 @@ def read_size(patch_size: tuple[int, ...], config: AugmentConfig) -> tuple[int, 
     return tuple(max(r, p) for r, p in zip(read, patch, strict=True))
 
 
-def _affine_grid(m: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
-    """F.affine_grid without translation, built by broadcasting 1D coordinates.
-
-    Same result as affine_grid(align_corners=False), ~20x faster on CPU where
-    affine_grid's batched matmul over a materialised base grid dominates the transform.
-    Each output coordinate is one broadcast sum written straight into the grid.
-    """
-    ndim = len(spatial)
-    coords = []  # normalised voxel centres per axis in (x, y, z) order
-    for i, n in enumerate(reversed(spatial)):
-        c = (torch.arange(n, device=m.device, dtype=m.dtype) * 2 + 1) / n - 1
-        shape = [1] * (ndim + 1)
-        shape[ndim - i] = n
-        coords.append(c.view(shape))
-    grid = torch.empty((m.shape[0], *spatial, ndim), device=m.device, dtype=m.dtype)
-    for row in range(ndim):
-        terms = [m[:, row, col].view(-1, *([1] * ndim)) * coords[col] for col in range(ndim)]
-        partial = terms[0]
-        for term in terms[1:-1]:
-            partial = partial + term
-        torch.add(partial, terms[-1], out=grid[..., row])
-    return grid
-
-
-def _reaches_fill(grid: torch.Tensor, spatial: tuple[int, ...]) -> bool:
-    """Whether bilinear sampling at grid (affine: its extremes lie at its corners) draws on
-    the zero fill beyond the outermost voxel centres of an input of shape `spatial`."""
-    corners = grid
-    for axis in range(1, grid.ndim - 1):
-        ends = torch.tensor([0, grid.shape[axis] - 1], device=grid.device)
-        corners = corners.index_select(axis, ends)
-    limits = torch.tensor(
-        [1 - 1 / n for n in reversed(spatial)], dtype=grid.dtype, device=grid.device
-    )
-    return bool((corners.abs() > limits + 1e-6).any())
-
-
-def _fill_share(grid: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
-    """(b, 1, *out) weight bilinear sampling at grid gives the zero fill: 1 minus the
-    product over axes of the in-bounds weight, min(u + 1, n - u) clamped to [0, 1] at
-    voxel coordinate u. Equals sampling an all-zero outside label, without a grid_sample."""
-    inside = None
-    for k, n in enumerate(reversed(spatial)):
-        u = (grid[..., k] + 1) * (n / 2) - 0.5
-        w = torch.minimum(u + 1, n - u).clamp_(0, 1)
-        inside = w if inside is None else inside.mul_(w)
-    return (1 - inside).unsqueeze(1)
-
-
-def _resample_labels(
-    seg: torch.Tensor, grid: torch.Tensor, outside: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """seg (b, 1, *in) integer sampled at grid: each foreground label's indicator linearly
-    interpolated, background's score 1 - their sum, argmax (the lowest label on ties).
-    nnU-Net's segmentation mode: thin structures keep their shape under rotation instead
-    of nearest's jagged steps. `outside` (b, 1, *in) bool, nnU-Net's -1 label, is a label
-    of its own that the fill belongs to, first in the argmax (ties go to it); returns
-    where it won (None without it). Without it the fill counts as background."""
-    # Labels present: a bincount of the (small, non-negative) label values is ~10x faster
-    # on CPU than torch.unique's sort.
-    counts = torch.bincount(seg.reshape(-1).to(torch.int64 if seg.is_cuda else seg.dtype))
-    labels = [int(v) for v in counts.nonzero().flatten().tolist() if v != 0]
-    shape = (seg.shape[0], 1, *grid.shape[1:-1])
-    # The outside label matters only where it is in the input or the fill is reached.
-    spatial = tuple(seg.shape[2:])
-    sample_outside = outside is not None and bool(outside.any())
-    use_outside = sample_outside or (outside is not None and _reaches_fill(grid, spatial))
-    won_outside = (
-        None if outside is None else torch.zeros(shape, dtype=torch.bool, device=seg.device)
-    )
-    out = torch.zeros(shape, dtype=seg.dtype, device=seg.device)
-    if not labels and not use_outside:
-        return out, won_outside
-    channels = [(seg == v).to(grid.dtype) for v in labels]
-    if sample_outside:  # sampled as indicator - 1 and 1 added back: the fill scores 1
-        channels.insert(0, outside.to(grid.dtype) - 1)
-    scores = (
-        F.grid_sample(
-            torch.cat(channels, dim=1),
-            grid,
-            mode="bilinear",
-            padding_mode="zeros",
-            align_corners=False,
-        )
-        if channels
-        else torch.zeros((seg.shape[0], 0, *shape[2:]), dtype=grid.dtype, device=grid.device)
-    )
-    if sample_outside:
-        scores[:, :1] += 1
-    elif use_outside:  # only the fill is outside
-        scores = torch.cat([_fill_share(grid, spatial), scores], dim=1)
-    # A running maximum instead of argmax over the label axis: argmax across channels
-    # cost 2/3 of a 3D batch's augmentation on CPU; strict > keeps the lowest label on ties.
-    best = 1.0 - scores.sum(1, keepdim=True)  # background's score
-    if use_outside:
-        won_outside = scores[:, :1] >= best
-        best = torch.maximum(best, scores[:, :1])
-    for k, value in enumerate(labels, start=1 if use_outside else 0):
-        score = scores[:, k : k + 1]
-        wins = score > best
-        out.masked_fill_(wins, value)
-        if use_outside:
-            won_outside &= ~wins
-        best = torch.maximum(best, score)
-    return out, won_outside
-
-
-def spatial_transform(
-    data: torch.Tensor,
-    seg: torch.Tensor,
-    matrices: torch.Tensor,
-    out_size: tuple[int, ...] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply per-sample voxel-space linear maps (b, d, d) (output -> input coordinates)
-    about the centre: the output's centre lands on the input's centre, so out_size
-    (default: the input's) smaller than the input cuts its middle."""
-    data, seg, _ = _spatial(data, seg, matrices, out_size, None)
-    return data, seg
-
-
-def _spatial(
-    data: torch.Tensor,
-    seg: torch.Tensor,
-    matrices: torch.Tensor,
-    out_size: tuple[int, ...] | None,
-    outside: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """spatial_transform, and where the outside label won (see _resample_labels)."""
-    spatial = data.shape[2:]
-    out = tuple(out_size) if out_size is not None else tuple(spatial)
-    ndim = len(spatial)
-    # grid_sample's normalised coordinates are per-axis scaled and in (x, y, z) order:
-    # input voxel offset M @ (output offset), each axis measured in its own half-length.
-    half_in = torch.tensor([n / 2.0 for n in spatial], dtype=matrices.dtype)
-    half_out = torch.tensor([n / 2.0 for n in out], dtype=matrices.dtype)
-    m = matrices / half_in[None, :, None] * half_out[None, None, :]
-    flip = list(range(ndim))[::-1]
-    m = m[:, flip][:, :, flip]
-    grid = _affine_grid(m.to(device=data.device, dtype=data.dtype), out)
-    data = F.grid_sample(data, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-    return (data, *_resample_labels(seg, grid, outside))
-
-
-def centre_crop(x: torch.Tensor, out_size: tuple[int, ...]) -> torch.Tensor:
-    """x (..., *spatial) cut to out_size around floor(n / 2), nnU-Net's crop of a sample it
-    does not rotate or scale (start floor(n / 2) - out // 2)."""
-    ndim = len(out_size)
-    starts = [n // 2 - o // 2 for n, o in zip(x.shape[-ndim:], out_size, strict=True)]
-    index = (..., *(slice(s, s + o) for s, o in zip(starts, out_size, strict=True)))
-    return x[index]
-
-
-def _mean(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    count = math.prod(x.shape[d] for d in dims)
-    return (x.sum(dim=dims, keepdim=True, dtype=torch.float64) / count).to(x.dtype)
-
-
-def _mean_std(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row mean and (unbiased) std, accumulated in float64."""
-    count = math.prod(x.shape[d] for d in dims)
-    mean = _mean(x, dims)
-    centred = x - mean
-    var = (centred * centred).sum(dim=dims, keepdim=True, dtype=torch.float64) / max(1, count - 1)
-    return mean, var.sqrt().to(x.dtype)
-
-
-def blur_radius(sigma: float) -> int:
-    """batchgeneratorsv2's kernel half-width: the odd size nearest to 6 sigma + 0.5 (halves
-    towards n's side), so sigma 0.5 -> 3 taps, sigma 1 -> 7."""
-    n = sigma * 6 + 0.5
-    size = round(n)
-    if size % 2 == 0:
-        size = size + 1 if n - size >= 0 else size - 1
-    return size // 2
-
-
-def gaussian_blur(x: torch.Tensor, sigmas: list[float]) -> torch.Tensor:
-    """x (*spatial) blurred by a separable Gaussian, sigmas (ndim) in voxels, edges
-    reflected (batchgeneratorsv2's kernel and padding). A weighted sum of shifted views
-    per axis: ~10x faster on CPU than a conv with a (k, 1, 1) kernel."""
-    out = x
-    for axis, sigma in enumerate(sigmas):
-        radius = min(blur_radius(sigma), x.shape[axis] - 1)  # reflect needs pad < length
-        taps = torch.arange(-radius, radius + 1, dtype=torch.float64)
-        weights = torch.exp(-0.5 * (taps / sigma) ** 2)
-        weights = (weights / weights.sum()).tolist()
-        pad = [0] * (2 * x.ndim)
-        pad[2 * (x.ndim - 1 - axis)] = pad[2 * (x.ndim - 1 - axis) + 1] = radius
-        padded = F.pad(out[None, None], pad, mode="reflect")[0, 0]
-        length = x.shape[axis]
-        out = padded.narrow(axis, 0, length) * weights[0]
-        for k in range(1, 2 * radius + 1):
-            out.add_(padded.narrow(axis, k, length), alpha=weights[k])
-    return out
-
-
-def _low_resolution(x: torch.Tensor, zoom: float, axes: tuple[int, ...]) -> torch.Tensor:
-    """x (*spatial): nearest down-sampling by `zoom` along `axes`, linear back up."""
-    spatial = tuple(x.shape)
-    small = tuple(max(1, round(n * zoom)) if a in axes else n for a, n in enumerate(spatial))
-    mode = "trilinear" if len(spatial) == 3 else "bilinear"
-    down = F.interpolate(x[None, None], size=small, mode="nearest-exact")
-    return F.interpolate(down, size=spatial, mode=mode, align_corners=False)[0, 0]
-
-
-def _gamma(x: torch.Tensor, gamma: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """Gamma on the [0, 1]-rescaled image, then mean and std restored (nnU-Net's
-    retain_stats)."""
-    mean, std = _mean_std(x, dims)
-    lo, hi = x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True)
-    span = (hi - lo).clamp_min(1e-7)
-    out = ((x - lo) / span).clamp_min(0).pow(gamma) * span + lo
-    out_mean, out_std = _mean_std(out, dims)
-    return (out - out_mean) / out_std.clamp_min(1e-7) * std + mean
-
-
 @dataclass(frozen=True)
 class _Draws:
     """Every random number of one batch, drawn up front in a fixed order (reproducibility).
@@ -412,7 +207,7 @@ def _rotate_and_scale(
     read_outside = None
     if outside is not None:  # on the read of the moved samples only: it costs a pass
         read_outside = _outside_body(data[index], seg[index], outside[0])
-    new_data, new_seg, new_outside = _spatial(
+    new_data, new_seg, new_outside = spatial_with_outside(
         data[index], seg[index], matrices, out_size, read_outside
     )
     for k, i in enumerate(moved):
@@ -444,14 +239,8 @@ def _low_res_channels(
     low_res_axes = tuple(range(1 if ndim == 3 and config.in_plane_only else 0, ndim))
     for c in picked:
         zoom = _uniform(pc[c][2 + ndim], config.low_res_scale)
-        x[c] = _low_resolution(x[c], zoom, low_res_axes)
+        x[c] = low_resolution(x[c], zoom, low_res_axes)
     return x
-
-
-def _contrast(x: torch.Tensor, factor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    mean = _mean(x, dims)
-    lo, hi = x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True)
-    return torch.minimum(torch.maximum((x - mean) * factor + mean, lo), hi)
 
 
 FACTOR_NAMES = ("brightness", "contrast", "gamma_inverted", "gamma")
@@ -494,13 +283,13 @@ def _intensities(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig) 
     if ui[11] < config.p_brightness:
         x = x * _per_channel(factors["brightness"], x)
     if ui[13] < config.p_contrast:
-        x = _contrast(x, _per_channel(factors["contrast"], x), dims)
+        x = contrast(x, _per_channel(factors["contrast"], x), dims)
     if vi[1] < config.p_low_res:
         x = _low_res_channels(x, pc, config, ndim)
     if vi[2] < config.p_gamma_inverted:
-        x = -_gamma(-x, _per_channel(factors["gamma_inverted"], x), dims)
+        x = -gamma_retain_stats(-x, _per_channel(factors["gamma_inverted"], x), dims)
     if ui[15] < config.p_gamma:
-        x = _gamma(x, _per_channel(factors["gamma"], x), dims)
+        x = gamma_retain_stats(x, _per_channel(factors["gamma"], x), dims)
     return x
 
 
