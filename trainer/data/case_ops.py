@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 from scipy import ndimage
 
+from trainer.data.raw import DataError
+
 CT = "CTNormalization"
 ZSCORE = "ZScoreNormalization"
 NO_NORM = "NoNormalization"
@@ -60,8 +62,8 @@ def _normalize_channel(
         channel = channel - channel.min()
         return channel / max(float(channel.max()), 1e-8)
     if scheme == RGB_0_1:
-        if channel.min() < 0 or channel.max() > 255:
-            raise ValueError(
+        if channel.min() < 0 or channel.max() > 255:  # a user's data: one line, exit 2
+            raise DataError(
                 f"{RGB_0_1} needs values in [0, 255], got [{channel.min()}, {channel.max()}]"
             )
         return channel / 255.0
