@@ -47,7 +47,29 @@ def _ct_case(tmp_path):
     return RawCase("ct", (image_file,), label_file), props
 
 
-def _nnunet_plans(target, patch, props) -> dict:
+def _mr_case(tmp_path):
+    """Two MR-like channels of a head in zero background (z-scored over the body), a dark
+    hole inside it that is zero in both channels (filled into the body), two labels."""
+    rng = np.random.default_rng(1)
+    z, y, x = np.meshgrid(np.arange(36), np.arange(44), np.arange(40), indexing="ij")
+    head = ((z - 18) / 15) ** 2 + ((y - 22) / 19) ** 2 + ((x - 20) / 16) ** 2 < 1
+    tumour = ((z - 14) / 4) ** 2 + ((y - 18) / 5) ** 2 + ((x - 24) / 4) ** 2 < 1
+    edema = (((z - 14) / 7) ** 2 + ((y - 18) / 8) ** 2 + ((x - 24) / 7) ** 2 < 1) & ~tumour
+    hole = ((z - 22) / 3) ** 2 + ((y - 28) / 3) ** 2 + ((x - 14) / 3) ** 2 < 1
+    files = []
+    for c, (body, lesion) in enumerate(((600.0, 900.0), (300.0, 150.0))):
+        image = np.where(head, body + rng.normal(0, 40, head.shape), 0.0)
+        image[tumour | edema] = lesion + rng.normal(0, 40, int((tumour | edema).sum()))
+        image[hole] = 0.0
+        files.append(tmp_path / f"mr_{c:04d}.nii.gz")
+        write_nifti(files[-1], image.astype(np.float32), (1.0, 1.0, 1.0))
+    seg = np.zeros(head.shape, np.uint8)
+    seg[edema], seg[tumour] = 1, 2
+    write_nifti(tmp_path / "mr.nii.gz", seg, (1.0, 1.0, 1.0))
+    return RawCase("mr", tuple(files), tmp_path / "mr.nii.gz")
+
+
+def _nnunet_plans(target, patch, props, schemes=("CTNormalization",), use_mask=(False,)) -> dict:
     resampling = {"is_seg": False, "order": 3, "order_z": 0, "force_separate_z": None}
     config = {
         "data_identifier": "nnUNetPlans_3d_fullres",
@@ -56,8 +78,8 @@ def _nnunet_plans(target, patch, props) -> dict:
         "patch_size": list(patch),
         "median_image_size_in_voxels": [22, 96, 88],
         "spacing": list(target),
-        "normalization_schemes": ["CTNormalization"],
-        "use_mask_for_norm": [False],
+        "normalization_schemes": list(schemes),
+        "use_mask_for_norm": list(use_mask),
         "resampling_fn_data": "resample_data_or_seg_to_shape",
         "resampling_fn_seg": "resample_data_or_seg_to_shape",
         "resampling_fn_data_kwargs": resampling,
@@ -83,25 +105,39 @@ def _nnunet_plans(target, patch, props) -> dict:
         "configurations": {"3d_fullres": config},
         "experiment_planner_used": "by hand",
         "label_manager": "LabelManager",
-        "foreground_intensity_properties_per_channel": {"0": props},
+        "foreground_intensity_properties_per_channel": {str(c): p for c, p in enumerate(props)},
     }
 
 
-def _nnui_preprocess(case, target, patch, props, folder):
+def _nnui_preprocess(
+    case, target, patch, props, folder, schemes=("CTNormalization",), use_mask=(False,)
+):
     """nnui's preprocessing of one case for one configuration (the one place to switch)."""
     config = {
         "name": "3d_fullres",
         "folder": str(folder),
         "spacing": list(target),
         "patch_size": list(patch),
-        "schemes": ("CTNormalization",),
-        "use_mask": (False,),
+        "schemes": tuple(schemes),
+        "use_mask": tuple(use_mask),
     }
     folder.mkdir()
-    preprocess_case(CaseJob(case, LABELS, None, [props], (config,)))
-    data = open_array(folder / "ct.b2nd")[...]
-    seg = open_array(folder / "ct_seg.b2nd")[0]
-    return data, seg, json.loads((folder / "ct.json").read_text())
+    preprocess_case(CaseJob(case, LABELS, None, list(props), (config,)))
+    data = open_array(folder / f"{case.case_id}.b2nd")[...]
+    seg = open_array(folder / f"{case.case_id}_seg.b2nd")[0]
+    return data, seg, json.loads((folder / f"{case.case_id}.json").read_text())
+
+
+def _nnunet_preprocess(case, plans_dict, channel_names):
+    plans = plans_handler.PlansManager(plans_dict)
+    dataset_json = {"labels": LABELS, "channel_names": channel_names, "file_ending": ".nii.gz"}
+    return preprocessors.DefaultPreprocessor(verbose=False).run_case(
+        [str(p) for p in case.image_files],
+        str(case.label_file),
+        plans,
+        plans.get_configuration("3d_fullres"),
+        dataset_json,
+    )
 
 
 @pytest.mark.parametrize(
@@ -112,16 +148,9 @@ def _nnui_preprocess(case, target, patch, props, folder):
 def test_anisotropic_ct_preprocessing_matches_nnunet(tmp_path, target):
     case, props = _ct_case(tmp_path)
     patch = (16, 64, 64)
-    plans = plans_handler.PlansManager(_nnunet_plans(target, patch, props))
-    dataset_json = {"labels": LABELS, "channel_names": {"0": "CT"}, "file_ending": ".nii.gz"}
-    data_nn, seg_nn, props_nn = preprocessors.DefaultPreprocessor(verbose=False).run_case(
-        [str(p) for p in case.image_files],
-        str(case.label_file),
-        plans,
-        plans.get_configuration("3d_fullres"),
-        dataset_json,
-    )
-    data, seg, ours = _nnui_preprocess(case, target, patch, props, tmp_path / "nnui")
+    plans = _nnunet_plans(target, patch, [props])
+    data_nn, seg_nn, props_nn = _nnunet_preprocess(case, plans, {"0": "CT"})
+    data, seg, ours = _nnui_preprocess(case, target, patch, [props], tmp_path / "nnui")
 
     assert data.shape == data_nn.shape and seg.shape == seg_nn.shape[1:]
     assert ours["bbox_used_for_cropping"] == [list(b) for b in props_nn["bbox_used_for_cropping"]]
@@ -133,3 +162,17 @@ def test_anisotropic_ct_preprocessing_matches_nnunet(tmp_path, target):
     np.testing.assert_allclose(data, data_nn, atol=1e-4)
     for label in ("1", "2"):
         assert len(ours["class_locations"][label]) == len(props_nn["class_locations"][int(label)])
+
+
+@pytest.mark.parametrize("target", [(1.0, 1.0, 1.0), (1.3, 1.2, 0.9)], ids=["same", "resampled"])
+def test_isotropic_two_channel_mr_preprocessing_matches_nnunet(tmp_path, target):
+    """z-score over the hole-filled body, both channels, isotropic resampling."""
+    case = _mr_case(tmp_path)
+    schemes, use_mask, patch = ("ZScoreNormalization",) * 2, (True, True), (32, 32, 32)
+    plans = _nnunet_plans(target, patch, [{}, {}], schemes, use_mask)
+    data_nn, seg_nn, _ = _nnunet_preprocess(case, plans, {"0": "T1", "1": "T2"})
+    folder = tmp_path / "nnui"
+    data, seg, _ = _nnui_preprocess(case, target, patch, [{}, {}], folder, schemes, use_mask)
+    assert data.shape == data_nn.shape
+    np.testing.assert_array_equal(seg, np.maximum(seg_nn[0], 0))
+    np.testing.assert_allclose(data, data_nn, atol=1e-4)
