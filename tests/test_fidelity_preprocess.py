@@ -69,7 +69,24 @@ def _mr_case(tmp_path):
     return RawCase("mr", tuple(files), tmp_path / "mr.nii.gz")
 
 
-def _nnunet_plans(target, patch, props, schemes=("CTNormalization",), use_mask=(False,)) -> dict:
+def _rgb_case(tmp_path):
+    """An RGB photo as three one-slice channels (z spacing 999, as nnU-Net's natural
+    images), vessel-like lines labelled 1."""
+    rng = np.random.default_rng(2)
+    y, x = np.meshgrid(np.arange(90), np.arange(110), indexing="ij")
+    vessels = (np.abs(np.sin(x / 9.0) * 20 + 45 - y) < 2) | (np.abs(x - 0.8 * y - 20) < 1.5)
+    files = []
+    for c, (tissue, vessel) in enumerate(((200, 90), (120, 30), (90, 40))):
+        image = np.where(vessels, vessel, tissue) + rng.normal(0, 10, vessels.shape)
+        files.append(tmp_path / f"rgb_{c:04d}.nii.gz")
+        write_nifti(files[-1], np.clip(image, 0, 255).astype(np.float32)[None], (999.0, 1, 1))
+    write_nifti(tmp_path / "rgb.nii.gz", vessels.astype(np.uint8)[None], (999.0, 1.0, 1.0))
+    return RawCase("rgb", tuple(files), tmp_path / "rgb.nii.gz")
+
+
+def _nnunet_plans(
+    target, patch, props, schemes=("CTNormalization",), use_mask=(False,), name="3d_fullres"
+) -> dict:
     resampling = {"is_seg": False, "order": 3, "order_z": 0, "force_separate_z": None}
     config = {
         "data_identifier": "nnUNetPlans_3d_fullres",
@@ -77,7 +94,7 @@ def _nnunet_plans(target, patch, props, schemes=("CTNormalization",), use_mask=(
         "batch_size": 2,
         "patch_size": list(patch),
         "median_image_size_in_voxels": [22, 96, 88],
-        "spacing": list(target),
+        "spacing": list(target[1:] if name == "2d" else target),
         "normalization_schemes": list(schemes),
         "use_mask_for_norm": list(use_mask),
         "resampling_fn_data": "resample_data_or_seg_to_shape",
@@ -102,7 +119,7 @@ def _nnunet_plans(target, patch, props, schemes=("CTNormalization",), use_mask=(
         "image_reader_writer": "SimpleITKIO",
         "transpose_forward": [0, 1, 2],
         "transpose_backward": [0, 1, 2],
-        "configurations": {"3d_fullres": config},
+        "configurations": {name: config},
         "experiment_planner_used": "by hand",
         "label_manager": "LabelManager",
         "foreground_intensity_properties_per_channel": {str(c): p for c, p in enumerate(props)},
@@ -110,11 +127,12 @@ def _nnunet_plans(target, patch, props, schemes=("CTNormalization",), use_mask=(
 
 
 def _nnui_preprocess(
-    case, target, patch, props, folder, schemes=("CTNormalization",), use_mask=(False,)
-):
+    case, target, patch, props, folder, schemes=("CTNormalization",), use_mask=(False,),
+    name="3d_fullres",
+):  # fmt: skip
     """nnui's preprocessing of one case for one configuration (the one place to switch)."""
     config = {
-        "name": "3d_fullres",
+        "name": name,
         "folder": str(folder),
         "spacing": list(target),
         "patch_size": list(patch),
@@ -128,14 +146,14 @@ def _nnui_preprocess(
     return data, seg, json.loads((folder / f"{case.case_id}.json").read_text())
 
 
-def _nnunet_preprocess(case, plans_dict, channel_names):
+def _nnunet_preprocess(case, plans_dict, channel_names, name="3d_fullres"):
     plans = plans_handler.PlansManager(plans_dict)
     dataset_json = {"labels": LABELS, "channel_names": channel_names, "file_ending": ".nii.gz"}
     return preprocessors.DefaultPreprocessor(verbose=False).run_case(
         [str(p) for p in case.image_files],
         str(case.label_file),
         plans,
-        plans.get_configuration("3d_fullres"),
+        plans.get_configuration(name),
         dataset_json,
     )
 
@@ -176,3 +194,18 @@ def test_isotropic_two_channel_mr_preprocessing_matches_nnunet(tmp_path, target)
     assert data.shape == data_nn.shape
     np.testing.assert_array_equal(seg, np.maximum(seg_nn[0], 0))
     np.testing.assert_allclose(data, data_nn, atol=1e-4)
+
+
+def test_rgb_photo_2d_preprocessing_matches_nnunet(tmp_path):
+    """rgb_to_0_1 on three channels, the 2d configuration resampling in-plane only."""
+    case = _rgb_case(tmp_path)
+    schemes, use_mask, patch = ("RGBTo01Normalization",) * 3, (False,) * 3, (64, 64)
+    target = (999.0, 0.8, 0.7)
+    plans = _nnunet_plans(target, patch, [{}] * 3, schemes, use_mask, "2d")
+    names = {"0": "R", "1": "G", "2": "B"}
+    data_nn, seg_nn, _ = _nnunet_preprocess(case, plans, names, "2d")
+    folder = tmp_path / "nnui"
+    data, seg, _ = _nnui_preprocess(case, target, patch, [{}] * 3, folder, schemes, use_mask, "2d")
+    assert data.shape == data_nn.shape == (3, 1, 112, 157)
+    np.testing.assert_array_equal(seg, np.maximum(seg_nn[0], 0))
+    np.testing.assert_allclose(data, data_nn, atol=1e-5)
