@@ -2,7 +2,8 @@
 
 `to_raw_geometry` undoes preprocessing for any case whose properties follow CASE.json
 (nnui-preprocess writes them; `prepare.prepare_case` returns the same): log-probabilities
-are resampled linearly to the cropped shape and normalised again (softmax), pasted into the
+are resampled linearly to the cropped shape (nearest neighbour along the thick axis of an
+anisotropic spacing, nnU-Net's rule) and normalised again (softmax), pasted into the
 full image (background outside the crop) and turned into dataset.json's label values by
 argmax. Final validation and nnui-predict share it.
 
