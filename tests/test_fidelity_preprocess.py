@@ -209,3 +209,49 @@ def test_rgb_photo_2d_preprocessing_matches_nnunet(tmp_path):
     assert data.shape == data_nn.shape == (3, 1, 112, 157)
     np.testing.assert_array_equal(seg, np.maximum(seg_nn[0], 0))
     np.testing.assert_allclose(data, data_nn, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["ct", "mr"])
+def test_prediction_preprocessing_matches_nnunet_without_labels(tmp_path, kind):
+    """nnui-predict's preparation of a case (no label: the body is the hole-filled nonzero
+    region) against nnU-Net's preprocessor given no segmentation."""
+    from types import SimpleNamespace
+
+    from trainer.inference.cases import InputCase
+    from trainer.inference.prepare import prepare_case
+
+    if kind == "ct":
+        case, props = _ct_case(tmp_path)
+        props, schemes, use_mask, names = [props], ("CTNormalization",), (False,), {"0": "CT"}
+        target = (4.0, 0.9, 0.9)
+    else:
+        case = _mr_case(tmp_path)
+        props, schemes, use_mask = [{}, {}], ("ZScoreNormalization",) * 2, (True, True)
+        names, target = {"0": "T1", "1": "T2"}, (1.3, 1.2, 0.9)
+    plans = plans_handler.PlansManager(
+        _nnunet_plans(target, (16, 32, 32), props, schemes, use_mask)
+    )
+    data_nn, _, props_nn = preprocessors.DefaultPreprocessor(verbose=False).run_case(
+        [str(p) for p in case.image_files],
+        None,
+        plans,
+        plans.get_configuration("3d_fullres"),
+        {"labels": LABELS, "channel_names": names, "file_ending": ".nii.gz"},
+    )
+    ours = prepare_case(
+        InputCase(case.case_id, case.image_files, ".nii.gz"),
+        SimpleNamespace(
+            num_input_channels=len(props),
+            foreground_intensity_properties={str(c): p for c, p in enumerate(props)},
+        ),
+        SimpleNamespace(
+            name="3d_fullres",
+            spacing=target,
+            normalization_schemes=schemes,
+            use_mask_for_norm=use_mask,
+        ),
+    )
+    assert ours.properties["bbox_used_for_cropping"] == [
+        list(b) for b in props_nn["bbox_used_for_cropping"]
+    ]
+    np.testing.assert_allclose(ours.data, data_nn, atol=1e-4)
