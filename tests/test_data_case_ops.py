@@ -61,9 +61,10 @@ def test_resampled_shape(shape, spacing, target, expected):
 
 def test_resampling_keeps_a_constant_image_and_the_geometry_centred():
     flat = np.full((1, 6, 8, 10), 3.5, np.float32)
-    np.testing.assert_allclose(resample_image(flat, (12, 4, 5)), 3.5, atol=1e-5)
+    iso = ((1.0, 1.0, 1.0), (1.0, 1.0, 1.0))
+    np.testing.assert_allclose(resample_image(flat, (12, 4, 5), *iso), 3.5, atol=1e-5)
     ramp = np.broadcast_to(np.arange(10, dtype=np.float32), (1, 4, 4, 10)).copy()
-    up = resample_image(ramp, (4, 4, 20), order=1)
+    up = resample_image(ramp, (4, 4, 20), *iso, order=1)
     # voxel centres: output i sits at input (i + 0.5) / 2 - 0.5
     np.testing.assert_allclose(up[0, 0, 0, 5:15], (np.arange(5, 15) + 0.5) / 2 - 0.5, atol=1e-5)
 

@@ -63,7 +63,8 @@ def test_preprocessed_layout_and_contents(demo_preprocessed):
         assert abs(image[0][body].mean()) < 0.2 and 0.7 < image[0][body].std() < 1.3
         for value, coords in props["class_locations"].items():
             coords = np.asarray(coords)
-            assert len(coords) <= preprocess.MAX_CLASS_LOCATIONS
+            num_voxels = int((seg[0] == int(value)).sum())
+            assert len(coords) == preprocess.class_location_count(num_voxels)
             assert (seg[0][tuple(coords.T)] == int(value)).all()
         assert props["bbox_used_for_cropping"] and props["spacing_after_resampling"]
 
@@ -98,7 +99,7 @@ def test_one_batch_from_each_configuration(demo_preprocessed):
 def test_resampling_never_invents_label_values(shape_in, shape_out):
     rng = np.random.default_rng(0)
     seg = rng.choice(np.array([0, 3, 7], np.uint8), size=shape_in)
-    out = resample_seg(seg, shape_out, [0, 3, 7])
+    out = resample_seg(seg, shape_out, (1.0, 1.0, 1.0), (1.0, 1.0, 1.0))
     assert out.shape == shape_out and set(np.unique(out)) <= {0, 3, 7}
 
 

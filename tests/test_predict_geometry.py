@@ -143,9 +143,12 @@ def test_resampling_back_is_linear_in_log_space_as_nnunets_logits():
         "shape_after_cropping_and_before_resampling": list(cropped),
         "shape_before_cropping": [5, 8, 10],
         "bbox_used_for_cropping": [[1, 4], [1, 7], [2, 10]],
+        "spacing": [4.0, 1.0, 1.0],
+        "spacing_after_resampling": [3.0, 1.5, 1.375],
     }
-    nnunet_labels = resample_image(logits, cropped, order=1).argmax(0)
-    blurred_labels = resample_image(probs, cropped, order=1).argmax(0)
+    spacings = (props["spacing_after_resampling"], props["spacing"])
+    nnunet_labels = resample_image(logits, cropped, *spacings, order=1).argmax(0)
+    blurred_labels = resample_image(probs, cropped, *spacings, order=1).argmax(0)
     assert (nnunet_labels != blurred_labels).any()  # the two rules disagree on this input
 
     result = to_raw_geometry(probs, props, [0, 1, 2], keep_probabilities=True)

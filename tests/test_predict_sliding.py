@@ -66,7 +66,7 @@ def test_pointwise_model_gives_its_softmax_everywhere_whatever_the_windows():
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_folds_average_probabilities_not_logits():
+def test_folds_average_logits_then_softmax_as_nnunet():
     torch.manual_seed(2)
     models = [torch.nn.Conv2d(1, 2, 1).eval() for _ in range(2)]
     data = torch.randn(1, 3, 10, 12)  # 2d: the 3 slices are predicted one by one
@@ -75,7 +75,11 @@ def test_folds_average_probabilities_not_logits():
         predict_probabilities([m], data.numpy(), (8, 8), 2, torch.device("cpu"), mirror=False)
         for m in models
     ]
-    torch.testing.assert_close(both, (single[0] + single[1]) / 2, rtol=1e-5, atol=1e-6)
+    # each fold's log-probabilities are its logits up to a per-voxel constant, so the mean
+    # of the folds' logits, softmaxed, is the softmax of the mean of their log-probabilities
+    expected = torch.softmax((single[0].log() + single[1].log()) / 2, dim=0)
+    torch.testing.assert_close(both, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(both, (single[0] + single[1]) / 2, atol=1e-4)
     assert both.shape == (2, 3, 10, 12)
 
 

@@ -114,7 +114,9 @@ def _segmentation(
         total = probs if total is None else total + probs
     assert total is not None
     segmentation = inputs.spec.to_segmentation(total / len(configs))
-    return keep_largest_component(segmentation, largest) if largest else segmentation
+    if not largest:
+        return segmentation
+    return keep_largest_component(segmentation, [_as_step(s) for s in largest])
 
 
 def score(inputs: Inputs, configs: Sequence[str], largest: Sequence[int] = ()) -> dict[str, Any]:
@@ -144,18 +146,41 @@ def _dice(summary: dict[str, Any]) -> float:
     return -1.0 if value is None else float(value)
 
 
+def _label_dice(summary: dict[str, Any], label: int) -> float:
+    """A label's own Dice; with regions (metrics per region, not per label value) the mean
+    foreground Dice stands in for it."""
+    if str(label) not in summary["mean"]:
+        return _dice(summary)
+    value = summary["mean"][str(label)]["Dice"]
+    return -1.0 if value is None else float(value)
+
+
 def choose_postprocessing(
-    inputs: Inputs, configs: Sequence[str], baseline: float, progress: Callable[[str], None]
-) -> tuple[list[int], float]:
-    """Labels whose largest-component filter raises the mean foreground Dice, one by one."""
-    kept: list[int] = []
-    best = baseline
-    for label in (v for v in inputs.spec.output_values if v != 0):
-        dice = _dice(score(inputs, configs, [*kept, label]))
-        progress(f"largest component of label {label}: Dice {dice:.4f} (was {best:.4f})")
-        if dice > best:
-            kept, best = [*kept, label], dice
-    return kept, best
+    inputs: Inputs, configs: Sequence[str], progress: Callable[[str], None]
+) -> tuple[list, float]:
+    """nnU-Net's choice: first all foreground as one component, kept if the mean foreground
+    Dice rises and no label's Dice falls; then, with more than one foreground label, each
+    label's largest component on top, kept if that label's own Dice rises."""
+    foreground = [v for v in inputs.spec.output_values if v != 0]
+    current = score(inputs, configs)
+    kept: list = []
+    whole = score(inputs, configs, [tuple(foreground)])
+    better = _dice(whole) > _dice(current)
+    if better and all(_label_dice(whole, v) >= _label_dice(current, v) for v in foreground):
+        kept, current = [foreground], whole
+    progress(f"largest foreground component: Dice {_dice(whole):.4f} ({'kept' if kept else 'no'})")
+    if len(foreground) > 1:
+        for label in foreground:
+            candidate = score(inputs, configs, [*(_as_step(s) for s in kept), label])
+            after, before = _label_dice(candidate, label), _label_dice(current, label)
+            progress(f"largest component of label {label}: Dice {after:.4f} (was {before:.4f})")
+            if after > before:
+                kept, current = [*kept, label], candidate
+    return kept, _dice(current)
+
+
+def _as_step(step) -> int | tuple[int, ...]:
+    return tuple(step) if isinstance(step, list) else step
 
 
 def commands(info: dict[str, Any], pp_file: Path) -> list[str]:
@@ -192,7 +217,7 @@ def find_best(
         progress(f"{key}: mean foreground Dice {figures[key]:.4f}")
     best = max(candidates, key=lambda c: figures[" + ".join(c)])  # first wins ties
     baseline = figures[" + ".join(best)]
-    largest, after = choose_postprocessing(inputs, best, baseline, progress)
+    largest, after = choose_postprocessing(inputs, best, progress)
     return {
         "mean_foreground_dice": figures,
         "configurations": list(best),

@@ -15,6 +15,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 import torch.nn.functional as F
+from scipy import ndimage
 
 
 def window_starts(size: int, patch: int, step_fraction: float = 0.5) -> list[int]:
@@ -28,16 +29,19 @@ def window_starts(size: int, patch: int, step_fraction: float = 0.5) -> list[int
 
 @lru_cache(maxsize=8)
 def _gaussian(patch: tuple[int, ...], sigma_scale: float = 1 / 8) -> np.ndarray:
-    grids = np.meshgrid(*[np.arange(p, dtype=np.float64) for p in patch], indexing="ij")
-    exponent = np.zeros(patch, dtype=np.float64)
-    for grid, p in zip(grids, patch, strict=True):
-        sigma = max(p * sigma_scale, 1e-6)
-        exponent += ((grid - (p - 1) / 2) / sigma) ** 2
-    weights = np.exp(-0.5 * exponent)
+    """nnU-Net's importance map: a unit impulse at p // 2 per axis (half a voxel past the
+    middle of an even patch) blurred by scipy's Gaussian (sigma p / 8, cut at 4 sigma),
+    peak 1; weights cut to 0 get the smallest non-zero one (no division by zero where only
+    window corners reach). Kept in float32 (nnU-Net: float16)."""
+    impulse = np.zeros(patch, dtype=np.float64)
+    impulse[tuple(p // 2 for p in patch)] = 1.0
+    weights = ndimage.gaussian_filter(
+        impulse, [p * sigma_scale for p in patch], 0, mode="constant", cval=0
+    )
     weights /= weights.max()
-    # Zero weights would divide by zero at the volume corners.
+    weights = weights.astype(np.float32)
     weights[weights == 0] = weights[weights > 0].min()
-    return weights.astype(np.float32)
+    return weights
 
 
 def gaussian_importance(patch: Sequence[int], device: torch.device) -> torch.Tensor:

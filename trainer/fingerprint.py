@@ -6,7 +6,6 @@ Reading every case for the fingerprint also runs every integrity check (DataErro
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +25,21 @@ class CaseFingerprint:
     fg_samples: list[list[float]]  # per channel
 
 
+def foreground_samples(image: np.ndarray, seg: np.ndarray) -> list[list[float]]:
+    """FG_SAMPLES_PER_CASE foreground intensities per channel drawn with replacement, so
+    every case with foreground weighs the same in the dataset's statistics however small
+    its foreground (nnU-Net's rule, and its generator: RandomState(1234) per case)."""
+    foreground = seg > 0
+    rs = np.random.RandomState(1234)
+    samples = []
+    for channel in image:
+        values = channel[foreground]
+        if values.size:
+            values = rs.choice(values, FG_SAMPLES_PER_CASE, replace=True)
+        samples.append(values.astype(np.float64).tolist())
+    return samples
+
+
 def fingerprint_case(
     case: RawCase, labels: dict[str, int], fallback_spacing: tuple[float, ...] | None
 ) -> CaseFingerprint:
@@ -33,14 +47,7 @@ def fingerprint_case(
     image, seg, spacing = load_raw_case(case, labels, fallback_spacing)
     bbox = nonzero_bbox(image)
     image_c, seg_c = crop(image, bbox), crop(seg, bbox)
-    foreground = seg_c > 0
-    rng = np.random.default_rng(zlib.crc32(case.case_id.encode()))
-    samples = []
-    for channel in image_c:
-        values = channel[foreground]
-        if values.size > FG_SAMPLES_PER_CASE:
-            values = rng.choice(values, FG_SAMPLES_PER_CASE, replace=False)
-        samples.append(values.astype(np.float64).tolist())
+    samples = foreground_samples(image_c, seg_c)
     return CaseFingerprint(
         case.case_id,
         spacing,

@@ -32,10 +32,12 @@ def deep_supervision_weights(num_outputs: int) -> list[float]:
 
 
 def downsample_target(target: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """Nearest-neighbour resize of an integer label map: only existing labels survive."""
+    """Nearest-neighbour resize of an integer label map: only existing labels survive.
+    nearest-exact (input voxel floor((i + 0.5) * scale)) as nnU-Net's deep-supervision
+    targets: plain nearest (floor(i * scale)) shifts every target by half a voxel."""
     if tuple(target.shape[2:]) == tuple(shape):
         return target
-    return F.interpolate(target.float(), size=tuple(shape), mode="nearest").to(target.dtype)
+    return F.interpolate(target.float(), size=tuple(shape), mode="nearest-exact").to(target.dtype)
 
 
 class SoftDiceLoss(nn.Module):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -64,7 +65,10 @@ from trainer.schema import (
 )
 from trainer.splits import NUM_FOLDS, load_or_create_splits
 
-MAX_CLASS_LOCATIONS = 2000
+# nnU-Net's rule for the stored foreground locations of a class: all of them up to
+# MIN_CLASS_LOCATIONS, beyond that MIN_CLASS_LOCATIONS or 1 % of them, whichever is more.
+MIN_CLASS_LOCATIONS = 10_000
+CLASS_LOCATION_SHARE = 0.01
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +84,16 @@ class CaseJob:
     configs: tuple[dict, ...]  # name, folder, spacing, patch_size, schemes, use_mask
 
 
+def class_location_count(num_voxels: int) -> int:
+    """How many of a class's num_voxels locations are stored (nnU-Net's rule)."""
+    return max(min(MIN_CLASS_LOCATIONS, num_voxels), math.ceil(num_voxels * CLASS_LOCATION_SHARE))
+
+
 def sample_class_locations(
     seg: np.ndarray, values: list[int], seed: int, ignore: int | None = None
 ) -> dict[str, list]:
-    """Up to MAX_CLASS_LOCATIONS random (z, y, x) voxels per foreground class and, with an
-    ignore label, of the annotated voxels (trainer.labels.ANNOTATED_KEY)."""
+    """Random (z, y, x) voxels per foreground class, as many as class_location_count says,
+    and, with an ignore label, of the annotated voxels (trainer.labels.ANNOTATED_KEY)."""
     rng = np.random.default_rng(seed)
     out = {}
     wanted = [(str(v), seg == v) for v in values]
@@ -92,8 +101,9 @@ def sample_class_locations(
         wanted.append((ANNOTATED_KEY, seg != ignore))
     for key, mask in wanted:
         coords = np.argwhere(mask)
-        if len(coords) > MAX_CLASS_LOCATIONS:
-            coords = coords[np.sort(rng.choice(len(coords), MAX_CLASS_LOCATIONS, replace=False))]
+        keep = class_location_count(len(coords))
+        if len(coords) > keep:
+            coords = coords[np.sort(rng.choice(len(coords), keep, replace=False))]
         out[key] = coords.astype(int).tolist()
     return out
 
@@ -105,7 +115,9 @@ def preprocess_case(job: CaseJob) -> dict:
     bbox = nonzero_bbox(image)
     image_c, seg_c = crop(image, bbox), crop(seg, bbox)
     first = job.configs[0]
-    normalized = normalize(image_c, first["schemes"], first["use_mask"], job.fg_properties)
+    normalized = normalize(
+        image_c, first["schemes"], first["use_mask"], job.fg_properties, seg=seg_c
+    )
     fg_values = sorted(v for name, v in job.labels.items() if v != 0 and name != IGNORE)
     shapes = {}
     for config in job.configs:
@@ -113,8 +125,8 @@ def preprocess_case(job: CaseJob) -> dict:
         if config["name"] == "2d":  # 2d keeps each case's own slice spacing
             target = (spacing[0], target[1], target[2])
         new_shape = resampled_shape(seg_c.shape, spacing, target)
-        data = resample_image(normalized, new_shape)
-        seg_r = resample_seg(seg_c, new_shape, list(job.labels.values()))
+        data = resample_image(normalized, new_shape, spacing, target)
+        seg_r = resample_seg(seg_c, new_shape, spacing, target)
         folder = Path(config["folder"])
         patch = tuple(config["patch_size"])
         from trainer.data.blosc_io import write_array  # blosc2 only where it is needed

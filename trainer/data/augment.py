@@ -5,7 +5,11 @@ the samples that need it; image linear, segmentation by linear interpolation of 
 label's indicator and argmax), taking the network patch out of the centre of a larger
 read (read_size), so rotated or zoomed-out corners hold image, not fill; Gaussian noise, Gaussian
 blur, brightness, contrast, low-resolution simulation, gamma on the inverted image, gamma,
-mirroring (exact flips). Each transform touches only the samples it was drawn for. Every
+mirroring (exact flips); then, for use_mask_for_norm channels, the outside of the body
+(nnU-Net's -1 label, resampled as a label of its own) set back to 0. Brightness, contrast
+and gamma are drawn per channel; "dummy 2D" (in_plane_only) rotates about axis 0 and
+scales y and x only. The ops live in grid_sampling (spatial) and intensity_ops.
+Each transform touches only the samples it was drawn for. Every
 random number comes from the generators given, in a fixed number of draws, so a batch is
 reproducible from its seed; per-sample statistics are summed in float64 so the result
 does not depend on how many threads compute it (loader thread or main thread).
@@ -17,7 +21,14 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from trainer.data.grid_sampling import centre_crop, spatial_with_outside
+from trainer.data.intensity_ops import (
+    contrast,
+    gamma_retain_stats,
+    gaussian_blur,
+    low_resolution,
+)
 
 
 @dataclass(frozen=True)
@@ -26,7 +37,9 @@ class AugmentConfig:
 
     p_rotation: float = 0.2
     rotation_deg: float = 30.0
-    in_plane_only: bool = False  # anisotropic 3D data: rotate about the slice axis only
+    # nnU-Net's "dummy 2D" for 3D patches much thinner along axis 0: rotate about axis 0
+    # and scale y and x only, the patch's slices kept as they are
+    in_plane_only: bool = False
     p_scale: float = 0.2
     scale_range: tuple[float, float] = (0.7, 1.4)
     p_mirror: float = 0.5
@@ -125,148 +138,16 @@ def read_size(patch_size: tuple[int, ...], config: AugmentConfig) -> tuple[int, 
     return tuple(max(r, p) for r, p in zip(read, patch, strict=True))
 
 
-def _affine_grid(m: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
-    """F.affine_grid without translation, built by broadcasting 1D coordinates.
-
-    Same result as affine_grid(align_corners=False), ~20x faster on CPU where
-    affine_grid's batched matmul over a materialised base grid dominates the transform.
-    Each output coordinate is one broadcast sum written straight into the grid.
-    """
-    ndim = len(spatial)
-    coords = []  # normalised voxel centres per axis in (x, y, z) order
-    for i, n in enumerate(reversed(spatial)):
-        c = (torch.arange(n, device=m.device, dtype=m.dtype) * 2 + 1) / n - 1
-        shape = [1] * (ndim + 1)
-        shape[ndim - i] = n
-        coords.append(c.view(shape))
-    grid = torch.empty((m.shape[0], *spatial, ndim), device=m.device, dtype=m.dtype)
-    for row in range(ndim):
-        terms = [m[:, row, col].view(-1, *([1] * ndim)) * coords[col] for col in range(ndim)]
-        partial = terms[0]
-        for term in terms[1:-1]:
-            partial = partial + term
-        torch.add(partial, terms[-1], out=grid[..., row])
-    return grid
-
-
-def _resample_labels(seg: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-    """seg (b, 1, *in) integer sampled at grid: each foreground label's indicator linearly
-    interpolated, background's score 1 - their sum (so the fill outside counts as
-    background), argmax (the lowest label on ties). nnU-Net's segmentation mode: thin
-    structures keep their shape under rotation instead of nearest's jagged steps."""
-    # Labels present: a bincount of the (small, non-negative) label values is ~10x faster
-    # on CPU than torch.unique's sort.
-    counts = torch.bincount(seg.reshape(-1).to(torch.int64 if seg.is_cuda else seg.dtype))
-    labels = [int(v) for v in counts.nonzero().flatten().tolist() if v != 0]
-    if not labels:
-        return torch.zeros((seg.shape[0], 1, *grid.shape[1:-1]), dtype=seg.dtype, device=seg.device)
-    onehot = torch.cat([(seg == v).to(grid.dtype) for v in labels], dim=1)
-    scores = F.grid_sample(onehot, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-    # A running maximum instead of argmax over the label axis: argmax across channels
-    # cost 2/3 of a 3D batch's augmentation on CPU; strict > keeps the lowest label on ties.
-    best = 1.0 - scores.sum(1, keepdim=True)  # background's score
-    out = torch.zeros(best.shape, dtype=seg.dtype, device=seg.device)
-    for k, value in enumerate(labels):
-        score = scores[:, k : k + 1]
-        wins = score > best
-        out.masked_fill_(wins, value)
-        best = torch.maximum(best, score)
-    return out
-
-
-def spatial_transform(
-    data: torch.Tensor,
-    seg: torch.Tensor,
-    matrices: torch.Tensor,
-    out_size: tuple[int, ...] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply per-sample voxel-space linear maps (b, d, d) (output -> input coordinates)
-    about the centre: the output's centre lands on the input's centre, so out_size
-    (default: the input's) smaller than the input cuts its middle."""
-    spatial = data.shape[2:]
-    out = tuple(out_size) if out_size is not None else tuple(spatial)
-    ndim = len(spatial)
-    # grid_sample's normalised coordinates are per-axis scaled and in (x, y, z) order:
-    # input voxel offset M @ (output offset), each axis measured in its own half-length.
-    half_in = torch.tensor([n / 2.0 for n in spatial], dtype=matrices.dtype)
-    half_out = torch.tensor([n / 2.0 for n in out], dtype=matrices.dtype)
-    m = matrices / half_in[None, :, None] * half_out[None, None, :]
-    flip = list(range(ndim))[::-1]
-    m = m[:, flip][:, :, flip]
-    grid = _affine_grid(m.to(device=data.device, dtype=data.dtype), out)
-    data = F.grid_sample(data, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-    return data, _resample_labels(seg, grid)
-
-
-def centre_crop(x: torch.Tensor, out_size: tuple[int, ...]) -> torch.Tensor:
-    """x (..., *spatial) cut to out_size around floor(n / 2), nnU-Net's crop of a sample it
-    does not rotate or scale (start floor(n / 2) - out // 2)."""
-    ndim = len(out_size)
-    starts = [n // 2 - o // 2 for n, o in zip(x.shape[-ndim:], out_size, strict=True)]
-    index = (..., *(slice(s, s + o) for s, o in zip(starts, out_size, strict=True)))
-    return x[index]
-
-
-def _mean(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    count = math.prod(x.shape[d] for d in dims)
-    return (x.sum(dim=dims, keepdim=True, dtype=torch.float64) / count).to(x.dtype)
-
-
-def _mean_std(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row mean and (unbiased) std, accumulated in float64."""
-    count = math.prod(x.shape[d] for d in dims)
-    mean = _mean(x, dims)
-    centred = x - mean
-    var = (centred * centred).sum(dim=dims, keepdim=True, dtype=torch.float64) / max(1, count - 1)
-    return mean, var.sqrt().to(x.dtype)
-
-
-def _gaussian_blur(x: torch.Tensor, sigmas: list[float], radius: int) -> torch.Tensor:
-    """x (*spatial) blurred by a separable Gaussian, sigmas (ndim) in voxels, edges
-    replicated. A weighted sum of shifted views per axis: ~10x faster on CPU than a conv
-    with a (k, 1, 1) kernel."""
-    taps = torch.arange(-radius, radius + 1, dtype=torch.float64)
-    out = x
-    for axis, sigma in enumerate(sigmas):
-        weights = torch.exp(-0.5 * (taps / sigma) ** 2)
-        weights = (weights / weights.sum()).tolist()
-        pad = [0] * (2 * x.ndim)
-        pad[2 * (x.ndim - 1 - axis)] = pad[2 * (x.ndim - 1 - axis) + 1] = radius
-        padded = F.pad(out[None, None], pad, mode="replicate")[0, 0]
-        length = x.shape[axis]
-        out = padded.narrow(axis, 0, length) * weights[0]
-        for k in range(1, 2 * radius + 1):
-            out.add_(padded.narrow(axis, k, length), alpha=weights[k])
-    return out
-
-
-def _low_resolution(x: torch.Tensor, zoom: float, axes: tuple[int, ...]) -> torch.Tensor:
-    """x (*spatial): nearest down-sampling by `zoom` along `axes`, linear back up."""
-    spatial = tuple(x.shape)
-    small = tuple(max(1, round(n * zoom)) if a in axes else n for a, n in enumerate(spatial))
-    mode = "trilinear" if len(spatial) == 3 else "bilinear"
-    down = F.interpolate(x[None, None], size=small, mode="nearest-exact")
-    return F.interpolate(down, size=spatial, mode=mode, align_corners=False)[0, 0]
-
-
-def _gamma(x: torch.Tensor, gamma: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """Gamma on the [0, 1]-rescaled image, then mean and std restored (nnU-Net's
-    retain_stats)."""
-    mean, std = _mean_std(x, dims)
-    lo, hi = x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True)
-    span = (hi - lo).clamp_min(1e-7)
-    out = ((x - lo) / span).clamp_min(0).pow(gamma) * span + lo
-    out_mean, out_std = _mean_std(out, dims)
-    return (out - out_mean) / out_std.clamp_min(1e-7) * std + mean
-
-
 @dataclass(frozen=True)
 class _Draws:
     """Every random number of one batch, drawn up front in a fixed order (reproducibility).
 
     u (b, 17): rotation/scale gates, angles, zoom, mirror gates, noise, brightness,
-    contrast, gamma; v (b, 4): blur and low-resolution gates, inverted gamma; per_channel
-    (b, C, 3 + ndim): blur gate and sigmas, low-resolution gate and zoom.
+    contrast and gamma gates (columns 12, 14, 16 unused since those factors are drawn per
+    channel); v (b, 4): blur and low-resolution gates, inverted gamma gate (column 3
+    unused); per_channel (b, C, 7 + ndim): blur gate and sigmas, low-resolution gate and
+    zoom, then brightness, contrast, inverted gamma and gamma factors (nnU-Net draws those
+    four per channel).
     """
 
     u: list[list[float]]
@@ -284,7 +165,7 @@ def _draw(
         noise_generator = torch.Generator(device=data.device)
         noise_generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
     v = torch.rand(b, 4, generator=generator, dtype=torch.float64).tolist()
-    per_channel = torch.rand(b, channels, 3 + ndim, generator=generator, dtype=torch.float64)
+    per_channel = torch.rand(b, channels, 7 + ndim, generator=generator, dtype=torch.float64)
     return _Draws(u, v, per_channel.tolist(), noise_generator)
 
 
@@ -296,9 +177,11 @@ def _rotate_and_scale(
     images: list[torch.Tensor],
     labels: list[torch.Tensor],
     out_size: tuple[int, ...],
+    outside: tuple[list[int], list[torch.Tensor]] | None = None,
 ) -> None:
     """One grid_sample for the samples drawn for rotation or scaling, cut to out_size
-    about the centre; replaces their entries of images / labels in place."""
+    about the centre; replaces their entries of images / labels (and with outside, the
+    masked channels and the samples' outside masks, those of outside[1]) in place."""
     b, ndim = data.shape[0], data.ndim - 2
     moved = [i for i in range(b) if u[i][0] < config.p_rotation or u[i][1] < config.p_scale]
     if not moved:
@@ -318,10 +201,19 @@ def _rotate_and_scale(
         dtype=torch.float64,
     )
     matrices = _rotation_matrices(angles, ndim) * factors[:, None, None]
+    if ndim == 3 and config.in_plane_only:
+        matrices[:, 0, 0] = 1.0  # dummy 2D: y and x scaled, each slice stays one slice
     index = torch.tensor(moved, device=data.device)
-    new_data, new_seg = spatial_transform(data[index], seg[index], matrices, out_size)
+    read_outside = None
+    if outside is not None:  # on the read of the moved samples only: it costs a pass
+        read_outside = _outside_body(data[index], seg[index], outside[0])
+    new_data, new_seg, new_outside = spatial_with_outside(
+        data[index], seg[index], matrices, out_size, read_outside
+    )
     for k, i in enumerate(moved):
         images[i], labels[i] = new_data[k], new_seg[k]
+        if outside is not None:
+            outside[1][i] = new_outside[k]
 
 
 def _blur_channels(
@@ -331,10 +223,9 @@ def _blur_channels(
     if not picked:
         return x
     x = x.clone()  # x may be a view of the caller's batch
-    blur_radius = math.ceil(3 * config.blur_sigma[1])
     for c in picked:
         sigmas = [_uniform(s, config.blur_sigma) for s in pc[c][1 : 1 + ndim]]
-        x[c] = _gaussian_blur(x[c], sigmas, blur_radius)
+        x[c] = gaussian_blur(x[c], sigmas)
     return x
 
 
@@ -348,14 +239,28 @@ def _low_res_channels(
     low_res_axes = tuple(range(1 if ndim == 3 and config.in_plane_only else 0, ndim))
     for c in picked:
         zoom = _uniform(pc[c][2 + ndim], config.low_res_scale)
-        x[c] = _low_resolution(x[c], zoom, low_res_axes)
+        x[c] = low_resolution(x[c], zoom, low_res_axes)
     return x
 
 
-def _contrast(x: torch.Tensor, factor: float, dims: tuple[int, ...]) -> torch.Tensor:
-    mean = _mean(x, dims)
-    lo, hi = x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True)
-    return torch.minimum(torch.maximum((x - mean) * factor + mean, lo), hi)
+FACTOR_NAMES = ("brightness", "contrast", "gamma_inverted", "gamma")
+
+
+def channel_factors(pc: list[list[float]], config: AugmentConfig) -> dict[str, list[float]]:
+    """Per-channel brightness, contrast, inverted-gamma and gamma factors of one sample
+    from its per-channel uniforms pc (C, 7 + ndim): one draw per channel, as nnU-Net's
+    transforms with synchronize_channels=False."""
+    ndim = len(pc[0]) - 7
+    ranges = (config.brightness_range, config.contrast_range, config.gamma_range)
+    ranges = (*ranges, config.gamma_range)
+    return {
+        name: [_below_or_above_one(row[3 + ndim + k], ranges[k]) for row in pc]
+        for k, name in enumerate(FACTOR_NAMES)
+    }
+
+
+def _per_channel(values: list[float], x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=x.dtype, device=x.device).view(-1, *[1] * (x.ndim - 1))
 
 
 def _intensities(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig) -> torch.Tensor:
@@ -364,6 +269,7 @@ def _intensities(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig) 
     ndim = x.ndim - 1
     dims = tuple(range(1, ndim + 1))  # spatial dims of one channel stack (C, *spatial)
     ui, vi, pc = draws.u[i], draws.v[i], draws.per_channel[i]
+    factors = channel_factors(pc, config)
     if ui[9] < config.p_noise:
         # nnU-Net draws the noise's standard deviation from this range (its argument is
         # named noise_variance, but batchgeneratorsv2 uses the draw as the std).
@@ -375,29 +281,30 @@ def _intensities(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig) 
     if vi[0] < config.p_blur:
         x = _blur_channels(x, pc, config, ndim)
     if ui[11] < config.p_brightness:
-        x = x * _below_or_above_one(ui[12], config.brightness_range)
+        x = x * _per_channel(factors["brightness"], x)
     if ui[13] < config.p_contrast:
-        x = _contrast(x, _below_or_above_one(ui[14], config.contrast_range), dims)
+        x = contrast(x, _per_channel(factors["contrast"], x), dims)
     if vi[1] < config.p_low_res:
         x = _low_res_channels(x, pc, config, ndim)
     if vi[2] < config.p_gamma_inverted:
-        x = -_gamma(-x, _below_or_above_one(vi[3], config.gamma_range), dims)
+        x = -gamma_retain_stats(-x, _per_channel(factors["gamma_inverted"], x), dims)
     if ui[15] < config.p_gamma:
-        x = _gamma(x, _below_or_above_one(ui[16], config.gamma_range), dims)
+        x = gamma_retain_stats(x, _per_channel(factors["gamma"], x), dims)
     return x
 
 
-def _outside_body(
-    image: torch.Tensor, label: torch.Tensor, channels: list[int]
-) -> torch.Tensor | None:
-    """(C, *spatial) mask of the voxels of `channels` outside the body, or None: background
-    where those channels are exactly 0 (preprocessing zeroes them outside the nonzero
-    region; nnui's seg has no -1 label for it, and the spatial transform's fill is 0 too)."""
-    if not channels:
-        return None
-    outside = (image[channels] == 0).all(0) & (label[0] == 0)
+def _outside_body(data: torch.Tensor, seg: torch.Tensor, channels: list[int]) -> torch.Tensor:
+    """(b, 1, *spatial) nnU-Net's -1 label: background where the masked channels are
+    exactly 0 (preprocessing leaves them 0 outside the hole-filled body; reads pad with 0)."""
+    outside = seg == 0
+    for c in channels:
+        outside &= data[:, c : c + 1] == 0
+    return outside
+
+
+def _channel_mask(outside: torch.Tensor, image: torch.Tensor, channels: list[int]) -> torch.Tensor:
     mask = torch.zeros(image.shape, dtype=torch.bool, device=image.device)
-    mask[channels] = outside
+    mask[channels] = outside[0]
     return mask
 
 
@@ -421,14 +328,19 @@ def augment_batch(
     # Views of the centre, stacked at the end; rotated or scaled samples are replaced.
     images = list(centre_crop(data, out).unbind(0))
     labels = list(centre_crop(seg, out).unbind(0))
-    _rotate_and_scale(data, seg, draws.u, config, images, labels, out)
-    # Samples in order: the noise generator's stream is consumed sample by sample.
     masked = [c for c, on in enumerate(config.mask_channels) if on and c < data.shape[1]]
+    outside = None
+    if masked:  # each sample's outside, resampled as a label of its own where it moves
+        crops = [
+            _outside_body(x[None], y[None], masked)[0] for x, y in zip(images, labels, strict=True)
+        ]
+        outside = (masked, crops)
+    _rotate_and_scale(data, seg, draws.u, config, images, labels, out, outside)
+    # Samples in order: the noise generator's stream is consumed sample by sample.
     for i in range(data.shape[0]):
-        outside = _outside_body(images[i], labels[i], masked)
         x = _intensities(images[i], draws, i, config)
-        if outside is not None:
-            x = x.masked_fill(outside, 0.0)
+        if outside is not None:  # nnU-Net's MaskImageTransform, after the intensities
+            x = x.masked_fill(_channel_mask(outside[1][i], x, masked), 0.0)
         # --- mirroring last (as nnU-Net): one exact flip per sample
         flips = [1 + axis for axis in range(ndim) if draws.u[i][6 + axis] < config.p_mirror]
         if flips:

@@ -125,7 +125,14 @@ class PreprocessedCases:
             path = self.folder / f"{case_id}.json"
             if not path.is_file():
                 raise self.missing_error([case_id])
-            self._properties[case_id] = json.loads(path.read_text())
+            props = json.loads(path.read_text())
+            # int32 arrays: nnU-Net's >= 10,000 locations per class as nested Python lists
+            # would hold ~1.5 MB per class and case in every loader
+            props["class_locations"] = {
+                k: np.asarray(v, dtype=np.int32).reshape(-1, 3)
+                for k, v in props.get("class_locations", {}).items()
+            }
+            self._properties[case_id] = props
         return self._properties[case_id]
 
     def load_case(self, case_id: str) -> tuple[np.ndarray, np.ndarray, dict]:

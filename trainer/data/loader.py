@@ -84,14 +84,12 @@ def _check_arguments(
         raise ValueError(f"stream must be one of {sorted(STREAM_IDS)}, got {stream!r}")
 
 
-def _default_augment_config(
-    cases: PreprocessedCases,
-    case_id: str,
-    patch_size: tuple[int, ...],
-    mask_channels: tuple[bool, ...] = (),
+def default_augment_config(
+    patch_size: tuple[int, ...], mask_channels: tuple[bool, ...] = ()
 ) -> AugmentConfig:
-    spacing = cases.properties(case_id)["spacing_after_resampling"]
-    aniso = len(patch_size) == 3 and max(spacing) / min(spacing) > ANISO_THRESHOLD
+    # nnU-Net's rule for "dummy 2D" augmentation: the patch, not the spacing, decides (a
+    # patch much thinner along axis 0 than its widest side)
+    aniso = len(patch_size) == 3 and max(patch_size) / patch_size[0] > ANISO_THRESHOLD
     # nnU-Net's ranges: 2D patches and in-plane-only 3D rotate freely, except elongated 2D
     # patches (longest side > 1.5 x the shortest: 15 degrees); other 3D up to 30 degrees.
     if len(patch_size) == 2:
@@ -155,9 +153,7 @@ class PatchLoader:
         )
         self.cases = cases
         if augment_config is None:
-            augment_config = _default_augment_config(
-                cases, sorted(case_ids)[0], patch_size, mask_channels
-            )
+            augment_config = default_augment_config(tuple(patch_size), mask_channels)
         self.augment_config = augment_config
         # Augmented streams read a larger box and cut the patch out of its centre after the
         # rotation / scaling (nnU-Net's way): rotated corners hold image, not fill.

@@ -113,19 +113,19 @@ def plan_batch(
         props = properties(case_id)
         shape = props["shape_after_resampling"]
         centre = _centre(rng, props["class_locations"], forced, rule)
+        # stored locations are int32 arrays (rows), so `centre or ...` would be ambiguous
+        origin = (0, 0, 0) if centre is None else centre
         if len(patch_size) == 2:
             z = int(centre[0]) if centre is not None else int(rng.integers(shape[0]))
             yx = [
                 _lower_bound(rng, n, r, p, None if centre is None else int(c))
-                for n, r, p, c in zip(
-                    shape[1:], read, patch_size, (centre or (0, 0, 0))[1:], strict=True
-                )
+                for n, r, p, c in zip(shape[1:], read, patch_size, origin[1:], strict=True)
             ]
             lower = (z, *yx)
         else:
             lower = tuple(
                 _lower_bound(rng, n, r, p, None if centre is None else int(c))
-                for n, r, p, c in zip(shape, read, patch_size, centre or (0, 0, 0), strict=True)
+                for n, r, p, c in zip(shape, read, patch_size, origin, strict=True)
             )
         boxes.append(PatchBox(case_id, lower, size3, forced))
     return boxes

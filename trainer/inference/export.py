@@ -2,7 +2,8 @@
 
 `to_raw_geometry` undoes preprocessing for any case whose properties follow CASE.json
 (nnui-preprocess writes them; `prepare.prepare_case` returns the same): log-probabilities
-are resampled linearly to the cropped shape and normalised again (softmax), pasted into the
+are resampled linearly to the cropped shape (nearest neighbour along the thick axis of an
+anisotropic spacing, nnU-Net's rule) and normalised again (softmax), pasted into the
 full image (background outside the crop) and turned into dataset.json's label values by
 argmax. Final validation and nnui-predict share it.
 
@@ -58,7 +59,8 @@ def to_raw_geometry(
     full_shape = tuple(int(n) for n in properties["shape_before_cropping"])
     bbox = properties["bbox_used_for_cropping"]
     if tuple(probs.shape[1:]) != cropped_shape:
-        probs = _resample_log_space(probs, cropped_shape)
+        spacings = (properties["spacing_after_resampling"], properties["spacing"])
+        probs = _resample_log_space(probs, cropped_shape, *spacings)
     region = tuple(slice(lo, hi) for lo, hi in bbox)
     values = np.asarray(sorted(int(v) for v in label_values))
     segmentation = np.zeros(full_shape, dtype=label_dtype(values))
@@ -71,10 +73,16 @@ def to_raw_geometry(
     return RawPrediction(segmentation, full)
 
 
-def _resample_log_space(probs: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Probabilities at `shape`: linear in log space (nnU-Net's logit resampling), then a
-    softmax over the classes, so they sum to 1 again."""
-    log_probs = resample_image(np.log(np.maximum(probs, TINY)), shape, order=1)
+def _resample_log_space(
+    probs: np.ndarray,
+    shape: tuple[int, ...],
+    spacing: Sequence[float],
+    raw_spacing: Sequence[float],
+) -> np.ndarray:
+    """Probabilities at `shape`: linear in log space (nnU-Net's logit resampling, with its
+    separate-z rule: nearest along the thick axis), then a softmax over the classes, so
+    they sum to 1 again."""
+    log_probs = resample_image(np.log(np.maximum(probs, TINY)), shape, spacing, raw_spacing, 1)
     log_probs -= log_probs.max(axis=0, keepdims=True)
     np.exp(log_probs, out=log_probs)
     log_probs /= log_probs.sum(axis=0, keepdims=True)

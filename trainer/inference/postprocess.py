@@ -2,7 +2,9 @@
 
 Components are fully connected (26 neighbours in 3d), as nnU-Net's (skimage's default).
 A postprocessing file (written by nnui-find-best-configuration, read by nnui-predict and
-nnui-ensemble with --postprocess) is JSON: {"largest_component_labels": [1, 2]}.
+nnui-ensemble with --postprocess) is JSON: {"largest_component_labels": [[1, 2], 1]}: steps
+applied in order, each a label or a list of labels taken together as one mask (nnU-Net's
+first candidate: all foreground as one component).
 """
 
 from __future__ import annotations
@@ -19,23 +21,34 @@ from trainer.inference.cases import InputError
 POSTPROCESSING_KEY = "largest_component_labels"
 
 
-def keep_largest_component(segmentation: np.ndarray, labels: Sequence[int]) -> np.ndarray:
-    """A copy where, for each label, voxels outside its largest component become 0."""
+Step = int | tuple[int, ...]
+
+
+def keep_largest_component(segmentation: np.ndarray, steps: Sequence[Step]) -> np.ndarray:
+    """A copy where, step by step, the voxels of the step's label(s) outside their largest
+    component become 0 (components tied for the largest all stay, as nnU-Net's)."""
     out = segmentation.copy()
     structure = np.ones((3,) * segmentation.ndim, dtype=bool)
-    for label in labels:
-        components, count = ndimage.label(segmentation == label, structure)
+    for step in steps:
+        labels = [step] if isinstance(step, (int, np.integer)) else list(step)
+        components, count = ndimage.label(np.isin(out, labels), structure)
         if count <= 1:
             continue
         sizes = np.bincount(components.ravel())
         sizes[0] = 0
-        out[(components != 0) & (components != int(sizes.argmax()))] = 0
+        out[(components != 0) & (sizes[components] != sizes.max())] = 0
     return out
 
 
-def read_postprocessing(path: Path) -> list[int]:
+def _step(value) -> Step:
+    if isinstance(value, list):
+        return tuple(int(v) for v in value)
+    return int(value)
+
+
+def read_postprocessing(path: Path) -> list[Step]:
     try:
-        labels = json.loads(Path(path).read_text())[POSTPROCESSING_KEY]
-        return [int(v) for v in labels]
+        steps = json.loads(Path(path).read_text())[POSTPROCESSING_KEY]
+        return [_step(v) for v in steps]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InputError(f"--postprocess {path}: not a postprocessing file ({exc})") from None

@@ -63,7 +63,7 @@ def prepare_case(
     del image, cropped
     target = target_spacing(cplan, spacing)
     new_shape = resampled_shape(cropped_shape, spacing, target)
-    data = resample_image(normalized, new_shape)
+    data = resample_image(normalized, new_shape, spacing, target)
     properties = {
         "case_id": case.case_id,
         "spacing": list(spacing),

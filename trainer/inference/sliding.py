@@ -3,8 +3,9 @@
 Windows and Gaussian weights are final validation's (`trainer.evaluate.window_starts`,
 `gaussian_importance`). Test-time mirroring flips over every combination of the spatial
 axes the training mirrored (all of them, as nnU-Net's default): 8 passes in 3d, 4 in 2d.
-Each fold's weighted logits become softmax probabilities, then the folds are averaged, so
-predicting folds together equals the mean of predicting them one by one.
+The folds' Gaussian-weighted logits are averaged and the softmax taken after, as nnU-Net
+ensembles folds (the mean of the folds' logits, not of their probabilities: a fold that is
+sure of itself weighs more).
 """
 
 from __future__ import annotations
@@ -118,9 +119,9 @@ def sliding_window_probabilities(
     autocast_dtype: torch.dtype | None = None,
     sigmoid: bool = False,
 ) -> torch.Tensor:
-    """Fold-averaged softmax (N, K, *spatial) for images (N, C, *spatial) on one device;
-    the networks run under autocast to `autocast_dtype` (trainer.precision), else float32.
-    sigmoid: one independent probability per channel (region-based training)."""
+    """Softmax (sigmoid: one independent probability per channel, region-based training) of
+    the fold-averaged logits (N, K, *spatial) for images (N, C, *spatial); the networks run
+    under autocast to `autocast_dtype` (trainer.precision), else float32."""
     images, crop = _pad_to_patch(images, patch)
     windows = _windows(tuple(images.shape[2:]), patch, step_size)
     weights = gaussian_importance(patch, images.device)
@@ -133,13 +134,12 @@ def sliding_window_probabilities(
     total = None
     for model in models:
         logits = _fold_logits(model, images, windows, weights, combos, num_classes, batch, autocast)
-        logits /= norm
-        probs = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=1)
+        total = logits if total is None else total.add_(logits)
         del logits
-        total = probs if total is None else total.add_(probs)
     assert total is not None, "at least one model"
-    total /= len(models)
-    return total[(slice(None), slice(None), *crop)]
+    total /= norm * len(models)
+    probs = torch.sigmoid(total) if sigmoid else torch.softmax(total, dim=1)
+    return probs[(slice(None), slice(None), *crop)]
 
 
 def _autocast_for(device: torch.device, dtype: torch.dtype | None):
