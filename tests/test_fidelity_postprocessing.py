@@ -13,6 +13,7 @@ import pytest
 from trainer.best_configuration import Inputs, choose_postprocessing
 from trainer.data.image_io import write_nifti
 from trainer.inference.postprocess import keep_largest_component, read_postprocessing
+from trainer.labels import parse_labels
 
 components = pytest.importorskip("nnunetv2.postprocessing.remove_connected_components")
 
@@ -51,7 +52,7 @@ def _inputs(tmp_path: Path, reference: np.ndarray, prediction: np.ndarray, label
     np.savez_compressed(
         npz, probabilities=np.stack([(prediction == v).astype(np.float32) for v in values])
     )
-    return Inputs("D", labels, {"case": ref}, {"3d_fullres": {"case": npz}})
+    return Inputs("D", parse_labels(labels), {"case": ref}, {"3d_fullres": {"case": npz}})
 
 
 def test_one_label_uses_the_whole_foreground_step(tmp_path):

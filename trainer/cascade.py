@@ -179,8 +179,8 @@ def export_next_stage(
             continue
         target = tuple(int(n) for n in props["shape_after_resampling"])
         cropped = crop(raw_seg, props["bbox_used_for_cropping"])
-        values = list(plans.label_spec.output_values)
-        seg = resample_seg(cropped, target, values).astype(np.uint8)
+        spacings = (props["spacing"], props["spacing_after_resampling"])
+        seg = resample_seg(cropped, target, *spacings).astype(np.uint8)
         folder = next_stage_folder(Path(config.run_dir), name)
         folder.mkdir(parents=True, exist_ok=True)
         write_array(folder / f"{case_id}.b2nd", seg[None], tuple(nxt.patch_size))

@@ -74,7 +74,7 @@ def prepare_case(
         "shape_after_resampling": list(new_shape),
     }
     if previous_stage_dir is not None:
-        where = (bbox, new_shape, raw_shape)
+        where = (bbox, new_shape, raw_shape, spacing, target)
         data = _with_previous_stage(data, case, plans, where, previous_stage_dir)
     return PreparedCase(case, data, properties)
 
@@ -90,9 +90,9 @@ def _with_previous_stage(
         previous = read_image(path)[0]
     except (ImageReadError, OSError) as exc:
         raise InputError(f"previous stage's segmentation of {case.case_id}: {exc}") from None
-    bbox, new_shape, raw_shape = where
+    bbox, new_shape, raw_shape, spacing, target = where
     if list(previous.shape) != list(raw_shape):
         raise InputError(f"{path}: shape {list(previous.shape)}, the image's is {raw_shape}")
     spec = plans.label_spec
-    seg = resample_seg(crop(previous, bbox), new_shape, list(spec.output_values))
+    seg = resample_seg(crop(previous, bbox), new_shape, spacing, target)
     return np.concatenate([data, one_hot(seg, foreground_labels(spec))])

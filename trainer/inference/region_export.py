@@ -26,10 +26,15 @@ def _numpy(array: Any) -> np.ndarray:
     return np.asarray(array, dtype=np.float32)
 
 
-def resample_sigmoid(probs: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Per-region probabilities at `shape`, resampled linearly in logit space."""
+def resample_sigmoid(
+    probs: np.ndarray, shape: tuple[int, ...], spacing: Any, raw_spacing: Any
+) -> np.ndarray:
+    """Per-region probabilities at `shape`, resampled linearly in logit space (nnU-Net's
+    separate-z rule: nearest along a thick axis), as the softmax path does."""
     clipped = np.clip(probs.astype(np.float64), EPS, 1 - EPS)
-    logits = resample_image(np.log(clipped) - np.log1p(-clipped), shape, order=1)
+    logits = resample_image(
+        np.log(clipped) - np.log1p(-clipped), shape, spacing, raw_spacing, order=1
+    )
     return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
 
 
@@ -46,7 +51,8 @@ def export_raw(
     cropped_shape = tuple(int(n) for n in properties["shape_after_cropping_and_before_resampling"])
     full_shape = tuple(int(n) for n in properties["shape_before_cropping"])
     if tuple(probs.shape[1:]) != cropped_shape:
-        probs = resample_sigmoid(probs, cropped_shape)
+        spacings = (properties["spacing_after_resampling"], properties["spacing"])
+        probs = resample_sigmoid(probs, cropped_shape, *spacings)
     region = tuple(slice(lo, hi) for lo, hi in properties["bbox_used_for_cropping"])
     inside = spec.to_segmentation(probs)
     segmentation = np.zeros(full_shape, dtype=inside.dtype)
