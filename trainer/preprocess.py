@@ -37,12 +37,14 @@ from trainer.data.case_ops import (
 )
 from trainer.data.planning import (
     CONFIGURATIONS,
+    DEFAULT_PLANNER,
     Overrides,
+    PlannerOptions,
     PlanningError,
     parse_overrides,
-    plan_experiment,
 )
 from trainer.data.raw import DataError, RawCase, RawDataset, load_raw_case, open_raw_dataset
+from trainer.data.resenc_planning import PRESETS
 from trainer.fingerprint import fingerprint_case, summarize
 from trainer.plans import (
     Plans,
@@ -52,7 +54,7 @@ from trainer.plans import (
     plans_from_dict,
     read_plans_json,
 )
-from trainer.preset_plans import DEFAULT_PLANNER, PLANNERS, preprocess_preset
+from trainer.preset_plans import CPU_PLANNER, PLANNERS, make_plans, preprocess_preset
 from trainer.schema import (
     FINGERPRINT_FILE,
     DatasetNotFound,
@@ -181,28 +183,32 @@ def preprocess_dataset(
     raw_root: Path,
     preprocessed_root: Path,
     dataset: str,
-    configurations: tuple[str, ...] = CONFIGURATIONS,
+    configurations: tuple[str, ...] | None = None,
     num_processes: int = 1,
     overrides: Overrides | None = None,
     verify_only: bool = False,
     progress: Callable[[str], None] = log.info,
     planner: str = DEFAULT_PLANNER,
+    options: PlannerOptions | None = None,
 ) -> Plans | None:
-    """The whole pipeline; returns the plans (None with verify_only). A preset planner
-    (`-pl nnUNetPlannerResEncM`) writes its plans on the default plans' data.
+    """The whole pipeline; returns the plans (None with verify_only). `configurations`
+    None: every one the planner makes. A preset planner (`-pl nnUNetPlannerResEncM`) writes
+    its plans on the default plans' data. `options` (nnU-Net's planner flags) replace
+    `planner` when given.
 
     Raises DatasetNotFound, DataError or PlanningError for user mistakes.
     """
-    if planner != DEFAULT_PLANNER and not verify_only:
-        run = (raw_root, preprocessed_root, dataset, tuple(configurations), num_processes)
-        return preprocess_preset(*run, planner, overrides, progress, preprocess_dataset)
+    options = options or PlannerOptions(planner)
+    if options.planner in PRESETS and not verify_only:
+        run = (raw_root, preprocessed_root, dataset, configurations, num_processes)
+        return preprocess_preset(*run, options, overrides, progress, preprocess_dataset)
     name = find_dataset(Path(raw_root), dataset)
     raw = open_raw_dataset(Path(raw_root) / name)
     # One progress line per case: per case for --verify, per case of the writing pass else.
     fingerprint = fingerprint_dataset(raw, num_processes, progress, per_case=verify_only)
     if verify_only:
         return None
-    plans = plan_experiment(fingerprint, raw.dataset_json, name, tuple(configurations), overrides)
+    plans = make_plans(options, fingerprint, raw.dataset_json, name, configurations, overrides)
     out_dir = Path(preprocessed_root) / name
     _prepare_output_dir(out_dir, plans, progress)
     existing = _write_interim_plans(out_dir, plans, dataset, progress)
@@ -228,9 +234,10 @@ def _write_interim_plans(
     """Returns the plans.json found before this run (merged into the final one)."""
     # Other configurations already in plans.json stay (same bytes, same identity). While
     # this run works, plans.json lists only them: the requested ones are not complete yet.
-    existing = read_plans_json(plans_file(out_dir))
+    existing = read_plans_json(plans_file(out_dir, plans.plans_name))
     merged, dropped = merge_plans(plans, existing)
-    others = {k: v for k, v in merged["configurations"].items() if k not in plans.configurations}
+    new = {*plans.configurations, *plans.cascades}
+    others = {k: v for k, v in merged["configurations"].items() if k not in new}
     kept = {**merged, "configurations": others}
     for other in dropped:
         progress(
@@ -238,9 +245,9 @@ def _write_interim_plans(
             f"run nnui-preprocess {dataset} -c {other} again"
         )
     if kept["configurations"]:
-        atomic_write_text(plans_file(out_dir), content_to_json(kept))
+        atomic_write_text(plans_file(out_dir, plans.plans_name), content_to_json(kept))
     else:
-        plans_file(out_dir).unlink(missing_ok=True)  # not complete until written again
+        plans_file(out_dir, plans.plans_name).unlink(missing_ok=True)  # incomplete until rewritten
     return existing
 
 
@@ -309,7 +316,8 @@ def _write_final_plans(
         n: replace(c, case_ids=tuple(sorted(case_ids))) for n, c in plans.configurations.items()
     }
     content, _ = merge_plans(replace(plans, configurations=written), existing)
-    atomic_write_text(plans_file(out_dir), content_to_json(content))  # the completion marker
+    path = plans_file(out_dir, plans.plans_name)
+    atomic_write_text(path, content_to_json(content))  # the completion marker
     return plans_from_dict(content)
 
 
@@ -330,42 +338,72 @@ def _refuse_nnunet_data_folders(out_dir: Path, plans: Plans) -> None:
             )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nnui-preprocess", description="Fingerprint, plan and preprocess a raw dataset."
     )
-    parser.add_argument("dataset", help="dataset id (e.g. 900) or DatasetNNN_Name")
-    parser.add_argument("-c", nargs="+", default=list(CONFIGURATIONS), choices=CONFIGURATIONS)
-    parser.add_argument("--verify", action="store_true", help="only run the integrity checks")
-    parser.add_argument("-np", type=int, default=min(4, os.cpu_count() or 1), help="processes")
-    parser.add_argument("--raw", default=None, help="raw root (default $nnUNet_raw)")
-    parser.add_argument("--preprocessed", default=None, help="default $nnUNet_preprocessed")
-    parser.add_argument(
-        "--patch-size", type=int, nargs="+", help="e.g. 48 64 64 (3d) or 64 64 (2d)"
+    add = parser.add_argument
+    add("dataset", help="dataset id (e.g. 900) or DatasetNNN_Name")
+    add(
+        "-c",
+        nargs="+",
+        default=None,
+        choices=CONFIGURATIONS,
+        help="configurations to plan and preprocess (default: all the planner makes)",
     )
-    parser.add_argument("--batch-size", nargs="+", help="N for all, or CONFIG=N (e.g. 2d=16)")
-    parser.add_argument(
-        "-pl", default=DEFAULT_PLANNER, choices=PLANNERS, metavar="PLANNER",
-        help="nnU-Net's planner names: nnUNetPlannerResEnc{M,L,XL} plan the residual-encoder "
-        "presets (plans nnuiResEncUNet{M,L,XL}Plans on the default plans' data)",
-    )  # fmt: skip
-    args = parser.parse_args(argv)
+    add("--verify", action="store_true", help="only run the integrity checks")
+    add("-np", type=int, default=min(4, os.cpu_count() or 1), help="processes")
+    add("--raw", default=None, help="raw root (default $nnUNet_raw)")
+    add("--preprocessed", default=None, help="default $nnUNet_preprocessed")
+    add("--patch-size", type=int, nargs="+", help="e.g. 48 64 64 (3d) or 64 64 (2d)")
+    add("--batch-size", nargs="+", help="N for all, or CONFIG=N (e.g. 2d=16)")
+    add(
+        "-pl",
+        default=DEFAULT_PLANNER,
+        choices=PLANNERS,
+        metavar="PLANNER",
+        help=f"{DEFAULT_PLANNER} (default: nnU-Net's plans), {CPU_PLANNER} (small plans a CPU "
+        "trains, written as nnuiCPUPlans), nnUNetPlannerResEnc{M,L,XL} (residual-encoder "
+        "presets nnuiResEncUNet{M,L,XL}Plans on the default plans' data)",
+    )
+    add(
+        "-gpu_memory_target",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="GPU memory the plans are sized for (default 8; presets 8/24/40)",
+    )
+    add(
+        "-overwrite_target_spacing",
+        type=float,
+        nargs=3,
+        default=None,
+        metavar="S",
+        help="target spacing (z y x, before the transpose) instead of the planned one",
+    )
+    add(
+        "-overwrite_plans_name",
+        default=None,
+        metavar="NAME",
+        help="plans identifier instead of the planner's (nnuiPlans, nnuiCPUPlans, ...)",
+    )
+    return parser  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     roots = resolve_roots(raw=args.raw, preprocessed=args.preprocessed)
     started = time.perf_counter()
+    configs = tuple(args.c) if args.c else None
     try:
-        overrides = parse_overrides(args.patch_size, args.batch_size, args.c)
+        overrides = parse_overrides(args.patch_size, args.batch_size, configs or CONFIGURATIONS)
+        options = PlannerOptions(args.pl, args.overwrite_plans_name, args.gpu_memory_target,
+                                 args.overwrite_target_spacing)  # fmt: skip
         plans = preprocess_dataset(
-            roots.raw,
-            roots.preprocessed,
-            args.dataset,
-            tuple(args.c),
-            max(1, args.np),
-            overrides,
-            args.verify,
-            progress=lambda line: print(line, flush=True),
-            planner=args.pl,
-        )
+            roots.raw, roots.preprocessed, args.dataset, configs, max(1, args.np), overrides,
+            args.verify, progress=lambda line: print(line, flush=True), options=options,
+        )  # fmt: skip
     except (DatasetNotFound, DataError, PlanningError, SharedTreeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
