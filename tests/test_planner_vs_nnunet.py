@@ -281,3 +281,97 @@ def test_flags_and_presets_equal_nnunets(planned, dataset_id, planner, plans_nam
     ours = nnui_plans(planned, dataset_id, options)
     gb = kwargs.get("gpu_memory_target_in_gb", 8.0)
     assert plans_differences(result["plans"], result["estimates"], ours, gb) == []
+
+
+# ---- the transpose through preprocessing and back; nnui-preprocess's flags ---------------
+
+TRANSPOSED = ("Transposed", {"0": "CT"}, 2, [((40, 36, 8), (0.8, 0.8, 5.0))] * 3, 1.0)
+
+
+@pytest.fixture(scope="module")
+def transposed_raw(tmp_path_factory) -> Path:
+    """CT whose thick axis is the last array axis, at one spacing (nothing is resampled)."""
+    root = tmp_path_factory.mktemp("transposed_raw")
+    DATASETS[965] = TRANSPOSED
+    try:
+        make_raw_dataset(root, 965)
+    finally:
+        del DATASETS[965]
+    return root
+
+
+def _preprocess(raw: Path, pre: Path, *flags: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "trainer.preprocess", "965", "--raw", str(raw),
+            "--preprocessed", str(pre), "-np", "1", *flags]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    return subprocess.run(argv, env=env, capture_output=True, text=True)
+
+
+def test_data_is_stored_transposed_and_predictions_come_back_in_raw_geometry(
+    transposed_raw, tmp_path
+):
+    from trainer.data.blosc_io import open_array
+    from trainer.data.image_io import read_image
+    from trainer.inference.cases import InputCase
+    from trainer.inference.export import raw_shape, to_raw_geometry
+    from trainer.inference.prepare import prepare_case
+    from trainer.plans import load_plans
+
+    done = _preprocess(transposed_raw, tmp_path, "-c", "3d_fullres")
+    assert done.returncode == 0, done.stderr
+    dataset = tmp_path / "Dataset965_Transposed"
+    plans = load_plans(dataset)
+    assert plans.transpose == ((2, 0, 1), (1, 2, 0))
+    config = plans.configuration("3d_fullres")
+    assert config.spacing == pytest.approx((5.0, 0.8, 0.8))
+    folder = transposed_raw / "Dataset965_Transposed"
+    label, _ = read_image(folder / "labelsTr" / "case00.nii.gz")
+    stored = open_array(dataset / config.data_identifier / "case00_seg.b2nd")[:][0]
+    assert stored.shape == (8, 40, 36)
+    assert np.array_equal(stored, label.transpose(2, 0, 1))
+    properties = json.loads((dataset / config.data_identifier / "case00.json").read_text())
+    assert raw_shape(properties) == [40, 36, 8]
+    one_hot = np.stack([stored == v for v in (0, 1)]).astype(np.float32)
+    back = to_raw_geometry(one_hot, properties, [0, 1], keep_probabilities=True)
+    assert np.array_equal(back.segmentation, label)
+    assert back.probabilities.shape == (2, 40, 36, 8)
+    # A case read at prediction time is prepared in the same (transposed) order.
+    image_files = (folder / "imagesTr" / "case00_0000.nii.gz",)
+    prepared = prepare_case(InputCase("case00", image_files, ".nii.gz"), plans, config)
+    assert prepared.properties["transpose_forward"] == [2, 0, 1]
+    stored_image = open_array(dataset / config.data_identifier / "case00.b2nd")[:]
+    assert np.allclose(prepared.data, stored_image, atol=1e-5)
+
+
+def test_cpu_planner_and_plans_name_flags_write_their_own_files(transposed_raw, tmp_path):
+    done = _preprocess(transposed_raw, tmp_path, "-pl", "nnuiCPUPlanner")
+    assert done.returncode == 0, done.stderr
+    dataset = tmp_path / "Dataset965_Transposed"
+    cpu = json.loads((dataset / "nnuiCPUPlans.json").read_text())
+    assert cpu["plans_name"] == "nnuiCPUPlans" and "transpose_forward" not in cpu
+    assert set(cpu["configurations"]) == {"2d", "3d_fullres"}
+    assert any((dataset / "nnuiCPUPlans_3d_fullres").glob("*.b2nd"))
+    assert not (dataset / "nnuiPlans.json").exists()
+    flags = ("-overwrite_plans_name", "nnuiBigPlans", "-gpu_memory_target", "24",
+             "-overwrite_target_spacing", "1", "1.5", "4")  # fmt: skip
+    done = _preprocess(transposed_raw, tmp_path, *flags)
+    assert done.returncode == 0, done.stderr
+    big = json.loads((dataset / "nnuiBigPlans.json").read_text())
+    assert big["plans_name"] == "nnuiBigPlans"
+    assert big["configurations"]["3d_fullres"]["spacing"] == [4.0, 1.0, 1.5]  # transposed
+    assert big["configurations"]["3d_fullres"]["data_identifier"] == "nnuiBigPlans_3d_fullres"
+
+
+def test_a_plan_that_cannot_fit_the_memory_target_is_one_line_and_changes_nothing(
+    transposed_raw, tmp_path
+):
+    assert _preprocess(transposed_raw, tmp_path, "-c", "2d").returncode == 0
+    dataset = tmp_path / "Dataset965_Transposed"
+    before = {p: p.read_bytes() for p in dataset.rglob("*") if p.is_file()}
+    done = _preprocess(transposed_raw, tmp_path, "-gpu_memory_target", "0.0000001")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no ")
+    assert "-gpu_memory_target 1e-07 GB" in lines[0]
+    after = {p: p.read_bytes() for p in dataset.rglob("*") if p.is_file()}
+    assert after == before

@@ -79,6 +79,7 @@ class CaseJob:
     fallback_spacing: tuple[float, ...] | None
     fg_properties: list[dict[str, float]]
     configs: tuple[dict, ...]  # name, folder, spacing, patch_size, schemes, use_mask
+    transpose: tuple[int, ...] = (0, 1, 2)  # the plans' transpose_forward
 
 
 def sample_class_locations(seg: np.ndarray, values: list[int], seed: int) -> dict[str, list]:
@@ -97,6 +98,10 @@ def preprocess_case(job: CaseJob) -> dict:
     """Crop, normalise, resample and write one case for every configuration."""
     started = time.perf_counter()
     image, seg, spacing = load_raw_case(job.case, job.labels, job.fallback_spacing)
+    if job.transpose != (0, 1, 2):  # stored as nnU-Net stores it: the plans' axis order
+        image = np.ascontiguousarray(image.transpose(0, *(a + 1 for a in job.transpose)))
+        seg = np.ascontiguousarray(seg.transpose(job.transpose))
+        spacing = tuple(spacing[a] for a in job.transpose)
     bbox = nonzero_bbox(image)
     image_c, seg_c = crop(image, bbox), crop(seg, bbox)
     first = job.configs[0]
@@ -128,6 +133,8 @@ def preprocess_case(job: CaseJob) -> dict:
                 seg_r, fg_values, zlib.crc32(job.case.case_id.encode())
             ),
         }
+        if job.transpose != (0, 1, 2):  # what the export undoes (raw shapes: bbox, crop)
+            properties["transpose_forward"] = list(job.transpose)
         atomic_write_text(folder / f"{job.case.case_id}.json", json.dumps(properties) + "\n")
         shapes[config["name"]] = tuple(new_shape)
     return {"case_id": job.case.case_id, "shapes": shapes, "time_s": time.perf_counter() - started}
@@ -214,7 +221,7 @@ def preprocess_dataset(
     existing = _write_interim_plans(out_dir, plans, dataset, progress)
     _write_dataset_files(out_dir, raw, fingerprint)
     configs = _clear_config_folders(out_dir, plans)
-    _preprocess_cases(raw, fingerprint, configs, num_processes, progress)
+    _preprocess_cases(raw, fingerprint, configs, num_processes, progress, plans.transpose[0])
     return _write_final_plans(out_dir, plans, existing, [c.case_id for c in raw.cases], progress)
 
 
@@ -284,12 +291,16 @@ def _preprocess_cases(
     configs: tuple[dict, ...],
     num_processes: int,
     progress: Callable[[str], None],
+    transpose: tuple[int, ...] = (0, 1, 2),
 ) -> None:
     fg = [
         fingerprint["foreground_intensity_properties_per_channel"][str(c)]
         for c in range(raw.num_channels)
     ]
-    jobs = [(CaseJob(case, raw.labels, raw.fallback_spacing, fg, configs),) for case in raw.cases]
+    jobs = [
+        (CaseJob(case, raw.labels, raw.fallback_spacing, fg, configs, transpose),)
+        for case in raw.cases
+    ]
     total = len(jobs)
 
     def done(i: int, result: dict) -> None:

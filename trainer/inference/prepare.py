@@ -64,6 +64,10 @@ def prepare_case(
     fallback_spacing: tuple[float, ...] | None = None,
 ) -> PreparedCase:
     image, spacing = read_channels(case, fallback_spacing)
+    forward = plans.transpose[0]
+    if forward != (0, 1, 2):  # stored as nnU-Net stores it: the plans' axis order
+        image = np.ascontiguousarray(image.transpose(0, *(a + 1 for a in forward)))
+        spacing = tuple(spacing[a] for a in forward)
     raw_shape = [int(n) for n in image.shape[1:]]
     bbox = nonzero_bbox(image)
     fg = [
@@ -86,4 +90,6 @@ def prepare_case(
         "spacing_after_resampling": list(target),
         "shape_after_resampling": list(new_shape),
     }
+    if forward != (0, 1, 2):
+        properties["transpose_forward"] = list(forward)
     return PreparedCase(case, data, properties)
