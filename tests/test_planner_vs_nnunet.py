@@ -375,3 +375,32 @@ def test_a_plan_that_cannot_fit_the_memory_target_is_one_line_and_changes_nothin
     assert "-gpu_memory_target 1e-07 GB" in lines[0]
     after = {p: p.read_bytes() for p in dataset.rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_gpu_sized_plans_on_a_cpu_print_the_expected_time_per_epoch(
+    transposed_raw, tmp_path, capsys
+):
+    from trainer.data.cpu_planning import cpu_epoch_note
+    from trainer.plans import load_plans
+    from trainer.run import resolve_config
+    from trainer.train_args import build_parser
+
+    flags = ("-c", "3d_fullres", "--patch-size", "8", "64", "64", "--batch-size", "16")
+    assert _preprocess(transposed_raw, tmp_path / "pre", *flags).returncode == 0
+    cplan = load_plans(tmp_path / "pre" / "Dataset965_Transposed").configuration("3d_fullres")
+    note = cpu_epoch_note(cplan, 2, 250, 4)
+    assert note.startswith("note: 3d_fullres (patch [8, 64, 64], batch 16) is sized for a GPU")
+    assert "epoch of 250 iterations takes about" in note
+    small = cpu_epoch_note(replace_batch(cplan, 2), 2, 250, 4)
+    assert small is None  # CPU-sized: nothing to say
+    argv = ["965", "3d_fullres", "0", "-device", "cpu", "--preprocessed", str(tmp_path / "pre"),
+            "--raw", str(transposed_raw), "--results", str(tmp_path / "res")]  # fmt: skip
+    resolve_config(build_parser().parse_args(argv), argv)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "sized for a GPU" in line]
+    assert len(lines) == 1 and "nnui-preprocess -pl nnuiCPUPlanner" in lines[0]
+
+
+def replace_batch(cplan: ConfigurationPlan, batch: int) -> ConfigurationPlan:
+    from dataclasses import replace
+
+    return replace(cplan, batch_size=batch)

@@ -22,11 +22,14 @@ import numpy as np
 from trainer.data.planning import (
     CPU_PLANNER,
     CPU_PLANS,
+    DEFAULT_NET,
     Overrides,
     PlanningError,
+    estimate_gb,
     normalization,
     target_spacing,
 )
+from trainer.data.unet_topology import feature_map_voxels
 from trainer.plans import ConfigurationPlan, NetworkPlan, Plans, with_identity
 
 MIN_FEATURE_MAP = 4
@@ -176,6 +179,10 @@ def plan_cpu(
             use_mask_for_norm=use_mask,
             network=network,
             median_image_size=tuple(round(v) for v in geometry.median_shape),
+            # nnU-Net's estimate, for the launch form (nothing here is sized by it)
+            gpu_memory_gb=round(
+                estimate_gb(network, patch, batch, len(dataset_json["labels"]), DEFAULT_NET), 3
+            ),
         )
     plans = Plans(
         dataset_name=dataset_name,
@@ -187,3 +194,28 @@ def plan_cpu(
         foreground_intensity_properties=fingerprint["foreground_intensity_properties_per_channel"],
     )
     return with_identity(plans)
+
+
+# The CPU cost of a training step, measured (bench/RESULTS.md, "Network step alone"): 25.4
+# CPU-s for batch 2 of 64x80x80 through a 5-stage U-Net (features 32-320), whose patch has
+# 109,900,800 feature-map voxels. Other plans scale by their feature-map voxels x batch.
+CPU_SECONDS_PER_FEATURE_VOXEL = 25.4 / (2 * 109_900_800)
+# A step of at most the CPU planner's 3d budget at batch 2 counts as CPU-sized.
+CPU_STEP_VOXELS = 2 * PATCH_VOXEL_BUDGET[3]
+
+
+def cpu_epoch_note(cplan, num_classes: int, iterations: int, cores: int) -> str | None:
+    """One line for training GPU-sized plans on a CPU: the expected time per epoch; None
+    for CPU-sized plans."""
+    if math.prod(cplan.patch_size) * cplan.batch_size <= CPU_STEP_VOXELS:
+        return None
+    voxels = feature_map_voxels(cplan.network, cplan.patch_size, num_classes) * cplan.batch_size
+    step = voxels * CPU_SECONDS_PER_FEATURE_VOXEL / max(1, cores)
+    epoch = step * iterations
+    took = f"{epoch / 3600:.1f} h" if epoch >= 3600 else f"{epoch / 60:.0f} min"
+    return (
+        f"note: {cplan.name} (patch {list(cplan.patch_size)}, batch {cplan.batch_size}) is "
+        f"sized for a GPU; on {cores} CPU cores an epoch of {iterations} iterations takes "
+        f"about {took} ({step:.0f} s/iteration: 25.4 CPU-s measured for 2x64x80x80, scaled "
+        f"by feature-map voxels); CPU-sized plans: nnui-preprocess -pl {CPU_PLANNER}"
+    )
