@@ -23,8 +23,8 @@ from trainer.data.planning import CASCADE, DEFAULT_NET, REFERENCE_BATCH, Planner
 from trainer.data.raw import open_raw_dataset
 from trainer.data.resenc_planning import PRESETS, plan_preset
 from trainer.data.unet_topology import feature_map_voxels
+from trainer.fingerprint import fingerprint_dataset
 from trainer.plans import ConfigurationPlan, Plans
-from trainer.preprocess import fingerprint_dataset
 from trainer.preset_plans import make_plans
 
 pytest.importorskip("nnunetv2", reason="make setup installs nnunetv2 (extra 'nnunet')")

@@ -20,9 +20,7 @@ import sys
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
-from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +43,7 @@ from trainer.data.planning import (
 )
 from trainer.data.raw import DataError, RawCase, RawDataset, load_raw_case, open_raw_dataset
 from trainer.data.resenc_planning import PRESETS
-from trainer.fingerprint import fingerprint_case, summarize
+from trainer.fingerprint import fingerprint_dataset, run_all
 from trainer.plans import (
     Plans,
     content_to_json,
@@ -138,52 +136,6 @@ def preprocess_case(job: CaseJob) -> dict:
         atomic_write_text(folder / f"{job.case.case_id}.json", json.dumps(properties) + "\n")
         shapes[config["name"]] = tuple(new_shape)
     return {"case_id": job.case.case_id, "shapes": shapes, "time_s": time.perf_counter() - started}
-
-
-def _run_all(fn: Callable, items: list, num_processes: int, on_done: Callable) -> list:
-    """fn over items, in worker processes when num_processes > 1; results in input order."""
-    results: list = [None] * len(items)
-    if num_processes <= 1 or len(items) <= 1:
-        for i, item in enumerate(items):
-            results[i] = fn(*item)
-            on_done(i, results[i])
-        return results
-    num_done = 0
-    # spawn: safe even when the caller already imported torch (fork + OpenMP threads is not).
-    with ProcessPoolExecutor(num_processes, mp_context=get_context("spawn")) as pool:
-        futures = {pool.submit(fn, *item): i for i, item in enumerate(items)}
-        try:
-            for future in as_completed(futures):
-                i = futures[future]
-                results[i] = future.result()
-                on_done(num_done, results[i])  # progress counts completions, not positions
-                num_done += 1
-        except BaseException:
-            # First error wins: do not wait for the remaining cases.
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-    return results
-
-
-def fingerprint_dataset(
-    raw: RawDataset,
-    num_processes: int = 1,
-    progress: Callable[[str], None] = log.info,
-    per_case: bool = True,
-) -> dict:
-    """Read and check every case; DataError on the first problem."""
-    items = [(case, raw.labels, raw.fallback_spacing) for case in raw.cases]
-    total = len(items)
-    started = time.perf_counter()
-
-    def done(i: int, fp) -> None:
-        if per_case:
-            progress(f"[check {i + 1}/{total}] {fp.case_id} shape {list(fp.shape_before_crop)} ok")
-
-    cases = _run_all(fingerprint_case, items, num_processes, done)
-    if not per_case:
-        progress(f"[check] {total} cases read and checked in {time.perf_counter() - started:.1f} s")
-    return summarize(cases, raw.num_channels)
 
 
 def preprocess_dataset(
@@ -309,7 +261,7 @@ def _preprocess_cases(
             f"[preprocess {i + 1}/{total}] {result['case_id']} {shapes} {result['time_s']:.1f} s"
         )
 
-    _run_all(preprocess_case, jobs, num_processes, done)
+    run_all(preprocess_case, jobs, num_processes, done)
 
 
 def _write_final_plans(
