@@ -52,7 +52,8 @@ def nnunet_plans(raw: Path, work: Path, processes: int) -> tuple[dict, dict, flo
         "print(json.dumps(out))\n"
     )
     labels = json.loads((raw / "dataset.json").read_text())["labels"]
-    argv = [sys.executable, "-c", script, str(pre / raw.name / "nnUNetPlans.json"), str(len(labels))]
+    plans_path = pre / raw.name / "nnUNetPlans.json"
+    argv = [sys.executable, "-c", script, str(plans_path), str(len(labels))]
     done = subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
     return plans, json.loads(done.stdout.strip().splitlines()[-1]), wall
 
