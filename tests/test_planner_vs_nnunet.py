@@ -404,3 +404,26 @@ def replace_batch(cplan: ConfigurationPlan, batch: int) -> ConfigurationPlan:
     from dataclasses import replace
 
     return replace(cplan, batch_size=batch)
+
+
+def test_3d_lowres_is_preprocessed_and_the_cascade_entry_kept(transposed_raw, tmp_path):
+    """A small memory target makes this small CT 'large': 3d_lowres data at its coarser
+    spacing, the cascade entry in the plans file (nnui trains no cascade; it is kept)."""
+    from trainer.plans import load_plans
+
+    done = _preprocess(transposed_raw, tmp_path, "-gpu_memory_target", "0.003")
+    assert done.returncode == 0, done.stderr
+    dataset = tmp_path / "Dataset965_Transposed"
+    raw = json.loads((dataset / "nnuiPlans.json").read_text())
+    assert raw["configurations"][CASCADE] == {
+        "inherits_from": "3d_fullres", "previous_stage": "3d_lowres"
+    }  # fmt: skip
+    plans = load_plans(dataset)
+    assert set(plans.configurations) == {"2d", "3d_fullres", "3d_lowres"}
+    lowres = plans.configuration("3d_lowres")
+    assert lowres.next_stage == CASCADE and plans.configuration("3d_fullres").batch_dice
+    properties = json.loads((dataset / lowres.data_identifier / "case00.json").read_text())
+    assert properties["spacing_after_resampling"] == pytest.approx(lowres.spacing)
+    expected = [round(n * s / t) for n, s, t in zip([8, 40, 36], [5.0, 0.8, 0.8],
+                                                    lowres.spacing, strict=True)]  # fmt: skip
+    assert properties["shape_after_resampling"] == expected
