@@ -427,3 +427,17 @@ def test_3d_lowres_is_preprocessed_and_the_cascade_entry_kept(transposed_raw, tm
     expected = [round(n * s / t) for n, s, t in zip([8, 40, 36], [5.0, 0.8, 0.8],
                                                     lowres.spacing, strict=True)]  # fmt: skip
     assert properties["shape_after_resampling"] == expected
+
+
+def test_asking_for_a_configuration_the_planner_does_not_make_is_one_line(tmp_path):
+    make_raw_dataset(tmp_path / "raw", 963)  # 2D photos: no 3d configuration
+    argv = [sys.executable, "-m", "trainer.preprocess", "963", "-c", "3d_fullres", "--raw",
+            str(tmp_path / "raw"), "--preprocessed", str(tmp_path / "pre"), "-np", "1"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: nnU-Net's planner makes no 3d_fullres for Dataset963_Photo2D (it makes: 2d; "
+        "no 3d for 2D data, a 3d_lowres only for large images)"
+    ]
+    assert not (tmp_path / "pre" / "Dataset963_Photo2D" / "nnuiPlans.json").exists()

@@ -23,6 +23,7 @@ from trainer.data.planning import (
     DEFAULT_PLANNER,
     Overrides,
     PlannerOptions,
+    PlanningError,
     plan_experiment,
 )
 from trainer.data.raw import RawDataset, open_raw_dataset
@@ -47,8 +48,17 @@ def make_plans(options: PlannerOptions, fingerprint: dict, dataset_json: dict, n
     if options.planner == CPU_PLANNER:
         run = (fingerprint, dataset_json, name, configurations, overrides)
         return plan_cpu(*run, options.plans_name or CPU_PLANS, options.target_spacing)
-    return plan_experiment(fingerprint, dataset_json, name, configurations, overrides,
-                           options=options)  # fmt: skip
+    plans = plan_experiment(fingerprint, dataset_json, name, configurations, overrides,
+                            options=options)  # fmt: skip
+    absent = [c for c in configurations or () if c not in plans.configurations]
+    if absent:
+        every = plan_experiment(fingerprint, dataset_json, name, None, None, options=options)
+        made = ", ".join(sorted(every.configurations))
+        raise PlanningError(
+            f"nnU-Net's planner makes no {', '.join(absent)} for {name} (it makes: {made}; "
+            "no 3d for 2D data, a 3d_lowres only for large images)"
+        )
+    return plans
 
 
 _SAME_PREPROCESSING = ("spacing", "normalization_schemes", "use_mask_for_norm")
