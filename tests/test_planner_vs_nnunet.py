@@ -441,3 +441,28 @@ def test_asking_for_a_configuration_the_planner_does_not_make_is_one_line(tmp_pa
         "no 3d for 2D data, a 3d_lowres only for large images)"
     ]
     assert not (tmp_path / "pre" / "Dataset963_Photo2D" / "nnuiPlans.json").exists()
+
+
+def test_training_on_transposed_data_validates_in_the_raw_geometry(transposed_raw, tmp_path):
+    """nnui-train's final validation writes each prediction in the raw image's axis order,
+    shape and spacing (the stored data is transposed)."""
+    from trainer.data.image_io import read_image
+
+    flags = ("-c", "3d_fullres", "--patch-size", "8", "32", "32", "--batch-size", "2")
+    assert _preprocess(transposed_raw, tmp_path / "pre", *flags).returncode == 0
+    argv = [sys.executable, "-m", "trainer", "965", "3d_fullres", "0", "-device", "cpu",
+            "--epochs", "1", "--iterations-per-epoch", "1", "--val-iterations", "1",
+            "--raw", str(transposed_raw), "--preprocessed", str(tmp_path / "pre"),
+            "--results", str(tmp_path / "res")]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    fold = tmp_path / "res" / "Dataset965_Transposed" / "nnuiTrainer__nnuiPlans__3d_fullres"
+    predictions = sorted((fold / "fold_0" / "validation").glob("*.nii.gz"))
+    assert predictions
+    for path in predictions:
+        label = transposed_raw / "Dataset965_Transposed" / "labelsTr" / path.name
+        seg, spacing = read_image(path)
+        raw, raw_spacing = read_image(label)
+        assert seg.shape == raw.shape == (40, 36, 8)
+        assert spacing == pytest.approx(raw_spacing)
