@@ -466,3 +466,17 @@ def test_training_on_transposed_data_validates_in_the_raw_geometry(transposed_ra
         raw, raw_spacing = read_image(label)
         assert seg.shape == raw.shape == (40, 36, 8)
         assert spacing == pytest.approx(raw_spacing)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("-gpu_memory_target", "0"), "error: -gpu_memory_target 0: must be > 0 (GB)"),
+        (("-pl", "nnuiCPUPlanner", "-overwrite_target_spacing", "1", "0", "1"),
+         "error: -overwrite_target_spacing 1 0 1: three spacings > 0 (z y x, mm)"),
+    ],
+)  # fmt: skip
+def test_unusable_planner_flags_are_one_line(transposed_raw, tmp_path, flags, message):
+    done = _preprocess(transposed_raw, tmp_path, *flags)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [message]
+    assert not (tmp_path / "Dataset965_Transposed").exists()

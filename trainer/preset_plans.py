@@ -24,6 +24,7 @@ from trainer.data.planning import (
     Overrides,
     PlannerOptions,
     PlanningError,
+    check_options,
     plan_experiment,
 )
 from trainer.data.raw import RawDataset, open_raw_dataset
@@ -45,6 +46,7 @@ def make_plans(options: PlannerOptions, fingerprint: dict, dataset_json: dict, n
                configurations: tuple[str, ...] | None,
                overrides: Overrides | None) -> Plans:  # fmt: skip
     """The plans of the default or the CPU planner (the presets go through preprocess_preset)."""
+    check_options(options)
     if options.planner == CPU_PLANNER:
         run = (fingerprint, dataset_json, name, configurations, overrides)
         return plan_cpu(*run, options.plans_name or CPU_PLANS, options.target_spacing)

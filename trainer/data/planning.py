@@ -361,6 +361,7 @@ def plan_experiment(fingerprint: dict, dataset_json: dict, dataset_name: str,
     """nnU-Net's plans for `configurations` (None: all it makes). `data_plans` names the
     plans whose data the 2d/3d_fullres configurations read (the presets share it)."""
     options, overrides = options or PlannerOptions(), overrides or Overrides()
+    check_options(options)
     plans_name = plans_name or options.plans_name or DEFAULT_PLANS
     for name in configurations or ():
         if name not in CONFIGURATIONS:
@@ -392,6 +393,16 @@ def plan_experiment(fingerprint: dict, dataset_json: dict, dataset_name: str,
         if lowres and "3d_fullres" in configs and "3d_lowres" in configs else {},
     )  # fmt: skip
     return with_identity(plans)
+
+
+def check_options(options: PlannerOptions) -> None:
+    """PlanningError (one line) for a memory target or target spacing no plan can use."""
+    if options.gpu_memory_gb is not None and not options.gpu_memory_gb > 0:
+        raise PlanningError(f"-gpu_memory_target {options.gpu_memory_gb:g}: must be > 0 (GB)")
+    spacing = options.target_spacing
+    if spacing is not None and (len(spacing) != 3 or not all(s > 0 for s in spacing)):
+        shown = " ".join(f"{s:g}" for s in spacing)
+        raise PlanningError(f"-overwrite_target_spacing {shown}: three spacings > 0 (z y x, mm)")
 
 
 def parse_overrides(patch: list[int] | None, batch: list[str] | None, configs) -> Overrides:
