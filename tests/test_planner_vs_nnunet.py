@@ -480,3 +480,19 @@ def test_unusable_planner_flags_are_one_line(transposed_raw, tmp_path, flags, me
     done = _preprocess(transposed_raw, tmp_path, *flags)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [message]
     assert not (tmp_path / "Dataset965_Transposed").exists()
+
+
+def test_a_preset_writes_its_3d_lowres_on_data_of_its_own(transposed_raw, tmp_path):
+    """-pl nnUNetPlannerResEncM: 2d/3d_fullres on the default plans' data, its 3d_lowres
+    (and the cascade entry) as nnU-Net's preset plans file has them, on its own data."""
+    flags = ("-pl", "nnUNetPlannerResEncM", "-gpu_memory_target", "0.003")
+    done = _preprocess(transposed_raw, tmp_path, *flags)
+    assert done.returncode == 0, done.stderr
+    dataset = tmp_path / "Dataset965_Transposed"
+    preset = json.loads((dataset / "nnuiResEncUNetMPlans.json").read_text())
+    configs = preset["configurations"]
+    assert set(configs) == {"2d", "3d_fullres", "3d_lowres", CASCADE}
+    assert configs["3d_fullres"]["data_identifier"] == "nnuiPlans_3d_fullres"
+    assert configs["3d_lowres"]["data_identifier"] == "nnuiResEncUNetMPlans_3d_lowres"
+    assert len(list((dataset / "nnuiResEncUNetMPlans_3d_lowres").glob("*_seg.b2nd"))) == 3
+    assert preset["transpose_forward"] == [2, 0, 1]

@@ -158,7 +158,8 @@ def preprocess_dataset(
     Raises DatasetNotFound, DataError or PlanningError for user mistakes.
     """
     options = options or PlannerOptions(planner)
-    if options.planner in PRESETS and not verify_only:
+    # A preset's 3d_lowres has data of its own: the pipeline below makes it.
+    if options.planner in PRESETS and not verify_only and configurations != ("3d_lowres",):
         run = (raw_root, preprocessed_root, dataset, configurations, num_processes)
         return preprocess_preset(*run, options, overrides, progress, preprocess_dataset)
     name = find_dataset(Path(raw_root), dataset)

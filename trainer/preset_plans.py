@@ -45,22 +45,33 @@ PLANNERS = (DEFAULT_PLANNER, CPU_PLANNER, *PRESETS)
 def make_plans(options: PlannerOptions, fingerprint: dict, dataset_json: dict, name: str,
                configurations: tuple[str, ...] | None,
                overrides: Overrides | None) -> Plans:  # fmt: skip
-    """The plans of the default or the CPU planner (the presets go through preprocess_preset)."""
+    """The plans of `options.planner` for `configurations` (None: every one it makes);
+    PlanningError when one asked for is not among those the planner makes."""
     check_options(options)
-    if options.planner == CPU_PLANNER:
-        run = (fingerprint, dataset_json, name, configurations, overrides)
-        return plan_cpu(*run, options.plans_name or CPU_PLANS, options.target_spacing)
-    plans = plan_experiment(fingerprint, dataset_json, name, configurations, overrides,
-                            options=options)  # fmt: skip
+    run = (fingerprint, dataset_json, name, configurations, overrides)
+    plans = _plan(options, *run)
     absent = [c for c in configurations or () if c not in plans.configurations]
     if absent:
-        every = plan_experiment(fingerprint, dataset_json, name, None, None, options=options)
+        every = _plan(options, fingerprint, dataset_json, name, None, None)
         made = ", ".join(sorted(every.configurations))
         raise PlanningError(
             f"nnU-Net's planner makes no {', '.join(absent)} for {name} (it makes: {made}; "
             "no 3d for 2D data, a 3d_lowres only for large images)"
         )
     return plans
+
+
+def _plan(options: PlannerOptions, fingerprint: dict, dataset_json: dict, name: str,
+          configurations: tuple[str, ...] | None,
+          overrides: Overrides | None) -> Plans:  # fmt: skip
+    if options.planner in PRESETS:  # its 3d_lowres: data of its own (preprocess_preset)
+        run = (fingerprint, dataset_json, name, options.planner, configurations, overrides)
+        return plan_preset(*run, options)
+    if options.planner == CPU_PLANNER:
+        run = (fingerprint, dataset_json, name, configurations, overrides)
+        return plan_cpu(*run, options.plans_name or CPU_PLANS, options.target_spacing)
+    return plan_experiment(fingerprint, dataset_json, name, configurations, overrides,
+                           options=options)  # fmt: skip
 
 
 _SAME_PREPROCESSING = ("spacing", "normalization_schemes", "use_mask_for_norm")
@@ -142,11 +153,33 @@ def preprocess_preset(raw_root: Path, preprocessed_root: Path, dataset: str,
                       progress: Callable[[str], None],
                       make_default_data: Callable[..., object]) -> Plans:  # fmt: skip
     """The preset's plans; `make_default_data` (nnui-preprocess's pipeline) runs first
-    when the default data it shares is missing or out of date."""
-    planner = options.planner
-    configurations = configurations or SHARED_CONFIGURATIONS
+    when the default data it shares is missing or out of date, and afterwards for the
+    preset's own 3d_lowres data (`configurations` None: every one the preset makes)."""
     name = find_dataset(Path(raw_root), dataset)
     raw = open_raw_dataset(Path(raw_root) / name)
+    shared = tuple(c for c in configurations or SHARED_CONFIGURATIONS if c in SHARED_CONFIGURATIONS)
+    plans = None
+    if shared:
+        run = (raw_root, preprocessed_root, raw, shared, num_processes, options)
+        plans = _shared_preset_plans(*run, overrides, progress, make_default_data)
+    if configurations is None or "3d_lowres" in configurations:
+        fingerprint = _read_fingerprint(Path(preprocessed_root) / name) or {}
+        every = plan_preset(fingerprint, raw.dataset_json, name, options.planner, None, None,
+                            options)  # fmt: skip
+        if "3d_lowres" in every.configurations or configurations is not None:
+            run = (raw_root, preprocessed_root, dataset, ("3d_lowres",), num_processes)
+            plans = make_default_data(*run, overrides, progress=progress, options=options)
+    assert plans is not None
+    return plans
+
+
+def _shared_preset_plans(raw_root: Path, preprocessed_root: Path, raw: RawDataset,
+                         configurations: tuple[str, ...], num_processes: int,
+                         options: PlannerOptions, overrides: Overrides | None,
+                         progress: Callable[[str], None],
+                         make_default_data: Callable[..., object]) -> Plans:  # fmt: skip
+    """The preset's 2d/3d_fullres plans on the default plans' data (made when missing)."""
+    planner, name, dataset = options.planner, raw.name, raw.name
     out_dir = Path(preprocessed_root) / name
     missing = missing_data(out_dir, raw, configurations, options)
     if not missing:

@@ -389,8 +389,9 @@ def plan_experiment(fingerprint: dict, dataset_json: dict, dataset_name: str,
         foreground_intensity_properties=fingerprint["foreground_intensity_properties_per_channel"],
         transpose_forward=geometry.transpose_forward,
         transpose_backward=geometry.transpose_backward,
+        # with either 3d configuration: merged plans files then hold it as nnU-Net's do
         cascades={CASCADE: {"inherits_from": "3d_fullres", "previous_stage": "3d_lowres"}}
-        if lowres and "3d_fullres" in configs and "3d_lowres" in configs else {},
+        if lowres and ("3d_fullres" in configs or "3d_lowres" in configs) else {},
     )  # fmt: skip
     return with_identity(plans)
 
