@@ -27,15 +27,16 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 
 demo-data: setup
 	$(VENV)/bin/nnui-demo-data
-	$(VENV)/bin/nnui-preprocess $(DEMO) -c 2d 3d_fullres
+	$(VENV)/bin/nnui-preprocess $(DEMO) -pl nnuiCPUPlanner -c 2d 3d_fullres
 
-# Demo data, then the TUI (real GPUs if there are any, otherwise it offers CPU slots).
+# Demo data, then the TUI (real GPUs if there are any, otherwise it offers CPU slots). The
+# demo asks for the CPU-sized plans nnuiCPUPlans: the default plans are nnU-Net's, GPU-sized.
 demo: demo-data
 	$(VENV)/bin/nnui
 
 # A short headless CPU training of fold 0, for machines without a terminal UI.
 demo-train: demo-data
-	$(VENV)/bin/nnui-train $(DEMO) 3d_fullres 0 -device cpu --epochs 5 --iterations-per-epoch 10 --val-iterations 3
+	$(VENV)/bin/nnui-train $(DEMO) 3d_fullres 0 -p nnuiCPUPlans -device cpu --epochs 5 --iterations-per-epoch 10 --val-iterations 3
 
 test: setup
 	$(VENV)/bin/ruff check app trainer tests bench

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from trainer import schema  # noqa: E402
-from trainer.data.planning import Overrides  # noqa: E402
+from trainer.data.planning import CPU_PLANNER, Overrides, PlannerOptions  # noqa: E402
 from trainer.demo import DEMO_DATASET, make_demo_dataset  # noqa: E402
 from trainer.preprocess import preprocess_dataset  # noqa: E402
 
@@ -42,6 +42,8 @@ def _prepare(work: Path, configuration: str, batch: int, num_cases: int) -> Path
         raw, pre, "900", configurations=(configuration,), num_processes=1,
         overrides=Overrides(patch_size={configuration: PATCH[configuration]},
                             batch_size={configuration: batch}),
+        # CPU-sized plans by name, under the default identifier the trainer reads
+        options=PlannerOptions(CPU_PLANNER, schema.DEFAULT_PLANS),
     )  # fmt: skip
     return pre
 

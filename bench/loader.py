@@ -19,9 +19,11 @@ import torch
 
 from trainer.data.dataset import PreprocessedCases
 from trainer.data.loader import PatchLoader
+from trainer.data.planning import CPU_PLANNER, PlannerOptions
 from trainer.demo import DEMO_DATASET, make_demo_dataset
 from trainer.plans import load_plans
 from trainer.preprocess import preprocess_dataset
+from trainer.schema import DEFAULT_PLANS
 
 
 def _cpu_seconds(proc: psutil.Process) -> float:
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("3d_fullres",),
                 num_processes=2,
                 progress=lambda line: None,
+                # CPU-sized plans by name, under the default identifier read below
+                options=PlannerOptions(CPU_PLANNER, DEFAULT_PLANS),
             )
             print(
                 f"demo: {args.cases} cases preprocessed (3d_fullres) in "

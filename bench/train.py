@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from trainer import schema  # noqa: E402
+from trainer.data.planning import CPU_PLANNER, PlannerOptions  # noqa: E402
 from trainer.demo import DEMO_DATASET, make_demo_dataset  # noqa: E402
 from trainer.plans import load_plans  # noqa: E402
 from trainer.preprocess import preprocess_dataset  # noqa: E402
@@ -122,8 +123,10 @@ def main() -> int:
     else:
         make_demo_dataset(work / "raw", num_cases=opts.cases, seed=0)
         pre = work / "preprocessed"
+        # CPU-sized plans by name, under the default identifier the trainer reads
         preprocess_dataset(work / "raw", pre, "900", configurations=tuple(opts.configurations),
-                           num_processes=2)  # fmt: skip
+                           num_processes=2,
+                           options=PlannerOptions(CPU_PLANNER, schema.DEFAULT_PLANS))  # fmt: skip
     plans = load_plans(pre / DEMO_DATASET)
     print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; device {opts.device}")
     rows = []

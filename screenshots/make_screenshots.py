@@ -63,7 +63,9 @@ def prepare_real(roots: Roots) -> str:
         [py, "-m", "trainer.demo", "--cases", "10", "--out", str(roots.raw),
          "--shape-scale", "0.5"],
         [py, "-m", "trainer.preprocess", "900", "-c", "3d_fullres", "--raw", str(roots.raw),
-         "--preprocessed", str(roots.preprocessed), "--batch-size", "2"],
+         "--preprocessed", str(roots.preprocessed), "--batch-size", "2",
+         # CPU-sized plans by name, under the default identifier the screens show
+         "-pl", "nnuiCPUPlanner", "-overwrite_plans_name", "nnuiPlans"],
     ]  # fmt: skip
     for step in steps:
         subprocess.run(step, check=True, cwd=ROOT, capture_output=True, timeout=300)

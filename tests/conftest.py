@@ -39,10 +39,13 @@ def demo_raw(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_preprocessed(demo_raw, tmp_path_factory) -> DemoPreprocessed:
     """The demo preprocessed with both configurations and small patches (3d 16x32x32 batch 2,
-    2d 32x32 batch 4), so trainer tests are fast."""
-    from trainer.data.planning import Overrides
+    2d 32x32 batch 4), so trainer tests are fast: the CPU planner by name, its plans written
+    as the default identifier (nnU-Net's -overwrite_plans_name) so that every test trains
+    them with the trainer's default `-p`."""
+    from trainer.data.planning import CPU_PLANNER, Overrides, PlannerOptions
     from trainer.demo import DEMO_DATASET
     from trainer.preprocess import preprocess_dataset
+    from trainer.schema import DEFAULT_PLANS
 
     preprocessed = tmp_path_factory.mktemp("preprocessed")
     results = tmp_path_factory.mktemp("results")
@@ -53,6 +56,7 @@ def demo_preprocessed(demo_raw, tmp_path_factory) -> DemoPreprocessed:
         configurations=("2d", "3d_fullres"),
         num_processes=1,
         overrides=Overrides(patch_size=dict(DEMO_TEST_PATCH), batch_size=dict(DEMO_TEST_BATCH)),
+        options=PlannerOptions(CPU_PLANNER, plans_name=DEFAULT_PLANS),
     )
     return DemoPreprocessed(demo_raw, preprocessed, results, DEMO_DATASET)
 

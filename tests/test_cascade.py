@@ -31,13 +31,15 @@ LOWRES, CASCADE = "3d_lowres", "3d_cascade_fullres"
 
 def preprocess(raw: Path, preprocessed: Path) -> None:
     """The one place this file preprocesses (the lead may switch the planner here)."""
-    from trainer.data.planning import Overrides
+    from trainer.data.planning import CPU_PLANNER, Overrides, PlannerOptions
     from trainer.preprocess import preprocess_dataset
+    from trainer.schema import DEFAULT_PLANS
 
     preprocess_dataset(
         raw, preprocessed, "900", configurations=("3d_fullres",), num_processes=1,
         overrides=Overrides(patch_size={"3d_fullres": (16, 32, 32)},
                             batch_size={"3d_fullres": 2}),
+        options=PlannerOptions(CPU_PLANNER, plans_name=DEFAULT_PLANS),  # CPU plans by name
     )  # fmt: skip
 
 

@@ -135,6 +135,7 @@ def convert_rgb(nifti: Path, root: Path, ending: str) -> Path:
 def preprocess(raw_root: Path, pre_root: Path, config: str) -> int:
     """The one place this file preprocesses (a CPU-sized patch, a small batch)."""
     return preprocess_main(["900", "--raw", str(raw_root), "--preprocessed", str(pre_root),
+                            "-pl", "nnuiCPUPlanner", "-overwrite_plans_name", "nnuiPlans",
                             "-np", "1", "-c", config, "--patch-size", *map(str, PATCH[config]),
                             "--batch-size", str(BATCH[config])])  # fmt: skip
 

@@ -7,14 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from trainer.data.planning import (
-    Overrides,
-    PlanningError,
-    plan_experiment,
-    plan_network,
-    plan_patch,
-    target_spacing,
-)
+from trainer.data.cpu_planning import plan_cpu as plan_experiment  # the CPU planner's rules
+from trainer.data.cpu_planning import plan_network, plan_patch
+from trainer.data.planning import CPU_PLANS, Overrides, PlanningError, target_spacing
 from trainer.plans import (
     content_to_json,
     load_plans,
@@ -108,8 +103,8 @@ def test_plan_experiment_and_json_round_trip(tmp_path):
     assert c3.normalization_schemes == ("ZScoreNormalization",)
     assert plans.configuration("2d").ndim == 2 and plans.configuration("2d").batch_size >= 2
     assert plans.num_classes == 3
-    plans_file(tmp_path).write_text(plans_to_json(plans))
-    loaded = load_plans(tmp_path)
+    plans_file(tmp_path, CPU_PLANS).write_text(plans_to_json(plans))
+    loaded = load_plans(tmp_path, CPU_PLANS)
     assert loaded == plans and len(loaded.identity) == 64
     with pytest.raises(
         ValueError, match=r"configuration 'x' not in plans; available: 2d, 3d_fullres"
@@ -164,8 +159,8 @@ def test_merge_keeps_other_configurations_byte_identical(tmp_path):
     assert dropped == [] and list(content["configurations"]) == ["2d", "3d_fullres"]
     old_block = json.dumps(existing["configurations"]["3d_fullres"], indent=1)
     assert json.dumps(content["configurations"]["3d_fullres"], indent=1) == old_block
-    plans_file(tmp_path).write_text(content_to_json(content))
-    merged = load_plans(tmp_path)
+    plans_file(tmp_path, CPU_PLANS).write_text(content_to_json(content))
+    merged = load_plans(tmp_path, CPU_PLANS)
     assert merged.identity_of("3d_fullres") == full.identity_of("3d_fullres")
     assert merged.configuration("2d").batch_size == 5
     assert merged.configuration("3d_fullres").case_ids == ("a", "b")

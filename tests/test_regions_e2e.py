@@ -66,12 +66,14 @@ def make_dataset(root: Path, labels: dict, relabel, order=None) -> Path:
 
 def preprocess(raw: Path, preprocessed: Path) -> None:
     """The one place this file preprocesses (the lead may switch the planner here)."""
-    from trainer.data.planning import Overrides
+    from trainer.data.planning import CPU_PLANNER, Overrides, PlannerOptions
     from trainer.preprocess import preprocess_dataset
+    from trainer.schema import DEFAULT_PLANS
 
     preprocess_dataset(
         raw, preprocessed, "900", configurations=("2d",), num_processes=1,
         overrides=Overrides(patch_size={"2d": (32, 32)}, batch_size={"2d": 4}),
+        options=PlannerOptions(CPU_PLANNER, plans_name=DEFAULT_PLANS),  # CPU plans by name
     )  # fmt: skip
 
 

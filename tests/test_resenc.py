@@ -9,14 +9,8 @@ import math
 import pytest
 import torch
 
-from trainer.data.resenc_planning import (
-    PRESETS,
-    feature_map_voxels,
-    network_plan,
-    plan_patch_and_batch,
-    plan_preset,
-    topology,
-)
+from trainer.data.resenc_planning import PRESETS, plan_patch_and_batch, plan_preset, resenc_network
+from trainer.data.unet_topology import feature_map_voxels, topology
 from trainer.model import build_network
 from trainer.plans import RESIDUAL_ENCODER, plans_content, plans_from_dict
 
@@ -56,7 +50,7 @@ def _num_params(module: torch.nn.Module) -> int:
 @pytest.mark.parametrize(("spacing", "patch", "in_channels", "num_classes"), PLANS)
 def test_network_equals_nnunets_residual_encoder_unet(spacing, patch, in_channels, num_classes):
     top = topology(spacing, patch)
-    net = network_plan(top, len(spacing))
+    net = resenc_network(top)
     ours = build_network(net, in_channels, num_classes, len(spacing))
     theirs = _dna_net(net, in_channels, num_classes)
     assert _num_params(ours) == _num_params(theirs)
@@ -71,7 +65,7 @@ def test_network_equals_nnunets_residual_encoder_unet(spacing, patch, in_channel
 @pytest.mark.parametrize(("ndim", "patch"), [(3, (16, 32, 32)), (2, (32, 48))])
 def test_forward_shapes_deep_supervision_and_initial_blocks(ndim, patch):
     spacing = (1.0,) * ndim
-    net = network_plan(topology(spacing, patch), ndim)
+    net = resenc_network(topology(spacing, patch))
     assert net.architecture == RESIDUAL_ENCODER
     assert net.n_conv_per_stage_encoder == (1, 3, 4, 6, 6, 6, 6)[: net.num_stages]
     torch.manual_seed(0)
@@ -111,14 +105,15 @@ def test_presets_plan_2d_and_3d_with_memory_targets_and_dataset_cap():
     for planner in ("nnUNetPlannerResEncM", "nnUNetPlannerResEncL", "nnUNetPlannerResEncXL"):
         plans = plan_preset(_fingerprint(shapes, spacings), {**DATASET_JSON, "numTraining": 30},
                             "Dataset001_X", planner)  # fmt: skip
-        assert plans.plans_name == PRESETS[planner].plans_name
+        assert plans.plans_name == PRESETS[planner][0]
+        spec = PRESETS[planner][1]
         assert set(plans.configurations) == {"2d", "3d_fullres"}
         for name, c in plans.configurations.items():
             assert c.data_identifier == f"nnuiPlans_{name}"
             assert c.network.architecture == RESIDUAL_ENCODER
             assert c.network.n_conv_per_stage_decoder == (1,) * (c.network.num_stages - 1)
             estimate = feature_map_voxels(c.network, c.patch_size, 3)
-            assert estimate <= PRESETS[planner].reference(c.ndim)
+            assert estimate <= spec.reference(c.ndim, spec.reference_gb)
             divisor = c.network.pooling_divisor
             assert all(p % d == 0 for p, d in zip(c.patch_size, divisor, strict=True))
             if name in previous:
@@ -132,7 +127,7 @@ def test_presets_plan_2d_and_3d_with_memory_targets_and_dataset_cap():
 
 
 def test_small_dataset_caps_the_batch_at_its_voxels():
-    top, batch = plan_patch_and_batch(PRESETS["nnUNetPlannerResEncXL"], (1.0, 1.0, 1.0),
+    top, batch = plan_patch_and_batch("nnUNetPlannerResEncXL", (1.0, 1.0, 1.0),
                                       (24.0, 40.0, 40.0), 3, 3 * 24 * 40 * 40)  # fmt: skip
     assert top.patch_size == (24, 40, 40)
     assert batch == 3  # the headroom alone would give far more
@@ -178,7 +173,7 @@ def _our_name(name: str) -> str:
 def test_same_weights_give_nnunets_outputs(spacing, patch):
     """Functionally the same network: nnU-Net's weights loaded into nnui's give its outputs."""
     top = topology(spacing, patch)
-    net = network_plan(top, len(spacing))
+    net = resenc_network(top)
     torch.manual_seed(0)
     theirs = _dna_net(net, 1, 3).eval()
     ours = build_network(net, 1, 3, len(spacing)).eval()

@@ -178,7 +178,9 @@ def export_next_stage(
             log.warning("no %s for %s's next stage: preprocess %s first", props_path, name, name)
             continue
         target = tuple(int(n) for n in props["shape_after_resampling"])
-        cropped = crop(raw_seg, props["bbox_used_for_cropping"])
+        # raw_seg is in the raw image's axes; the next stage's data in the plans' order
+        stored = raw_seg.transpose(plans.transpose[0])
+        cropped = crop(stored, props["bbox_used_for_cropping"])
         spacings = (props["spacing"], props["spacing_after_resampling"])
         seg = resample_seg(cropped, target, *spacings).astype(np.uint8)
         folder = next_stage_folder(Path(config.run_dir), name)

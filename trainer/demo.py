@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         out_root, args.cases, args.seed, args.shape_scale, args.test_cases
     )
     print(f"wrote {args.cases} training and {args.test_cases} test cases to {dataset_dir}")
-    print(f"next: nnui-preprocess 900 --raw {out_root}")
+    print(f"next: nnui-preprocess 900 -pl nnuiCPUPlanner --raw {out_root}  (CPU-sized plans)")
     return 0
 
 

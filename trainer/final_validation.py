@@ -55,6 +55,7 @@ def check_raw_cases(raw_dataset: Path, data_dir: Path, fold: str, npz: bool) -> 
     was preprocessed from. RawDataMissing: no raw dataset folder; ValueError: a folder that
     does not fit the preprocessed data."""
     from trainer.data.image_io import ImageReadError, image_shape
+    from trainer.inference.export import raw_shape
 
     if not (raw_dataset / "dataset.json").is_file():
         raise RawDataMissing(
@@ -71,7 +72,7 @@ def check_raw_cases(raw_dataset: Path, data_dir: Path, fold: str, npz: bool) -> 
         label = raw_dataset / "labelsTr" / f"{case_id}{ending}"
         image = raw_dataset / "imagesTr" / f"{case_id}_0000{ending}"
         properties = json.loads((data_dir / f"{case_id}.json").read_text())
-        expected = [int(n) for n in properties["shape_before_cropping"]]
+        expected = raw_shape(properties)
         for path in (label, image):
             try:
                 shape = [int(n) for n in image_shape(path)]

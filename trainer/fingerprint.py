@@ -6,14 +6,21 @@ Reading every case for the fingerprint also runs every integrity check (DataErro
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
+from multiprocessing import get_context
 
 import numpy as np
 
 from trainer.data.case_ops import crop, nonzero_bbox
-from trainer.data.raw import RawCase, load_raw_case
+from trainer.data.raw import RawCase, RawDataset, load_raw_case
 
 FG_SAMPLES_PER_CASE = 10_000
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -91,3 +98,49 @@ def summarize(cases: list[CaseFingerprint], num_channels: int) -> dict:
         "median_relative_size_after_cropping": float(np.median(relative)),
         "foreground_intensity_properties_per_channel": per_channel,
     }
+
+
+def run_all(fn: Callable, items: list, num_processes: int, on_done: Callable) -> list:
+    """fn over items, in worker processes when num_processes > 1; results in input order."""
+    results: list = [None] * len(items)
+    if num_processes <= 1 or len(items) <= 1:
+        for i, item in enumerate(items):
+            results[i] = fn(*item)
+            on_done(i, results[i])
+        return results
+    num_done = 0
+    # spawn: safe even when the caller already imported torch (fork + OpenMP threads is not).
+    with ProcessPoolExecutor(num_processes, mp_context=get_context("spawn")) as pool:
+        futures = {pool.submit(fn, *item): i for i, item in enumerate(items)}
+        try:
+            for future in as_completed(futures):
+                i = futures[future]
+                results[i] = future.result()
+                on_done(num_done, results[i])  # progress counts completions, not positions
+                num_done += 1
+        except BaseException:
+            # First error wins: do not wait for the remaining cases.
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    return results
+
+
+def fingerprint_dataset(
+    raw: RawDataset,
+    num_processes: int = 1,
+    progress: Callable[[str], None] = log.info,
+    per_case: bool = True,
+) -> dict:
+    """Read and check every case; DataError on the first problem."""
+    items = [(case, raw.labels, raw.fallback_spacing) for case in raw.cases]
+    total = len(items)
+    started = time.perf_counter()
+
+    def done(i: int, fp) -> None:
+        if per_case:
+            progress(f"[check {i + 1}/{total}] {fp.case_id} shape {list(fp.shape_before_crop)} ok")
+
+    cases = run_all(fingerprint_case, items, num_processes, done)
+    if not per_case:
+        progress(f"[check] {total} cases read and checked in {time.perf_counter() - started:.1f} s")
+    return summarize(cases, raw.num_channels)

@@ -56,7 +56,7 @@ class ConfigurationPlan:
     normalization_schemes: tuple[str, ...]
     use_mask_for_norm: tuple[bool, ...]
     network: NetworkPlan
-    median_image_size: tuple[int, ...] = ()  # at `spacing`, (z, y, x)
+    median_image_size: tuple[float, ...] = ()  # at `spacing`, (z, y, x) after the transpose
     # The cases preprocessing wrote for this configuration: a deleted file is then noticed
     # (trainer.data.dataset). Not part of any identity: the splits decide what is trained on.
     case_ids: tuple[str, ...] = ()
@@ -64,6 +64,11 @@ class ConfigurationPlan:
     # one, whose segmentations it takes as extra input channels (trainer.cascade).
     previous_stage: str | None = None
     next_stage: tuple[str, ...] = ()
+    # Written by the nnU-Net-equal planners (None: absent from older plans files, whose
+    # bytes and identity stay as they were).
+    batch_dice_planned: bool | None = None
+    resampling: dict | None = None  # nnU-Net's resampling_fn_* keys and kwargs
+    gpu_memory_gb: float | None = None  # nnU-Net's estimate for patch x batch
 
     @property
     def ndim(self) -> int:
@@ -71,9 +76,9 @@ class ConfigurationPlan:
 
     @property
     def batch_dice(self) -> bool:
-        """nnU-Net's planner rule (its plans' batch_dice): the 2d Dice loss pools the batch,
-        a 3D patch is scored on its own. Derived, not stored: plans keep their identity."""
-        return self.ndim == 2
+        """The plans' batch_dice; older plans: nnU-Net's rule without a 3d_lowres (2d
+        pools the batch, a 3D patch is scored on its own)."""
+        return self.batch_dice_planned if self.batch_dice_planned is not None else self.ndim == 2
 
 
 @dataclass(frozen=True)
@@ -88,10 +93,22 @@ class Plans:
     identity: str  # sha256 hex of the canonical JSON of the whole content (all configurations)
     foreground_intensity_properties: dict[str, dict[str, float]] = field(default_factory=dict)
     regions_class_order: tuple[int, ...] | None = None  # with regions only
+    # nnU-Net's axis order of the stored data (None: identity, plans written before it).
+    transpose_forward: tuple[int, ...] | None = None
+    transpose_backward: tuple[int, ...] | None = None
+    # nnU-Net's entries that inherit another (3d_cascade_fullres), as the file holds them:
+    # written back unchanged; `configurations` holds them resolved, ready to train.
+    cascades: dict[str, dict] = field(default_factory=dict)
 
     @property
     def label_spec(self) -> LabelSpec:
         return parse_labels(self.labels, self.regions_class_order)
+
+    @property
+    def transpose(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(forward, backward); the identity for plans without a transpose."""
+        identity = (0, 1, 2)
+        return (self.transpose_forward or identity, self.transpose_backward or identity)
 
     @property
     def num_classes(self) -> int:
@@ -166,11 +183,18 @@ def _configuration_to_dict(c: ConfigurationPlan) -> dict:
     }
     if c.case_ids:
         out["case_ids"] = list(c.case_ids)
-    # Written only for cascade stages: other blocks keep their bytes and identity.
+    if c.batch_dice_planned is not None:
+        out["batch_dice"] = c.batch_dice_planned
+    if c.resampling is not None:
+        out.update(c.resampling)
+    if c.gpu_memory_gb is not None:
+        out["gpu_memory_estimate_gb"] = c.gpu_memory_gb
+    # Written only for cascade stages: other blocks keep their bytes and identity. nnU-Net
+    # writes one next stage as a name.
     if c.previous_stage:
         out["previous_stage"] = c.previous_stage
     if c.next_stage:
-        out["next_stage"] = list(c.next_stage)
+        out["next_stage"] = c.next_stage[0] if len(c.next_stage) == 1 else list(c.next_stage)
     return out
 
 
@@ -209,10 +233,14 @@ def _configuration_plan(name: str, d: dict) -> ConfigurationPlan:
         normalization_schemes=tuple(d["normalization_schemes"]),
         use_mask_for_norm=tuple(bool(v) for v in d["use_mask_for_norm"]),
         network=_network_from_dict(d["network"]),
-        median_image_size=tuple(int(v) for v in d.get("median_image_size_in_voxels", ())),
+        # as written: nnU-Net's planner gives floats (a median may be x.5), older plans ints
+        median_image_size=tuple(d.get("median_image_size_in_voxels", ())),
         case_ids=tuple(str(v) for v in d.get("case_ids", ())),
         previous_stage=d.get("previous_stage") or None,
         next_stage=_stage_names(d.get("next_stage")),
+        batch_dice_planned=bool(d["batch_dice"]) if "batch_dice" in d else None,
+        resampling={k: v for k, v in d.items() if k.startswith("resampling_fn_")} or None,
+        gpu_memory_gb=float(d["gpu_memory_estimate_gb"]) if "gpu_memory_estimate_gb" in d else None,
     )
 
 
@@ -254,13 +282,19 @@ def resolve_inheritance(configurations: dict) -> dict:
 
 def plans_content(plans: Plans) -> dict:
     """Everything that defines the plans, without the identity itself."""
+    configurations = {
+        n: _configuration_to_dict(c)
+        for n, c in plans.configurations.items()
+        if n not in plans.cascades
+    }
+    configurations.update(plans.cascades)
     # regions_class_order only where there are regions: other plans keep their identity.
     regions = (
         {}
         if plans.regions_class_order is None
         else {"regions_class_order": list(plans.regions_class_order)}
     )
-    return {
+    content = {
         **regions,
         "format_version": PLANS_FORMAT_VERSION,
         "dataset_name": plans.dataset_name,
@@ -268,10 +302,12 @@ def plans_content(plans: Plans) -> dict:
         "num_input_channels": plans.num_input_channels,
         "labels": dict(plans.labels),
         "foreground_intensity_properties_per_channel": plans.foreground_intensity_properties,
-        "configurations": {
-            name: _configuration_to_dict(c) for name, c in sorted(plans.configurations.items())
-        },
+        "configurations": dict(sorted(configurations.items())),
     }
+    if plans.transpose_forward is not None:
+        content["transpose_forward"] = list(plans.transpose_forward)
+        content["transpose_backward"] = list(plans.transpose_backward or ())
+    return content
 
 
 # Plans-level fields a trained model depends on (with its configuration block).
@@ -282,6 +318,8 @@ DATASET_LEVEL_KEYS = (
     "labels",
     "foreground_intensity_properties_per_channel",
 )
+# Also dataset-level, but only in plans that have them (older identities stay).
+OPTIONAL_DATASET_LEVEL_KEYS = ("transpose_forward", "transpose_backward")
 _NOT_IDENTITY = ("case_ids",)  # bookkeeping, not a training input
 
 
@@ -299,6 +337,7 @@ def dataset_level(content: dict) -> dict:
     out = {key: content.get(key) for key in DATASET_LEVEL_KEYS}
     if content.get("regions_class_order") is not None:  # absent: identities stay as they were
         out["regions_class_order"] = content["regions_class_order"]
+    out.update({k: content[k] for k in OPTIONAL_DATASET_LEVEL_KEYS if k in content})
     return out
 
 
@@ -372,6 +411,8 @@ def read_plans_json(path: Path) -> dict | None:
 def plans_from_dict(data: dict) -> Plans:
     blocks = resolve_inheritance(data["configurations"])
     configurations = {name: _configuration_from_dict(name, d) for name, d in blocks.items()}
+    cascades = {n: dict(d) for n, d in data["configurations"].items() if _is_cascade(d)}
+    forward, backward = data.get("transpose_forward"), data.get("transpose_backward")
     plans = Plans(
         dataset_name=data["dataset_name"],
         plans_name=data["plans_name"],
@@ -381,6 +422,9 @@ def plans_from_dict(data: dict) -> Plans:
         identity="",
         foreground_intensity_properties=data.get("foreground_intensity_properties_per_channel", {}),
         regions_class_order=regions_order(data.get("regions_class_order")),
+        transpose_forward=tuple(int(a) for a in forward) if forward is not None else None,
+        transpose_backward=tuple(int(a) for a in backward) if backward is not None else None,
+        cascades=cascades,
     )
     return with_identity(plans)
 
@@ -392,6 +436,11 @@ def plans_labels(labels: dict) -> dict[str, Any]:
 
 def regions_order(value: Any) -> tuple[int, ...] | None:
     return None if value is None else tuple(int(v) for v in value)
+
+
+def _is_cascade(block: dict) -> bool:
+    """nnU-Net's 3d_cascade_fullres entry: `inherits_from` another, no data of its own."""
+    return isinstance(block, dict) and "inherits_from" in block and "patch_size" not in block
 
 
 def plans_file(preprocessed_dataset_dir: Path, plans_name: str = DEFAULT_PLANS) -> Path:

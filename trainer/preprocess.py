@@ -21,9 +21,7 @@ import sys
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
-from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
@@ -38,13 +36,15 @@ from trainer.data.case_ops import (
 )
 from trainer.data.planning import (
     CONFIGURATIONS,
+    DEFAULT_PLANNER,
     Overrides,
+    PlannerOptions,
     PlanningError,
     parse_overrides,
-    plan_experiment,
 )
 from trainer.data.raw import DataError, RawCase, RawDataset, load_raw_case, open_raw_dataset
-from trainer.fingerprint import fingerprint_case, summarize
+from trainer.data.resenc_planning import PRESETS
+from trainer.fingerprint import fingerprint_dataset, run_all
 from trainer.labels import ANNOTATED_KEY, IGNORE
 from trainer.plans import (
     Plans,
@@ -54,7 +54,7 @@ from trainer.plans import (
     plans_from_dict,
     read_plans_json,
 )
-from trainer.preset_plans import DEFAULT_PLANNER, PLANNERS, preprocess_preset
+from trainer.preset_plans import CPU_PLANNER, PLANNERS, make_plans, preprocess_preset
 from trainer.schema import (
     FINGERPRINT_FILE,
     DatasetNotFound,
@@ -82,6 +82,7 @@ class CaseJob:
     fallback_spacing: tuple[float, ...] | None
     fg_properties: list[dict[str, float]]
     configs: tuple[dict, ...]  # name, folder, spacing, patch_size, schemes, use_mask
+    transpose: tuple[int, ...] = (0, 1, 2)  # the plans' transpose_forward
 
 
 def class_location_count(num_voxels: int) -> int:
@@ -112,6 +113,10 @@ def preprocess_case(job: CaseJob) -> dict:
     """Crop, normalise, resample and write one case for every configuration."""
     started = time.perf_counter()
     image, seg, spacing = load_raw_case(job.case, job.labels, job.fallback_spacing)
+    if job.transpose != (0, 1, 2):  # stored as nnU-Net stores it: the plans' axis order
+        image = np.ascontiguousarray(image.transpose(0, *(a + 1 for a in job.transpose)))
+        seg = np.ascontiguousarray(seg.transpose(job.transpose))
+        spacing = tuple(spacing[a] for a in job.transpose)
     bbox = nonzero_bbox(image)
     image_c, seg_c = crop(image, bbox), crop(seg, bbox)
     first = job.configs[0]
@@ -145,89 +150,50 @@ def preprocess_case(job: CaseJob) -> dict:
                 seg_r, fg_values, zlib.crc32(job.case.case_id.encode()), job.labels.get(IGNORE)
             ),
         }
+        if job.transpose != (0, 1, 2):  # what the export undoes (raw shapes: bbox, crop)
+            properties["transpose_forward"] = list(job.transpose)
         atomic_write_text(folder / f"{job.case.case_id}.json", json.dumps(properties) + "\n")
         shapes[config["name"]] = tuple(new_shape)
     return {"case_id": job.case.case_id, "shapes": shapes, "time_s": time.perf_counter() - started}
-
-
-def _run_all(fn: Callable, items: list, num_processes: int, on_done: Callable) -> list:
-    """fn over items, in worker processes when num_processes > 1; results in input order."""
-    results: list = [None] * len(items)
-    if num_processes <= 1 or len(items) <= 1:
-        for i, item in enumerate(items):
-            results[i] = fn(*item)
-            on_done(i, results[i])
-        return results
-    num_done = 0
-    # spawn: safe even when the caller already imported torch (fork + OpenMP threads is not).
-    with ProcessPoolExecutor(num_processes, mp_context=get_context("spawn")) as pool:
-        futures = {pool.submit(fn, *item): i for i, item in enumerate(items)}
-        try:
-            for future in as_completed(futures):
-                i = futures[future]
-                results[i] = future.result()
-                on_done(num_done, results[i])  # progress counts completions, not positions
-                num_done += 1
-        except BaseException:
-            # First error wins: do not wait for the remaining cases.
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-    return results
-
-
-def fingerprint_dataset(
-    raw: RawDataset,
-    num_processes: int = 1,
-    progress: Callable[[str], None] = log.info,
-    per_case: bool = True,
-) -> dict:
-    """Read and check every case; DataError on the first problem."""
-    items = [(case, raw.labels, raw.fallback_spacing) for case in raw.cases]
-    total = len(items)
-    started = time.perf_counter()
-
-    def done(i: int, fp) -> None:
-        if per_case:
-            progress(f"[check {i + 1}/{total}] {fp.case_id} shape {list(fp.shape_before_crop)} ok")
-
-    cases = _run_all(fingerprint_case, items, num_processes, done)
-    if not per_case:
-        progress(f"[check] {total} cases read and checked in {time.perf_counter() - started:.1f} s")
-    return summarize(cases, raw.num_channels)
 
 
 def preprocess_dataset(
     raw_root: Path,
     preprocessed_root: Path,
     dataset: str,
-    configurations: tuple[str, ...] = CONFIGURATIONS,
+    configurations: tuple[str, ...] | None = None,
     num_processes: int = 1,
     overrides: Overrides | None = None,
     verify_only: bool = False,
     progress: Callable[[str], None] = log.info,
     planner: str = DEFAULT_PLANNER,
+    options: PlannerOptions | None = None,
 ) -> Plans | None:
-    """The whole pipeline; returns the plans (None with verify_only). A preset planner
-    (`-pl nnUNetPlannerResEncM`) writes its plans on the default plans' data.
+    """The whole pipeline; returns the plans (None with verify_only). `configurations`
+    None: every one the planner makes. A preset planner (`-pl nnUNetPlannerResEncM`) writes
+    its plans on the default plans' data. `options` (nnU-Net's planner flags) replace
+    `planner` when given.
 
     Raises DatasetNotFound, DataError or PlanningError for user mistakes.
     """
-    if planner != DEFAULT_PLANNER and not verify_only:
-        run = (raw_root, preprocessed_root, dataset, tuple(configurations), num_processes)
-        return preprocess_preset(*run, planner, overrides, progress, preprocess_dataset)
+    options = options or PlannerOptions(planner)
+    # A preset's 3d_lowres has data of its own: the pipeline below makes it.
+    if options.planner in PRESETS and not verify_only and configurations != ("3d_lowres",):
+        run = (raw_root, preprocessed_root, dataset, configurations, num_processes)
+        return preprocess_preset(*run, options, overrides, progress, preprocess_dataset)
     name = find_dataset(Path(raw_root), dataset)
     raw = open_raw_dataset(Path(raw_root) / name)
     # One progress line per case: per case for --verify, per case of the writing pass else.
     fingerprint = fingerprint_dataset(raw, num_processes, progress, per_case=verify_only)
     if verify_only:
         return None
-    plans = plan_experiment(fingerprint, raw.dataset_json, name, tuple(configurations), overrides)
+    plans = make_plans(options, fingerprint, raw.dataset_json, name, configurations, overrides)
     out_dir = Path(preprocessed_root) / name
     _prepare_output_dir(out_dir, plans, progress)
     existing = _write_interim_plans(out_dir, plans, dataset, progress)
     _write_dataset_files(out_dir, raw, fingerprint)
     configs = _clear_config_folders(out_dir, plans)
-    _preprocess_cases(raw, fingerprint, configs, num_processes, progress)
+    _preprocess_cases(raw, fingerprint, configs, num_processes, progress, plans.transpose[0])
     return _write_final_plans(out_dir, plans, existing, [c.case_id for c in raw.cases], progress)
 
 
@@ -247,9 +213,10 @@ def _write_interim_plans(
     """Returns the plans.json found before this run (merged into the final one)."""
     # Other configurations already in plans.json stay (same bytes, same identity). While
     # this run works, plans.json lists only them: the requested ones are not complete yet.
-    existing = read_plans_json(plans_file(out_dir))
+    existing = read_plans_json(plans_file(out_dir, plans.plans_name))
     merged, dropped = merge_plans(plans, existing)
-    others = {k: v for k, v in merged["configurations"].items() if k not in plans.configurations}
+    new = {*plans.configurations, *plans.cascades}
+    others = {k: v for k, v in merged["configurations"].items() if k not in new}
     kept = {**merged, "configurations": others}
     for other in dropped:
         progress(
@@ -257,9 +224,9 @@ def _write_interim_plans(
             f"run nnui-preprocess {dataset} -c {other} again"
         )
     if kept["configurations"]:
-        atomic_write_text(plans_file(out_dir), content_to_json(kept))
+        atomic_write_text(plans_file(out_dir, plans.plans_name), content_to_json(kept))
     else:
-        plans_file(out_dir).unlink(missing_ok=True)  # not complete until written again
+        plans_file(out_dir, plans.plans_name).unlink(missing_ok=True)  # incomplete until rewritten
     return existing
 
 
@@ -296,12 +263,16 @@ def _preprocess_cases(
     configs: tuple[dict, ...],
     num_processes: int,
     progress: Callable[[str], None],
+    transpose: tuple[int, ...] = (0, 1, 2),
 ) -> None:
     fg = [
         fingerprint["foreground_intensity_properties_per_channel"][str(c)]
         for c in range(raw.num_channels)
     ]
-    jobs = [(CaseJob(case, raw.labels, raw.fallback_spacing, fg, configs),) for case in raw.cases]
+    jobs = [
+        (CaseJob(case, raw.labels, raw.fallback_spacing, fg, configs, transpose),)
+        for case in raw.cases
+    ]
     total = len(jobs)
 
     def done(i: int, result: dict) -> None:
@@ -310,7 +281,7 @@ def _preprocess_cases(
             f"[preprocess {i + 1}/{total}] {result['case_id']} {shapes} {result['time_s']:.1f} s"
         )
 
-    _run_all(preprocess_case, jobs, num_processes, done)
+    run_all(preprocess_case, jobs, num_processes, done)
 
 
 def _write_final_plans(
@@ -328,7 +299,8 @@ def _write_final_plans(
         n: replace(c, case_ids=tuple(sorted(case_ids))) for n, c in plans.configurations.items()
     }
     content, _ = merge_plans(replace(plans, configurations=written), existing)
-    atomic_write_text(plans_file(out_dir), content_to_json(content))  # the completion marker
+    path = plans_file(out_dir, plans.plans_name)
+    atomic_write_text(path, content_to_json(content))  # the completion marker
     return plans_from_dict(content)
 
 
@@ -349,42 +321,72 @@ def _refuse_nnunet_data_folders(out_dir: Path, plans: Plans) -> None:
             )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nnui-preprocess", description="Fingerprint, plan and preprocess a raw dataset."
     )
-    parser.add_argument("dataset", help="dataset id (e.g. 900) or DatasetNNN_Name")
-    parser.add_argument("-c", nargs="+", default=list(CONFIGURATIONS), choices=CONFIGURATIONS)
-    parser.add_argument("--verify", action="store_true", help="only run the integrity checks")
-    parser.add_argument("-np", type=int, default=min(4, os.cpu_count() or 1), help="processes")
-    parser.add_argument("--raw", default=None, help="raw root (default $nnUNet_raw)")
-    parser.add_argument("--preprocessed", default=None, help="default $nnUNet_preprocessed")
-    parser.add_argument(
-        "--patch-size", type=int, nargs="+", help="e.g. 48 64 64 (3d) or 64 64 (2d)"
+    add = parser.add_argument
+    add("dataset", help="dataset id (e.g. 900) or DatasetNNN_Name")
+    add(
+        "-c",
+        nargs="+",
+        default=None,
+        choices=CONFIGURATIONS,
+        help="configurations to plan and preprocess (default: all the planner makes)",
     )
-    parser.add_argument("--batch-size", nargs="+", help="N for all, or CONFIG=N (e.g. 2d=16)")
-    parser.add_argument(
-        "-pl", default=DEFAULT_PLANNER, choices=PLANNERS, metavar="PLANNER",
-        help="nnU-Net's planner names: nnUNetPlannerResEnc{M,L,XL} plan the residual-encoder "
-        "presets (plans nnuiResEncUNet{M,L,XL}Plans on the default plans' data)",
-    )  # fmt: skip
-    args = parser.parse_args(argv)
+    add("--verify", action="store_true", help="only run the integrity checks")
+    add("-np", type=int, default=min(4, os.cpu_count() or 1), help="processes")
+    add("--raw", default=None, help="raw root (default $nnUNet_raw)")
+    add("--preprocessed", default=None, help="default $nnUNet_preprocessed")
+    add("--patch-size", type=int, nargs="+", help="e.g. 48 64 64 (3d) or 64 64 (2d)")
+    add("--batch-size", nargs="+", help="N for all, or CONFIG=N (e.g. 2d=16)")
+    add(
+        "-pl",
+        default=DEFAULT_PLANNER,
+        choices=PLANNERS,
+        metavar="PLANNER",
+        help=f"{DEFAULT_PLANNER} (default: nnU-Net's plans), {CPU_PLANNER} (small plans a CPU "
+        "trains, written as nnuiCPUPlans), nnUNetPlannerResEnc{M,L,XL} (residual-encoder "
+        "presets nnuiResEncUNet{M,L,XL}Plans on the default plans' data)",
+    )
+    add(
+        "-gpu_memory_target",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="GPU memory the plans are sized for (default 8; presets 8/24/40)",
+    )
+    add(
+        "-overwrite_target_spacing",
+        type=float,
+        nargs=3,
+        default=None,
+        metavar="S",
+        help="target spacing (z y x, before the transpose) instead of the planned one",
+    )
+    add(
+        "-overwrite_plans_name",
+        default=None,
+        metavar="NAME",
+        help="plans identifier instead of the planner's (nnuiPlans, nnuiCPUPlans, ...)",
+    )
+    return parser  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     roots = resolve_roots(raw=args.raw, preprocessed=args.preprocessed)
     started = time.perf_counter()
+    configs = tuple(args.c) if args.c else None
     try:
-        overrides = parse_overrides(args.patch_size, args.batch_size, args.c)
+        overrides = parse_overrides(args.patch_size, args.batch_size, configs or CONFIGURATIONS)
+        options = PlannerOptions(args.pl, args.overwrite_plans_name, args.gpu_memory_target,
+                                 args.overwrite_target_spacing)  # fmt: skip
         plans = preprocess_dataset(
-            roots.raw,
-            roots.preprocessed,
-            args.dataset,
-            tuple(args.c),
-            max(1, args.np),
-            overrides,
-            args.verify,
-            progress=lambda line: print(line, flush=True),
-            planner=args.pl,
-        )
+            roots.raw, roots.preprocessed, args.dataset, configs, max(1, args.np), overrides,
+            args.verify, progress=lambda line: print(line, flush=True), options=options,
+        )  # fmt: skip
     except (DatasetNotFound, DataError, PlanningError, SharedTreeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -57,6 +57,13 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
     _check_cases_and_fold(data_dir, dataset_dir, config.fold)
     _check_previous_stage(config, cplan, data_dir, dataset_dir)
     _check_device_and_batch(config, cplan.batch_size)
+    if config.device_type == "cpu" and not config.validation_only and launch.is_main_process():
+        from trainer.data.cpu_planning import cpu_epoch_note
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        note = cpu_epoch_note(cplan, plans.num_classes, config.iterations_per_epoch, cores)
+        if note:
+            print(note, file=sys.stderr, flush=True)
     if not launch.is_main_process():
         # Rank 0 checks and picks the checkpoint and hands it over (other nodes may not
         # even have the file); nothing is written under results by this process.

@@ -61,6 +61,8 @@ class LaunchScreen(Screen):
         self._jobs_key: tuple | None = None
         self.engine = engines.NNUI  # engines.NNUI | engines.NNUNET
         self.datasets_engine: str | None = None  # whose datasets the picker shows now
+        self.datasets: list[Any] = []  # what the picker shows (catalog.DatasetInfo)
+        self.memory_lines: list[str] = []  # estimated GPU memory beside the GPUs' free
 
     class Planned(Message):
         """Checks and preview are up to date (tests wait for it)."""
@@ -129,7 +131,7 @@ class LaunchScreen(Screen):
         if isinstance(datasets, Exception):
             self.notify(f"error: cannot read datasets: {datasets}", severity="error")
             return
-        self.datasets_engine = engine_name
+        self.datasets_engine, self.datasets = engine_name, list(datasets)
         self.query_one(DatasetPicker).show(datasets)
         self.recompute()
 
@@ -222,6 +224,20 @@ class LaunchScreen(Screen):
         ]
         return requests, choice.batch_size, problems
 
+    def _check_memory(self, requests: list[Any], snapshot: Any) -> list[str]:
+        """Sets memory_lines; returns the misfits (g asks before starting them)."""
+        choice = self.query_one(DatasetPicker).current
+        info = next((d for d in self.datasets if choice and d.name == choice.dataset
+                     and getattr(d, "plans", None) == choice.plans), None)  # fmt: skip
+        config = info.configuration(choice.configuration) if info and choice else None
+        lines, misfits = [], []
+        for request in requests:
+            line, misfit = catalog.memory_check(config, request.gpus, snapshot)
+            lines += [line] if line and line not in lines else []
+            misfits += [misfit] if misfit and misfit not in misfits else []
+        self.memory_lines = lines
+        return misfits
+
     def _no_dataset(self) -> str:
         where = self.app.config.roots.preprocessed
         if self.engine == engines.NNUNET:
@@ -240,12 +256,13 @@ class LaunchScreen(Screen):
         generation = self._generation
         app = self.app
         snapshot, registry, roots = app.snapshot, app.services.registry, app.config.roots
+        misfits = self._check_memory(requests, snapshot)
 
         def plan() -> tuple[list[Any], list[str], list[str], list[str], list[str]]:
             # The full checks: busy GPUs, other users, a fold already running (registry and
             # run folder), a finished or stopped fold (offer resume).
             plans: list[Any] = []
-            errors, warnings, resumable, asks = list(problems), [], [], []
+            errors, warnings, resumable, asks = list(problems), [], [], list(misfits)
             for request in requests:
                 checks = launcher.check_request(request, roots, batch_size, snapshot, registry)
                 errors += [e for e in checks.errors if e not in errors]
@@ -283,6 +300,8 @@ class LaunchScreen(Screen):
             checks.append(f"✗ {problem}\n", style=readable_style("bold red", mono))
         for warning in self.warnings:
             checks.append(f"! {warning}\n", style=readable_style("yellow", mono))
+        for line in self.memory_lines:
+            checks.append(f"· {line}\n")
         for note in self.confirmations:
             checks.append(f"? {note} (g asks)\n", style=readable_style("bold yellow", mono))
         if self.resumable:

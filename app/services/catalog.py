@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ class ConfigurationInfo:
     # nnU-Net's cascade: 3d_cascade_fullres trains on 3d_lowres's segmentations (its five
     # folds must be done first; trainer.cascade).
     previous_stage: str | None = None
+    gpu_memory_gb: float | None = None  # the plans' estimate for the whole batch, if any
 
 
 @dataclass(frozen=True)
@@ -69,11 +71,13 @@ def read_configurations(
         try:
             patch = tuple(int(v) for v in config.get("patch_size", ()))
             batch = int(config.get("batch_size", 0))
+            memory = config.get("gpu_memory_estimate_gb")
+            memory = float(memory) if isinstance(memory, (int, float)) else None
         except (TypeError, ValueError):
             continue
         previous = config.get("previous_stage")
         if batch > 0:
-            result.append(ConfigurationInfo(name, patch, batch, previous or None))
+            result.append(ConfigurationInfo(name, patch, batch, previous or None, memory))
     return tuple(result)
 
 
@@ -165,3 +169,35 @@ def plans_batch_size(
         if config.name == configuration:
             return config.batch_size
     return None
+
+
+GIB = 1024**3
+
+
+def memory_check(
+    config: ConfigurationInfo | None, gpus: list[str], snapshot: Any
+) -> tuple[str | None, str | None]:
+    """(the configuration's estimated GPU memory beside the chosen GPUs' free memory, a
+    warning with the numbers when a GPU has less free). The plans' estimate is nnU-Net's
+    (feature-map voxels scaled to its 8 GB reference) for the whole batch; DDP splits the
+    batch over the GPUs."""
+    if config is None or config.gpu_memory_gb is None or not gpus:
+        return None, None
+    share = math.ceil(config.batch_size / len(gpus)) / config.batch_size
+    need = config.gpu_memory_gb * share
+    free = {}
+    for gpu in gpus:
+        reading = snapshot.gpu(gpu) if snapshot is not None and gpu.isdigit() else None
+        used = getattr(reading, "memory_used_bytes", None)
+        total = getattr(reading, "memory_total_bytes", None)
+        if used is not None and total:
+            free[gpu] = (total - used) / GIB
+    shown = ", ".join(f"GPU {g} {v:.1f} GB free" for g, v in free.items())
+    line = (
+        f"{config.name} needs about {need:.1f} GB per GPU (nnU-Net's estimate, batch "
+        f"{config.batch_size}); {shown or 'free memory unknown'}"
+    )
+    short = [f"GPU {g} has {v:.1f} GB free" for g, v in free.items() if v < need]
+    if not short:
+        return line, None
+    return line, f"{config.name} needs about {need:.1f} GB per GPU but {', '.join(short)}"

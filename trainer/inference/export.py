@@ -39,6 +39,22 @@ class RawPrediction:
     probabilities: np.ndarray | None  # (K, Z, Y, X) float32, or None when not asked for
 
 
+def transpose_backward(properties: dict[str, Any]) -> tuple[int, ...] | None:
+    """The axis order back to the raw image's, for data preprocessing stored transposed
+    (nnU-Net's transpose_forward, kept in the case properties); None: not transposed."""
+    forward = properties.get("transpose_forward")
+    if forward is None or list(forward) == sorted(forward):
+        return None
+    return tuple(int(a) for a in np.argsort(forward))
+
+
+def raw_shape(properties: dict[str, Any]) -> list[int]:
+    """The raw image's (Z, Y, X) shape: shape_before_cropping, in the raw axis order."""
+    shape = [int(n) for n in properties["shape_before_cropping"]]
+    backward = transpose_backward(properties)
+    return [shape[a] for a in backward] if backward else shape
+
+
 def label_dtype(label_values: Sequence[int]) -> np.dtype:
     return np.dtype(np.uint8 if max(label_values) < 256 else np.uint16)
 
@@ -70,6 +86,11 @@ def to_raw_geometry(
         full = np.zeros((probs.shape[0], *full_shape), dtype=np.float32)
         full[0] = 1.0  # outside the crop: background for sure (it was all zero)
         full[(slice(None), *region)] = probs
+    backward = transpose_backward(properties)
+    if backward:  # the stored data was transposed: back to the raw image's axis order
+        segmentation = np.ascontiguousarray(segmentation.transpose(backward))
+        if full is not None:
+            full = np.ascontiguousarray(full.transpose(0, *(a + 1 for a in backward)))
     return RawPrediction(segmentation, full)
 
 

@@ -51,6 +51,10 @@ def prepare_case(
     """previous_stage_dir (a cascade): the previous stage's segmentation of the case there,
     preprocessed alike and appended one-hot (trainer.cascade)."""
     image, spacing = read_channels(case, fallback_spacing)
+    forward = plans.transpose[0]
+    if forward != (0, 1, 2):  # stored as nnU-Net stores it: the plans' axis order
+        image = np.ascontiguousarray(image.transpose(0, *(a + 1 for a in forward)))
+        spacing = tuple(spacing[a] for a in forward)
     raw_shape = [int(n) for n in image.shape[1:]]
     bbox = nonzero_bbox(image)
     fg = [
@@ -73,8 +77,10 @@ def prepare_case(
         "spacing_after_resampling": list(target),
         "shape_after_resampling": list(new_shape),
     }
+    if forward != (0, 1, 2):
+        properties["transpose_forward"] = list(forward)
     if previous_stage_dir is not None:
-        where = (bbox, new_shape, raw_shape, spacing, target)
+        where = (bbox, new_shape, raw_shape, spacing, target, forward)
         data = _with_previous_stage(data, case, plans, where, previous_stage_dir)
     return PreparedCase(case, data, properties)
 
@@ -90,7 +96,8 @@ def _with_previous_stage(
         previous = read_image(path)[0]
     except (ImageReadError, OSError) as exc:
         raise InputError(f"previous stage's segmentation of {case.case_id}: {exc}") from None
-    bbox, new_shape, raw_shape, spacing, target = where
+    bbox, new_shape, raw_shape, spacing, target, forward = where
+    previous = previous.transpose(forward)  # the raw file's axes -> the plans' axis order
     if list(previous.shape) != list(raw_shape):
         raise InputError(f"{path}: shape {list(previous.shape)}, the image's is {raw_shape}")
     spec = plans.label_spec
