@@ -71,6 +71,7 @@ def test_finished_fold_is_refused_unless_retrain(demo_preprocessed, tmp_path):
     )
     after = {p.name: _md5(p) for p in (final, folder / "validation" / schema.SUMMARY_FILE)}
     assert after == before
+    assert not fold_lock.is_locked(folder)
 
     retrained = _second([*argv, "--retrain"])
     assert retrained.returncode == 0, retrained.stderr

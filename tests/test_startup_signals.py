@@ -10,6 +10,7 @@ interpreter's own start-up are the unavoidable window (README) and are not count
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -165,7 +166,11 @@ def _signal_each_new_child(parent: subprocess.Popen, wanted: int, is_worker: Cal
         assert parent.poll() is None, f"exited {parent.returncode} before {wanted} children"
         assert time.monotonic() < deadline, "timed out waiting for the children"
         for pid in children(parent.pid) - signalled:
-            os.kill(pid, signal.SIGUSR1)
+            # A short-lived helper child (e.g. ldconfig run by ctypes' find_library) may be
+            # gone between the listing and the signal: nothing to stop there. A rank that
+            # died would show in the parent's exit code, which the caller checks.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
             signalled.add(pid)
         workers.update(pid for pid in signalled if is_worker(pid))
     return workers

@@ -7,7 +7,6 @@ Gaussian noise. Shapes and anisotropic spacings vary per case, like a real MRI c
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.data.image_io import write_nifti
+from trainer.inference.cli import OneLineParser
 from trainer.schema import resolve_roots
 
 DEMO_DATASET = "Dataset900_NnuiDemo"
@@ -122,7 +122,7 @@ def make_demo_dataset(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="nnui-demo-data", description="Write a small synthetic 3D segmentation dataset."
     )
     parser.add_argument("--cases", type=int, default=DEFAULT_NUM_CASES, help="number of cases")

@@ -26,6 +26,7 @@ from typing import Any
 from trainer.schema import JOB_ID_ENV, OWNER_LOCK_FILE
 
 _held: list[int] = []  # the fd(s) this process holds; closed again in forked children
+_created: list[Path] = []  # lock files this process made (removed again by discard_created)
 
 
 class FoldBusy(RuntimeError):
@@ -109,6 +110,7 @@ def _busy_message(fold_dir: Path, owner: Owner | None) -> str:
 def acquire(fold_dir: Path, argv: list[str], num_gpus: int | None = None) -> None:
     """Own `fold_dir` for the rest of this process's life, or raise FoldBusy at once."""
     path = Path(fold_dir) / OWNER_LOCK_FILE
+    existed = path.exists()
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -126,6 +128,16 @@ def acquire(fold_dir: Path, argv: list[str], num_gpus: int | None = None) -> Non
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
     _held.append(fd)
+    if not existed:
+        _created.append(path)
+
+
+def discard_created() -> None:
+    """A run refused before it wrote anything: remove the lock file it made (while still
+    holding it), so that its new fold folder is left empty and can go too."""
+    while _created:
+        with contextlib.suppress(OSError):
+            _created.pop().unlink()
 
 
 def release() -> None:
@@ -135,6 +147,7 @@ def release() -> None:
     while _held:
         with contextlib.suppress(OSError):
             os.close(_held.pop())
+    _created.clear()
 
 
 os.register_at_fork(after_in_child=release)

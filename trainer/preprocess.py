@@ -45,6 +45,7 @@ from trainer.data.planning import (
 from trainer.data.raw import DataError, RawCase, RawDataset, load_raw_case, open_raw_dataset
 from trainer.data.resenc_planning import PRESETS
 from trainer.fingerprint import fingerprint_dataset, run_all
+from trainer.inference.cli import OneLineParser
 from trainer.labels import ANNOTATED_KEY, IGNORE
 from trainer.plans import (
     Plans,
@@ -322,7 +323,7 @@ def _refuse_nnunet_data_folders(out_dir: Path, plans: Plans) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="nnui-preprocess", description="Fingerprint, plan and preprocess a raw dataset."
     )
     add = parser.add_argument

@@ -332,10 +332,12 @@ def main(argv: list[str] | None = None) -> int:
             _own_fold(config, args.retrain)
         return launch.run_distributed(worker, config.to_dict(), config.num_gpus, config.device_type)
     except Refused as error:
+        fold_lock.discard_created()
         _remove_created_if_empty()
         sys.stderr.write(f"error: {error}\n")
         return 1
     except ValueError as error:  # raised before any rank starts: a user mistake
+        fold_lock.discard_created()
         _remove_created_if_empty()
         sys.stderr.write(f"error: {error}\n")
         return 2
@@ -364,7 +366,6 @@ def _own_fold(config: Any, retrain: bool) -> None:
         run_dir / schema.checkpoint_file("final")
     ).is_file()
     if finished:
-        fold_lock.release()
         raise Refused(
             f"fold {config.fold} already finished training in {run_dir}; move that folder to "
             "train it again, or pass --retrain"
