@@ -25,7 +25,7 @@ def _snapshot(free_gb: dict[str, float]) -> SimpleNamespace:
 
 
 def test_memory_check_puts_the_estimate_beside_the_free_memory_and_names_misfits():
-    config = ConfigurationInfo("3d_fullres", (128, 128, 128), 4, 20.0)
+    config = ConfigurationInfo("3d_fullres", (128, 128, 128), 4, gpu_memory_gb=20.0)
     line, misfit = memory_check(config, ["0"], _snapshot({"0": 30.0}))
     assert line == (
         "3d_fullres needs about 20.0 GB per GPU (nnU-Net's estimate, batch 4); GPU 0 30.0 GB free"
@@ -39,13 +39,17 @@ def test_memory_check_puts_the_estimate_beside_the_free_memory_and_names_misfits
     assert memory_check(config, [], None) == (None, None)  # CPU: nothing to compare
 
 
-def test_catalog_reads_the_estimate_and_skips_the_cascade_entry(tmp_path: Path):
+def test_catalog_reads_the_estimate_and_the_cascade_entry(tmp_path: Path):
     plans = {"configurations": {
         "3d_fullres": {"patch_size": [64, 64, 64], "batch_size": 2, "gpu_memory_estimate_gb": 7.5},
         "3d_cascade_fullres": {"inherits_from": "3d_fullres", "previous_stage": "3d_lowres"},
     }}  # fmt: skip
     (tmp_path / "nnuiPlans.json").write_text(json.dumps(plans))
-    assert read_configurations(tmp_path) == (ConfigurationInfo("3d_fullres", (64, 64, 64), 2, 7.5),)
+    assert read_configurations(tmp_path) == (
+        ConfigurationInfo("3d_fullres", (64, 64, 64), 2, gpu_memory_gb=7.5),
+        # nnU-Net's cascade entry: 3d_fullres's data and network, after 3d_lowres's folds
+        ConfigurationInfo("3d_cascade_fullres", (64, 64, 64), 2, "3d_lowres", 7.5),
+    )
 
 
 async def test_a_cpu_plans_only_dataset_launches_and_a_misfit_is_asked_first(

@@ -214,7 +214,7 @@ def config_differences(
                                   list(ours.normalization_schemes)),
         "use_mask_for_norm": (theirs["use_mask_for_norm"], list(ours.use_mask_for_norm)),
         "batch_dice": (theirs["batch_dice"], ours.batch_dice),
-        "next_stage": (theirs.get("next_stage"), ours.next_stage),
+        "next_stage": (_stages(theirs.get("next_stage")), ours.next_stage),
         "architecture": (theirs["architecture"]["network_class_name"].rsplit(".", 1)[1],
                          net.architecture),
         "data_identifier": (theirs["data_identifier"].replace("nnUNet", "nnui"),
@@ -408,7 +408,8 @@ def replace_batch(cplan: ConfigurationPlan, batch: int) -> ConfigurationPlan:
 
 def test_3d_lowres_is_preprocessed_and_the_cascade_entry_kept(transposed_raw, tmp_path):
     """A small memory target makes this small CT 'large': 3d_lowres data at its coarser
-    spacing, the cascade entry in the plans file (nnui trains no cascade; it is kept)."""
+    spacing, the cascade entry in the plans file as nnU-Net writes it, and trainable
+    (resolved from 3d_fullres, with 3d_lowres as its previous stage: trainer.cascade)."""
     from trainer.plans import load_plans
 
     done = _preprocess(transposed_raw, tmp_path, "-gpu_memory_target", "0.003")
@@ -419,9 +420,12 @@ def test_3d_lowres_is_preprocessed_and_the_cascade_entry_kept(transposed_raw, tm
         "inherits_from": "3d_fullres", "previous_stage": "3d_lowres"
     }  # fmt: skip
     plans = load_plans(dataset)
-    assert set(plans.configurations) == {"2d", "3d_fullres", "3d_lowres"}
+    assert set(plans.configurations) == {"2d", "3d_fullres", "3d_lowres", CASCADE}
+    cascade = plans.configuration(CASCADE)
+    assert cascade.previous_stage == "3d_lowres"
+    assert cascade.data_identifier == plans.configuration("3d_fullres").data_identifier
     lowres = plans.configuration("3d_lowres")
-    assert lowres.next_stage == CASCADE and plans.configuration("3d_fullres").batch_dice
+    assert lowres.next_stage == (CASCADE,) and plans.configuration("3d_fullres").batch_dice
     properties = json.loads((dataset / lowres.data_identifier / "case00.json").read_text())
     assert properties["spacing_after_resampling"] == pytest.approx(lowres.spacing)
     expected = [round(n * s / t) for n, s, t in zip([8, 40, 36], [5.0, 0.8, 0.8],
@@ -496,3 +500,10 @@ def test_a_preset_writes_its_3d_lowres_on_data_of_its_own(transposed_raw, tmp_pa
     assert configs["3d_lowres"]["data_identifier"] == "nnuiResEncUNetMPlans_3d_lowres"
     assert len(list((dataset / "nnuiResEncUNetMPlans_3d_lowres").glob("*_seg.b2nd"))) == 3
     assert preset["transpose_forward"] == [2, 0, 1]
+
+
+def _stages(value) -> tuple[str, ...]:
+    """nnU-Net writes one next stage as a name (nnui's plans hold a tuple of names)."""
+    if not value:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
