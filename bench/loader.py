@@ -1,7 +1,7 @@
 """Loader throughput: patches/s and CPU-seconds per patch on the demo 3d_fullres config.
 
     python bench/loader.py [--preprocessed ROOT] [--batches 40] [--cases 20]
-    python bench/loader.py --real [--plans 3d 2d] [--blocks 2] [--batches 20] [--workers 0]
+    python bench/loader.py --real [--plans 3d 2d] [--blocks 2] [--batches N] [--workers 0]
                                   [--work /tmp/nnui-lbench] [--no-profile]
 
 Without --preprocessed it writes the demo dataset and preprocesses 3d_fullres into a
@@ -101,12 +101,12 @@ class RealPlan:
     patch: tuple[int, ...]
     batch: int
     mr_cases: int = 0  # > 0: generated MR-like cases, else read from ../shared/data
-    batches: int = 20  # timed per block unless --batches says otherwise
+    batches: int = 12  # timed per block unless --batches says otherwise
 
 
 REAL_PLANS = {
     "3d": RealPlan("3d", 951, "Dataset951_MRLike", "3d_fullres", (128, 128, 128), 2, 5),
-    "2d": RealPlan("2d", 701, "Dataset701_DRIVE", "2d", (640, 640), 2, batches=100),
+    "2d": RealPlan("2d", 701, "Dataset701_DRIVE", "2d", (640, 640), 2, batches=60),
 }
 
 
@@ -309,7 +309,7 @@ def real_main(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preprocessed", type=Path, help="preprocessed root holding Dataset900")
-    parser.add_argument("--batches", type=int, help="timed (default 40; --real 20 3d, 100 2d)")
+    parser.add_argument("--batches", type=int, help="timed (default 40; --real 12 3d, 60 2d)")
     parser.add_argument("--cases", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (training-like)")
     parser.add_argument("--device", default="cpu", help="where batches go and augmentation runs")

@@ -103,6 +103,10 @@ def setup(work: Path) -> dict:
     if not plans_path.is_file():
         nnunet_pre.mkdir(parents=True, exist_ok=True)
         (nnunet_pre / "dataset_fingerprint.json").write_text(json.dumps(ct_fingerprint()))
+        example = raw / "imagesTr" / image.name  # the planner picks its reader from one
+        example.parent.mkdir(exist_ok=True)
+        if not example.exists():
+            example.symlink_to(image)
         tool = Path(sys.executable).parent / "nnUNetv2_plan_experiment"
         done = subprocess.run(
             [str(tool), "-d", str(DATASET_ID)], env=env, capture_output=True, text=True
@@ -401,11 +405,13 @@ def real_main(argv: list[str]) -> int:
         paths_json = a.work / "paths.json"
         paths_json.write_text(json.dumps(paths, default=str))
         runs = []
+        # export needs each side's preprocessing properties: prep runs once if they are missing
+        missing = not all((a.work / f"{n}_props.json").is_file() for n in ("nnunet", "nnui"))
         stages = [s for s in STAGES if s in a.stages or (s == "prep" and "export" in a.stages)]
         for block in range(a.blocks):
             for stage in stages:
                 for side in ("nnU-Net", "nnui"):
-                    if stage == "prep" and block > 0 and "prep" not in a.stages:
+                    if stage == "prep" and "prep" not in a.stages and (block > 0 or not missing):
                         continue
                     r = run_stage(side, stage, block, a, paths_json)
                     print(f"  block {block} {stage:6} {side:8} {json.dumps(r)}", flush=True)
@@ -421,7 +427,8 @@ def finish(a, runs: list[dict], paths: dict) -> int:
 
     plans = json.loads(Path(paths["nnunet_plans"]).read_text())["configurations"][CONFIG]
     prep = [r for r in runs if r["stage"] == "prep"]
-    net_shape = prep[0]["shape"][1:] if prep else []
+    props = a.work / "nnui_props.json"
+    net_shape = json.loads(props.read_text())["shape_after_resampling"] if props.is_file() else []
     exports = [r for r in runs if r["stage"] == "export" and r["side"] == "nnui"]
     info = {
         "raw_shape": list(nib.load(str(paths["image"])).shape),
