@@ -188,9 +188,8 @@ def nnunet_stage(stage: str, paths: dict, work: Path, windows: int) -> dict:
         from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
 
         net = nnUNetTrainer.build_network_architecture(
-            cm.network_arch_class_name, cm.network_arch_init_kwargs,
-            cm.network_arch_init_kwargs_req_import, 1, len(LABELS), enable_deep_supervision=False,
-        ).eval()  # fmt: skip
+            pm, cm, 1, len(LABELS), enable_deep_supervision=False
+        ).eval()
         return time_windows(net, cm.patch_size, windows)
     from nnunetv2.inference.export_prediction import export_prediction_from_logits
 
@@ -407,7 +406,8 @@ def real_main(argv: list[str]) -> int:
         runs = []
         # export needs each side's preprocessing properties: prep runs once if they are missing
         missing = not all((a.work / f"{n}_props.json").is_file() for n in ("nnunet", "nnui"))
-        stages = [s for s in STAGES if s in a.stages or (s == "prep" and "export" in a.stages)]
+        # in the order given: the stage of interest first, while the machine is as it was
+        stages = list(dict.fromkeys(["prep", *a.stages] if "export" in a.stages else a.stages))
         for block in range(a.blocks):
             for stage in stages:
                 for side in ("nnU-Net", "nnui"):
