@@ -2,6 +2,10 @@
 
     python bench/predict.py [--work DIR] [--test-cases 3] [--repeats 2] [--tta on off]
                             [--npp 1] [--nps 1] [--threads N] [--precision auto fp32]
+    python bench/predict.py --real [--blocks 2] [--windows 2] [--stages prep net export]
+
+--real: a generated 512x512x300 CT case, nnui vs nnU-Net stage by stage (read +
+preprocess, network per window, resampling + export); see bench/predict_real.py.
 
 Same cases (the demo dataset's held-out imagesTs), same network (nnU-Net's plan written
 into nnui's plans by compare_nnunet's setup: 16.47 M parameters), same patch, step size
@@ -424,6 +428,10 @@ def setup(a: PredictArgs) -> tuple:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)  # also echoed into RESULTS.md
+    if "--real" in argv:  # one real-size case, stage by stage (bench/predict_real.py)
+        from predict_real import real_main
+
+        return real_main([x for x in argv if x != "--real"])
     a = parsed_or_exit_code(parse_args, argv)
     if isinstance(a, int):
         return a
