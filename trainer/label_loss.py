@@ -21,8 +21,6 @@ from trainer.labels import LabelSpec
 from trainer.loss import (
     DeepSupervisionLoss,
     Reducer,
-    deep_supervision_weights,
-    downsample_target,
 )
 
 SMOOTH = 1e-5
@@ -95,27 +93,13 @@ class LabelAwareDiceLoss(nn.Module):
         return self.weight_ce * ce_value + self.weight_dice * dice
 
 
-class LabelAwareDeepSupervisionLoss(nn.Module):
+class LabelAwareDeepSupervisionLoss(DeepSupervisionLoss):
     """trainer.loss.DeepSupervisionLoss's weighting around LabelAwareDiceLoss."""
 
     def __init__(self, spec: LabelSpec, num_outputs: int, reduce_fn: Reducer = _identity,
                  weight_ce: float = 1.0, batch_dice: bool = True) -> None:  # fmt: skip
-        super().__init__()
-        self.weights = deep_supervision_weights(num_outputs)
+        super().__init__(num_outputs, reduce_fn, weight_ce, batch_dice)
         self.loss = LabelAwareDiceLoss(spec, reduce_fn, weight_ce, batch_dice=batch_dice)
-
-    def forward(
-        self, outputs: Sequence[torch.Tensor] | torch.Tensor, target: torch.Tensor
-    ) -> torch.Tensor:
-        if isinstance(outputs, torch.Tensor):
-            return self.loss(outputs, target)
-        total = outputs[0].new_zeros((), dtype=torch.float32)
-        for weight, output in zip(self.weights, outputs, strict=True):
-            if weight == 0:  # in the graph with zero gradient (DDP: every parameter used)
-                total = total + 0.0 * output.float().sum()
-                continue
-            total = total + weight * self.loss(output, downsample_target(target, output.shape[2:]))
-        return total
 
 
 def make_loss(spec: LabelSpec, num_outputs: int, reduce_fn: Reducer, weight_ce: float,

@@ -78,15 +78,22 @@ def earlier_job_done(job: Job) -> bool:
     return not job_alive(job, proc_info)
 
 
+def _me_unless_stopped(registry: Registry, job_id: str) -> Job | None:
+    """The job's record while it waits, None once it was forgotten or asked to stop."""
+    try:
+        me = registry.get(job_id)
+    except KeyError:
+        return None
+    if me.queued_stop or any(s.result == "sent" for s in me.signals):
+        return None
+    return me
+
+
 def wait_for(registry: Registry, job_id: str, after: str) -> bool:
     """Wait until `after` has ended. False if this job was asked to stop meanwhile."""
     _say(f"waiting for job {after} to end")
     while True:
-        try:
-            me = registry.get(job_id)
-        except KeyError:
-            return False
-        if me.queued_stop or any(s.result == "sent" for s in me.signals):
+        if _me_unless_stopped(registry, job_id) is None:
             return False
         try:
             if earlier_job_done(registry.get(after)):
@@ -104,11 +111,8 @@ def wait_for_inputs(registry: Registry, job_id: str) -> bool:
 
     said = None
     while True:
-        try:
-            me = registry.get(job_id)
-        except KeyError:
-            return False
-        if me.queued_stop or any(s.result == "sent" for s in me.signals):
+        me = _me_unless_stopped(registry, job_id)
+        if me is None:
             return False
         stage, folds = missing_folds(me)
         if not folds:
