@@ -74,3 +74,30 @@ async def test_a_cpu_plans_only_dataset_launches_and_a_misfit_is_asked_first(
         [line] = screen.memory_lines
         assert line.startswith("3d_fullres needs about 500.0 GB per GPU") and "GPU 0 " in line
         assert any("needs about 500.0 GB per GPU but GPU 0 has" in c for c in screen.confirmations)
+
+
+async def test_the_form_queues_a_cascade_fold_after_the_lowres_folds(tmp_path: Path, monkeypatch):
+    """3d_cascade_fullres picked on the form: its jobs wait for the 3d_lowres folds' inputs,
+    as `nnui launch ... --after-lowres` (the preview says so)."""
+    roots = make_roots(tmp_path)
+    path = roots.preprocessed / DATASET / "nnuiPlans.json"
+    plans = json.loads(path.read_text())
+    full = plans["configurations"]["3d_fullres"]
+    plans["configurations"]["3d_lowres"] = {**full, "next_stage": "3d_cascade_fullres"}
+    plans["configurations"]["3d_cascade_fullres"] = {
+        "inherits_from": "3d_fullres", "previous_stage": "3d_lowres"}  # fmt: skip
+    path.write_text(json.dumps(plans))
+    use_fake_trainer(monkeypatch, roots, tmp_path / "state")
+    app = tui_app(roots, tmp_path / "state")
+    async with app.run_test(size=(150, 48)) as pilot:
+        screen = await open_board(app, pilot)
+        picker = screen.query_one("#picker")
+        row = next(i for i, c in enumerate(picker.choices)
+                   if c.configuration == "3d_cascade_fullres")  # fmt: skip
+        picker.move_cursor(row=row)
+        await wait_for(lambda: picker.current.configuration == "3d_cascade_fullres", pilot)
+        await pilot.press("space")
+        await settled(screen, pilot, {"0": ["0"]})
+        await wait_for(lambda: screen.plans, pilot)
+        assert all(p.schedule.after_previous_stage for p in screen.plans)
+        assert "previous stage's folds wrote its inputs" in screen.preview_text

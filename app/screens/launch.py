@@ -203,6 +203,7 @@ class LaunchScreen(Screen):
             trainer_args = ["-p", choice.plans, *trainer_args]
         simulated = bool(getattr(self.app.snapshot, "simulated", False))
         when_free = self.query_one("#when-free", Checkbox).value and board.model.device != "cpu"
+        cascade = bool(getattr(choice, "previous_stage", None))
         requests = [
             launcher.LaunchRequest(
                 dataset=choice.dataset,
@@ -216,7 +217,8 @@ class LaunchScreen(Screen):
                 continue_training=self.query_one("#resume", Checkbox).value,
                 sequential=spec.sequential and not when_free,  # waiting queues them anyway
                 engine=self.engine,
-                schedule=Schedule(when_free=when_free),
+                # a cascade waits for its previous stage's folds (`--after-lowres`)
+                schedule=Schedule(when_free=when_free, after_previous_stage=cascade),
                 nice=nice,
                 threads=threads,
             )
