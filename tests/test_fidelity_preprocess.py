@@ -243,6 +243,7 @@ def test_prediction_preprocessing_matches_nnunet_without_labels(tmp_path, kind):
         SimpleNamespace(
             num_input_channels=len(props),
             foreground_intensity_properties={str(c): p for c, p in enumerate(props)},
+            transpose=((0, 1, 2), (0, 1, 2)),  # nnU-Net's plans here keep the axis order
         ),
         SimpleNamespace(
             name="3d_fullres",
