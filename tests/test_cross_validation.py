@@ -219,3 +219,35 @@ def test_cv_and_status_show_the_same_dice_after_the_folder_changes(cv_box) -> No
     (row,) = cv_rows(views, tracker.cross_validation_eta_s)
     view = next(v for v in views if v.job.fold == "1")
     assert row.folds[1].dice == view.final_dice == pytest.approx(0.6)
+
+
+def test_nnui_cv_shows_a_validating_fold_live_and_offers_no_queue_for_it(cv_box, capsys) -> None:
+    """Fold 3 (missing in the box) is now in its final validation: `nnui cv` says so and
+    its queue lines no longer name fold 3 (only the failed 2 and 4, with --c)."""
+    from argparse import Namespace
+
+    from test_jobs import ME_ALIVE
+
+    from app.cli_cv import cmd_cv
+
+    roots, registry = cv_box
+    folder = run_dir(roots.results, DATASET, "3d_fullres", "3")
+    folder.mkdir(parents=True)
+    t = T0 + 10
+    (folder / EVENTS_FILE).write_text("".join([
+        encode_event(Kind.RUN_STARTED, t=t, num_epochs=10, world_size=1, fold="3"),
+        encode_event(Kind.VALIDATION_STARTED, t=t + 5, epoch=9, num_cases=4),
+    ]))  # fmt: skip
+    registry.add(Job(
+        job_id="20260101-000003-f3", created_at=t, dataset=DATASET, configuration="3d_fullres",
+        fold="3", mode="single", device="cpu", gpus=["0"], simulated=True, argv=["nnui-train"],
+        env={}, run_dir=str(folder), console_path=str(folder / "c.log"), processes=[ME_ALIVE],
+        trainer_args=["--epochs", "10"],
+    ))  # fmt: skip
+    options = Namespace(json=False, raw=None, preprocessed=None, results=str(roots.results))
+    assert cmd_cv(options, registry) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith(DATASET))
+    assert "validating" in row and "missing" not in row
+    queue = [line for line in out.splitlines() if "to queue" in line]
+    assert queue and all("--folds 2,4" in line and "--c" in line for line in queue)
