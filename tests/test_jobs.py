@@ -324,3 +324,13 @@ def test_unchanged_files_are_not_parsed_again_and_changes_show(tmp_path: Path, m
     assert changed.job is not first.job and changed.job.note == "changed"
     assert [p.epoch for p in changed.history] == [0, 1] and changed.epoch == 2
     assert changed.console_tail == ("epoch 0", "epoch 1")
+
+
+def test_the_run_s_class_names_reach_the_view(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state")
+    job = add_job(registry, tmp_path, "j", processes=[ME_ALIVE])
+    names = ["whole tumor", "tumor core", "enhancing tumor"]
+    write_events(job, encode_event("run_started", t=T, num_epochs=5, world_size=1,
+                                   class_names=names), topology(T))  # fmt: skip
+    (view,) = JobTracker(registry).refresh()
+    assert view.class_names == tuple(names)

@@ -264,3 +264,22 @@ def test_tui_modules_import_no_heavy_packages() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dice_curves_are_named_by_the_run_s_classes() -> None:
+    """A region-based run records its class (region) names: the per-class Dice series carry
+    them; without names (or with a count that does not match) they stay `class N`."""
+    from app.services.curve_data import EpochPoint
+    from app.widgets.curves import PLOTS, plan_plot
+
+    point = EpochPoint(0, 0.5, 0.6, 0.7, 0.7, 0.01, 2.0, 10.0, (0.9, 0.6, 0.4))
+    fields = next(f for plot_id, *_, f in PLOTS if any(x == "dice_class" for _, x in f))
+    names = ("whole tumor", "tumor core", "enhancing tumor")
+
+    def series_names(class_names) -> list[str]:
+        planned = plan_plot(fields, {"fold 0": [point]}, {}, 0.0, class_names)
+        return [drawn.series for drawn, field in planned if field.startswith("dice_class")]
+
+    assert series_names(names) == list(names)
+    assert series_names(()) == ["class 1", "class 2", "class 3"]
+    assert series_names(names[:2]) == series_names(())  # a count that does not match

@@ -120,7 +120,8 @@ class JobDetailScreen(Screen):
         histories = {label: v.history for label, v in found.items()}
         running = {label: getattr(v, "running_loss", ()) for label, v in found.items()}
         curves = self.query_one(CurvesPanel)
-        if curves.show(histories, running, self.smoothing):
+        names = getattr(view, "class_names", ())
+        if curves.show(histories, running, self.smoothing, names):
             self.query_one("#curves-legend", Static).update(curves.legend)
 
     def poll_processes(self) -> None:

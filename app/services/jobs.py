@@ -75,6 +75,7 @@ class JobView:
     # save of each kind (what a --c resume can continue from, if the file is still there).
     checkpoints: tuple[tuple[str, int], ...] = ()
     data_wait_share: float | None = None  # newest epoch: share of step time spent waiting
+    class_names: tuple[str, ...] = ()  # names of dice_per_class's entries (run_started)
     # A run nnui did not launch (discovery.py); watch_only when it is another user's.
     adopted: AdoptedRun | None = None
     slurm_state: str | None = None  # the user's SLURM job: PENDING, RUNNING ... (squeue)
@@ -117,6 +118,7 @@ class _RunState:
     _history_tuple: tuple[EpochPoint, ...] | None = ()  # None: an epoch came
     _console_tuple: tuple[str, ...] | None = ()  # None: console lines came
     num_epochs: int | None = None
+    class_names: tuple[str, ...] = ()  # from run_started (regions: their dataset.json names)
     last_kind: str | None = None  # last lifecycle event of THIS job's run
     stop_requested: bool = False
     last_event_t: float | None = None
@@ -182,6 +184,8 @@ class _RunState:
         kind = record["kind"]
         if kind == Kind.RUN_STARTED:
             self.num_epochs = record["num_epochs"]
+            names = record.get("class_names")
+            self.class_names = tuple(names) if isinstance(names, list) else ()
         elif kind == Kind.TRAIN_LOSS_RUNNING:
             running = running_point(record)
             self.running[(running.epoch, running.iteration)] = running
@@ -541,6 +545,7 @@ class JobTracker:
             run_dir_gone=_run_dir_gone(job, run),
             checkpoints=tuple(run.checkpoints.items()),
             data_wait_share=_finite(last.data_wait_share) if last else None,
+            class_names=run.class_names,
         )
 
     def _eta_s(

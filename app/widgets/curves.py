@@ -73,12 +73,20 @@ def epoch_ticks(epochs: Sequence[float]) -> list[int]:
     return ticks
 
 
-def plot_fields(fields: tuple[tuple[str, str], ...], classes: int) -> list[tuple[str, str]]:
-    """The plot's (label, field) list with `dice_class` expanded to `class N` per label N."""
+def plot_fields(
+    fields: tuple[tuple[str, str], ...], classes: int, class_names: Sequence[str] = ()
+) -> list[tuple[str, str]]:
+    """The plot's (label, field) list with `dice_class` expanded to one series per foreground
+    class: its dataset.json name where the run recorded them (labels or regions such as
+    "whole tumor"), else `class N`."""
     out: list[tuple[str, str]] = []
+    named = len(class_names) == classes
     for label, field in fields:
         if field == "dice_class":
-            out += [(f"{label} {c}", f"dice_class_{c}") for c in range(1, classes + 1)]
+            out += [
+                (class_names[c - 1] if named else f"{label} {c}", f"dice_class_{c}")
+                for c in range(1, classes + 1)
+            ]
         else:
             out.append((label, field))
     return out
@@ -98,11 +106,12 @@ def plan_plot(
     histories: Mapping[str, Sequence[EpochPoint]],
     running: Mapping[str, Sequence[RunningPoint]],
     smoothing: float,
+    class_names: Sequence[str] = (),
 ) -> list[tuple[Drawn, str]]:
     """What one plot draws: [(series, field)], colours and markers assigned (see module)."""
     overlay = len(histories) > 1
     classes = max((num_classes(h) for h in histories.values()), default=0)
-    wanted = plot_fields(fields, classes)
+    wanted = plot_fields(fields, classes, class_names)
     fold_colours = distinct_colours(len(histories))
     series_colours = distinct_colours(len(wanted))
     planned = []
@@ -164,17 +173,22 @@ class CurvesPanel(Grid):
         histories: Mapping[str, Sequence[EpochPoint]],
         running: Mapping[str, Sequence[RunningPoint]] | None = None,
         smoothing: float = 0.0,
+        class_names: Sequence[str] = (),
     ) -> bool:
         """Redraw if anything changed; True when it did."""
         running = running or {}
         key = tuple((label, len(h), h[-1] if h else None) for label, h in histories.items())
-        extra = (tuple((k, len(v), v[-1] if v else None) for k, v in running.items()), smoothing)
+        extra = (
+            tuple((k, len(v), v[-1] if v else None) for k, v in running.items()),
+            smoothing,
+            tuple(class_names),
+        )
         if key == self._key and extra == self._extra:
             return False
         self._key, self._extra = key, extra
         for plot_id, title, ylabel, smoothed, fields in PLOTS:
             factor = smoothing if smoothed else 0.0
-            planned = plan_plot(fields, histories, running, factor)
+            planned = plan_plot(fields, histories, running, factor, class_names)
             self.drawn[plot_id] = [item for item, _ in planned]
             if factor:
                 title = f"{title} (smoothed {factor:g})"
