@@ -251,3 +251,22 @@ def test_nnui_cv_shows_a_validating_fold_live_and_offers_no_queue_for_it(cv_box,
     assert "validating" in row and "missing" not in row
     queue = [line for line in out.splitlines() if "to queue" in line]
     assert queue and all("--folds 2,4" in line and "--c" in line for line in queue)
+
+
+def test_a_cascade_row_queues_its_folds_after_the_lowres_ones(cv_box) -> None:
+    """The row's jobs waited for 3d_lowres's segmentations (--after-lowres): so do the
+    launches that queue its missing folds, in the command and in the request."""
+    import dataclasses
+
+    _, registry = cv_box
+    for job in registry.list():
+        registry.update(job.job_id, after_previous_stage=True)
+    tracker = JobTracker(registry)
+    (row,) = cv_rows(tracker.refresh(), tracker.cross_validation_eta_s)
+    launches = queue_launches(row, ["0", "1"])
+    assert all("--after-lowres" in q.command() for q in launches)
+    assert all(q.request().schedule.after_previous_stage for q in launches)
+    plain = dataclasses.replace(
+        row, template=dataclasses.replace(row.template, after_previous_stage=False)
+    )
+    assert not any("--after-lowres" in q.command() for q in queue_launches(plain, ["0"]))

@@ -206,8 +206,13 @@ class QueueLaunch:
     simulate_gpus: int | None = None  # the simulated machine's GPUs (simulated jobs)
 
     @property
+    def after_inputs(self) -> bool:
+        """A cascade row: its folds wait for the previous stage's, as their jobs did."""
+        return bool(getattr(self.row.template, "after_previous_stage", False))
+
+    @property
     def schedule(self) -> Schedule:
-        return Schedule(when_free=bool(self.gpus))
+        return Schedule(when_free=bool(self.gpus), after_previous_stage=self.after_inputs)
 
     def request(self) -> LaunchRequest:
         """What the launch confirm dialog plans and starts (the same as `command`)."""
@@ -234,6 +239,8 @@ class QueueLaunch:
             argv.append("--cpu")
         if self.continue_training:
             argv.append("--c")
+        if self.after_inputs:
+            argv.append("--after-lowres")
         if job.trainer_args:
             argv += ["--", *job.trainer_args]
         return argv
