@@ -130,6 +130,20 @@ class NnuiHooks:
             for rank, (pid, local_rank, device, batch, handler) in enumerate(rows)
         ]
 
+    def _nnui_class_names(self) -> list[str]:
+        """dataset.json's names of what the pseudo Dice is per: nnU-Net's foreground labels
+        (sorted values) or its regions (in dataset.json's order), for the board's curves."""
+        try:
+            labels = self.dataset_json["labels"]
+            ignore = self.label_manager.ignore_label
+            if self.label_manager.has_regions:
+                return [str(name) for name, value in labels.items()
+                        if isinstance(value, (list, tuple))]  # fmt: skip
+            by_value = {int(v): str(k) for k, v in labels.items() if not isinstance(v, list)}
+            return [by_value[v] for v in sorted(by_value) if v != 0 and v != ignore]
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return []
+
     # ---- nnU-Net's hooks --------------------------------------------------------------------
 
     def on_train_start(self):
@@ -150,6 +164,7 @@ class NnuiHooks:
             start_epoch=self.current_epoch,
             host=socket.gethostname(),
             argv=list(sys.argv),
+            class_names=self._nnui_class_names(),
         )
         recorder.event(Kind.TOPOLOGY, ranks=ranks)
         recorder.status(State.RUNNING, epoch=self.current_epoch, pids=[r["pid"] for r in ranks])
