@@ -6,12 +6,14 @@ systemd). Facts: shared/notes/slurm-local.md.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +87,7 @@ class Cluster:
     directory: Path
     conf: Path
     pids: dict[str, int] = field(default_factory=dict)
+    lock_fd: int | None = None  # the box-wide test-cluster lock (see start_cluster)
 
     @property
     def env(self) -> dict[str, str]:
@@ -146,6 +149,9 @@ class Cluster:
             else:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # the next suite's cluster may start now
+            self.lock_fd = None
 
 
 def _spawn(name: str, argv: list[str], log: Path, pids: dict[str, int]) -> None:
@@ -166,7 +172,24 @@ def _wait(predicate, what: str, timeout_s: float) -> None:
 
 
 def start_cluster(directory: Path, cpus: int | None = None) -> Cluster:
-    """Start munged (unless one runs), slurmctld and slurmd; return once the node is idle."""
+    """Start munged (unless one runs), slurmctld and slurmd; return once the node is idle.
+
+    One test cluster on the box at a time: two suites at once (the load check) would share
+    one munged (the second sees the first's and uses it) and lose it when the first stops.
+    The second waits on a box-wide lock until the first cluster is stopped."""
+    lock_fd = os.open(Path(tempfile.gettempdir()) / "nnui-test-slurm.lock",
+                      os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # fmt: skip
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)  # blocks until no other test cluster runs
+    try:
+        cluster = _start_cluster(directory, cpus)
+    except BaseException:
+        os.close(lock_fd)
+        raise
+    cluster.lock_fd = lock_fd  # released by cluster.stop()
+    return cluster
+
+
+def _start_cluster(directory: Path, cpus: int | None) -> Cluster:
     directory.mkdir(parents=True, exist_ok=True)
     for sub in ("state", "spool"):
         (directory / sub).mkdir(exist_ok=True)
