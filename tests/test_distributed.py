@@ -563,9 +563,16 @@ def test_uneven_split_gradient_equals_single_process(
 def _sleepy_worker(topology: Topology, out_dir: str) -> int:
     from trainer import stop
 
+    ready = Path(out_dir, "rank1_ready")
     if topology.global_rank == 0:
+        # Fail only once rank 1 is in its worker: failing while it still joins the group
+        # makes it fail there (a connection closed by peer), not wait for the SIGTERM.
+        deadline = time.monotonic() + 120
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return 3
     stop.install_termination()
+    ready.write_text("1")
     try:
         time.sleep(120)
     except stop.Terminated as terminated:
