@@ -15,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -233,3 +234,20 @@ def _start_cluster(directory: Path, cpus: int | None) -> Cluster:
         cluster.stop()
         raise
     return cluster
+
+
+def running_cluster(tmp_path_factory) -> Iterator[Cluster]:
+    """The body of every test file's module-scoped `cluster` fixture: skipped where SLURM is
+    missing (a failure in CI, where it must run), stopped after the module."""
+    import pytest
+
+    reason = unavailable_reason()
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"SLURM end-to-end tests must run in CI: {reason}")
+        pytest.skip(reason)
+    running = start_cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield running
+    finally:
+        running.stop()

@@ -29,18 +29,7 @@ pytestmark = pytest.mark.slow
 SAFETY_NET_S = 300
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    reason = slurm_cluster.unavailable_reason()
-    if reason is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"SLURM end-to-end tests must run in CI: {reason}")
-        pytest.skip(reason)
-    running = slurm_cluster.start_cluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        yield running
-    finally:
-        running.stop()
+cluster = pytest.fixture(scope="module")(slurm_cluster.running_cluster)
 
 
 def _script(demo, tmp_path: Path, results: Path) -> Path:

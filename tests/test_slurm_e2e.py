@@ -30,18 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    reason = slurm_cluster.unavailable_reason()
-    if reason is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"SLURM end-to-end tests must run in CI: {reason}")
-        pytest.skip(reason)
-    running = slurm_cluster.start_cluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        yield running
-    finally:
-        running.stop()
+cluster = pytest.fixture(scope="module")(slurm_cluster.running_cluster)
 
 
 def _free_port() -> int:
