@@ -224,7 +224,7 @@ def start_tui(setup: dict, session: str) -> None:
     """`nnui --simulate-gpus 2` in the remote shell; returns once the dashboard is drawn."""
     tmux = setup["tmux"]
     tmux.send(session, f"{shlex.quote(str(setup['wrapper']))} --simulate-gpus 2")
-    drawn = lambda: "Quit (jobs keep running)" in tmux.screen(session)  # noqa: E731
+    drawn = lambda: "q Quit" in tmux.screen(session)  # noqa: E731
     assert wait_until(drawn, SAFETY_NET_S), tmux.screen(session)
 
 
