@@ -19,10 +19,10 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip --version >/dev/null 2>&1 || python3 -m venv --clear $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --force-reinstall "$(TORCH)"
-	$(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[dev,nnunet]'
-	$(PY) -c "import app.main, trainer.run, textual, blosc2, safetensors, nibabel" 2>/dev/null \
-	  || $(PY) -m pip install -q --force-reinstall $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[dev,nnunet]'
-	$(PY) -c "import app.main, trainer.run, textual, blosc2, safetensors, nibabel"
+	$(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[dev,nnunet,plot]'
+	$(PY) -c "import app.main, trainer.run, textual, blosc2, safetensors, nibabel, matplotlib" 2>/dev/null \
+	  || $(PY) -m pip install -q --force-reinstall $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[dev,nnunet,plot]'
+	$(PY) -c "import app.main, trainer.run, textual, blosc2, safetensors, nibabel, matplotlib"
 	touch $@
 
 demo-data: setup

@@ -2,6 +2,8 @@
 
 - export writes JOB_curves.csv (one row per epoch, every epoch_ended field) and
   JOB_curves.png (app.services.curve_export) into -o DIR (default: the current folder).
+  Without matplotlib (the extra `plot`) the CSV is written and one line says how to get
+  the PNG (exit 1).
 - forget marks a job that ended, and the earlier jobs of its run folder, as forgotten in the
   registry (`forgotten_at`): `nnui status` and the TUI no longer list them (`status --all`
   does). Nothing in the results is deleted; `--undo` brings them back.
@@ -16,7 +18,7 @@ import time
 from pathlib import Path
 
 from app import cli_adopted
-from app.services import curve_export
+from app.services import curve_export, png_plot
 from app.services.discovery import RUN_ID_PREFIX
 from app.services.jobs import JobTracker
 from app.services.registry import Job, Registry
@@ -58,6 +60,9 @@ def cmd_export(options: argparse.Namespace, registry: Registry) -> int:
         paths, lines = curve_export.export(job, folder, curves)
     except OSError as problem:
         return _error(f"cannot write into {folder}: {problem.strerror or problem}", EXIT_USAGE)
+    except png_plot.PlotUnavailable as missing:
+        print(curve_export.csv_path(job, folder))
+        return _error(str(missing), EXIT_REFUSED)
     for path in paths:
         print(path)
     print(f"{len(curves.epochs)} epochs; the PNG's panels, top to bottom:")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import csv
 import io
-import struct
+import subprocess
+import sys
 import time
-import zlib
 from pathlib import Path
 
 import pytest
@@ -133,36 +133,20 @@ def test_the_jobs_reader_keeps_running_points_and_per_class_dice(tmp_path: Path)
 
 
 def decode_png(data: bytes) -> tuple[int, int, set[tuple[int, int, int]], dict[str, str]]:
-    """(width, height, colours, text chunks), checking signature, CRCs and the IDAT stream."""
+    """(width, height, colours, text chunks) of a PNG, read back by Pillow (matplotlib's)."""
+    image_module = pytest.importorskip("PIL.Image")
     assert data[:8] == png_plot.PNG_SIGNATURE
-    offset, idat, text, header = 8, b"", {}, None
-    while offset < len(data):
-        (length,) = struct.unpack(">I", data[offset : offset + 4])
-        kind, body = data[offset + 4 : offset + 8], data[offset + 8 : offset + 8 + length]
-        (crc,) = struct.unpack(">I", data[offset + 8 + length : offset + 12 + length])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF, kind
-        if kind == b"IHDR":
-            header = struct.unpack(">IIBBBBB", body)
-        elif kind == b"IDAT":
-            idat += body
-        elif kind == b"tEXt":
-            key, value = body.split(b"\0", 1)
-            text[key.decode("latin-1")] = value.decode("latin-1")
-        offset += 12 + length
-    assert header is not None and header[2:] == (8, 2, 0, 0, 0)
-    width, height = header[:2]
-    raw = zlib.decompress(idat)
-    assert len(raw) == height * (1 + 3 * width)
-    colours = set()
-    for y in range(height):
-        row = raw[y * (1 + 3 * width) : (y + 1) * (1 + 3 * width)]
-        assert row[0] == 0
-        colours.update(zip(row[1::3], row[2::3], row[3::3], strict=True))
-    return width, height, colours, text
+    image = image_module.open(io.BytesIO(data))
+    image.load()
+    text = {k: v for k, v in image.info.items() if isinstance(v, str)}
+    rgb = image.convert("RGB")
+    colours = {rgb.getpixel((x, y)) for y in range(rgb.height) for x in range(rgb.width)}
+    return rgb.width, rgb.height, colours, text
 
 
 def test_export_writes_csv_rows_equal_to_the_events_and_a_png(tmp_path: Path, monkeypatch,
                                                               capsys) -> None:  # fmt: skip
+    pytest.importorskip("matplotlib")
     monkeypatch.setenv("NNUI_STATE_DIR", str(tmp_path / "state"))
     registry = Registry(tmp_path / "state")
     job = add_job(registry, tmp_path, "0101-000000-f0-abc")
@@ -205,33 +189,41 @@ def test_export_errors_are_one_line(tmp_path: Path, monkeypatch, capsys) -> None
     assert err.count("error: ") == 2 and "Traceback" not in err
 
 
-def test_png_draws_every_series_colour_and_a_legend_box() -> None:
+def test_png_draws_every_series_colour_at_the_size_asked() -> None:
+    pytest.importorskip("matplotlib")
     red, blue = (200, 0, 0), (0, 0, 200)
     panel = png_plot.Panel("p", (png_plot.Series("a", red, (0.0, 1.0, 2.0), (1.0, 0.5, 0.2)),
                                  png_plot.Series("b", blue, (0.0,), (0.3,))))  # fmt: skip
-    image, lines = png_plot.render([panel], width_px=200, panel_height_px=120)
-    width, height, colours, _ = decode_png(image)
-    assert (width, height) == (200, 120) and {red, blue, png_plot.AXIS} <= colours
+    image, lines = png_plot.render([panel], width_px=300, panel_height_px=200)
+    width, height, colours, text = decode_png(image)
+    assert (width, height) == (300, 200) and {red, blue} <= colours
     # y: 0.2..1 padded by 4 % of its span on both sides
     assert lines == ["p: x (epoch) 0..2, y 0.168..1.032; #c80000 a, #0000c8 b"]
+    assert text["Comment"] == lines[0] and text["Title"] == "nnui curves"
 
 
-def test_the_pixel_font_writes_titles_and_tick_values() -> None:
-    from app.services import pixel_font
+def test_the_png_renderer_is_imported_only_when_a_png_is_drawn() -> None:
+    """The TUI and every other command start without matplotlib (and its numpy)."""
+    code = ("import sys, app.main, app.services.curve_export; "
+            "print(sorted(m for m in ('matplotlib', 'numpy') if m in sys.modules))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    assert done.stdout.strip() == "[]"
 
-    assert all(len(pixel_font.glyph(c)) == 15 for c in "0123456789abcxyz.-+()?")
-    assert pixel_font.glyph("a") == pixel_font.glyph("A") and pixel_font.glyph("~") == (
-        pixel_font.glyph("?"))  # fmt: skip
-    inked: list[tuple[int, int]] = []
-    pixel_font.draw_text(lambda x, y: inked.append((x, y)), 10, 20, "1", scale=2)
-    # "1" = 010/110/010/010/111 -> 8 pixels of ink, each 2x2
-    assert len(inked) == 8 * 4 and min(inked) == (10, 22) and max(inked) == (15, 29)
-    assert pixel_font.text_width("10", 2) == 14
-    assert png_plot.tick_label(0.000362) == "0.000362" and png_plot.tick_label(2.4e-5) == "2.4e-5"
-    canvas = png_plot.Canvas(40, 20)
-    canvas.text(0, 0, "T")
-    title_row = canvas.pixels[: 3 * 40]  # top row of "T" is ink over 3 pixels x 2
-    assert title_row[:18] == bytes(png_plot.AXIS) * 6 and title_row[18:21] == b"\xff\xff\xff"
+
+def test_without_matplotlib_export_writes_the_csv_and_says_how_to_get_the_png(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    monkeypatch.setenv("NNUI_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    registry = Registry(tmp_path / "state")
+    job = add_job(registry, tmp_path, "0101-000000-f0-abc")
+    write(job, epoch_line(NOW - 50, 0, [0.5]))
+    assert main(["export", "abc", "-o", str(tmp_path / "out")]) == 1
+    assert (tmp_path / "out" / f"{job.job_id}_curves.csv").is_file()
+    assert not (tmp_path / "out" / f"{job.job_id}_curves.png").exists()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'nnui[plot]'" in err and "Traceback" not in err
 
 
 # ---- the TUI panel ---------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """`nnui export JOB`: a job's curves as CSV (one row per epoch, every `epoch_ended` field)
-and PNG (loss, Dice, learning rate; app.services.png_plot).
+and PNG (loss, Dice, learning rate; app.services.png_plot, drawn by matplotlib).
 
 The records are the job's own view of its run folder (app.services.job_events): its run and
 the earlier runs a resume continued, never a later job's. An epoch trained twice (a resume
@@ -109,13 +109,17 @@ def panels(curves: JobCurves) -> list[png_plot.Panel]:
             _panel("learning rate", [("lr", series(history, "lr"))])]  # fmt: skip
 
 
+def csv_path(job: Job, folder: Path) -> Path:
+    return folder / f"{job.job_id}_curves.csv"
+
+
 def export(job: Job, folder: Path, curves: JobCurves | None = None) -> tuple[list[Path], list[str]]:
-    """Write JOB_curves.csv and JOB_curves.png into `folder`: (paths, PNG description)."""
+    """Write JOB_curves.csv and JOB_curves.png into `folder`: (paths, PNG description).
+    Without matplotlib the CSV is written and png_plot.PlotUnavailable raised (no PNG)."""
     curves = read_curves(job) if curves is None else curves
     folder.mkdir(parents=True, exist_ok=True)
-    csv_path = folder / f"{job.job_id}_curves.csv"
     png_path = folder / f"{job.job_id}_curves.png"
+    atomic_write_text(csv_path(job, folder), csv_text(curves.epochs))
     image, lines = png_plot.render(panels(curves))
-    atomic_write_text(csv_path, csv_text(curves.epochs))
     atomic_write_bytes(png_path, image)
-    return [csv_path, png_path], lines
+    return [csv_path(job, folder), png_path], lines
