@@ -88,7 +88,7 @@ def _draw_panel(axes: Axes, panel: Panel, ticker: ModuleType) -> None:
     (x0, x1), (y0, y1) = ranges(panel)
     axes.set_xlim(x0, x1)
     axes.set_ylim(y0, y1)
-    axes.xaxis.set_major_locator(ticker.MaxNLocator(nbins=10, integer=True))
+    axes.xaxis.set_major_locator(ticker.MaxNLocator(nbins=10, integer=True, min_n_ticks=1))
     axes.set_title(panel.title, loc="left", fontsize=10)
     axes.grid(True, color="#e4e4e4", linewidth=0.8)
     axes.tick_params(labelsize=8)
