@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainer import precision
+from trainer.network import precision
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS, LEGACY_TRAINER
 
 DEVICE_TYPES = ("cuda", "cpu", "mps")
@@ -36,10 +36,10 @@ class TrainConfig:
     device_type: str = "cuda"
     num_gpus: int | None = None
     compile: bool = False
-    # Recompute norm + activation in backward instead of keeping them (trainer.model):
+    # Recompute norm + activation in backward instead of keeping them (trainer.network.unet):
     # "auto" = on for 3D on CPU (host memory is the scarce resource), off for 2D and GPUs.
     recompute_norm: str = "auto"
-    # Compute format (trainer.precision): "auto" = autocast on CUDA and on AMX CPUs.
+    # Compute format (trainer.network.precision): "auto" = autocast on CUDA and on AMX CPUs.
     precision: str = "auto"
     num_workers: int = 2
     npz: bool = False

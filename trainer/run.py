@@ -58,7 +58,7 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
     _check_previous_stage(config, cplan, data_dir, dataset_dir)
     _check_device_and_batch(config, cplan.batch_size)
     if config.device_type == "cpu" and not config.validation_only and launch.is_main_process():
-        from trainer.data.cpu_planning import cpu_epoch_note
+        from trainer.planning.cpu import cpu_epoch_note
 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         note = cpu_epoch_note(cplan, plans.num_classes, config.iterations_per_epoch, cores)
@@ -73,7 +73,7 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
     elif config.continue_training:
         config = _find_resume_checkpoint(config)
     elif config.pretrained_weights:
-        from trainer.pretrained import check_pretrained_file
+        from trainer.checkpoint.pretrained import check_pretrained_file
 
         check_pretrained_file(Path(config.pretrained_weights), plans, cplan)
     config = _check_raw_data(config, roots.raw / dataset_name, data_dir)
@@ -83,7 +83,7 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
 
 def _load_configuration(dataset_dir: Path, dataset_name: str, args: argparse.Namespace):
     """(plans, configuration plan), the configuration preprocessed (else UsageError)."""
-    from trainer.plans import load_plans
+    from trainer.planning.plans import load_plans
 
     try:
         plans = load_plans(dataset_dir, args.plans)
@@ -156,7 +156,8 @@ def _check_raw_data(config: Any, raw_dataset: Path, data_dir: Path) -> Any:
 
 
 def _check_validation_checkpoint(config: Any) -> None:
-    from trainer import checkpoint, schema
+    from trainer import schema
+    from trainer.checkpoint import store
 
     kind = "best" if config.val_best else "final"
     path = Path(config.run_dir) / schema.checkpoint_file(kind)
@@ -164,19 +165,19 @@ def _check_validation_checkpoint(config: Any) -> None:
         hint = " (or drop --val_best)" if config.val_best else ""
         raise UsageError(f"--val needs {path}; train first{hint}")
     try:
-        metadata = checkpoint.read_metadata(path)
-    except checkpoint.CheckpointError as error:
+        metadata = store.read_metadata(path)
+    except store.CheckpointError as error:
         raise UsageError(f"cannot validate: {error}") from error
-    checkpoint.check_identity(
-        checkpoint.CheckpointInfo(path, kind, metadata["epoch_next"], metadata), config.identity()
+    store.check_identity(
+        store.CheckpointInfo(path, kind, metadata["epoch_next"], metadata), config.identity()
     )
 
 
 def _find_resume_checkpoint(config: Any) -> Any:
-    from trainer import checkpoint
+    from trainer.checkpoint import store
 
     run_dir = Path(config.run_dir)
-    info = checkpoint.find_resume(run_dir, config.identity(), config.num_epochs)
+    info = store.find_resume(run_dir, config.identity(), config.num_epochs)
     if info is None:
         log.warning("--c: no valid checkpoint in %s, starting fresh", run_dir)
         return config
@@ -237,7 +238,7 @@ def _check_cases_and_fold(data_dir: Path, dataset_dir: Path, fold: str) -> None:
     Runs in every rank's CLI process (also under torchrun), before anything is written.
     """
     from trainer.data.dataset import PreprocessedCases
-    from trainer.splits import SPLITS_FILE, load_or_create_splits
+    from trainer.planning.splits import SPLITS_FILE, load_or_create_splits
 
     try:
         cases = PreprocessedCases(data_dir)
@@ -270,9 +271,9 @@ def _check_previous_stage(config: Any, cplan: Any, data_dir: Path, dataset_dir: 
     validates on: one line naming the folds of that stage to train first."""
     if not cplan.previous_stage:
         return
-    from trainer.cascade import CascadeError, check_inputs, previous_stage_folder
+    from trainer.data.cascade import CascadeError, check_inputs, previous_stage_folder
     from trainer.data.dataset import PreprocessedCases
-    from trainer.splits import fold_cases, load_or_create_splits
+    from trainer.planning.splits import fold_cases, load_or_create_splits
 
     cases = PreprocessedCases(data_dir)
     splits = load_or_create_splits(dataset_dir, cases.case_ids, write=False)

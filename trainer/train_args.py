@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 
-from trainer import allocator, precision
+from trainer import allocator
+from trainer.cli import OneLineParser
 from trainer.config import RECOMPUTE_CHOICES
-from trainer.inference.cli import OneLineParser
+from trainer.network import precision
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, LEGACY_TRAINER
 
 
