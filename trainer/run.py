@@ -30,7 +30,7 @@ from trainer import allocator, openmp
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER
 from trainer.train_args import build_parser
 
-__all__ = ["UsageError", "build_parser", "main", "resolve_config"]
+__all__ = ["UsageError", "main", "resolve_config"]
 
 log = logging.getLogger("trainer.run")
 
@@ -158,6 +158,7 @@ def _check_raw_data(config: Any, raw_dataset: Path, data_dir: Path) -> Any:
 def _check_validation_checkpoint(config: Any) -> None:
     from trainer import schema
     from trainer.checkpoint import store
+    from trainer.checkpoint.format import CheckpointError
 
     kind = "best" if config.val_best else "final"
     path = Path(config.run_dir) / schema.checkpoint_file(kind)
@@ -166,7 +167,7 @@ def _check_validation_checkpoint(config: Any) -> None:
         raise UsageError(f"--val needs {path}; train first{hint}")
     try:
         metadata = store.read_metadata(path)
-    except store.CheckpointError as error:
+    except CheckpointError as error:
         raise UsageError(f"cannot validate: {error}") from error
     store.check_identity(
         store.CheckpointInfo(path, kind, metadata["epoch_next"], metadata), config.identity()

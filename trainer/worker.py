@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import stop
+from trainer.checkpoint.format import CheckpointError
 from trainer.config import TrainConfig
 from trainer.events import RunRecorder
 from trainer.schema import (
@@ -250,7 +251,6 @@ def _load_on_main(pick: Callable[[], Loaded | None], topology: Any) -> Loaded | 
     the file). None: rank 0 has nothing to resume from. A refusal (CheckpointError,
     IdentityMismatch, BeyondSchedule) fails every rank together."""
     from trainer import distributed
-    from trainer.checkpoint import store
 
     if topology.world_size == 1:
         return pick()
@@ -266,7 +266,7 @@ def _load_on_main(pick: Callable[[], Loaded | None], topology: Any) -> Loaded | 
          "path": loaded[2] if loaded else None}
     )  # fmt: skip
     if header["error"]:
-        raise store.CheckpointError(f"rank 0 could not load the checkpoint: {header['error']}")
+        raise CheckpointError(f"rank 0 could not load the checkpoint: {header['error']}")
     if header["metadata"] is None:
         return None
     tensors = distributed.broadcast_tensors(loaded[0] if loaded else None)
@@ -304,7 +304,7 @@ def _apply(tensors: dict, metadata: dict, path: str, trainee: Any, resume: bool)
             store.apply(tensors, metadata, trainee.raw_model)
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as error:
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise store.CheckpointError(f"{Path(path).name} does not load: {first_line}") from None
+        raise CheckpointError(f"{Path(path).name} does not load: {first_line}") from None
 
 
 def _restore(config: TrainConfig, topology: Any, trainee: Any, recorder: RunRecorder) -> Any:

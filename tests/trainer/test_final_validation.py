@@ -134,7 +134,8 @@ def test_val_without_the_raw_dataset_is_refused_in_one_line(demo_preprocessed, t
 
 
 def test_training_without_the_raw_dataset_says_so_at_start(demo_preprocessed, tmp_path, caplog):
-    from trainer.run import build_parser, resolve_config
+    from trainer.run import resolve_config
+    from trainer.train_args import build_parser
 
     argv = train_argv(demo_preprocessed, tmp_path / "r", raw=tmp_path / "no_raw")
     with caplog.at_level(logging.WARNING, logger="trainer.run"):
@@ -181,7 +182,7 @@ def test_raw_data_that_does_not_fit_is_refused_before_training(
 
 
 def test_val_mirrors_by_default_and_the_flags_say_otherwise(demo_preprocessed, tmp_path):
-    from trainer.run import build_parser
+    from trainer.train_args import build_parser
 
     base = train_argv(demo_preprocessed, tmp_path)
     assert build_parser().parse_args(base).val_mirror is True

@@ -81,7 +81,7 @@ def parse_header(name: str, size: int, read_at: ReadAt) -> Header:
         raise CheckpointError(f"{name}: header length {header_len} does not fit the file")
     header = _decode_header(name, bytes(read_at(8, header_len)))
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    data_len = _check_tensor_table(name, tensors)
+    data_len = check_tensor_table(name, tensors)
     if 8 + header_len + data_len != size:
         raise CheckpointError(
             f"{name}: truncated or extended ({size} bytes, expected {8 + header_len + data_len})"
@@ -119,7 +119,7 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_tensor_table(name: str, tensors: dict[str, Any]) -> int:
+def check_tensor_table(name: str, tensors: dict[str, Any]) -> int:
     """Every entry well formed, sizes consistent, the data contiguous; returns its length."""
     spans = []
     for key, entry in tensors.items():

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.format import META_KEY
+from trainer.checkpoint.format import META_KEY, CheckpointError
 
 _PICKLE_SUFFIXES = (".pth", ".pt", ".pkl", ".ckpt", ".model")
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -67,11 +67,11 @@ def _header(path: Path) -> dict[str, Any]:
 
 def _check_plain_file(path: Path, header: dict[str, Any]) -> None:
     """A plain safetensors file: a well-formed tensor table that fills the file exactly."""
-    from trainer.checkpoint.format import CheckpointError, _check_tensor_table
+    from trainer.checkpoint.format import check_tensor_table
 
     table = {k: v for k, v in header.items() if k != "__metadata__"}
     try:
-        data_bytes = _check_tensor_table(path.name, table)
+        data_bytes = check_tensor_table(path.name, table)
     except CheckpointError as error:
         raise PretrainedError(f"-pretrained_weights {error}") from None
     with open(path, "rb") as handle:
@@ -105,7 +105,7 @@ def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
         try:
             store.read_metadata(path)
-        except store.CheckpointError as error:
+        except CheckpointError as error:
             raise PretrainedError(f"-pretrained_weights: {error}") from None
         tensors = {k[len("model.") :]: v for k, v in header.items() if k.startswith("model.")}
     else:
@@ -190,7 +190,7 @@ def load_matching(path: Path, model: Any) -> tuple[dict[str, Any], str]:
 
         try:
             weights = {_state_name(k): v for k, v in store.load_plain(path).items()}
-        except store.CheckpointError as error:
+        except CheckpointError as error:
             raise PretrainedError(f"-pretrained_weights {error}") from None
     keep = {k: v.contiguous() for k, v in weights.items() if k in set(found.loaded)}
     for name, tensor in keep.items():  # a NaN weight would only poison the training later

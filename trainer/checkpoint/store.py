@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.atomic import CheckpointWriteError, remove_stale_tmp, write_atomically
+from trainer.checkpoint.atomic import write_atomically
 from trainer.checkpoint.fit import check_resumable
 from trainer.checkpoint.format import (
     FORMAT,
@@ -42,10 +42,6 @@ from trainer.checkpoint.format import (
     warn_unchecked,
 )
 from trainer.schema import checkpoint_file
-
-__all__ = [
-    "FORMAT", "META_KEY", "CheckpointError", "CheckpointWriteError", "remove_stale_tmp",
-]  # fmt: skip
 
 log = logging.getLogger(__name__)
 

@@ -214,6 +214,7 @@ def _checkpoints(args: argparse.Namespace, results: Path, name: str, plans: Any)
     """fold -> checkpoint path, each complete and trained with these very plans."""
     from trainer import schema
     from trainer.checkpoint import store as checkpoint
+    from trainer.checkpoint.format import CheckpointError
 
     kind = checkpoint_kind(args.checkpoint)
     folds = list(dict.fromkeys(args.folds))
@@ -238,7 +239,7 @@ def _checkpoints(args: argparse.Namespace, results: Path, name: str, plans: Any)
             )
         try:
             metadata = checkpoint.read_metadata(path)
-        except checkpoint.CheckpointError as exc:
+        except CheckpointError as exc:
             raise ValueError(f"fold {fold}: {exc}") from None
         stored = metadata.get("identity") if isinstance(metadata.get("identity"), dict) else {}
         for key, value in expected.items():
@@ -265,12 +266,13 @@ def _device(name: str) -> Any:
 
 def _load_weights(checkpoints: dict[str, Path]) -> list[dict]:
     from trainer.checkpoint import store as checkpoint
+    from trainer.checkpoint.format import CheckpointError
 
     weights = []
     for fold, path in checkpoints.items():
         try:
             tensors, _ = checkpoint.load(path)
-        except checkpoint.CheckpointError as exc:
+        except CheckpointError as exc:
             raise ValueError(f"fold {fold}: {exc}") from None
         weights.append({k: v for k, v in tensors.items() if k.startswith("model.")})
     return weights

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from trainer.checkpoint import store
+from trainer.checkpoint.format import CheckpointError
 from trainer.network.loss import DeepSupervisionLoss
 from trainer.network.unet import PlainConvUNet
 
@@ -84,7 +85,7 @@ def test_corrupt_latest_falls_back_to_next_valid(tmp_path: Path, damage, expecte
     latest = write(tmp_path, "latest", 4)
     latest.write_bytes(damage(latest.read_bytes()))
     assert store.find_resume(tmp_path).kind == expected
-    with pytest.raises(store.CheckpointError):
+    with pytest.raises(CheckpointError):
         store.load(latest)
 
 
@@ -137,7 +138,7 @@ def test_wrong_structure_header_is_a_checkpoint_error(tmp_path: Path, header) ->
     write(tmp_path, "best", 2)
     latest = tmp_path / "checkpoint_latest.safetensors"
     latest.write_bytes(_safetensors_bytes(header))
-    with pytest.raises(store.CheckpointError):
+    with pytest.raises(CheckpointError):
         store.read_metadata(latest)
     assert store.find_resume(tmp_path).kind == "best"  # skipped with a warning
 
@@ -209,9 +210,9 @@ def test_one_flipped_bit_anywhere_is_refused_and_the_next_one_used(
     write(tmp_path, "best", 2)
     latest = write(tmp_path, "latest", 4)
     _flip(latest, _offset_of(latest, where))
-    with pytest.raises(store.CheckpointError):
+    with pytest.raises(CheckpointError):
         store.load(latest)
-    with pytest.raises(store.CheckpointError):
+    with pytest.raises(CheckpointError):
         store.read_metadata(latest)
     with caplog.at_level("WARNING"):
         assert store.find_resume(tmp_path).kind == "best"
@@ -231,7 +232,7 @@ def test_a_weight_flipped_to_nan_never_reaches_the_model(tmp_path: Path) -> None
     data[offset + 2] |= 0x80
     data[offset] |= 0x01
     latest.write_bytes(bytes(data))
-    with pytest.raises(store.CheckpointError, match="checksum mismatch"):
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
         store.load(latest)
     assert store.load_resume(tmp_path) is None
 
@@ -279,7 +280,7 @@ def test_older_checkpoint_with_nan_weights_is_skipped(tmp_path: Path) -> None:
         tensors[key].view(-1)[0] = float("nan")
 
     _rewrite(latest, change_tensors=poison, checksums=False)
-    with pytest.raises(store.CheckpointError, match="NaN or infinite"):
+    with pytest.raises(CheckpointError, match="NaN or infinite"):
         store.load(latest)
     found = store.load_resume(tmp_path)
     assert found.info.kind == "best"
@@ -301,7 +302,7 @@ def test_something_else_in_a_checkpoints_place_is_skipped(tmp_path: Path, thing:
         latest.symlink_to("/dev/zero")
     else:
         latest.symlink_to(tmp_path / "gone")
-    with pytest.raises(store.CheckpointError):
+    with pytest.raises(CheckpointError):
         store.load(latest)
     assert store.find_resume(tmp_path).kind == "best"
     assert store.load_resume(tmp_path).info.kind == "best"
@@ -434,7 +435,7 @@ def test_full_disk_removes_the_partial_file_and_keeps_the_older_checkpoint(
     latest = write(tmp_path, "latest", 2)
     before = latest.read_bytes()
     monkeypatch.setattr(atomic, "_write_all", _full_disk_after(1000))
-    with pytest.raises(store.CheckpointWriteError) as raised:
+    with pytest.raises(atomic.CheckpointWriteError) as raised:
         write(tmp_path, "latest", 3)
     message = str(raised.value)
     assert "\n" not in message and "no space left on device" in message

@@ -21,6 +21,7 @@ import torch
 
 from trainer.checkpoint import store
 from trainer.checkpoint.fit import check_fits
+from trainer.checkpoint.format import CheckpointError
 from trainer.network.loss import DeepSupervisionLoss
 from trainer.network.unet import PlainConvUNet
 
@@ -29,7 +30,7 @@ IDENTITY = {"dataset_name": "Dataset001_X", "configuration": "3d_fullres",
             "plans_name": "nnUNetPlans", "plans_identity": "abc", "fold": "0"}  # fmt: skip
 EPOCHS = {"final": 5, "latest": 4, "best": 2}  # newest first = the order resume prefers
 ITERATIONS_PER_SEED = 40
-REFUSALS = (store.CheckpointError, store.IdentityMismatch, store.BeyondSchedule)
+REFUSALS = (CheckpointError, store.IdentityMismatch, store.BeyondSchedule)
 
 
 def tiny_net() -> PlainConvUNet:
@@ -228,7 +229,7 @@ def check_loader(folder: Path, originals: dict[str, bytes], crafted: set[str]) -
         for read in (store.read_metadata, store.load):
             try:
                 read(path)
-            except store.CheckpointError as error:
+            except CheckpointError as error:
                 assert "\n" not in str(error)
     model, scaler = tiny_net(), torch.amp.GradScaler("cpu", enabled=False)
     optimizer = sgd(model)
