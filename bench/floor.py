@@ -99,7 +99,7 @@ def _fixed_batch_and_data_cost(cases, cplan, rank_batch, num_batches: int):
 
 def _one_rank_batch(global_batch: int):
     """The trainer's batch split for one process."""
-    from trainer.launch import split_global_batch
+    from trainer.batch import split_global_batch
 
     return split_global_batch(global_batch, 1)[0]
 

@@ -287,7 +287,7 @@ def _check_previous_stage(config: Any, cplan: Any, data_dir: Path, dataset_dir: 
 
 
 def _check_device_and_batch(config: Any, global_batch: int) -> None:
-    from trainer import launch
+    from trainer import batch, launch
 
     launcher = launch.detect_external_launcher()
     launch.check_num_gpus(config.num_gpus, launcher)
@@ -306,7 +306,7 @@ def _check_device_and_batch(config: Any, global_batch: int) -> None:
     world_size = config.num_gpus or 1
     if launcher is not None:
         world_size = launch.env_rank_and_size()[1] or 1
-    launch.split_global_batch(global_batch, world_size)  # ValueError if G < W
+    batch.split_global_batch(global_batch, world_size)  # ValueError if G < W
 
 
 def main(argv: list[str] | None = None) -> int:

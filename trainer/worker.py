@@ -70,7 +70,7 @@ def worker(topology: Any, payload: dict[str, Any]) -> int:
 
 
 def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorder) -> int:
-    from trainer import distributed, launch
+    from trainer import batch, distributed, launch
     from trainer.data.dataset import PreprocessedCases
     from trainer.loop import Checkpointer, record_stop
     from trainer.planning.plans import load_plans
@@ -86,7 +86,7 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
     distributed.barrier()
     train_ids, val_ids = fold_cases(splits, config.fold, cases.case_ids)
     cases = _stage_cases(config, plans, cplan, cases, [*train_ids, *val_ids], splits)
-    rank_batches = launch.split_global_batch(
+    rank_batches = batch.split_global_batch(
         cplan.batch_size, topology.world_size, config.oversample_foreground
     )
     rank_batch = rank_batches[topology.global_rank]
@@ -100,7 +100,7 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
         from trainer import allocator
 
         log.info("CPU malloc: %s", allocator.describe())
-    weight_ce = launch.loss_weight([b.batch_size for b in rank_batches], topology.global_rank)
+    weight_ce = batch.loss_weight([b.batch_size for b in rank_batches], topology.global_rank)
     trainee = _build_trainee(config, plans, cplan, device, weight_ce)
     # Restore before DDP wraps the model: its constructor then broadcasts identical weights.
     state = _restore(config, topology, trainee, recorder)

@@ -19,7 +19,8 @@ import torch
 
 from trainer import distributed as dist_mod
 from trainer import launch
-from trainer.launch import RankBatch, Topology, split_global_batch
+from trainer.batch import RankBatch, loss_weight, split_global_batch
+from trainer.launch import Topology
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 REPO = Path(__file__).resolve().parents[2]
@@ -494,7 +495,7 @@ def test_every_num_gpus_is_refused_under_a_launcher(num_gpus: int, launcher: str
     ],
 )
 def test_loss_weight_is_share_times_world(sizes: list[int], weights: list[float]) -> None:
-    assert [launch.loss_weight(sizes, r) for r in range(len(sizes))] == pytest.approx(weights)
+    assert [loss_weight(sizes, r) for r in range(len(sizes))] == pytest.approx(weights)
 
 
 GRAD_BATCH = 5  # split [3, 2] over two ranks
@@ -521,7 +522,7 @@ def _grad_worker(topology: Topology, out_dir: str) -> int:
     cases = [
         (f"{name}{'' if batch_dice else '_per_sample'}", weight_ce, batch_dice)
         for batch_dice in (True, False)
-        for name, weight_ce in (("weighted", launch.loss_weight(sizes, rank)), ("plain", 1.0))
+        for name, weight_ce in (("weighted", loss_weight(sizes, rank)), ("plain", 1.0))
     ]
     for name, weight_ce, batch_dice in cases:
         net, x, y = _grad_inputs()

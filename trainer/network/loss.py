@@ -69,7 +69,7 @@ class SoftDiceLoss(nn.Module):
 
 
 class DiceCELoss(nn.Module):
-    """weight_ce: under DDP with uneven batch shares, trainer.launch.loss_weight (b_r W / G),
+    """weight_ce: under DDP with uneven batch shares, trainer.batch.loss_weight (b_r W / G),
     so DDP's gradient mean equals the single-process mean over the global batch. Batch Dice
     needs no factor (its sums are global already); per-sample Dice is a mean over the rank's
     samples like the cross-entropy and takes the same factor."""
