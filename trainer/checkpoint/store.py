@@ -97,15 +97,26 @@ def _stored_identity(metadata: dict[str, Any], key: str) -> Any:
     return config.get(key) if isinstance(config, dict) else None
 
 
-def check_identity(info: CheckpointInfo, expected: dict[str, str]) -> None:
+def identity_mismatch(metadata: dict[str, Any], expected: dict[str, str]) -> tuple[str, Any] | None:
+    """The first identity key whose stored value differs from `expected`, with the stored
+    value; None when the checkpoint is this run's. The one identity comparison: resume,
+    --val and nnui-predict all use it, each with its own wording."""
     for key, value in expected.items():
-        stored = _stored_identity(info.metadata, key)
+        stored = _stored_identity(metadata, key)
         if stored != value:
-            shown = repr(stored[:80] if isinstance(stored, str) else stored)[:80]
-            raise IdentityMismatch(
-                f"{info.path} belongs to {key}={shown}, this run has {value!r}; "
-                "use another results folder or remove the checkpoint"
-            )
+            return key, stored
+    return None
+
+
+def check_identity(info: CheckpointInfo, expected: dict[str, str]) -> None:
+    mismatch = identity_mismatch(info.metadata, expected)
+    if mismatch is not None:
+        key, stored = mismatch
+        shown = repr(stored[:80] if isinstance(stored, str) else stored)[:80]
+        raise IdentityMismatch(
+            f"{info.path} belongs to {key}={shown}, this run has {expected[key]!r}; "
+            "use another results folder or remove the checkpoint"
+        )
 
 
 def check_schedule(info: CheckpointInfo, num_epochs: int) -> None:

@@ -241,15 +241,14 @@ def _checkpoints(args: argparse.Namespace, results: Path, name: str, plans: Any)
             metadata = checkpoint.read_metadata(path)
         except CheckpointError as exc:
             raise ValueError(f"fold {fold}: {exc}") from None
-        stored = metadata.get("identity") if isinstance(metadata.get("identity"), dict) else {}
-        for key, value in expected.items():
-            if stored.get(key) != value:
-                raise ValueError(
-                    f"fold {fold}: {path} was trained with another {key} "
-                    f"({str(stored.get(key))[:16]!r}, these plans give "
-                    f"{value[:16]!r}); predict with the plans it was trained "
-                    "with, or train it again"
-                )
+        mismatch = checkpoint.identity_mismatch(metadata, expected)
+        if mismatch is not None:
+            key, stored = mismatch
+            raise ValueError(
+                f"fold {fold}: {path} was trained with another {key} ({str(stored)[:16]!r}, "
+                f"these plans give {expected[key][:16]!r}); predict with the plans it was "
+                "trained with, or train it again"
+            )
         found[fold] = path
     return found
 

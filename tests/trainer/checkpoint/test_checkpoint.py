@@ -492,3 +492,12 @@ def test_ema_that_is_not_a_number_is_refused(tmp_path: Path, value) -> None:
     latest = write(tmp_path, "latest", 4)
     _rewrite(latest, change_meta=lambda m: m.update(ema_fg_dice=value))
     assert store.find_resume(tmp_path).kind == "best"
+
+
+def test_one_identity_comparison_reads_older_checkpoints_config_too() -> None:
+    """nnui-predict and resume compare identities with the same function: a key an older
+    checkpoint kept only in its config counts, and the first differing key is named."""
+    older = {"identity": dict(IDENTITY), "config": {"fold": "0"}}
+    assert store.identity_mismatch(older, {**IDENTITY, "fold": "0"}) is None
+    assert store.identity_mismatch(older, {**IDENTITY, "fold": "2"}) == ("fold", "0")
+    assert store.identity_mismatch({"identity": "garbage"}, {"fold": "0"}) == ("fold", None)
