@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from trainer import legacy
 from trainer.network import precision
-from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS, LEGACY_TRAINER
+from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
 
 DEVICE_TYPES = ("cuda", "cpu", "mps")
 RECOMPUTE_CHOICES = ("auto", "on", "off")
@@ -95,7 +96,7 @@ class TrainConfig:
                 f"got {self.recompute_norm!r}"
             )
         precision.check(self.precision, self.device_type)
-        if self.trainer not in (DEFAULT_TRAINER, LEGACY_TRAINER):
+        if self.trainer != DEFAULT_TRAINER and not legacy.is_trainer(self.trainer):
             raise ValueError(
                 f"unknown trainer {self.trainer!r}; available: {DEFAULT_TRAINER} "
                 "(set epochs and iterations with --epochs / --iterations-per-epoch)"

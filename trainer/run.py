@@ -188,7 +188,7 @@ def _find_resume_checkpoint(config: Any) -> Any:
 def _check_shared_tree(run_dir: Path, trainer: str, plans: str, continuing: bool) -> None:
     """One tree, two tools: never write into nnU-Net's run folders, never start anything
     new under nnU-Net's names (nnui 0.1's run folders are only continued)."""
-    from trainer import schema
+    from trainer import legacy, schema
 
     theirs = schema.nnunet_files(run_dir)
     if theirs:
@@ -196,14 +196,9 @@ def _check_shared_tree(run_dir: Path, trainer: str, plans: str, continuing: bool
             f"{run_dir} is an nnU-Net run folder ({', '.join(theirs)}); nnui will not write "
             f"there (nnui trains as -tr {DEFAULT_TRAINER} -p {DEFAULT_PLANS}, the defaults)"
         )
-    if schema.is_legacy_identifier(trainer, plans) and not (
-        continuing and (run_dir / schema.EVENTS_FILE).is_file()
-    ):
-        raise UsageError(
-            f"-tr {trainer} -p {plans}: nnU-Net's names; nnui trains as -tr {DEFAULT_TRAINER} "
-            f"-p {DEFAULT_PLANS} (the defaults); the old names only continue (--c, --val) a run "
-            f"that nnui 0.1 made in {run_dir}"
-        )
+    refusal = legacy.new_run_refusal(run_dir, trainer, plans, continuing)
+    if refusal:
+        raise UsageError(refusal)
 
 
 _created_folders: list[Path] = []  # made by _check_writable: removed again by a refusal

@@ -2,7 +2,7 @@
 imports only from its own layer or the ones below, so each stage can be read without the
 stages that use it. Module-level and function-level imports both count.
 
-    base (schema, stop, openmp, allocator, cli at the root)
+    base (schema, legacy, stop, openmp, allocator, cli at the root)
     <- data <- planning <- network <- checkpoint <- inference <- evaluation
     <- training (every other root module, nnunet_ext)
 
@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = ROOT / "trainer"
 # Root modules everything may use: the app contract, the stop flag, and what every CLI shares.
-BASE = {"schema", "stop", "openmp", "allocator", "cli"}
+BASE = {"schema", "legacy", "stop", "openmp", "allocator", "cli"}
 LAYERS = ("base", "data", "planning", "network", "checkpoint", "inference", "evaluation",
           "training")  # fmt: skip
 

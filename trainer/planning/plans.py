@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer import legacy
 from trainer.data.labels import LabelSpec, parse_labels
-from trainer.schema import DEFAULT_PLANS, is_legacy_identifier, plans_file_name
+from trainer.schema import DEFAULT_PLANS, plans_file_name
 
 PLANS_FORMAT_VERSION = 1
 PLAIN = "PlainConvUNet"
@@ -449,7 +450,7 @@ def plans_file(preprocessed_dataset_dir: Path, plans_name: str = DEFAULT_PLANS) 
 
 
 def load_plans(preprocessed_dataset_dir: Path, plans_name: str = DEFAULT_PLANS) -> Plans:
-    if plans_name.startswith("nnUNet") and not is_legacy_identifier("", plans_name):
+    if plans_name.startswith("nnUNet") and not legacy.is_plans(plans_name):
         raise ValueError(
             f"{plans_name!r} is not an nnui plans identifier: nnU-Net's plans are trained by "
             f"nnUNetv2_train; nnui's are {DEFAULT_PLANS} (the default) and others that "
