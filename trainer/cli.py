@@ -1,4 +1,6 @@
-"""What the inference CLIs share: one-line argument errors (exit 2), the CPU allocator.
+"""What nnui's command lines share (nnui-preprocess, -predict, -evaluate, -ensemble,
+-find-best-configuration, -demo-data, and nnui-train's flags): one-line argument errors
+(exit 2), the CPU allocator.
 
 Standard library only: it runs before torch is imported.
 """
