@@ -22,7 +22,7 @@ from trainer import launch
 from trainer.batch import RankBatch, loss_weight, split_global_batch
 from trainer.launch import Topology
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
+TESTS_DIR = Path(__file__).resolve().parent
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_ENVS = (
     "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
