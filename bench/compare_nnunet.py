@@ -115,7 +115,8 @@ def nnui_preprocess(a: BenchArgs, raw_root: Path, pre_root: Path, plan: dict) ->
     """nnui's own preprocessing at nnU-Net's patch and batch, then nnU-Net's network."""
     patch = [str(v) for v in plan["patch_size"]]
     # fmt: off
-    argv = [sys.executable, "-m", "trainer.preprocess", str(DATASET_ID), "-c", a.configuration,
+    argv = [sys.executable, "-m", "trainer.planning.preprocess",
+            str(DATASET_ID), "-c", a.configuration,
             "--raw", str(raw_root), "--preprocessed", str(pre_root), "-np", "2",
             "--patch-size", *patch, "--batch-size", f"{a.configuration}={plan['batch_size']}"]
     # fmt: on
@@ -135,14 +136,14 @@ def nnui_preprocess(a: BenchArgs, raw_root: Path, pre_root: Path, plan: dict) ->
         "n_conv_per_stage_encoder": list(arch["n_conv_per_stage"]),
         "n_conv_per_stage_decoder": list(arch["n_conv_per_stage_decoder"]),
     }
-    from trainer.plans import plans_from_dict, plans_to_json
+    from trainer.planning.plans import plans_from_dict, plans_to_json
 
     plans_path.write_text(plans_to_json(plans_from_dict(data)))
 
 
 def share_splits(nnunet_pre: Path, nnui_pre: Path) -> None:
     """One splits_final.json (nnU-Net's layout, which nnui reads too) for both sides."""
-    from trainer.splits import create_splits
+    from trainer.planning.splits import create_splits
 
     case_ids = sorted(
         p.name[: -len(".b2nd")]

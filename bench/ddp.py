@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from trainer import schema  # noqa: E402
-from trainer.data.planning import CPU_PLANNER, Overrides, PlannerOptions  # noqa: E402
 from trainer.demo import DEMO_DATASET, make_demo_dataset  # noqa: E402
-from trainer.preprocess import preprocess_dataset  # noqa: E402
+from trainer.planning.preprocess import preprocess_dataset  # noqa: E402
+from trainer.planning.rules import CPU_PLANNER, Overrides, PlannerOptions  # noqa: E402
 
 PATCH = {"3d_fullres": (16, 32, 32), "2d": (32, 32)}
 

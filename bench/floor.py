@@ -7,7 +7,7 @@
                           [--recompute-norm auto|on|off]
                           [--profile] [--json FILE]
 
-Same network (trainer.model from the plans), loss, optimiser and step code
+Same network (trainer.network.unet from the plans), loss, optimiser and step code
 (trainer.loop.train_iterations) as nnui-train, but no data loading: the trainer's
 s/iteration divided by this is its overhead over pure compute. It also measures the data
 side alone: CPU seconds per sample of patch reading and of augmentation, in the loader
@@ -44,7 +44,7 @@ class FloorFigures:
     cpu_s_per_iteration: float  # process CPU (all threads): robust on a loaded machine
     threads: int
     channels_last: bool
-    precision: str  # what ran: "float32" or "bf16 autocast" (trainer.precision)
+    precision: str  # what ran: "float32" or "bf16 autocast" (trainer.network.precision)
     norm: str
     recompute_norm: bool
     compile_mode: str | None
@@ -99,7 +99,7 @@ def _fixed_batch_and_data_cost(cases, cplan, rank_batch, num_batches: int):
 
 def _one_rank_batch(global_batch: int):
     """The trainer's batch split for one process."""
-    from trainer.launch import split_global_batch
+    from trainer.batch import split_global_batch
 
     return split_global_batch(global_batch, 1)[0]
 
@@ -109,8 +109,8 @@ def measure(args: argparse.Namespace) -> FloorFigures:
 
     from trainer.data.dataset import PreprocessedCases
     from trainer.loop import Trainee, train_iterations
-    from trainer.loss import DeepSupervisionLoss
-    from trainer.plans import load_plans
+    from trainer.network.loss import DeepSupervisionLoss
+    from trainer.planning.plans import load_plans
     from trainer.schema import find_dataset, resolve_roots
 
     roots = resolve_roots(preprocessed=args.preprocessed)
@@ -119,8 +119,9 @@ def measure(args: argparse.Namespace) -> FloorFigures:
     cplan = plans.configuration(args.configuration)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from trainer import allocator, precision
+    from trainer import allocator
     from trainer.allocator import keep_freed_memory
+    from trainer.network import precision
 
     if args.flush_denormal:
         torch.set_flush_denormal(True)
@@ -201,7 +202,7 @@ def _build(norm: str, cplan, plans, recompute: bool):
     """The trainer's network; norm="group" swaps in GroupNorm(C, C) during construction."""
     from torch import nn
 
-    from trainer import model as model_module
+    from trainer.network import unet as model_module
 
     if norm == "instance":
         return model_module.build_network(

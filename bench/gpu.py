@@ -137,7 +137,7 @@ def prepare(work: Path, configuration: str) -> Path:
         from trainer.demo import make_demo_dataset
 
         make_demo_dataset(raw, 20, seed=0)
-        argv = [sys.executable, "-m", "trainer.preprocess", "900", "-c", configuration,
+        argv = [sys.executable, "-m", "trainer.planning.preprocess", "900", "-c", configuration,
                 "-pl", PLANNER, "--raw", str(raw), "--preprocessed", str(pre)]  # fmt: skip
         subprocess.run(argv, check=True, cwd=REPO)
     return pre

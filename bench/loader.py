@@ -36,10 +36,10 @@ import torch
 
 from trainer.data.dataset import PreprocessedCases
 from trainer.data.loader import PatchLoader
-from trainer.data.planning import CPU_PLANNER, PlannerOptions
 from trainer.demo import DEMO_DATASET, make_demo_dataset
-from trainer.plans import load_plans
-from trainer.preprocess import preprocess_dataset
+from trainer.planning.plans import load_plans
+from trainer.planning.preprocess import preprocess_dataset
+from trainer.planning.rules import CPU_PLANNER, PlannerOptions
 from trainer.schema import DEFAULT_PLANS
 
 
@@ -200,13 +200,13 @@ def prepare_real(plan: RealPlan, work: Path) -> tuple[Path, Path]:
     ours = work / "nnui_pre" / plan.dataset
     if not (ours / "nnuiPlans.json").is_file():
         # fmt: off
-        _run_logged([sys.executable, "-m", "trainer.preprocess", str(plan.dataset_id),
+        _run_logged([sys.executable, "-m", "trainer.planning.preprocess", str(plan.dataset_id),
                      "-c", plan.configuration, "--raw", str(raw), "--preprocessed",
                      str(work / "nnui_pre"), "-np", "2", "--patch-size", *map(str, plan.patch),
                      "--batch-size", f"{plan.configuration}={plan.batch}"],
                     logs / "nnui_pp.log", dict(env, PYTHONPATH=str(REPO)))
         # fmt: on
-    from trainer.splits import create_splits
+    from trainer.planning.splits import create_splits
 
     data = nnunet / conf["data_identifier"]
     ids = sorted(p.name[:-5] for p in data.glob("*.b2nd") if not p.name.endswith("_seg.b2nd"))

@@ -97,7 +97,7 @@ def nnui_stream(folder: Path, configuration: str, workers: int, seed: int):
 
     from trainer.data.dataset import PreprocessedCases
     from trainer.data.loader import PatchLoader
-    from trainer.plans import load_plans
+    from trainer.planning.plans import load_plans
 
     config = load_plans(folder).configuration(configuration)
     cases = PreprocessedCases(folder / config.data_identifier)

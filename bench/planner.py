@@ -6,7 +6,8 @@ nnU-Net runs unmodified (`nnUNetv2_extract_fingerprint` and `nnUNetv2_plan_exper
 nnUNet_preprocessed in a temporary folder under --work; the raw folder is only read); nnui
 reads the same cases with its own fingerprint and plans them with its default planner.
 Prints one row per configuration and side (patch, batch, stages, spacing, transpose) and
-whether every compared field is equal (tests/test_planner_vs_nnunet.py's comparison).
+whether every compared field is equal (the comparison of
+tests/trainer/planning/test_planner_vs_nnunet.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "trainer" / "planning"))
 
 
 def nnunet_plans(raw: Path, work: Path, processes: int) -> tuple[dict, dict, float]:
@@ -59,10 +60,10 @@ def nnunet_plans(raw: Path, work: Path, processes: int) -> tuple[dict, dict, flo
 
 
 def nnui_plans(raw: Path, processes: int):
-    from trainer.data.planning import PlannerOptions
     from trainer.data.raw import open_raw_dataset
-    from trainer.fingerprint import fingerprint_dataset
-    from trainer.preset_plans import make_plans
+    from trainer.planning.fingerprint import fingerprint_dataset
+    from trainer.planning.presets import make_plans
+    from trainer.planning.rules import PlannerOptions
 
     started = time.perf_counter()
     dataset = open_raw_dataset(raw)

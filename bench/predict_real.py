@@ -121,7 +121,7 @@ def setup(work: Path) -> dict:
         from trainer.data.image_io import read_image
         from trainer.inference.cases import InputCase
         from trainer.inference.prepare import prepare_case
-        from trainer.plans import load_plans
+        from trainer.planning.plans import load_plans
 
         plans = load_plans(nnui_plans.parent)
         cplan = plans.configuration(CONFIG)
@@ -138,8 +138,8 @@ def setup(work: Path) -> dict:
 
 def write_nnui_plans(nnunet_plans: dict, path: Path) -> None:
     """nnui's planner on the same fingerprint, then nnU-Net's spacing, patch, batch, network."""
-    from trainer.data.planning import Overrides, plan_experiment
-    from trainer.plans import plans_content, plans_from_dict, plans_to_json
+    from trainer.planning.plans import plans_content, plans_from_dict, plans_to_json
+    from trainer.planning.rules import Overrides, plan_experiment
 
     conf = nnunet_plans["configurations"][CONFIG]
     over = Overrides({CONFIG: tuple(conf["patch_size"])}, {CONFIG: int(conf["batch_size"])})
@@ -215,7 +215,7 @@ def nnui_stage(stage: str, paths: dict, work: Path, windows: int) -> dict:
     import torch
 
     from trainer.inference.cases import InputCase
-    from trainer.plans import load_plans
+    from trainer.planning.plans import load_plans
 
     plans = load_plans(Path(paths["nnui_plans"]).parent)
     cplan = plans.configuration(CONFIG)
@@ -230,7 +230,7 @@ def nnui_stage(stage: str, paths: dict, work: Path, windows: int) -> dict:
         (work / "nnui_props.json").write_text(json.dumps(prepared.properties, default=_plain))
         return out
     if stage == "net":
-        from trainer.model import build_network
+        from trainer.network.unet import build_network
 
         net = build_network(
             cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim,

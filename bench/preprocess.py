@@ -76,7 +76,7 @@ def _side_argv(side: str, a: PrepArgs, venv: Path) -> list[str]:
     n = str(a.num_processes)
     if side == "nnui":
         # fmt: off
-        return [sys.executable, "-m", "trainer.preprocess", str(DATASET_ID),
+        return [sys.executable, "-m", "trainer.planning.preprocess", str(DATASET_ID),
                 "-c", *a.configurations, "-np", n]
         # fmt: on
     argv = [str(venv / "bin" / "nnUNetv2_plan_and_preprocess"), "-d", str(DATASET_ID)]

@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from trainer import schema  # noqa: E402
-from trainer.data.planning import CPU_PLANNER, PlannerOptions  # noqa: E402
 from trainer.demo import DEMO_DATASET, make_demo_dataset  # noqa: E402
-from trainer.plans import load_plans  # noqa: E402
-from trainer.preprocess import preprocess_dataset  # noqa: E402
+from trainer.planning.plans import load_plans  # noqa: E402
+from trainer.planning.preprocess import preprocess_dataset  # noqa: E402
+from trainer.planning.rules import CPU_PLANNER, PlannerOptions  # noqa: E402
 
 
 def _events(run: Path) -> list[dict]:

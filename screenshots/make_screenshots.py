@@ -62,8 +62,8 @@ def prepare_real(roots: Roots) -> str:
     steps = [
         [py, "-m", "trainer.demo", "--cases", "10", "--out", str(roots.raw),
          "--shape-scale", "0.5"],
-        [py, "-m", "trainer.preprocess", "900", "-c", "3d_fullres", "--raw", str(roots.raw),
-         "--preprocessed", str(roots.preprocessed), "--batch-size", "2",
+        [py, "-m", "trainer.planning.preprocess", "900", "-c", "3d_fullres",
+         "--raw", str(roots.raw), "--preprocessed", str(roots.preprocessed), "--batch-size", "2",
          # CPU-sized plans by name, under the default identifier the screens show
          "-pl", "nnuiCPUPlanner", "-overwrite_plans_name", "nnuiPlans"],
     ]  # fmt: skip

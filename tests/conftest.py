@@ -42,9 +42,9 @@ def demo_preprocessed(demo_raw, tmp_path_factory) -> DemoPreprocessed:
     2d 32x32 batch 4), so trainer tests are fast: the CPU planner by name, its plans written
     as the default identifier (nnU-Net's -overwrite_plans_name) so that every test trains
     them with the trainer's default `-p`."""
-    from trainer.data.planning import CPU_PLANNER, Overrides, PlannerOptions
     from trainer.demo import DEMO_DATASET
-    from trainer.preprocess import preprocess_dataset
+    from trainer.planning.preprocess import preprocess_dataset
+    from trainer.planning.rules import CPU_PLANNER, Overrides, PlannerOptions
     from trainer.schema import DEFAULT_PLANS
 
     preprocessed = tmp_path_factory.mktemp("preprocessed")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A stand-in for nnui-predict in the TUI tests: the real stop handler and events writer
-(trainer.stop, trainer.prediction_events), no model. It reports its start and topology,
+(trainer.stop, trainer.inference.events), no model. It reports its start and topology,
 then waits for SIGUSR1 and ends `stopped` with exit 0, as the predictor does between cases."""
 
 import argparse
@@ -14,7 +14,7 @@ from trainer import stop
 
 stop.install_at_start()
 
-from trainer.prediction_events import PredictionEvents  # noqa: E402 (after the handler)
+from trainer.inference.events import PredictionEvents  # noqa: E402 (after the handler)
 from trainer.schema import Kind  # noqa: E402
 
 parser = argparse.ArgumentParser(allow_abbrev=False)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """nnui-predict that holds after writing its first case until the file $NNUI_TEST_GATE
 exists (tests/test_predict_jobs.py): a stop sent meanwhile arrives while a case is being
-predicted, whatever the machine's speed. Everything else is the real trainer.predict."""
+predicted, whatever the machine's speed. Everything else is the real trainer.inference.predict."""
 
 import os
 import sys
@@ -26,7 +26,7 @@ def _gated_write(*args, **kwargs):
 
 engine.write_prediction = _gated_write
 
-from trainer.predict import main  # noqa: E402
+from trainer.inference.predict import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

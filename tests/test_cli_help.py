@@ -10,7 +10,7 @@ import pytest
 COMMANDS = {
     "nnui": "app.main",
     "nnui-train": "trainer.run",
-    "nnui-preprocess": "trainer.preprocess",
+    "nnui-preprocess": "trainer.planning.preprocess",
     "nnui-demo-data": "trainer.demo",
 }
 

@@ -186,7 +186,7 @@ def _fold(name: str) -> str:
 
 
 def _check_checkpoint(path: Path) -> None:
-    from trainer.checkpoint import load
+    from trainer.checkpoint.store import load
 
     tensors, meta = load(path)
     assert tensors and meta

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 from fake_trainer import cleanup_jobs, wait_until
+from fold_checkpoint import write_checkpoint
 from test_cli import nnui
 from test_cli import status as rows
-from test_predict import write_checkpoint
 
 from app.services.case_progress import CaseProgress
 from app.services.jobs import JobTracker
@@ -303,7 +303,7 @@ def test_sigusr1_in_process_writes_the_current_case_then_stops_with_events(
 
     from trainer import stop
     from trainer.inference import engine
-    from trainer.predict import main as predict_main
+    from trainer.inference.predict import main as predict_main
 
     real_write = engine.write_prediction
 

@@ -19,7 +19,7 @@ import pytest
 from trainer import schema
 from trainer.data.image_io import read_image, write_nifti
 from trainer.demo import DEMO_DATASET, make_case
-from trainer.predict import PREDICTION_INFO_FILE
+from trainer.inference.predict import PREDICTION_INFO_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_CASES = 6
@@ -66,8 +66,8 @@ def make_dataset(root: Path, labels: dict, relabel, order=None) -> Path:
 
 def preprocess(raw: Path, preprocessed: Path) -> None:
     """The one place this file preprocesses (the lead may switch the planner here)."""
-    from trainer.data.planning import CPU_PLANNER, Overrides, PlannerOptions
-    from trainer.preprocess import preprocess_dataset
+    from trainer.planning.preprocess import preprocess_dataset
+    from trainer.planning.rules import CPU_PLANNER, Overrides, PlannerOptions
     from trainer.schema import DEFAULT_PLANS
 
     preprocess_dataset(
@@ -171,7 +171,7 @@ def test_region_prediction_and_evaluation(brats, tmp_path):
         assert set(np.unique(read_image(path)[0]).tolist()) <= {0, 1, 2, 3}
     info = json.loads((out / PREDICTION_INFO_FILE).read_text())
     assert info["regions_class_order"] == [1, 2, 3]
-    from trainer.evaluate_folder import main as evaluate_main
+    from trainer.evaluation.evaluate import main as evaluate_main
 
     labels = brats / "raw" / DEMO_DATASET / "labelsTr"
     summary_file = tmp_path / "summary.json"
@@ -237,7 +237,8 @@ def test_ignore_label_dataset_trains_and_never_predicts_the_ignore_label(tmp_pat
 )
 def test_bad_labels_stop_preprocessing_in_one_line(tmp_path, labels, order, message):
     make_dataset(tmp_path / "raw", labels, lambda label: label, order)
-    argv = [sys.executable, "-m", "trainer.preprocess", "900", "--raw", str(tmp_path / "raw"),
+    argv = [sys.executable, "-m", "trainer.planning.preprocess",
+            "900", "--raw", str(tmp_path / "raw"),
             "--preprocessed", str(tmp_path / "pre"), "-c", "2d"]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stdout + done.stderr
@@ -250,7 +251,8 @@ def test_region_ensemble_and_find_best_configuration(brats, tmp_path):
     """Both average the regions' sigmoid probabilities and write the label map in
     regions_class_order; find-best scores the regions as the final validation did."""
     best = subprocess.run(
-        [sys.executable, "-m", "trainer.best_configuration", "900", "-c", "2d", "-f", "0",
+        [sys.executable, "-m", "trainer.evaluation.best_configuration",
+         "900", "-c", "2d", "-f", "0",
          "--raw", str(brats / "raw"), "--results", str(brats / "res")],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -275,7 +277,7 @@ def test_region_ensemble_and_find_best_configuration(brats, tmp_path):
     assert run(argv, tmp_path / "predict.log") == 0, (tmp_path / "predict.log").read_text()
     second = tmp_path / "second"
     shutil.copytree(first, second)
-    from trainer.ensemble import main as ensemble_main
+    from trainer.evaluation.ensemble import main as ensemble_main
 
     out = tmp_path / "ensemble"
     assert ensemble_main(["-i", str(first), str(second), "-o", str(out)]) == 0

@@ -17,8 +17,9 @@ import pytest
 from test_ddp_e2e import Procs, assert_clean_finish, torchrun
 from test_trainer_run import events, finish, losses, model_tensors, start, wait_for
 
-from trainer import preprocess, schema
+from trainer import schema
 from trainer.demo import make_demo_dataset
+from trainer.planning import preprocess
 
 DATASET = "Dataset900_NnuiDemo"
 PRESET = "nnuiResEncUNetMPlans"
@@ -134,7 +135,7 @@ def test_plans_equal_nnunets_resenc_planner(demo_raw, tmp_path):
     import os
 
     pytest.importorskip("nnunetv2", reason="make setup installs nnunetv2 (extra 'nnunet')")
-    from trainer.data.resenc_planning import plan_preset
+    from trainer.planning.resenc import plan_preset
 
     raw, pre = tmp_path / "raw", tmp_path / "pre"
     shutil.copytree(demo_raw, raw)
@@ -158,7 +159,7 @@ def test_plans_equal_nnunets_resenc_planner(demo_raw, tmp_path):
     theirs = json.loads((folder / "nnUNetResEncUNetMPlans.json").read_text())["configurations"]
     dataset_json = json.loads((folder / "dataset.json").read_text())
     mine = plan_preset(fingerprint, dataset_json, DATASET, "nnUNetPlannerResEncM")
-    from trainer.plans import plans_content
+    from trainer.planning.plans import plans_content
 
     for name, block in plans_content(mine)["configurations"].items():
         assert _summary(block) == _summary(theirs[name]), name

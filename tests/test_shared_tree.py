@@ -137,9 +137,9 @@ def test_every_nnui_command_leaves_nnunets_files_byte_identical(tree):
 
 
 def test_a_data_folder_holding_nnunets_files_is_refused_before_anything_is_written(tmp_path):
-    from trainer.data.planning import Overrides
     from trainer.demo import make_demo_dataset
-    from trainer.preprocess import SharedTreeError, preprocess_dataset
+    from trainer.planning.preprocess import SharedTreeError, preprocess_dataset
+    from trainer.planning.rules import Overrides
 
     make_demo_dataset(tmp_path / "raw", num_cases=3, seed=0, shape_scale=0.3)
     folder = tmp_path / "pre" / DATASET / f"{DEFAULT_PLANS}_2d"

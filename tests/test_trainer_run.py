@@ -180,15 +180,15 @@ def test_bad_input_is_one_error_line_and_exit_2(
 def test_checkpoint_of_another_configuration_is_refused(demo_preprocessed, tmp_path, capsys):
     import torch
 
-    from trainer import checkpoint
-    from trainer.model import PlainConvUNet
+    from trainer.checkpoint import store
+    from trainer.network.unet import PlainConvUNet
 
     folder = run_dir(tmp_path)
     folder.mkdir(parents=True)
     net = PlainConvUNet(1, 3, [4, 8], [[3, 3]] * 2, [[1, 1], [2, 2]], [1, 1], [1], 2)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     identity = {"dataset_name": "Dataset900_NnuiDemo", "configuration": "3d_fullres"}
-    checkpoint.save(folder / "checkpoint_latest.safetensors", net, opt, None,
+    store.save(folder / "checkpoint_latest.safetensors", net, opt, None,
                     {"epoch_next": 1, "identity": identity})  # fmt: skip
     assert main([*train_argv(demo_preprocessed, tmp_path), "--c"]) == 2
     err = capsys.readouterr().err
@@ -411,9 +411,9 @@ def test_sigusr1_stops_after_the_epoch_and_continue_is_exact(demo_preprocessed, 
     assert stop_event["ranks"] == [0] and stop_event["epoch"] == 0
     assert next(e for e in events(folder) if e["kind"] == "stopped")["reason"] == "SIGUSR1"
     assert schema.read_status(folder).state == "stopped"
-    from trainer import checkpoint
+    from trainer.checkpoint import store
 
-    tensors, meta = checkpoint.load(folder / "checkpoint_latest.safetensors")
+    tensors, meta = store.load(folder / "checkpoint_latest.safetensors")
     assert meta["epoch_next"] == 1 and any(k.startswith("model.") for k in tensors)
     assert not (folder / "checkpoint_final.safetensors").exists()
 
@@ -432,7 +432,7 @@ def test_sigusr1_stops_after_the_epoch_and_continue_is_exact(demo_preprocessed, 
     # depends on the curves), unless the stop's checkpoint_latest is as new. Read before the
     # run that may write them again.
     candidates = {
-        name: checkpoint.load(folder / f"{name}.safetensors")[1]["epoch_next"]
+        name: store.load(folder / f"{name}.safetensors")[1]["epoch_next"]
         for name in ("checkpoint_best", "checkpoint_latest")
     }
     newest = max(candidates.values())

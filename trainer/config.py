@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainer import precision
-from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS, LEGACY_TRAINER
+from trainer import legacy
+from trainer.network import precision
+from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
 
 DEVICE_TYPES = ("cuda", "cpu", "mps")
 RECOMPUTE_CHOICES = ("auto", "on", "off")
@@ -36,10 +37,10 @@ class TrainConfig:
     device_type: str = "cuda"
     num_gpus: int | None = None
     compile: bool = False
-    # Recompute norm + activation in backward instead of keeping them (trainer.model):
+    # Recompute norm + activation in backward instead of keeping them (trainer.network.unet):
     # "auto" = on for 3D on CPU (host memory is the scarce resource), off for 2D and GPUs.
     recompute_norm: str = "auto"
-    # Compute format (trainer.precision): "auto" = autocast on CUDA and on AMX CPUs.
+    # Compute format (trainer.network.precision): "auto" = autocast on CUDA and on AMX CPUs.
     precision: str = "auto"
     num_workers: int = 2
     npz: bool = False
@@ -95,7 +96,7 @@ class TrainConfig:
                 f"got {self.recompute_norm!r}"
             )
         precision.check(self.precision, self.device_type)
-        if self.trainer not in (DEFAULT_TRAINER, LEGACY_TRAINER):
+        if self.trainer != DEFAULT_TRAINER and not legacy.is_trainer(self.trainer):
             raise ValueError(
                 f"unknown trainer {self.trainer!r}; available: {DEFAULT_TRAINER} "
                 "(set epochs and iterations with --epochs / --iterations-per-epoch)"

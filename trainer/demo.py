@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.cli import OneLineParser
 from trainer.data.image_io import write_nifti
-from trainer.inference.cli import OneLineParser
 from trainer.schema import resolve_roots
 
 DEMO_DATASET = "Dataset900_NnuiDemo"

@@ -8,7 +8,7 @@ TTA unless --val_disable_tta), brings the probabilities back to the raw geometry
 probabilities too with --npz) to rank 0, the only writer under results. Rank 0 writes
 `validation/CASE<raw ending>` with channel 0's header and affine (as nnui-predict), scores
 it against `labelsTr/CASE<ending>` and writes `validation/summary.json` in nnU-Net's layout
-(trainer.evaluate_folder), so `nnui-evaluate labelsTr validation --chill` gives the same.
+(trainer.evaluation.evaluate), so `nnui-evaluate labelsTr validation --chill` gives the same.
 
 Without the raw dataset (a training run only; the CLI said so at start) the cases are
 scored in the preprocessed space against CASE_seg.b2nd and no segmentation is written.
@@ -43,7 +43,7 @@ def _raw_ending(raw_dataset: Path) -> str:
 
 def validation_case_ids(data_dir: Path, fold: str) -> list[str]:
     from trainer.data.dataset import PreprocessedCases
-    from trainer.splits import fold_cases, load_or_create_splits
+    from trainer.planning.splits import fold_cases, load_or_create_splits
 
     cases = PreprocessedCases(data_dir)
     splits = load_or_create_splits(data_dir.parent, cases.case_ids, write=False)
@@ -98,7 +98,7 @@ class Target:
     label_values: list[int]  # sorted, background first: what a prediction can hold
     foreground: list[Any]  # scored keys: label values, or regions (tuples)
     preprocessed_dir: Path
-    spec: Any = None  # trainer.labels.LabelSpec
+    spec: Any = None  # trainer.data.labels.LabelSpec
 
     def reference(self, case_id: str) -> Path:
         assert self.raw_dataset is not None
@@ -112,8 +112,8 @@ class Target:
 def make_target(config: Any, plans: Any, preprocessed_dir: Path, is_main: bool) -> Target:
     """Only rank 0 reads the raw dataset (other nodes may not have it)."""
     from trainer import distributed
-    from trainer.evaluate_folder import default_labels
-    from trainer.labels import is_plain
+    from trainer.data.labels import is_plain
+    from trainer.evaluation.evaluate import default_labels
     from trainer.schema import VALIDATION_DIR
 
     spec = plans.label_spec
@@ -152,7 +152,7 @@ def predict_share(model: Any, cases: Any, case_ids: list[str], cplan: Any, num_c
     [case id, summary entry] scored in the preprocessed space (only without raw data)."""
     import numpy as np
 
-    from trainer.evaluate_folder import case_metrics
+    from trainer.evaluation.evaluate import case_metrics
     from trainer.inference.region_export import export_raw
     from trainer.inference.sliding import predict_probabilities
 
@@ -186,12 +186,12 @@ class Collector:
     def __init__(self, target: Target) -> None:
         self.target = target
         self.entries: list[tuple[str, dict]] = []
-        # 3d_lowres: (case id, raw segmentation) -> the next stage's input (trainer.cascade)
+        # 3d_lowres: (case id, raw segmentation) -> the next stage's input (trainer.data.cascade)
         self.next_stage: Callable[[str, Any], None] | None = None
 
     def add(self, case_id: str, prediction: Any) -> None:
         from trainer.data.image_io import read_image
-        from trainer.evaluate_folder import case_metrics
+        from trainer.evaluation.evaluate import case_metrics
         from trainer.inference.export import probabilities_bytes, write_atomic, write_prediction
 
         target = self.target
@@ -267,7 +267,7 @@ def make_sink(topology: Any, shares: list[list[str]], collector: Collector | Non
 
 
 def _export_next_stage(collector: Collector, config: Any, plans: Any, cplan: Any) -> None:
-    from trainer.cascade import export_next_stage
+    from trainer.data.cascade import export_next_stage
 
     if collector.target.raw_dataset is None:
         log.warning("no raw dataset: %s's segmentations for %s are not written",
@@ -286,7 +286,7 @@ def validate(config: Any, topology: Any, model: Any, cases: Any, val_ids: list[s
     Returns the summary on rank 0, None elsewhere. `autocast_dtype`: the training's (None:
     float32), which is also nnui-predict's default for the same --precision."""
     from trainer import distributed
-    from trainer.evaluate_folder import summarize, write_summary
+    from trainer.evaluation.evaluate import summarize, write_summary
     from trainer.schema import SUMMARY_FILE
 
     target = make_target(config, plans, cases.folder, topology.is_main)

@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
-from trainer import checkpoint, distributed, running_loss, stop
+from trainer import distributed, running_loss, stop
+from trainer.checkpoint import store as checkpoint
 from trainer.config import TrainConfig
+from trainer.data.labels import is_plain
 from trainer.events import RunRecorder, finite_or_none
-from trainer.label_loss import validation_counts
-from trainer.labels import is_plain
+from trainer.network.label_loss import validation_counts
 from trainer.schema import Kind, State, checkpoint_file
 
 log = logging.getLogger("trainer")
@@ -71,7 +72,7 @@ class Trainee:
     device: torch.device
     autocast_dtype: torch.dtype | None
     num_classes: int
-    label_spec: Any = None  # trainer.labels.LabelSpec: regions / ignore label change the counts
+    label_spec: Any = None  # data.labels.LabelSpec: regions / ignore label change the counts
     after_first_step: Callable[[], Any] | None = None  # allocator.keep_freed_memory on CPU
     step_hook: Callable[[int, torch.Tensor], Any] | None = None  # running loss (rank 0)
     stop_notice: StopNotice | None = None  # says "stop heard" at the first step after SIGUSR1

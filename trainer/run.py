@@ -30,7 +30,7 @@ from trainer import allocator, openmp
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER
 from trainer.train_args import build_parser
 
-__all__ = ["UsageError", "build_parser", "main", "resolve_config"]
+__all__ = ["UsageError", "main", "resolve_config"]
 
 log = logging.getLogger("trainer.run")
 
@@ -58,7 +58,7 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
     _check_previous_stage(config, cplan, data_dir, dataset_dir)
     _check_device_and_batch(config, cplan.batch_size)
     if config.device_type == "cpu" and not config.validation_only and launch.is_main_process():
-        from trainer.data.cpu_planning import cpu_epoch_note
+        from trainer.planning.cpu import cpu_epoch_note
 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         note = cpu_epoch_note(cplan, plans.num_classes, config.iterations_per_epoch, cores)
@@ -73,7 +73,7 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
     elif config.continue_training:
         config = _find_resume_checkpoint(config)
     elif config.pretrained_weights:
-        from trainer.pretrained import check_pretrained_file
+        from trainer.checkpoint.pretrained import check_pretrained_file
 
         check_pretrained_file(Path(config.pretrained_weights), plans, cplan)
     config = _check_raw_data(config, roots.raw / dataset_name, data_dir)
@@ -83,7 +83,7 @@ def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
 
 def _load_configuration(dataset_dir: Path, dataset_name: str, args: argparse.Namespace):
     """(plans, configuration plan), the configuration preprocessed (else UsageError)."""
-    from trainer.plans import load_plans
+    from trainer.planning.plans import load_plans
 
     try:
         plans = load_plans(dataset_dir, args.plans)
@@ -156,7 +156,9 @@ def _check_raw_data(config: Any, raw_dataset: Path, data_dir: Path) -> Any:
 
 
 def _check_validation_checkpoint(config: Any) -> None:
-    from trainer import checkpoint, schema
+    from trainer import schema
+    from trainer.checkpoint import store
+    from trainer.checkpoint.format import CheckpointError
 
     kind = "best" if config.val_best else "final"
     path = Path(config.run_dir) / schema.checkpoint_file(kind)
@@ -164,19 +166,19 @@ def _check_validation_checkpoint(config: Any) -> None:
         hint = " (or drop --val_best)" if config.val_best else ""
         raise UsageError(f"--val needs {path}; train first{hint}")
     try:
-        metadata = checkpoint.read_metadata(path)
-    except checkpoint.CheckpointError as error:
+        metadata = store.read_metadata(path)
+    except CheckpointError as error:
         raise UsageError(f"cannot validate: {error}") from error
-    checkpoint.check_identity(
-        checkpoint.CheckpointInfo(path, kind, metadata["epoch_next"], metadata), config.identity()
+    store.check_identity(
+        store.CheckpointInfo(path, kind, metadata["epoch_next"], metadata), config.identity()
     )
 
 
 def _find_resume_checkpoint(config: Any) -> Any:
-    from trainer import checkpoint
+    from trainer.checkpoint import store
 
     run_dir = Path(config.run_dir)
-    info = checkpoint.find_resume(run_dir, config.identity(), config.num_epochs)
+    info = store.find_resume(run_dir, config.identity(), config.num_epochs)
     if info is None:
         log.warning("--c: no valid checkpoint in %s, starting fresh", run_dir)
         return config
@@ -186,7 +188,7 @@ def _find_resume_checkpoint(config: Any) -> Any:
 def _check_shared_tree(run_dir: Path, trainer: str, plans: str, continuing: bool) -> None:
     """One tree, two tools: never write into nnU-Net's run folders, never start anything
     new under nnU-Net's names (nnui 0.1's run folders are only continued)."""
-    from trainer import schema
+    from trainer import legacy, schema
 
     theirs = schema.nnunet_files(run_dir)
     if theirs:
@@ -194,14 +196,9 @@ def _check_shared_tree(run_dir: Path, trainer: str, plans: str, continuing: bool
             f"{run_dir} is an nnU-Net run folder ({', '.join(theirs)}); nnui will not write "
             f"there (nnui trains as -tr {DEFAULT_TRAINER} -p {DEFAULT_PLANS}, the defaults)"
         )
-    if schema.is_legacy_identifier(trainer, plans) and not (
-        continuing and (run_dir / schema.EVENTS_FILE).is_file()
-    ):
-        raise UsageError(
-            f"-tr {trainer} -p {plans}: nnU-Net's names; nnui trains as -tr {DEFAULT_TRAINER} "
-            f"-p {DEFAULT_PLANS} (the defaults); the old names only continue (--c, --val) a run "
-            f"that nnui 0.1 made in {run_dir}"
-        )
+    refusal = legacy.new_run_refusal(run_dir, trainer, plans, continuing)
+    if refusal:
+        raise UsageError(refusal)
 
 
 _created_folders: list[Path] = []  # made by _check_writable: removed again by a refusal
@@ -237,7 +234,7 @@ def _check_cases_and_fold(data_dir: Path, dataset_dir: Path, fold: str) -> None:
     Runs in every rank's CLI process (also under torchrun), before anything is written.
     """
     from trainer.data.dataset import PreprocessedCases
-    from trainer.splits import SPLITS_FILE, load_or_create_splits
+    from trainer.planning.splits import SPLITS_FILE, load_or_create_splits
 
     try:
         cases = PreprocessedCases(data_dir)
@@ -270,9 +267,9 @@ def _check_previous_stage(config: Any, cplan: Any, data_dir: Path, dataset_dir: 
     validates on: one line naming the folds of that stage to train first."""
     if not cplan.previous_stage:
         return
-    from trainer.cascade import CascadeError, check_inputs, previous_stage_folder
+    from trainer.data.cascade import CascadeError, check_inputs, previous_stage_folder
     from trainer.data.dataset import PreprocessedCases
-    from trainer.splits import fold_cases, load_or_create_splits
+    from trainer.planning.splits import fold_cases, load_or_create_splits
 
     cases = PreprocessedCases(data_dir)
     splits = load_or_create_splits(dataset_dir, cases.case_ids, write=False)
@@ -285,7 +282,7 @@ def _check_previous_stage(config: Any, cplan: Any, data_dir: Path, dataset_dir: 
 
 
 def _check_device_and_batch(config: Any, global_batch: int) -> None:
-    from trainer import launch
+    from trainer import batch, launch
 
     launcher = launch.detect_external_launcher()
     launch.check_num_gpus(config.num_gpus, launcher)
@@ -304,7 +301,7 @@ def _check_device_and_batch(config: Any, global_batch: int) -> None:
     world_size = config.num_gpus or 1
     if launcher is not None:
         world_size = launch.env_rank_and_size()[1] or 1
-    launch.split_global_batch(global_batch, world_size)  # ValueError if G < W
+    batch.split_global_batch(global_batch, world_size)  # ValueError if G < W
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 
-from trainer import allocator, precision
+from trainer import allocator, legacy
+from trainer.cli import OneLineParser
 from trainer.config import RECOMPUTE_CHOICES
-from trainer.inference.cli import OneLineParser
-from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, LEGACY_TRAINER
+from trainer.network import precision
+from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,8 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-tr",
         dest="trainer",
         default=DEFAULT_TRAINER,
-        help=f"trainer name (default {DEFAULT_TRAINER}; {LEGACY_TRAINER} only continues a run "
-        "made by nnui 0.1)",
+        help=f"trainer name (default {DEFAULT_TRAINER}; {legacy.TRAINER_HELP})",
     )
     plans_help = f"plans identifier (default {DEFAULT_PLANS}; e.g. nnuiResEncUNetMPlans)"
     p.add_argument("-p", dest="plans", default=DEFAULT_PLANS, help=plans_help)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import stop
+from trainer.checkpoint.format import CheckpointError
 from trainer.config import TrainConfig
 from trainer.events import RunRecorder
 from trainer.schema import (
@@ -69,11 +70,11 @@ def worker(topology: Any, payload: dict[str, Any]) -> int:
 
 
 def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorder) -> int:
-    from trainer import distributed, launch
+    from trainer import batch, distributed, launch
     from trainer.data.dataset import PreprocessedCases
     from trainer.loop import Checkpointer, record_stop
-    from trainer.plans import load_plans
-    from trainer.splits import fold_cases, load_or_create_splits
+    from trainer.planning.plans import load_plans
+    from trainer.planning.splits import fold_cases, load_or_create_splits
 
     device = launch.device_for(topology, config.device_type)
     _remove_stale_tmp(config, topology)
@@ -85,7 +86,7 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
     distributed.barrier()
     train_ids, val_ids = fold_cases(splits, config.fold, cases.case_ids)
     cases = _stage_cases(config, plans, cplan, cases, [*train_ids, *val_ids], splits)
-    rank_batches = launch.split_global_batch(
+    rank_batches = batch.split_global_batch(
         cplan.batch_size, topology.world_size, config.oversample_foreground
     )
     rank_batch = rank_batches[topology.global_rank]
@@ -99,7 +100,7 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
         from trainer import allocator
 
         log.info("CPU malloc: %s", allocator.describe())
-    weight_ce = launch.loss_weight([b.batch_size for b in rank_batches], topology.global_rank)
+    weight_ce = batch.loss_weight([b.batch_size for b in rank_batches], topology.global_rank)
     trainee = _build_trainee(config, plans, cplan, device, weight_ce)
     # Restore before DDP wraps the model: its constructor then broadcasts identical weights.
     state = _restore(config, topology, trainee, recorder)
@@ -133,7 +134,7 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
 def _stage_cases(config: TrainConfig, plans: Any, cplan: Any, cases: Any,
                  case_ids: list[str], splits: list) -> Any:  # fmt: skip
     """3d_cascade_fullres: the cases with the previous stage's segmentations; else `cases`."""
-    from trainer.cascade import CascadeCases, check_inputs, previous_stage_folder
+    from trainer.data.cascade import CascadeCases, check_inputs, previous_stage_folder
 
     if not cplan.previous_stage:
         return cases
@@ -145,7 +146,7 @@ def _stage_cases(config: TrainConfig, plans: Any, cplan: Any, cases: Any,
 
 def _remove_stale_tmp(config: TrainConfig, topology: Any) -> None:
     """Rank 0, before writing anything: what a killed write left in the run folder."""
-    from trainer.run_folder import remove_stale_tmp
+    from trainer.checkpoint.atomic import remove_stale_tmp
 
     if not topology.is_main:
         return
@@ -178,7 +179,7 @@ def _record_start(config: TrainConfig, topology: Any, recorder: RunRecorder, dev
         fold=config.fold, num_epochs=config.num_epochs,
         iterations_per_epoch=config.iterations_per_epoch, world_size=topology.world_size,
         launcher=topology.launcher, host=topology.host, argv=config.argv,
-        # What dice_per_class entry i scores: label or region names (trainer.labels).
+        # What dice_per_class entry i scores: label or region names (trainer.data.labels).
         class_names=class_names,
     )  # fmt: skip
     recorder.event(Kind.TOPOLOGY, ranks=ranks)
@@ -190,11 +191,12 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
     """Network, optimizer and loss, unwrapped (trainee.model is the raw model until _wrap)."""
     import torch
 
-    from trainer import distributed, precision
-    from trainer.cascade import input_channels
-    from trainer.label_loss import make_loss
+    from trainer import distributed
+    from trainer.data.cascade import input_channels
     from trainer.loop import Trainee
-    from trainer.model import build_network
+    from trainer.network import precision
+    from trainer.network.label_loss import make_loss
+    from trainer.network.unet import build_network
 
     torch.manual_seed(config.seed)
     raw_model = build_network(
@@ -209,7 +211,7 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
     log.info("precision: %s (--precision %s)", precision.describe(autocast_dtype), config.precision)
     # Loss scaling is needed for fp16 only (bf16 has fp32's exponent range).
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
-    # Regions / ignore label: trainer.label_loss; plain labels: trainer.loss as before.
+    # Regions / ignore label: network.label_loss; plain labels: network.loss as before.
     loss_fn = make_loss(
         plans.label_spec, cplan.network.num_stages - 1,
         reduce_fn=distributed.differentiable_all_reduce_sum,
@@ -248,7 +250,7 @@ def _load_on_main(pick: Callable[[], Loaded | None], topology: Any) -> Loaded | 
     """Rank 0 picks and reads the checkpoint and hands it to every rank (other nodes may lack
     the file). None: rank 0 has nothing to resume from. A refusal (CheckpointError,
     IdentityMismatch, BeyondSchedule) fails every rank together."""
-    from trainer import checkpoint, distributed
+    from trainer import distributed
 
     if topology.world_size == 1:
         return pick()
@@ -264,7 +266,7 @@ def _load_on_main(pick: Callable[[], Loaded | None], topology: Any) -> Loaded | 
          "path": loaded[2] if loaded else None}
     )  # fmt: skip
     if header["error"]:
-        raise checkpoint.CheckpointError(f"rank 0 could not load the checkpoint: {header['error']}")
+        raise CheckpointError(f"rank 0 could not load the checkpoint: {header['error']}")
     if header["metadata"] is None:
         return None
     tensors = distributed.broadcast_tensors(loaded[0] if loaded else None)
@@ -273,15 +275,15 @@ def _load_on_main(pick: Callable[[], Loaded | None], topology: Any) -> Loaded | 
 
 def _pick_resume(config: TrainConfig, trainee: Any) -> Loaded | None:
     """The newest checkpoint that is intact, of this run and fits the live objects."""
-    from trainer import checkpoint
-    from trainer.checkpoint_fit import check_fits
+    from trainer.checkpoint import store
+    from trainer.checkpoint.fit import check_fits
 
     def fits(name: str, tensors: dict[str, Any], metadata: dict[str, Any]) -> None:
         check_fits(name, tensors, metadata, trainee.raw_model, trainee.optimizer)
 
     if not config.resume_checkpoint:  # the CLI found none valid (and said so): neither will we
         return None
-    found = checkpoint.load_resume(Path(config.run_dir), config.identity(), config.num_epochs, fits)
+    found = store.load_resume(Path(config.run_dir), config.identity(), config.num_epochs, fits)
     if found is None:  # the CLI saw one; the torch-side checks refused them all
         log.warning("--c: no usable checkpoint in %s, starting fresh", config.run_dir)
         return None
@@ -290,19 +292,19 @@ def _pick_resume(config: TrainConfig, trainee: Any) -> Loaded | None:
 
 def _apply(tensors: dict, metadata: dict, path: str, trainee: Any, resume: bool) -> None:
     """checkpoint.apply; the checks before it make a failure here a bug, said in one line."""
-    from trainer import checkpoint
+    from trainer.checkpoint import store
 
     try:
         if resume:
-            checkpoint.apply(
+            store.apply(
                 tensors, metadata, trainee.raw_model, trainee.optimizer, trainee.scaler,
                 restore_rng_state=True,
             )  # fmt: skip
         else:
-            checkpoint.apply(tensors, metadata, trainee.raw_model)
+            store.apply(tensors, metadata, trainee.raw_model)
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as error:
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise checkpoint.CheckpointError(f"{Path(path).name} does not load: {first_line}") from None
+        raise CheckpointError(f"{Path(path).name} does not load: {first_line}") from None
 
 
 def _restore(config: TrainConfig, topology: Any, trainee: Any, recorder: RunRecorder) -> Any:
@@ -312,12 +314,12 @@ def _restore(config: TrainConfig, topology: Any, trainee: Any, recorder: RunReco
     every rank loads the very same tensors and metadata, so weights, optimizer momentum,
     history, EMA and RNG states agree across ranks and nodes.
     """
-    from trainer import checkpoint
+    from trainer.checkpoint import store
     from trainer.loop import History, LoopState
 
     if config.validation_only:
         path = Path(config.run_dir) / checkpoint_file("best" if config.val_best else "final")
-        loaded = _load_on_main(lambda: (*checkpoint.load(path), str(path)), topology)
+        loaded = _load_on_main(lambda: (*store.load(path), str(path)), topology)
         assert loaded is not None
         tensors, metadata, _ = loaded
         _apply(tensors, metadata, str(path), trainee, resume=False)
@@ -349,7 +351,7 @@ def _restore(config: TrainConfig, topology: Any, trainee: Any, recorder: RunReco
 def _load_pretrained(config: TrainConfig, topology: Any, trainee: Any) -> None:
     """-pretrained_weights: rank 0 reads the file and picks the tensors whose name and shape
     fit; every rank loads those very tensors (other nodes may lack the file)."""
-    from trainer.pretrained import load_matching
+    from trainer.checkpoint.pretrained import load_matching
 
     path = str(config.pretrained_weights)
 
@@ -371,9 +373,9 @@ def _train(config: TrainConfig, topology: Any, trainee: Any, state: Any, cases: 
            streams: dict[str, list[str]], cplan: Any, rank_batch: Any, recorder: RunRecorder,
            checkpointer: Any) -> bool:  # fmt: skip
     """The epochs, with both loaders closed whatever happens. False = stopped by SIGUSR1."""
-    from trainer.cascade import CascadeBatches, CascadeCases
+    from trainer.data.cascade import CascadeBatches, CascadeCases
+    from trainer.data.labels import location_rule
     from trainer.data.loader import PatchLoader
-    from trainer.labels import location_rule
     from trainer.loop import run_epochs
 
     spec = trainee.label_spec

@@ -1,7 +1,7 @@
 """Per-case array operations of preprocessing: crop to nonzero, normalise, resample.
 
 Pure numpy/scipy functions on (C, Z, Y, X) images and (Z, Y, X) segmentations, with
-nnU-Net 2.8.1's rules (tests/test_fidelity_case_ops.py runs nnU-Net's functions beside
+nnU-Net 2.8.1's rules (tests/trainer/data/test_fidelity_case_ops.py runs nnU-Net's functions beside
 these): the body mask is the nonzero region with its holes filled; resampling is skimage's
 resize (edge mode, no anti-aliasing, clipped to the input's range), and for anisotropic
 spacings in-plane only, with nearest neighbour along the thick axis ("separate z").

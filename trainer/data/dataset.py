@@ -15,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer import legacy
 from trainer.data.blosc_io import open_array
 from trainer.data.raw import DataError
-from trainer.schema import FINGERPRINT_FILE, LEGACY_FINGERPRINT_FILE
+from trainer.schema import FINGERPRINT_FILE
 
 CASE_FILES = ("{}.b2nd", "{}_seg.b2nd", "{}.json")
 
@@ -44,7 +45,7 @@ def expected_case_ids(folder: Path) -> list[str] | None:
                 and "case_ids" in block
             ):
                 return sorted(str(c) for c in block["case_ids"])
-    for name in (FINGERPRINT_FILE, LEGACY_FINGERPRINT_FILE):
+    for name in (FINGERPRINT_FILE, *legacy.FINGERPRINT_FILES):
         try:  # plans from before `case_ids`: nnui's fingerprint lists every raw case
             fingerprint = json.loads((folder.parent / name).read_text())
             return sorted(str(c) for c in fingerprint["case_ids"])

@@ -146,7 +146,7 @@ class PatchLoader:
         worker_mode: str = "thread",
         augment_config: AugmentConfig | None = None,
         mask_channels: tuple[bool, ...] = (),  # the plans' use_mask_for_norm
-        rule: LocationRule | None = None,  # regions / ignore label (trainer.labels)
+        rule: LocationRule | None = None,  # regions / ignore label (trainer.data.labels)
     ):
         _check_arguments(
             cases, case_ids, patch_size, batch_size, oversample_share, stream, worker_mode

@@ -24,7 +24,7 @@ from trainer.data.image_io import (
     read_case,
     read_image,
 )
-from trainer.labels import LabelError, from_dataset_json, label_values_for_checks
+from trainer.data.labels import LabelError, from_dataset_json, label_values_for_checks
 
 
 class DataError(ValueError):
@@ -76,7 +76,7 @@ def _read_dataset_json(folder: Path) -> dict:
         check_reader_override(data.get("overwrite_image_reader_writer"))
     except ImageReadError as exc:
         raise DataError(f"{path}: {exc}") from None
-    try:  # ints, regions (lists) with regions_class_order, the ignore label: trainer.labels
+    try:  # ints, regions (lists) with regions_class_order, the ignore label: trainer.data.labels
         from_dataset_json(data)
     except LabelError as exc:
         raise DataError(f"{path}: {exc}") from None

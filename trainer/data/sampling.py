@@ -59,7 +59,7 @@ def _lower_bound(
 @dataclass(frozen=True)
 class LocationRule:
     """Which stored locations a patch centres on when the labels are not plain
-    (trainer.labels): `groups` per class or region the class_locations keys whose union
+    (trainer.data.labels): `groups` per class or region the class_locations keys whose union
     holds its voxels; `annotated`: the key of every annotated voxel (an ignore-label
     dataset), where the non-forced patches centre so none lies in unannotated space only."""
 

@@ -14,17 +14,17 @@ from pathlib import Path
 
 import torch
 
-from trainer import precision
+from trainer.data.labels import LabelSpec
 from trainer.inference.cases import InputCase
 from trainer.inference.export import RawPrediction, write_prediction
 from trainer.inference.prepare import PreparedCase, prepare_case
 from trainer.inference.region_export import export_raw
 from trainer.inference.sliding import memory_format, predict_probabilities
-from trainer.labels import LabelSpec
-from trainer.plans import ConfigurationPlan, Plans
+from trainer.network import precision
+from trainer.planning.plans import ConfigurationPlan, Plans
 
 log = logging.getLogger(__name__)
-# predict_cases' hooks (a supervised prediction, trainer.prediction_events): should_stop(i)
+# predict_cases' hooks (a supervised prediction, trainer.inference.events): should_stop(i)
 # is asked before case i (a graceful stop: the cases begun are written, the rest left);
 # on_case hears (case id, 1-based index, number of cases, seconds, input shape) once written.
 CaseHook = Callable[[str, int, int, float, Sequence[int]], None]
@@ -38,7 +38,7 @@ class PredictSettings:
     save_probabilities: bool = False
     fallback_spacing: tuple[float, ...] | None = None
     largest_component_labels: tuple[int, ...] = ()  # --postprocess
-    precision: str = "auto"  # trainer.precision: autocast on CUDA and AMX CPUs
+    precision: str = "auto"  # trainer.network.precision: autocast on CUDA and AMX CPUs
     previous_stage_dir: Path | None = None  # a cascade: the previous stage's segmentations
 
 
@@ -46,8 +46,8 @@ def build_models(
     plans: Plans, cplan: ConfigurationPlan, weights: Sequence[dict], device: torch.device
 ) -> list[torch.nn.Module]:
     """One evaluation-mode network per fold from `model.*` tensors (checkpoint.load)."""
-    from trainer.cascade import input_channels
-    from trainer.model import build_network
+    from trainer.data.cascade import input_channels
+    from trainer.network.unet import build_network
 
     models = []
     for tensors in weights:

@@ -16,7 +16,7 @@ import numpy as np
 from trainer.data.case_ops import crop, nonzero_bbox, normalize, resample_image, resampled_shape
 from trainer.data.image_io import ImageReadError, read_case, read_image
 from trainer.inference.cases import InputCase, InputError
-from trainer.plans import ConfigurationPlan, Plans
+from trainer.planning.plans import ConfigurationPlan, Plans
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def prepare_case(
     previous_stage_dir: Path | None = None,
 ) -> PreparedCase:
     """previous_stage_dir (a cascade): the previous stage's segmentation of the case there,
-    preprocessed alike and appended one-hot (trainer.cascade)."""
+    preprocessed alike and appended one-hot (trainer.data.cascade)."""
     image, spacing = read_channels(case, fallback_spacing)
     forward = plans.transpose[0]
     if forward != (0, 1, 2):  # stored as nnU-Net stores it: the plans' axis order
@@ -88,7 +88,7 @@ def prepare_case(
 def _with_previous_stage(
     data: np.ndarray, case: InputCase, plans: Plans, where: tuple, folder: Path
 ) -> np.ndarray:
-    from trainer.cascade import foreground_labels, one_hot
+    from trainer.data.cascade import foreground_labels, one_hot
     from trainer.data.case_ops import resample_seg
 
     path = Path(folder) / f"{case.case_id}{case.ending}"

@@ -1,4 +1,4 @@
-"""Predictions back to the raw geometry for any labels (trainer.labels).
+"""Predictions back to the raw geometry for any labels (trainer.data.labels).
 
 Plain labels and the ignore label go through trainer.inference.export.to_raw_geometry
 with the values the network predicts (never the ignore label). Regions: the sigmoid
@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from trainer.data.case_ops import resample_image
+from trainer.data.labels import LabelSpec
 from trainer.inference.export import RawPrediction, to_raw_geometry
-from trainer.labels import LabelSpec
 
 EPS = 1e-7  # logit guard: a probability of exactly 0 or 1 stays finite
 

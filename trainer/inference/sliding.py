@@ -1,6 +1,6 @@
 """Gaussian sliding window over whole cases, mirroring TTA, probabilities averaged over folds.
 
-Windows and Gaussian weights are final validation's (`trainer.evaluate.window_starts`,
+Windows and Gaussian weights are final validation's (`trainer.inference.windows.window_starts`,
 `gaussian_importance`). Test-time mirroring flips over every combination of the spatial
 axes the training mirrored (all of them, as nnU-Net's default): 8 passes in 3d, 4 in 2d.
 The folds' Gaussian-weighted logits are averaged and the softmax taken after, as nnU-Net
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer.evaluate import gaussian_importance, window_starts
+from trainer.inference.windows import gaussian_importance, window_starts
 
 # Voxels of input per forward pass on a GPU: several windows per batch keep it busy; the
 # cap bounds activations. On CPU one 3D window per pass: activations grow with the batch
@@ -43,7 +43,7 @@ def windows_per_batch(device: torch.device, patch: Sequence[int]) -> int:
 
 def memory_format(device: torch.device, ndim: int) -> torch.memory_format:
     """channels_last_3d for 3D networks on CPU: oneDNN's convs then skip their per-conv
-    reorders from NCDHW (-20 % CPU per 64x80x80 window; trainer.norm keeps the instance
+    reorders from NCDHW (-20 % CPU per 64x80x80 window; trainer.network.norm keeps the instance
     norms in that layout). Elsewhere the default layout."""
     if device.type == "cpu" and ndim == 3:
         return torch.channels_last_3d
@@ -121,7 +121,7 @@ def sliding_window_probabilities(
 ) -> torch.Tensor:
     """Softmax (sigmoid: one independent probability per channel, region-based training) of
     the fold-averaged logits (N, K, *spatial) for images (N, C, *spatial); the networks run
-    under autocast to `autocast_dtype` (trainer.precision), else float32."""
+    under autocast to `autocast_dtype` (trainer.network.precision), else float32."""
     images, crop = _pad_to_patch(images, patch)
     windows = _windows(tuple(images.shape[2:]), patch, step_size)
     weights = gaussian_importance(patch, images.device)

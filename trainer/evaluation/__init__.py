@@ -1,0 +1,1 @@
+"""Scoring predictions: nnui-evaluate, nnui-ensemble, nnui-find-best-configuration."""

@@ -1,0 +1,331 @@
+"""Plain convolutional U-Net for 2d and 3d (the nnU-Net v2 default architecture family).
+
+Per stage: (conv -> instance norm (affine) -> LeakyReLU 0.01) x n; the first conv of an
+encoder stage carries the stride (downsampling). Decoder: transposed conv (kernel = stride)
+upsampling, concatenation with the skip, convs, and a 1x1 segmentation head per decoder
+stage for deep supervision. Outputs are ordered highest resolution first.
+
+Memory: autograd would keep two full-size tensors per conv block (the conv output for the
+norm's backward, the activation for the next conv's backward) plus every decoder concat.
+With `recompute_norm` (nnui-train's default on CPU) the training forward is cut at the
+conv outputs instead: each piece is norm -> activation -> conv, run under selective
+checkpointing that keeps the conv's output and recomputes the cheap norm and activation
+during backward. One tensor per block is kept and no concat: less than half the
+activation memory, the same math (gradients equal up to float rounding), 6-11 % more
+time on CPU (bench/RESULTS.md). Evaluation and recompute_norm=False run the plain forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from trainer.network.norm import InstanceNorm3d, instance_norm_on_base
+
+_CONV = {2: nn.Conv2d, 3: nn.Conv3d}
+_TRANSP = {2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
+_NORM = {2: nn.InstanceNorm2d, 3: InstanceNorm3d}  # 3d: a channels_last inference path
+
+
+def _as_tuple(value: int | Sequence[int], ndim: int) -> tuple[int, ...]:
+    return (value,) * ndim if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+NEGATIVE_SLOPE = 0.01
+
+
+class ConvBlock(nn.Sequential):
+    def __init__(
+        self, ndim: int, in_ch: int, out_ch: int, kernel: Sequence[int], stride: Sequence[int]
+    ):
+        padding = tuple(k // 2 for k in kernel)
+        super().__init__(
+            _CONV[ndim](in_ch, out_ch, tuple(kernel), tuple(stride), padding, bias=True),
+            _NORM[ndim](out_ch, eps=1e-5, affine=True),
+            nn.LeakyReLU(NEGATIVE_SLOPE, inplace=True),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm_act(self.conv(x))
+
+    def conv(self, x: torch.Tensor) -> torch.Tensor:
+        return self[0](x)
+
+    def norm_act(self, z: torch.Tensor) -> torch.Tensor:
+        """Norm and activation of this block's conv output z (z itself is left intact).
+        In place saves a full-size buffer; torch.compile wants checkpointed regions
+        without in-place ops."""
+        inplace = not torch.compiler.is_compiling()
+        norm = self[1]
+        plain = not isinstance(norm, nn.modules.instancenorm._InstanceNorm)
+        if plain or norm.track_running_stats or not torch.is_grad_enabled():
+            # GroupNorm and the like; and inference, where no autograd is there to wrap and
+            # the norm module keeps a channels_last input in its layout (trainer.network.norm).
+            return F.leaky_relu(norm(z), NEGATIVE_SLOPE, inplace=inplace)
+        return instance_norm_on_base(
+            norm, z, lambda t: F.leaky_relu(t, NEGATIVE_SLOPE, inplace=inplace)
+        )
+
+
+def _selective(keep: int | None) -> Callable[[], tuple]:
+    """Checkpoint contexts that keep the output of a piece's keep-th conv (1-based; None:
+    none) and recompute every other op in backward."""
+
+    def contexts() -> tuple:
+        calls = {False: 0, True: 0}  # forward and recompute count their convs apart
+
+        def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+            if op is torch.ops.aten.convolution.default:
+                calls[ctx.is_recompute] += 1
+                if calls[ctx.is_recompute] == keep:
+                    return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return contexts
+
+
+_KEEP_FIRST, _KEEP_SECOND, _KEEP_NONE = _selective(1), _selective(2), _selective(None)
+
+
+def _stage(
+    ndim: int, in_ch: int, out_ch: int, kernel: Sequence[int], stride: Sequence[int], n: int
+) -> nn.Sequential:
+    blocks = [ConvBlock(ndim, in_ch, out_ch, kernel, stride)]
+    blocks += [ConvBlock(ndim, out_ch, out_ch, kernel, (1,) * ndim) for _ in range(n - 1)]
+    return nn.Sequential(*blocks)
+
+
+def _check_unet_arguments(
+    ndim: int,
+    features_per_stage: Sequence[int],
+    kernel_sizes: Sequence,
+    strides: Sequence,
+    n_conv_per_stage_encoder: Sequence[int],
+    n_conv_per_stage_decoder: Sequence[int],
+) -> None:
+    if ndim not in (2, 3):
+        raise ValueError(f"ndim must be 2 or 3, got {ndim}")
+    num_stages = len(features_per_stage)
+    if not (len(kernel_sizes) == len(strides) == len(n_conv_per_stage_encoder) == num_stages):
+        raise ValueError(
+            "kernel_sizes, strides and n_conv_per_stage_encoder need one entry per stage"
+        )
+    if len(n_conv_per_stage_decoder) != num_stages - 1:
+        raise ValueError("n_conv_per_stage_decoder needs num_stages - 1 entries")
+
+
+def _encoder(
+    ndim: int,
+    in_channels: int,
+    features_per_stage: Sequence[int],
+    kernels: list[tuple[int, ...]],
+    strides: list[tuple[int, ...]],
+    n_conv_per_stage: Sequence[int],
+) -> nn.ModuleList:
+    encoder = nn.ModuleList()
+    channels = in_channels
+    for s, features in enumerate(features_per_stage):
+        encoder.append(
+            _stage(ndim, channels, features, kernels[s], strides[s], n_conv_per_stage[s])
+        )
+        channels = features
+    return encoder
+
+
+def _decoder(
+    ndim: int,
+    num_classes: int,
+    features_per_stage: Sequence[int],
+    kernels: list[tuple[int, ...]],
+    strides: list[tuple[int, ...]],
+    n_conv_per_stage: Sequence[int],
+) -> tuple[nn.ModuleList, nn.ModuleList, nn.ModuleList]:
+    """(upsample, decoder, heads). Built interleaved per level, in this order, because
+    module construction draws from the global RNG: same seed, same initial weights."""
+    upsample, decoder, heads = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
+    num_stages = len(features_per_stage)
+    # Decoder index d refines to the resolution of encoder stage num_stages - 2 - d.
+    for d in range(num_stages - 1):
+        skip = num_stages - 2 - d
+        below, features = features_per_stage[skip + 1], features_per_stage[skip]
+        up_stride = strides[skip + 1]
+        upsample.append(_TRANSP[ndim](below, features, up_stride, up_stride, bias=True))
+        decoder.append(
+            _stage(ndim, 2 * features, features, kernels[skip], (1,) * ndim, n_conv_per_stage[skip])
+        )
+        heads.append(_CONV[ndim](features, num_classes, 1, 1, 0, bias=True))
+    return upsample, decoder, heads
+
+
+class PlainConvUNet(nn.Module):
+    def __init__(
+        self,
+        in_channels: int,
+        num_classes: int,
+        features_per_stage: Sequence[int],
+        kernel_sizes: Sequence[Sequence[int] | int],
+        strides: Sequence[Sequence[int] | int],
+        n_conv_per_stage_encoder: Sequence[int],
+        n_conv_per_stage_decoder: Sequence[int],
+        ndim: int,
+        deep_supervision: bool = True,
+        recompute_norm: bool = True,
+    ) -> None:
+        super().__init__()
+        _check_unet_arguments(
+            ndim,
+            features_per_stage,
+            kernel_sizes,
+            strides,
+            n_conv_per_stage_encoder,
+            n_conv_per_stage_decoder,
+        )
+        kernels = [_as_tuple(k, ndim) for k in kernel_sizes]
+        stride_list = [_as_tuple(s, ndim) for s in strides]
+        self.deep_supervision = deep_supervision
+        self.recompute_norm = recompute_norm
+        self.encoder = _encoder(
+            ndim, in_channels, features_per_stage, kernels, stride_list, n_conv_per_stage_encoder
+        )
+        self.upsample, self.decoder, self.heads = _decoder(
+            ndim, num_classes, features_per_stage, kernels, stride_list, n_conv_per_stage_decoder
+        )
+        self.apply(_init_weights)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor] | torch.Tensor:
+        if self.recompute_norm and torch.is_grad_enabled():
+            outputs = self._recomputing_forward(x)
+        else:
+            outputs = self._plain_forward(x)
+        outputs.reverse()  # highest resolution first
+        return outputs if self.deep_supervision else outputs[0]
+
+    def _plain_forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        skips = []
+        for stage in self.encoder:
+            x = stage(x)
+            skips.append(x)
+        x = skips.pop()
+        outputs = []
+        for d, (up, stage) in enumerate(zip(self.upsample, self.decoder, strict=True)):
+            x = stage(torch.cat((up(x), skips[-1 - d]), dim=1))
+            if self.deep_supervision or d == len(self.decoder) - 1:
+                outputs.append(self.heads[d](x))
+        return outputs
+
+    @staticmethod
+    def _piece(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, keep=_KEEP_FIRST):
+        return checkpoint(fn, *inputs, use_reentrant=False, context_fn=keep)
+
+    def _recomputing_forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The same network as a chain of kept conv outputs z: each piece applies the norm
+        and activation of the block that produced its input, then a conv. Two pieces also
+        recompute cheap convs at full resolution, where the backward peak is: the first
+        conv (one input channel), and the top decoder's upsampling and concat conv, the
+        latter split into its two halves so that neither the concat nor its gradient ever
+        exists."""
+        blocks = [block for stage in self.encoder for block in stage]
+        stage_ends = {
+            sum(len(st) for st in self.encoder[: s + 1]) - 1 for s in range(len(self.encoder))
+        }
+        merged_first = len(self.encoder[0]) >= 2  # else z of block 0 is a skip and is kept
+        skips: list[tuple[ConvBlock, torch.Tensor]] = []
+        z, owner = x, None  # owner: the block whose conv produced z
+        for i, block in enumerate(blocks):
+            if owner is None:
+                if not merged_first:
+                    z = block.conv(z)
+            elif i == 1 and merged_first:
+                z = self._piece(lambda t, o=owner, b=block: b.conv(o.norm_act(o.conv(t))), z,
+                                keep=_KEEP_SECOND)  # fmt: skip
+            else:
+                z = self._piece(lambda t, o=owner, b=block: b.conv(o.norm_act(t)), z)
+            owner = block
+            if i in stage_ends:
+                skips.append((owner, z))
+        skips.pop()
+        outputs = []
+        top = len(self.decoder) - 1
+        for d, (up, stage) in enumerate(zip(self.upsample, self.decoder, strict=True)):
+            skip_owner, skip_z = skips[-1 - d]
+            first = stage[0]
+            if d == top:
+
+                def merge(t, s, o=owner, u=up, so=skip_owner, conv=first[0]):
+                    low = u(o.norm_act(t))
+                    c = low.shape[1]
+                    part = conv._conv_forward(low, conv.weight[:, :c], None)
+                    return part + conv._conv_forward(so.norm_act(s), conv.weight[:, c:], conv.bias)
+
+                z = self._piece(merge, z, skip_z, keep=_KEEP_NONE)
+            else:
+                z = self._piece(lambda t, o=owner, u=up: u(o.norm_act(t)), z)
+                z = self._piece(
+                    lambda t, s, so=skip_owner, b=first: b.conv(torch.cat((t, so.norm_act(s)), 1)),
+                    z, skip_z,
+                )  # fmt: skip
+            owner = first
+            for block in list(stage)[1:]:
+                z = self._piece(lambda t, o=owner, b=block: b.conv(o.norm_act(t)), z)
+                owner = block
+            if self.deep_supervision or d == top:
+                outputs.append(self._piece(lambda t, o=owner, h=self.heads[d]: h(o.norm_act(t)), z))
+        return outputs
+
+
+def _init_weights(module: nn.Module) -> None:
+    # He initialisation for LeakyReLU(0.01), zero biases.
+    if isinstance(module, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+        nn.init.kaiming_normal_(module.weight, a=1e-2)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+def build_network(
+    network_plan: object,
+    in_channels: int,
+    num_classes: int,
+    ndim: int,
+    deep_supervision: bool = True,
+    recompute_norm: bool = True,
+) -> nn.Module:
+    """From a NetworkPlan (features_per_stage, kernel_sizes, strides, n_conv_*): the plain
+    U-Net, or the residual-encoder one of the ResEnc presets (trainer.network.resenc)."""
+    from trainer.planning.plans import RESIDUAL_ENCODER
+
+    if getattr(network_plan, "architecture", None) == RESIDUAL_ENCODER:
+        from trainer.network.resenc import ResidualEncoderUNet
+
+        return ResidualEncoderUNet(
+            in_channels=in_channels,
+            num_classes=num_classes,
+            features_per_stage=list(network_plan.features_per_stage),
+            kernel_sizes=list(network_plan.kernel_sizes),
+            strides=list(network_plan.strides),
+            n_blocks_per_stage=list(network_plan.n_conv_per_stage_encoder),
+            n_conv_per_stage_decoder=list(network_plan.n_conv_per_stage_decoder),
+            ndim=ndim,
+            deep_supervision=deep_supervision,
+        )
+    return PlainConvUNet(
+        in_channels=in_channels,
+        num_classes=num_classes,
+        features_per_stage=list(network_plan.features_per_stage),
+        kernel_sizes=list(network_plan.kernel_sizes),
+        strides=list(network_plan.strides),
+        n_conv_per_stage_encoder=list(network_plan.n_conv_per_stage_encoder),
+        n_conv_per_stage_decoder=list(network_plan.n_conv_per_stage_decoder),
+        ndim=ndim,
+        deep_supervision=deep_supervision,
+        recompute_norm=recompute_norm,
+    )
