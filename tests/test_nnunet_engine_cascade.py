@@ -179,3 +179,25 @@ def test_an_nnunet_cascade_fold_waits_for_the_lowres_folds_then_runs(env: dict) 
     assert row["exit_code"] == 0 and row["waiting_reason"] is None
     assert status(env)[lowres_1]["state"] == "finished"
     assert any((results / CASCADE_FOLD).glob("training_log_*.txt"))
+
+
+@needs_nnunet
+def test_a_cascade_fold_stopped_while_waiting_resumes_waiting(env: dict) -> None:
+    launched = nnui(env, "launch", "901", "3d_cascade_fullres", "--folds", "0", "--cpu",
+                    "--engine", "nnunet", "--after-lowres", "--", "--epochs", "1")  # fmt: skip
+    (job_id,) = launched_ids(launched)
+    waiting = "inputs: 3d_lowres fold(s) 0, 1 not done"
+    assert wait_until(lambda: status(env)[job_id]["waiting_reason"] == waiting)
+    stop = nnui(env, "stop", job_id, "--yes")
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert wait_until(lambda: status(env)[job_id]["state"] == "stopped")
+
+    resumed = nnui(env, "resume", job_id)
+    (new_id,) = launched_ids(resumed)
+    assert wait_until(lambda: status(env)[new_id]["waiting_reason"] == waiting)
+    inputs = Path(env["nnUNet_results"]) / INPUTS
+    inputs.mkdir(parents=True)
+    for case in CASES:
+        (inputs / f"{case}.b2nd").write_bytes(b"")
+    assert wait_until(lambda: status(env)[new_id]["state"] == "finished")
+    assert status(env)[new_id]["exit_code"] == 0
