@@ -201,3 +201,25 @@ def test_a_cascade_fold_stopped_while_waiting_resumes_waiting(env: dict) -> None
         (inputs / f"{case}.b2nd").write_bytes(b"")
     assert wait_until(lambda: status(env)[new_id]["state"] == "finished")
     assert status(env)[new_id]["exit_code"] == 0
+
+
+def test_nnuis_own_cascade_waits_before_its_splits_exist_too(tmp_path: Path) -> None:
+    """nnui's trainer also writes splits_final.json when its first fold starts."""
+    dataset = tmp_path / "pre" / DATASET
+    data = dataset / "nnuiPlans_3d_fullres"
+    data.mkdir(parents=True)
+    for case in CASES:
+        for name in (f"{case}.b2nd", f"{case}_seg.b2nd", f"{case}.json"):
+            (data / name).write_bytes(b"")
+    plans = {
+        "configurations": {
+            "3d_fullres": {"data_identifier": "nnuiPlans_3d_fullres"},
+            "3d_cascade_fullres": {"inherits_from": "3d_fullres", "previous_stage": "3d_lowres"},
+        }
+    }
+    (dataset / "nnuiPlans.json").write_text(json.dumps(plans))
+    fold = tmp_path / "res" / DATASET / "nnuiTrainer__nnuiPlans__3d_cascade_fullres" / "fold_0"
+    stage, folds, folder = missing_at(fold, tmp_path / "pre", "0", "nnui")
+    assert (stage, folds) == ("3d_lowres", [0, 1, 2])
+    lowres = fold.parents[1] / "nnuiTrainer__nnuiPlans__3d_lowres"
+    assert folder == lowres / "predicted_next_stage" / "3d_cascade_fullres"
