@@ -1,11 +1,14 @@
 """`python -m trainer.nnunet_engine DATASET CONFIGURATION FOLD [nnUNetv2_train flags] [nnui flags]`
 
 How nnui starts the real nnU-Net (DESIGN §4): exactly nnU-Net's own `nnUNetv2_train`
-entry with the arguments it is given, after three things nnU-Net's console script cannot do:
+entry with the arguments it is given, after four things nnU-Net's console script cannot do:
 - SIGUSR1 is caught from the first instruction (a stop during start-up is kept, not fatal);
 - nnui's schedule flags (`--epochs`, `--iterations-per-epoch`, `--val-iterations`,
   `--save-every`, which nnUNetv2_train does not know) become the environment the extension
   trainer reads, and trainer/nnunet_ext is put on `nnUNet_extTrainer`;
+- a cascade fold (3d_cascade_fullres) whose previous stage's segmentations are missing is
+  refused in one line naming the lowres folds to train first (nnU-Net itself would start
+  and die in a data-loading worker with a traceback);
 - nnU-Net's `-tr` search imports its Primus trainers (timm -> torchvision): a torchvision
   built for CUDA does not import beside a CPU torch, which would end every search for a
   trainer outside nnU-Net's top-level module. Then torchvision is imported without its
@@ -16,10 +19,16 @@ from trainer import stop
 
 stop.install_at_start()  # before anything slow
 
+import argparse  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from trainer.schema import NNUNET_EXT_ENV, with_nnunet_ext_dir  # noqa: E402
+from trainer.schema import (  # noqa: E402
+    NNUNET_EXT_ENV,
+    NNUNET_WRAP_SUFFIX,
+    ROOT_ENVS,
+    with_nnunet_ext_dir,
+)
 
 SCHEDULE_FLAGS = {
     "--epochs": "NNUI_EPOCHS",
@@ -51,6 +60,84 @@ def split_schedule_flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return rest, env
 
 
+class _QuietParser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(message)  # no usage text: nnU-Net's own parser prints its own
+
+
+def _cascade_fold(rest: list[str]) -> tuple | None:
+    """(dataset folder, plans name, configuration block, configuration, fold, trainer
+    folder name) of a cascade fold of nnUNetv2_train's arguments; None for anything else
+    or what nnU-Net refuses itself."""
+    import json
+    from pathlib import Path
+
+    from trainer.plans import resolve_inheritance
+    from trainer.schema import DatasetNotFound, find_dataset
+
+    parser = _QuietParser(add_help=False)
+    for name in ("dataset", "configuration", "fold"):
+        parser.add_argument(name)
+    parser.add_argument("-tr")
+    parser.add_argument("-p")
+    try:
+        args, _ = parser.parse_known_args(rest)
+    except UsageError:
+        return None  # nnU-Net's own parser says what is wrong
+    preprocessed = os.environ.get(ROOT_ENVS["preprocessed"])
+    if not preprocessed or not os.environ.get(ROOT_ENVS["results"]):
+        return None
+    plans_name = args.p or "nnUNetPlans"
+    try:
+        dataset_dir = Path(preprocessed) / find_dataset(Path(preprocessed), args.dataset)
+        plans = json.loads((dataset_dir / f"{plans_name}.json").read_text())
+        block = resolve_inheritance(plans["configurations"])[args.configuration]
+    except (DatasetNotFound, OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not isinstance(block, dict) or not block.get("previous_stage"):
+        return None
+    trainer = (args.tr or "nnUNetTrainer").removesuffix(NNUNET_WRAP_SUFFIX)
+    return dataset_dir, plans_name, block, args.configuration, args.fold, trainer
+
+
+def cascade_problem(rest: list[str]) -> str | None:
+    """One line when these arguments train a cascade fold whose previous stage has not
+    written the segmentations of the fold's cases (nnU-Net reads them from
+    results/D/<tr>__<p>__<previous stage>/predicted_next_stage/<configuration>/); None
+    otherwise, also when the arguments are wrong in a way nnU-Net reports itself."""
+    found = _cascade_fold(rest)
+    if found is None:
+        return None
+    dataset_dir, plans_name, block, configuration, fold, trainer = found
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from trainer.cascade import NEXT_STAGE_DIR, CascadeError, check_inputs
+    from trainer.splits import SplitsError, fold_cases, load_or_create_splits
+
+    data_dir = dataset_dir / str(block.get("data_identifier", ""))
+    try:
+        names = os.listdir(data_dir)
+    except OSError:
+        return None  # not preprocessed: nnU-Net says so
+    stems = {n.rsplit(".", 1)[0] for n in names if n.endswith((".b2nd", ".npz"))}
+    case_ids = sorted(c for c in stems if not c.endswith("_seg"))
+    try:  # nnU-Net's own folds (an absent splits file: the ones it will write)
+        splits = load_or_create_splits(dataset_dir, case_ids, write=False)
+        train, val = fold_cases(splits, fold, case_ids)
+    except (SplitsError, ValueError):
+        return None
+    stage = str(block["previous_stage"])
+    folder = Path(os.environ[ROOT_ENVS["results"]]) / dataset_dir.name
+    folder = folder / f"{trainer}__{plans_name}__{stage}" / NEXT_STAGE_DIR / configuration
+    cplan = SimpleNamespace(name=configuration, previous_stage=stage)
+    try:
+        check_inputs(folder, sorted({*train, *val}), splits, cplan, (".b2nd", ".npz", ".npy"))
+    except CascadeError as error:
+        return str(error)
+    return None
+
+
 def let_trainer_search_pass() -> None:
     try:
         import torchvision
@@ -79,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         rest, env = split_schedule_flags(list(sys.argv[1:] if argv is None else argv))
     except UsageError as error:
         sys.stderr.write(f"error: {error}\n")
+        return 2
+    problem = cascade_problem(rest)
+    if problem is not None:
+        sys.stderr.write(f"error: {problem}\n")
         return 2
     os.environ.update(env)
     os.environ[NNUNET_EXT_ENV] = with_nnunet_ext_dir(os.environ.get(NNUNET_EXT_ENV))

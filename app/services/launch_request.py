@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from app.services import claims, engines, flag_check
+from app.services import claims, engines, flag_check, stage_inputs
 from app.services.busy_gpus import occupied_note
 from app.services.claims import ClaimRefused
 from app.services.cpu_slots import cpu_slots, oversubscription_note, queue_note
@@ -372,11 +372,14 @@ def _gpu_checks(request: LaunchRequest, snapshot: MachineSnapshot, checks: Launc
 
 
 def running_cpu_jobs(registry: Registry | None) -> list[Job]:
-    """The live real-CPU trainings of this user (any dataset): they hold CPU slots."""
+    """The live real-CPU trainings of this user (any dataset): they hold CPU slots. A
+    cascade fold still waiting for its previous stage's folds holds none: queued behind
+    it, those folds would never start (it waits for them)."""
     return [
         j
         for j in (registry.list() if registry else [])
         if j.device == "cpu" and not j.simulated and j.kind == TRAIN and j.exit_code is None
+        and not (j.after_previous_stage and j.process("trainer") is None)
         and job_alive(j, proc_info)
     ]  # fmt: skip
 
@@ -484,6 +487,21 @@ def _fold_checks(
             checks.errors.append(problem)
         if resumable:
             checks.resumable_folds.append(fold)
+        if not request.schedule.after_previous_stage:
+            _cascade_check(request, folder, roots, fold, checks)
+
+
+def _cascade_check(
+    request: LaunchRequest, folder: Path, roots: Roots, fold: str, checks: LaunchChecks
+) -> None:
+    """A cascade fold started now needs its previous stage's segmentations already: one
+    line naming the folds that have not written them (--after-lowres waits for them)."""
+    stage, folds, inputs = stage_inputs.missing_at(folder, roots.preprocessed, fold,
+                                                   request.engine)  # fmt: skip
+    if stage and folds and inputs is not None:
+        checks.errors.append(
+            stage_inputs.refusal(request.configuration, fold, stage, folds, inputs)
+        )
 
 
 def _pid_alive(pid: int) -> bool:

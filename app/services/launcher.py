@@ -87,6 +87,8 @@ __all__ = [  # the request side lives in launch_request.py; re-exported as launc
 _started: list[subprocess.Popen[bytes]] = []
 # Test hook: run this script instead of `-m trainer` (the fake trainer in tests/).
 TRAINER_SCRIPT_ENV = "NNUI_TRAINER_SCRIPT"
+# Test hook: run this script instead of `-m trainer.nnunet_engine` (tests/fake_nnunet).
+NNUNET_SCRIPT_ENV = "NNUI_NNUNET_SCRIPT"
 # Test hook: run this script instead of `-m torch.distributed.run` (a torchrun that records
 # the signals it receives; it must stay the launcher process, so it runs torchrun in-process).
 TORCHRUN_SCRIPT_ENV = "NNUI_TORCHRUN_SCRIPT"
@@ -214,7 +216,8 @@ def _argv(
     if who.engine.name == NNUNET:  # nnU-Net's own names for the identifiers, ours forced
         args += ["-tr", who.trainer, "-p", who.plans]
         user_args = without_flags(user_args, ("-tr", "-p"))
-        entry = list(request.trainer_entry) or list(who.engine.entry)
+        script = os.environ.get(NNUNET_SCRIPT_ENV)
+        entry = list(request.trainer_entry) or ([script] if script else list(who.engine.entry))
     args += ["-device", device, *user_args]
     if request.continue_training and "--c" not in args:
         args.append("--c")

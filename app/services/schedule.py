@@ -68,9 +68,12 @@ class Schedule:
 
 
 def resumed_schedule(job: Any) -> Schedule:
-    """A resume keeps the job's retries and hook; it runs on the job's own GPUs at once."""
+    """A resume keeps the job's retries and hook; it runs on the job's own GPUs at once. A
+    cascade fold still waits for its previous stage's inputs (none missing: no wait), so a
+    fold stopped while it waited for them is resumed the same way."""
     return Schedule(
         retries=job.retries, on_event=tuple(job.on_event),
         stall_action=getattr(job, "stall_action", "none"),
         stall_min_s=getattr(job, "stall_min_s", None),
+        after_previous_stage=bool(getattr(job, "after_previous_stage", False)),
     )  # fmt: skip

@@ -63,9 +63,13 @@ def previous_stage_folder(run_dir: Path, cplan: Any) -> Path:
     return lowres / NEXT_STAGE_DIR / cplan.name
 
 
-def check_inputs(folder: Path, case_ids: list[str], splits: list[dict], cplan: Any) -> None:
-    """CascadeError naming the previous stage's folds whose validation cases are missing."""
-    missing = [c for c in case_ids if not (folder / f"{c}.b2nd").is_file()]
+def check_inputs(
+    folder: Path, case_ids: list[str], splits: list[dict], cplan: Any,
+    suffixes: tuple[str, ...] = (".b2nd",),
+) -> None:  # fmt: skip
+    """CascadeError naming the previous stage's folds whose validation cases are missing
+    (a case is there as CASE<suffix>; stock nnU-Net's numpy dataset writes .npz)."""
+    missing = [c for c in case_ids if not any((folder / f"{c}{s}").is_file() for s in suffixes)]
     if not missing:
         return
     folds = sorted({i for i, s in enumerate(splits) for c in missing if c in s.get("val", ())})

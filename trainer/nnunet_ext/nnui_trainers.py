@@ -131,18 +131,8 @@ class NnuiHooks:
         ]
 
     def _nnui_class_names(self) -> list[str]:
-        """dataset.json's names of what the pseudo Dice is per: nnU-Net's foreground labels
-        (sorted values) or its regions (in dataset.json's order), for the board's curves."""
-        try:
-            labels = self.dataset_json["labels"]
-            ignore = self.label_manager.ignore_label
-            if self.label_manager.has_regions:
-                return [str(name) for name, value in labels.items()
-                        if isinstance(value, (list, tuple))]  # fmt: skip
-            by_value = {int(v): str(k) for k, v in labels.items() if not isinstance(v, list)}
-            return [by_value[v] for v in sorted(by_value) if v != 0 and v != ignore]
-        except (AttributeError, KeyError, TypeError, ValueError):
-            return []
+        """dataset.json's names of the pseudo-Dice entries, for the board's curves."""
+        return [name for name, _ in trainer_classes(self)]
 
     # ---- nnU-Net's hooks --------------------------------------------------------------------
 
@@ -239,7 +229,9 @@ class NnuiHooks:
         except BaseException as error:
             recorder.failed(f"{type(error).__name__}: {error}", traceback.format_exc())
             raise
-        summary = _read_summary(join(self.output_folder, "validation", "summary.json"))
+        summary = _read_summary(
+            join(self.output_folder, "validation", "summary.json"), trainer_classes(self)
+        )
         if summary is not None:
             recorder.event(Kind.VALIDATION_FINISHED, **summary)
         recorder.event(Kind.FINISHED, epoch=self.current_epoch - 1)
@@ -264,18 +256,56 @@ class NnuiHooks:
         sys.exit(0)  # skips nnU-Net's final validation; a spawned rank exits 0 too
 
 
-def _read_summary(path: str) -> dict | None:
-    """validation_finished's fields from nnU-Net's summary.json (None when unreadable)."""
+def classes(labels: dict, has_regions: bool, ignore: int | None) -> list[tuple[str, str]]:
+    """(dataset.json name, nnU-Net's summary.json key) of what nnU-Net's pseudo Dice and
+    validation are per, in nnU-Net's order: its regions in dataset.json's order (every entry
+    but `ignore` and background; a single value is a region too: BraTS's "enhancing": 3),
+    else its foreground labels by value (the ignore label left out)."""
+    out: list[tuple[str, str]] = []
+    if has_regions:
+        for name, value in labels.items():
+            if name == "ignore":
+                continue
+            listed = isinstance(value, (list, tuple))
+            region = tuple(int(v) for v in value) if listed else int(value)
+            if region == 0 or (listed and set(region) == {0}):
+                continue
+            out.append((str(name), str(region)))  # str(): nnU-Net's label_or_region_to_key
+        return out
+    by_value: dict[int, str] = {}
+    for name, value in labels.items():
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            by_value.setdefault(int(v), str(name))
+    return [(by_value[v], str(v)) for v in sorted(by_value) if v != 0 and v != ignore]
+
+
+def trainer_classes(trainer) -> list[tuple[str, str]]:
+    """classes() of an nnU-Net trainer (its dataset.json and label manager); [] unreadable."""
+    try:
+        manager = trainer.label_manager
+        labels = trainer.dataset_json["labels"]
+        return classes(labels, manager.has_regions, manager.ignore_label)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return []
+
+
+def _read_summary(path: str, named: list[tuple[str, str]]) -> dict | None:
+    """validation_finished's fields from nnU-Net's summary.json (None when unreadable), in
+    the order of `named` (the file sorts its keys as text: "10" before "2"), with names."""
     try:
         with open(path) as handle:
             summary = json.load(handle)
         per_class = summary["mean"]
-        labels = sorted(per_class, key=lambda k: int(k) if str(k).isdigit() else str(k))
-        return {
-            "dice_per_class": [_finite(per_class[k].get("Dice")) for k in labels],
+        fields: dict = {
             "mean_fg_dice": _finite(summary["foreground_mean"]["Dice"]),
             "num_cases": len(summary.get("metric_per_case", [])),
         }
+        if named and all(key in per_class for _, key in named):
+            fields["dice_per_class"] = [_finite(per_class[key].get("Dice")) for _, key in named]
+            fields["class_names"] = [name for name, _ in named]
+        else:  # names unknown: the file's entries as they come
+            fields["dice_per_class"] = [_finite(v.get("Dice")) for v in per_class.values()]
+        return fields
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
