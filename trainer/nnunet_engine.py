@@ -72,7 +72,7 @@ def _cascade_fold(rest: list[str]) -> tuple | None:
     import json
     from pathlib import Path
 
-    from trainer.plans import resolve_inheritance
+    from trainer.planning.plans import resolve_inheritance
     from trainer.schema import DatasetNotFound, find_dataset
 
     parser = _QuietParser(add_help=False)
@@ -112,8 +112,8 @@ def cascade_problem(rest: list[str]) -> str | None:
     from pathlib import Path
     from types import SimpleNamespace
 
-    from trainer.cascade import NEXT_STAGE_DIR, CascadeError, check_inputs
-    from trainer.splits import SplitsError, fold_cases, load_or_create_splits
+    from trainer.data.cascade import NEXT_STAGE_DIR, CascadeError, check_inputs
+    from trainer.planning.splits import SplitsError, fold_cases, load_or_create_splits
 
     data_dir = dataset_dir / str(block.get("data_identifier", ""))
     try:

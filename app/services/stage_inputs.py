@@ -1,7 +1,7 @@
 """A cascade fold's inputs (`nnui launch ... 3d_cascade_fullres --after-lowres`): which folds
 of the previous stage (3d_lowres) still have to write their validation cases before the
 fold can start. The job's supervisor waits on it and `nnui launch` refuses a cascade fold
-without it; stdlib only (the trainers' twins: trainer.cascade.check_inputs for nnui's,
+without it; stdlib only (the trainers' twins: trainer.data.cascade.check_inputs for nnui's,
 trainer.nnunet_engine for nnU-Net's, each refusing a fold started too early).
 
 Layout, as nnU-Net's: results/D/T__P__3d_lowres/predicted_next_stage/3d_cascade_fullres/
@@ -24,8 +24,8 @@ from app.services.engines import ENGINES, NNUI
 from app.services.engines import engine as engine_named
 from trainer.schema import ROOT_ENVS
 
-NEXT_STAGE_DIR = "predicted_next_stage"  # trainer.cascade.NEXT_STAGE_DIR (numpy-free here)
-NUM_FOLDS = 5  # nnU-Net's default cross-validation (trainer.splits.NUM_FOLDS)
+NEXT_STAGE_DIR = "predicted_next_stage"  # trainer.data.cascade.NEXT_STAGE_DIR (numpy-free here)
+NUM_FOLDS = 5  # nnU-Net's default cross-validation (trainer.planning.splits.NUM_FOLDS)
 # What a lowres fold writes per case: nnui's and nnU-Net's blosc2 file, nnU-Net's numpy one.
 SUFFIXES = {"nnui": (".b2nd",), "nnunet": (".b2nd", ".npz", ".npy")}
 _DATA_SUFFIXES = (".b2nd", ".npz")  # a preprocessed case's data file (not its _seg)
