@@ -431,11 +431,11 @@ def _full_disk_after(num_bytes: int):
 def test_full_disk_removes_the_partial_file_and_keeps_the_older_checkpoint(
     tmp_path: Path, monkeypatch
 ) -> None:
-    from trainer import run_folder
+    from trainer import schema
 
     latest = write(tmp_path, "latest", 2)
     before = latest.read_bytes()
-    monkeypatch.setattr(run_folder, "_write_all", _full_disk_after(1000))
+    monkeypatch.setattr(schema, "_write_all", _full_disk_after(1000))
     with pytest.raises(checkpoint.CheckpointWriteError) as raised:
         write(tmp_path, "latest", 3)
     message = str(raised.value)

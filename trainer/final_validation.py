@@ -192,13 +192,14 @@ class Collector:
     def add(self, case_id: str, prediction: Any) -> None:
         from trainer.data.image_io import read_image
         from trainer.evaluate_folder import case_metrics
-        from trainer.inference.export import probabilities_bytes, write_atomic, write_prediction
+        from trainer.inference.export import probabilities_bytes, write_prediction
+        from trainer.schema import atomic_write_bytes
 
         target = self.target
         if target.raw_dataset is None:  # scored where it was predicted; probabilities only
             if prediction.probabilities is not None:
                 path = target.output_dir / f"{case_id}.npz"
-                write_atomic(path, probabilities_bytes(prediction.probabilities))
+                atomic_write_bytes(path, probabilities_bytes(prediction.probabilities))
             return
         assert target.ending is not None
         write_prediction(target.output_dir, case_id, prediction, target.image(case_id),

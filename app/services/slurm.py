@@ -44,6 +44,7 @@ from trainer.schema import (
     NNUNET_EXT_DIR,
     NNUNET_EXT_ENV,
     ROOT_ENVS,
+    atomic_write_text,
     find_dataset,
     resolve_roots,
     with_close_flag,
@@ -402,13 +403,7 @@ def write_script(spec: JobSpec) -> Path:
     text = render_script(spec)
     spec.output_dir.mkdir(parents=True, exist_ok=True)
     path = spec.output_dir / f"{spec.job_name}.sbatch"
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        tmp.chmod(0o755)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_text(path, text, mode=0o755)
     return path
 
 

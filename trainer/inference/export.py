@@ -17,7 +17,6 @@ it cost up to 0.07 lesion Dice per fold (bench/RESULTS.md, "the export to the ra
 from __future__ import annotations
 
 import io
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,16 +115,6 @@ def _as_numpy(array: Any) -> np.ndarray:
     return np.asarray(array, dtype=np.float32)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """atomic_write_bytes, and its tmp file removed when the write fails half-way."""
-    path = Path(path)
-    try:
-        atomic_write_bytes(path, data)
-    except BaseException:
-        path.with_name(f".{path.name}.{os.getpid()}.tmp").unlink(missing_ok=True)
-        raise
-
-
 def probabilities_bytes(probabilities: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.savez_compressed(buffer, **{PROBABILITIES_KEY: probabilities.astype(np.float32)})
@@ -142,10 +131,10 @@ def write_prediction(
     written = []
     if prediction.probabilities is not None:
         npz = Path(out_dir) / f"{case_id}.npz"
-        write_atomic(npz, probabilities_bytes(prediction.probabilities))
+        atomic_write_bytes(npz, probabilities_bytes(prediction.probabilities))
         written.append(npz)
     seg_path = Path(out_dir) / f"{case_id}{ending}"
     for path, data in encode_like(prediction.segmentation, reference, seg_path):
-        write_atomic(path, data)
+        atomic_write_bytes(path, data)
         written.append(path)
     return written
