@@ -35,6 +35,7 @@ from trainer.schema import (
     ENDED_STATES,
     DatasetNotFound,
     Roots,
+    State,
     find_dataset,
     resolve_roots,
 )
@@ -285,7 +286,7 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
             lines.append(f"  {v.job.job_id}: final validation Dice {v.final_dice:.3f}")
         for alert in v.alerts:
             lines.append(f"! {v.job.job_id}: {alert}")
-        if v.state == "failed" and v.console_tail:
+        if v.state == State.FAILED and v.console_tail:
             lines.append(f"  {v.job.job_id} console (last lines):")
             lines.extend(f"    {line}" for line in v.console_tail[-5:])
     if cv_eta_s is not None:
@@ -443,7 +444,7 @@ def cmd_stop(options: argparse.Namespace, registry: Registry) -> int:
     if view.state in ENDED_STATES:
         print(f"nothing to do: job {job.job_id} is {view.state}")
         return EXIT_NOTHING
-    waiting = view.state == "queued" and between_attempts(job)  # for GPUs, or to restart
+    waiting = view.state == State.QUEUED and between_attempts(job)  # for GPUs, or to restart
     plan = plan_stop(job, None if waiting else view.topology, view.epoch)
     if plan.queued:
         if job.queued_stop:
@@ -663,7 +664,7 @@ def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:
     if view.state not in ENDED_STATES:
         print(f"nothing to do: job {view.job.job_id} is {view.state}")
         return EXIT_NOTHING
-    if view.state == "finished":
+    if view.state == State.FINISHED:
         print(f"nothing to do: job {view.job.job_id} finished training")
         return EXIT_NOTHING
     if view.job.kind == PREDICT:  # the rest of its cases (--continue_prediction)

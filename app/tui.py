@@ -24,7 +24,7 @@ from textual.message import Message
 from app.screens.palette import NnuiCommands
 from app.services import catalog, launcher
 from app.services.bell import NO_BELL_ENV
-from trainer.schema import Roots, State, resolve_roots
+from trainer.schema import LIVE_STATES, Roots, resolve_roots
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +79,7 @@ def simulated_load(views: list[Any]) -> dict[int, list[tuple[int, str]]]:
     load: dict[int, list[tuple[int, str]]] = {}
     for view in views:
         job = view.job
-        if not job.simulated or view.state not in (
-            State.STARTING,
-            State.RUNNING,
-            State.STOPPING,
-            State.VALIDATING,
-        ):
+        if not job.simulated or view.state not in LIVE_STATES:
             continue
         ranks = (view.topology or {}).get("ranks") or []
         trainer = job.process("trainer") if hasattr(job, "process") else None

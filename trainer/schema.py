@@ -199,6 +199,12 @@ ENDED_STATES = TERMINAL_STATES | {State.LOST, State.KILLED}  # nothing runs any 
 ACTIVE_STATES = frozenset(
     {State.STARTING, State.QUEUED, State.RUNNING, State.STOPPING, State.VALIDATING}
 )
+# Named groups, so no caller spells a state as a string or a tuple of its own.
+RUNNING_STATES = frozenset({State.RUNNING, State.VALIDATING})  # at work: counted running, ETA
+WAITING_STATES = frozenset({State.QUEUED, State.STARTING})  # launched, not at work yet
+WORKING_STATES = RUNNING_STATES | {State.STARTING}  # its trainer runs and was not told to stop
+LIVE_STATES = ACTIVE_STATES - {State.QUEUED}  # its processes exist
+FAILED_STATES = frozenset({State.FAILED, State.LOST})  # ended without finishing or a stop
 
 
 # ---- what a valid event is (checked by every reader; a record that fails is skipped) ------

@@ -25,9 +25,6 @@ from app.services.targets import is_adopted
 from app.services.waiting import between_attempts
 from trainer.schema import ACTIVE_STATES, ENDED_STATES, DatasetNotFound, State, find_dataset
 
-NOTHING_TO_STOP = ENDED_STATES
-ACTIVE = ACTIVE_STATES
-
 
 @dataclass(frozen=True)
 class StopChoice:
@@ -53,7 +50,7 @@ class KillChoice:
 
 
 def plan_stop_choice(view: Any) -> StopChoice:
-    if view.state in NOTHING_TO_STOP:
+    if view.state in ENDED_STATES:
         return StopChoice(view, None, f"job is {view.state}: nothing to stop, nothing is sent")
     waits = view.state == State.QUEUED and between_attempts(view.job)
     if view.state == State.QUEUED and not view.topology and not waits:
@@ -167,7 +164,7 @@ def kill_jobs(app: Any, job_ids: Sequence[str]) -> None:
 
 
 def _kill(app: Any, views: list[Any]) -> None:
-    views = [v for v in views if v.state not in NOTHING_TO_STOP]
+    views = [v for v in views if v.state not in ENDED_STATES]
     if not views:
         app.notify("Nothing to kill: the selected jobs are not running", severity="warning")
         return
@@ -266,10 +263,10 @@ def resume_jobs(app: Any, job_ids: Sequence[str]) -> None:
 
 
 def _resume(app: Any, views: list[Any]) -> None:
-    busy = [v.job.job_id for v in views if v.state in ACTIVE]
+    busy = [v.job.job_id for v in views if v.state in ACTIVE_STATES]
     if busy:
         app.notify(f"still running, not resumed: {', '.join(busy)}", severity="warning")
-    views = [v for v in views if v.state not in ACTIVE]
+    views = [v for v in views if v.state not in ACTIVE_STATES]
     if not views:
         return
 

@@ -26,13 +26,13 @@ from app.services.job_text import alert_condition, human_duration
 from app.widgets.fitting_footer import FittingFooter
 from app.widgets.gpu_panel import GpuPanel
 from app.widgets.job_table import JobTable
-from trainer.schema import State
+from trainer.schema import RUNNING_STATES, State
 
 __all__ = ["ACTION_IDS", "DashboardScreen", "cv_text", "summary_text"]
 
 
 def cv_text(views: list[Any], cv_eta_s: float | None, problems: tuple[str, ...] = ()) -> Text:
-    running = sum(1 for v in views if v.state in (State.RUNNING, State.VALIDATING))
+    running = sum(1 for v in views if v.state in RUNNING_STATES)
     text = Text()
     text.append(f" {len(views)} job{'s' if len(views) != 1 else ''}, {running} running", "bold")
     text.append(f"   cross-validation ETA: {human_duration(cv_eta_s)}")

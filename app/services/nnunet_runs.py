@@ -37,6 +37,7 @@ from pathlib import Path
 
 from app.services.gpus import MachineSnapshot, parse_visible_devices
 from app.services.nnunet_log import (
+    STARTING_PHASE,
     EpochStats,
     TrainingLog,
     _DebugCache,
@@ -389,7 +390,7 @@ class NnunetRunWatcher:
             cmdline=row.cmdline, environ_readable=row.environ is not None, args=process.args,
             dataset=fold_dir.parent.parent.name, gpus=gpus, gpu_source=gpu_source,
             fold_dir=str(fold_dir), log_path=str(log_path), log_mtime=mtime,
-            phase=logs[-1].phase if logs else "starting",
+            phase=logs[-1].phase if logs else STARTING_PHASE,
             epoch=last.epoch + 1 if last else (None if current is None else 0),
             current_epoch=current, num_epochs=schedule.num_epochs,
             num_epochs_source=schedule.source, iterations_per_epoch=schedule.iterations_per_epoch,
