@@ -24,12 +24,15 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer import precision, stop
 from trainer.inference.cli import OneLineParser, one_line, use_caching_allocator
 from trainer.prediction_events import PredictionEvents
 from trainer.schema import CHECKPOINT_KINDS, DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS, Kind
+
+if TYPE_CHECKING:
+    from trainer.inference.postprocess import Step
 
 log = logging.getLogger("trainer.predict")
 PREDICTION_INFO_FILE = "nnui_prediction.json"
@@ -99,7 +102,7 @@ class Resolved:
     num_skipped: int
     out_dir: Path
     fallback_spacing: tuple[float, ...] | None
-    largest_component_labels: tuple[int, ...] = ()  # from --postprocess
+    largest_component_labels: tuple[Step, ...] = ()  # from --postprocess
     previous_stage_dir: Path | None = None  # a cascade's inputs (given, or predicted first)
 
 
@@ -152,7 +155,7 @@ def resolve(args: argparse.Namespace) -> Resolved:
             "convert the images to .nii.gz or .npy"
         )
     check_headers(todo)
-    largest: tuple[int, ...] = ()
+    largest: tuple[Step, ...] = ()
     if args.postprocess:  # a bad file is refused before any work
         from trainer.inference.postprocess import read_postprocessing
 
@@ -238,7 +241,8 @@ def _checkpoints(args: argparse.Namespace, results: Path, name: str, plans: Any)
             metadata = checkpoint.read_metadata(path)
         except checkpoint.CheckpointError as exc:
             raise ValueError(f"fold {fold}: {exc}") from None
-        stored = metadata.get("identity") if isinstance(metadata.get("identity"), dict) else {}
+        identity = metadata.get("identity")
+        stored = identity if isinstance(identity, dict) else {}
         for key, value in expected.items():
             if stored.get(key) != value:
                 raise ValueError(

@@ -129,7 +129,9 @@ class _StrEnum(str, Enum):
     """A str that is also an enum member: JSON, ==, hashing and f-strings see the value."""
 
     __str__ = str.__str__
-    __format__ = str.__format__
+
+    def __format__(self, format_spec: str) -> str:
+        return str.__format__(self, format_spec)
 
 
 class Kind(_StrEnum):

@@ -17,6 +17,7 @@ import torch
 from trainer import precision
 from trainer.inference.cases import InputCase
 from trainer.inference.export import RawPrediction, write_prediction
+from trainer.inference.postprocess import Step
 from trainer.inference.prepare import PreparedCase, prepare_case
 from trainer.inference.region_export import export_raw
 from trainer.inference.sliding import memory_format, predict_probabilities
@@ -37,7 +38,7 @@ class PredictSettings:
     mirror: bool = True
     save_probabilities: bool = False
     fallback_spacing: tuple[float, ...] | None = None
-    largest_component_labels: tuple[int, ...] = ()  # --postprocess
+    largest_component_labels: tuple[Step, ...] = ()  # --postprocess
     precision: str = "auto"  # trainer.precision: autocast on CUDA and AMX CPUs
     previous_stage_dir: Path | None = None  # a cascade: the previous stage's segmentations
 
@@ -62,7 +63,8 @@ def build_models(
         state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
         model.load_state_dict(state)
         layout = memory_format(device, cplan.ndim)
-        models.append(model.to(device, memory_format=layout).eval())
+        # Module.to takes memory_format (torch's docs); its type stubs leave it out.
+        models.append(model.to(device, memory_format=layout).eval())  # type: ignore[call-overload]
     return models
 
 
@@ -106,6 +108,7 @@ def predict_cases(
                 if should_stop is not None and should_stop(i):
                     break
                 started = time.perf_counter()
+                assert next_case is not None  # read ahead for every case before `total`
                 prepared: PreparedCase = next_case.result()
                 next_case = read(i + 1) if i + 1 < total else None
                 probs = predict_probabilities(

@@ -54,7 +54,7 @@ def raw_shape(properties: dict[str, Any]) -> list[int]:
     return [shape[a] for a in backward] if backward else shape
 
 
-def label_dtype(label_values: Sequence[int]) -> np.dtype:
+def label_dtype(label_values: Sequence[int] | np.ndarray) -> np.dtype:
     return np.dtype(np.uint8 if max(label_values) < 256 else np.uint16)
 
 
@@ -102,7 +102,9 @@ def _resample_log_space(
     """Probabilities at `shape`: linear in log space (nnU-Net's logit resampling, with its
     separate-z rule: nearest along the thick axis), then a softmax over the classes, so
     they sum to 1 again."""
-    log_probs = resample_image(np.log(np.maximum(probs, TINY)), shape, spacing, raw_spacing, 1)
+    log_probs = resample_image(
+        np.log(np.maximum(probs, TINY)), shape, tuple(spacing), tuple(raw_spacing), 1
+    )
     log_probs -= log_probs.max(axis=0, keepdims=True)
     np.exp(log_probs, out=log_probs)
     log_probs /= log_probs.sum(axis=0, keepdims=True)
@@ -117,7 +119,8 @@ def _as_numpy(array: Any) -> np.ndarray:
 
 def probabilities_bytes(probabilities: np.ndarray) -> bytes:
     buffer = io.BytesIO()
-    np.savez_compressed(buffer, **{PROBABILITIES_KEY: probabilities.astype(np.float32)})
+    arrays: dict[str, Any] = {PROBABILITIES_KEY: probabilities.astype(np.float32)}
+    np.savez_compressed(buffer, **arrays)
     return buffer.getvalue()
 
 
