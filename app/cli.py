@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from app import cli_adopted, cli_cv, cli_history
 from app.cli_schedule import cmd_priority, cmd_watch, schedule_notes, schedule_of
@@ -155,7 +155,7 @@ def progress_cells(view: JobView) -> tuple[str, str, str]:
 def watch_only_dict(view: JobView) -> dict[str, Any]:
     """A watch-only row: the job keys (state, epoch, losses, ETA ...) plus what only an
     nnU-Net run nnui did not start has (owner, pids, trainer, per-class Dice, its log)."""
-    run = view.watch
+    run = cast(WatchOnlyRun, view.watch)  # an adopted run's row is adopted_dict's
     assert run is not None
     row = view_dict(view)
     row.update(
@@ -352,8 +352,8 @@ def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
         return EXIT_OK
     if views:
         # One row per run folder (a resume continues its row); --all: every job, grouped.
-        rows = job_list.arrange(views, collapse=not options.all)
-        print(status_table(rows, tracker.cross_validation_eta_s(views)))
+        arranged = job_list.arrange(views, collapse=not options.all)
+        print(status_table(arranged, tracker.cross_validation_eta_s(views)))
     if watched:
         print(watch_only_table(watched))
     return EXIT_OK
@@ -382,7 +382,8 @@ def _watch_only_run(
     tracker = JobTracker(registry)
     tracker.refresh()
     views = tracker.refresh_watch_only([roots_of(options).results])
-    return next((v.watch for v in views if v.watch and v.watch.pid == int(pid_text)), None)
+    runs = [cast(WatchOnlyRun, v.watch) for v in views if v.watch]  # nnU-Net's, not adopted
+    return next((run for run in runs if run.pid == int(pid_text)), None)
 
 
 def _refuse_watch_only(options: argparse.Namespace, registry: Registry, text: str) -> int | None:
@@ -607,8 +608,8 @@ def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
     folds = [f.strip() for f in options.folds.split(",") if f.strip()]
     try:
         schedule = schedule_of(options)
-    except ValueError as problem:
-        return error(str(problem), EXIT_USAGE)
+    except ValueError as bad:
+        return error(str(bad), EXIT_USAGE)
     if options.gpus.strip() == "any":
         if not schedule.when_free or options.ddp:
             return error("--gpus any goes with --when-free and single-GPU folds", EXIT_USAGE)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from platformdirs import user_downloads_path
 from textual.app import App
@@ -25,6 +25,12 @@ from app.screens.palette import NnuiCommands
 from app.services import catalog, launcher
 from app.services.bell import NO_BELL_ENV
 from trainer.schema import LIVE_STATES, Roots, resolve_roots
+
+if TYPE_CHECKING:  # imported where used (the app starts before it reads anything)
+    from app.services.gpus import GpuMonitor
+    from app.services.jobs import JobTracker
+    from app.services.procs import LoadSampler
+    from app.services.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +58,10 @@ class TuiConfig:
 class Services:
     """What the app talks to; tests may pass their own."""
 
-    monitor: Any
-    registry: Any
-    tracker: Any
-    sampler: Any = None  # host line and GPU processes' load; None: procs.LoadSampler()
+    monitor: GpuMonitor
+    registry: Registry
+    tracker: JobTracker
+    sampler: LoadSampler | None = None  # host line and GPU processes' load; None: a new one
 
 
 def default_services(config: TuiConfig) -> Services:
@@ -155,8 +161,9 @@ class NnuiApp(App):
     COMMANDS = App.COMMANDS | {NnuiCommands}
     # Screens get "-short" below 32 rows (nnui.tcss gives the jobs table the room) and
     # "-narrow" below 120 columns (the launch options go under the fold board).
-    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (120, "-wide")]
-    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (32, "-tall")]
+    # Textual declares both `ClassVar[...] | None`, which mypy takes for an instance variable.
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (120, "-wide")]  # type: ignore[misc]
+    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (32, "-tall")]  # type: ignore[misc]
 
     def __init__(self, config: TuiConfig, services: Services) -> None:
         super().__init__()

@@ -20,6 +20,7 @@ from app.screens.job_detail import JobDetailScreen
 from app.screens.job_summary import summary_text
 from app.screens.keys import ACTION_IDS, DASHBOARD_ACTIONS, DASHBOARD_NAV, DASHBOARD_VIEW
 from app.screens.launch import LaunchScreen
+from app.screens.seam import app_of
 from app.services import job_list
 from app.services.bell import BellRule
 from app.services.job_text import alert_condition, human_duration
@@ -61,7 +62,7 @@ class DashboardScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield Header()
-        yield GpuPanel(cpu_slots=self.app.config.cpu_slots, id="gpu-panel")
+        yield GpuPanel(cpu_slots=app_of(self).config.cpu_slots, id="gpu-panel")
         yield JobTable(id="jobs")
         yield Input(placeholder="filter: words of id, dataset, fold, state, trainer, GPUs "
                     "(enter keeps, escape clears)", id="job-filter")  # fmt: skip
@@ -75,9 +76,9 @@ class DashboardScreen(Screen):
         self._title_table()
         self.query_one("#job-filter", Input).display = False
         self.query_one(JobTable).focus()
-        if self.app.snapshot is not None:
-            self.show_machine(self.app.snapshot)
-        self.show_jobs(self.app.views, self.app.cv_eta_s)
+        if app_of(self).snapshot is not None:
+            self.show_machine(app_of(self).snapshot)
+        self.show_jobs(app_of(self).views, app_of(self).cv_eta_s)
 
     # ---- data from the app ------------------------------------------------------------
 
@@ -102,7 +103,7 @@ class DashboardScreen(Screen):
                 self.notify(f"warning: {problem}", severity="warning", timeout=10)
 
     def _notify_changes(self, views: list[Any]) -> None:
-        if self._bell.rings(views) and self.app.config.bell:
+        if self._bell.rings(views) and app_of(self).config.bell:
             self.app.bell()
         # One toast per condition while it lasts ("stalled ... 208 s", "209 s" are one); it
         # toasts again only after it cleared and came back.
@@ -127,10 +128,10 @@ class DashboardScreen(Screen):
             return
         table = self.query_one(JobTable)
         job_id = table.current_job_id
-        view = self.app.view_of(job_id) if job_id else None
-        loading = self.app.num_jobs_messages == 0
+        view = app_of(self).view_of(job_id) if job_id else None
+        loading = app_of(self).num_jobs_messages == 0
         text = summary_text(
-            view, self.app.first_step, len(self.app.problems), loading, self.app.no_color
+            view, app_of(self).first_step, len(app_of(self).problems), loading, self.app.no_color
         )
         if text.plain != self._summary:
             self._summary = text.plain
@@ -158,7 +159,7 @@ class DashboardScreen(Screen):
 
     def _rearrange(self) -> None:
         self._title_table()
-        self.show_jobs(self.app.views, self.app.cv_eta_s)
+        self.show_jobs(app_of(self).views, app_of(self).cv_eta_s)
 
     def action_filter(self) -> None:
         box = self.query_one("#job-filter", Input)
@@ -195,9 +196,9 @@ class DashboardScreen(Screen):
         """True (and says so) while the first job reading, or for `gpus` the first GPU
         reading, has not come: an action now would act on a table that is not there yet."""
         missing = []
-        if gpus and self.app.snapshot is None:
+        if gpus and app_of(self).snapshot is None:
             missing.append("GPUs")
-        if self.app.num_jobs_messages == 0:
+        if app_of(self).num_jobs_messages == 0:
             missing.append("jobs")
         if missing:
             what = " and ".join(missing)
@@ -247,12 +248,12 @@ class DashboardScreen(Screen):
 
     def action_stop(self) -> None:
         if self._allowed():
-            actions.stop_jobs(self.app, self.target_job_ids())
+            actions.stop_jobs(app_of(self), self.target_job_ids())
 
     def action_resume(self) -> None:
         if self._allowed():
-            actions.resume_jobs(self.app, self.target_job_ids())
+            actions.resume_jobs(app_of(self), self.target_job_ids())
 
     def action_kill(self) -> None:
         if self._allowed():
-            actions.kill_jobs(self.app, self.target_job_ids())
+            actions.kill_jobs(app_of(self), self.target_job_ids())

@@ -19,6 +19,7 @@ from app.screens import actions
 from app.screens.help import HelpScreen
 from app.screens.job_summary import summary_text
 from app.screens.keys import DETAIL_ACTIONS, DETAIL_NAV
+from app.screens.seam import app_of
 from app.services import job_list
 from app.services.curve_data import SMOOTHING_FACTORS
 from app.widgets.curves import CurvesPanel
@@ -72,7 +73,7 @@ class JobDetailScreen(Screen):
         self._ready = False  # data messages can arrive before the widgets are composed
 
     def compose(self) -> ComposeResult:
-        readonly = self.app.config.readonly
+        readonly = app_of(self).config.readonly
         self._bindings = BindingsMap(DETAIL_NAV + ([] if readonly else DETAIL_ACTIONS))
         yield Static(id="detail-header")
         yield CurvesPanel(id="curves")
@@ -88,14 +89,14 @@ class JobDetailScreen(Screen):
         self._ready = True
         self.query_one("#console-box").border_title = "console"
         self.query_one("#tree-box").border_title = "processes"
-        self.show_jobs(self.app.views, self.app.cv_eta_s)
-        view = self.app.view_of(self.job_id)
+        self.show_jobs(app_of(self).views, app_of(self).cv_eta_s)
+        view = app_of(self).view_of(self.job_id)
         if view is not None and view.watch is not None:
             self.query_one("#console-box").border_title = f"nnU-Net log {view.watch.log_path}"
             self.query_one(ProcessTree).update(watch_only_processes(view.watch, self.app.no_color))
             return  # not nnui's job: its processes are the run's, found by the watcher
         self.poll_processes()
-        self.set_interval(self.app.config.procs_interval_s, self.poll_processes)
+        self.set_interval(app_of(self).config.procs_interval_s, self.poll_processes)
 
     def show_jobs(self, views: list[Any], cv_eta_s: float | None) -> None:
         view = next((v for v in views if v.job.job_id == self.job_id), None)
@@ -125,7 +126,7 @@ class JobDetailScreen(Screen):
             self.query_one("#curves-legend", Static).update(curves.legend)
 
     def poll_processes(self) -> None:
-        view = self.app.view_of(self.job_id)
+        view = app_of(self).view_of(self.job_id)
         if view is None or self._procs_busy:
             return
         self._procs_busy = True
@@ -135,7 +136,7 @@ class JobDetailScreen(Screen):
 
             return process_tree(view.job, view.topology)
 
-        self.app.run_in_thread(read, self._got_processes)
+        app_of(self).run_in_thread(read, self._got_processes)
 
     def _got_processes(self, nodes: Any) -> None:
         self._procs_busy = False
@@ -153,23 +154,23 @@ class JobDetailScreen(Screen):
     def action_overlay(self) -> None:
         self.overlay = not self.overlay
         self._header = None
-        self.show_jobs(self.app.views, self.app.cv_eta_s)
+        self.show_jobs(app_of(self).views, app_of(self).cv_eta_s)
 
     def action_smooth(self) -> None:
         """Cycle the smoothing of losses and Dice: off, then TensorBoard's 0.6, then 0.9."""
         index = SMOOTHING_FACTORS.index(self.smoothing)
         self.smoothing = SMOOTHING_FACTORS[(index + 1) % len(SMOOTHING_FACTORS)]
         self._header = None
-        self.show_jobs(self.app.views, self.app.cv_eta_s)
+        self.show_jobs(app_of(self).views, app_of(self).cv_eta_s)
 
     def action_help(self) -> None:
-        self.app.push_screen(HelpScreen(self.app.config.readonly))
+        self.app.push_screen(HelpScreen(app_of(self).config.readonly))
 
     def action_stop(self) -> None:
-        actions.stop_jobs(self.app, [self.job_id])
+        actions.stop_jobs(app_of(self), [self.job_id])
 
     def action_resume(self) -> None:
-        actions.resume_jobs(self.app, [self.job_id])
+        actions.resume_jobs(app_of(self), [self.job_id])
 
     def action_kill(self) -> None:
-        actions.kill_jobs(self.app, [self.job_id])
+        actions.kill_jobs(app_of(self), [self.job_id])

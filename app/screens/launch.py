@@ -24,6 +24,7 @@ from textual.widgets import Checkbox, Input, RadioButton, RadioSet, Static
 from app.screens import actions, keys
 from app.screens.confirm import LaunchConfirmScreen
 from app.screens.predict_form import PredictScreen, form_defaults
+from app.screens.seam import app_of
 from app.services import catalog, engines, launcher, niceness
 from app.services.schedule import Schedule
 from app.widgets.dataset_picker import DatasetPicker
@@ -72,7 +73,7 @@ class LaunchScreen(Screen):
         yield Static(self.engine_text(), id="engine-line")
         yield DatasetPicker(id="picker")
         with Horizontal(id="launch-middle"):
-            yield FoldBoard(board_columns(self.app.snapshot), id="board")
+            yield FoldBoard(board_columns(app_of(self).snapshot), id="board")
             with Vertical(id="launch-options"):
                 with RadioSet(id="ddp-launcher"):
                     yield TextRadioButton("DDP via -num_gpus (spawn)", value=True, id="spawn")
@@ -113,7 +114,7 @@ class LaunchScreen(Screen):
         return text
 
     def _read_datasets(self) -> None:
-        name, roots = self.engine, self.app.config.roots
+        name, roots = self.engine, app_of(self).config.roots
         self.query_one(
             "#picker"
         ).border_title = (
@@ -123,7 +124,7 @@ class LaunchScreen(Screen):
         def read() -> list[Any]:
             return catalog.list_engine_datasets(roots, engines.engine(name))
 
-        self.app.run_in_thread(read, lambda datasets: self._got(name, datasets))
+        app_of(self).run_in_thread(read, lambda datasets: self._got(name, datasets))
 
     def _got(self, engine_name: str, datasets: Any) -> None:
         if engine_name != self.engine or not self.is_mounted:
@@ -201,7 +202,7 @@ class LaunchScreen(Screen):
         chosen = engines.engine(self.engine)
         if choice.plans != chosen.default_plans:  # the picker's plans; typed flags win
             trainer_args = ["-p", choice.plans, *trainer_args]
-        simulated = bool(getattr(self.app.snapshot, "simulated", False))
+        simulated = bool(getattr(app_of(self).snapshot, "simulated", False))
         when_free = self.query_one("#when-free", Checkbox).value and board.model.device != "cpu"
         cascade = bool(getattr(choice, "previous_stage", None))
         requests = [
@@ -241,13 +242,13 @@ class LaunchScreen(Screen):
         return misfits
 
     def _no_dataset(self) -> str:
-        where = self.app.config.roots.preprocessed
+        where = app_of(self).config.roots.preprocessed
         if self.engine == engines.NNUNET:
             return (
                 f"no nnU-Net plans (DatasetXXX/nnUNet*Plans*.json) in {where} "
                 "(nnUNetv2_plan_and_preprocess -d ID)"
             )
-        return catalog.first_step(self.app.config.roots)
+        return catalog.first_step(app_of(self).config.roots)
 
     def recompute(self) -> None:
         if not self._ready:
@@ -256,7 +257,7 @@ class LaunchScreen(Screen):
         self._inputs = (requests, batch_size, problems)
         self._generation += 1
         generation = self._generation
-        app = self.app
+        app = app_of(self)
         snapshot, registry, roots = app.snapshot, app.services.registry, app.config.roots
         misfits = self._check_memory(requests, snapshot)
 
@@ -391,7 +392,7 @@ class LaunchScreen(Screen):
         self._start(self.plans)
 
     def _start(self, plans: list[Any]) -> None:
-        actions.start_plans(self.app, plans)
+        actions.start_plans(app_of(self), plans)
         if self.app.screen is self:
             self.app.pop_screen()
 
@@ -435,6 +436,6 @@ class LaunchScreen(Screen):
             )  # fmt: skip
             self.notify(why, severity="warning", timeout=8)
             return
-        defaults = form_defaults(self.app.config.roots, choice, assignments, choice.plans)
-        simulated = bool(getattr(self.app.snapshot, "simulated", False))
+        defaults = form_defaults(app_of(self).config.roots, choice, assignments, choice.plans)
+        simulated = bool(getattr(app_of(self).snapshot, "simulated", False))
         self.app.push_screen(PredictScreen(defaults, simulated))

@@ -61,7 +61,7 @@ class JobView:
     num_invalid_events: int = 0  # lines of events.jsonl skipped as invalid (never fatal)
     invalid_event_reason: str | None = None  # why the last one was skipped
     watch_only: bool = False  # an nnU-Net run nnui did not start (`watch`): no actions
-    watch: WatchOnlyRun | None = None  # owner, pids, trainer, per-class Dice, log path
+    watch: WatchOnlyRun | AdoptedRun | None = None  # owner, pids, trainer, Dice, log path
     # A prediction job (job.kind == "predict"): cases of its part done / in all, s per case.
     num_cases: int | None = None
     cases_done: int | None = None
@@ -262,7 +262,11 @@ def training_eta_s(
     return max(total - elapsed, (num_remaining - 1) * epoch_s, 1.0)
 
 
-_ENDING = {Kind.STOPPED: State.STOPPED, Kind.FINISHED: State.FINISHED, Kind.FAILED: State.FAILED}
+_ENDING: dict[str, State] = {
+    Kind.STOPPED: State.STOPPED,
+    Kind.FINISHED: State.FINISHED,
+    Kind.FAILED: State.FAILED,
+}
 
 
 def derive_state(job: Job, run: _RunState, alive: bool) -> State:

@@ -35,7 +35,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from app.services.engines import ENGINES, NNUI, NNUNET, engine
 from app.services.trainer_flags import flag_value, without_flags
@@ -286,7 +286,7 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)  # `--node` is not `--nodes`
         super().__init__(*args, **kwargs)
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         known = [o for action in self._actions for o in action.option_strings]
         raise UsageError(f"{with_close_flag(message, known)} (see nnui sbatch --help)")
 

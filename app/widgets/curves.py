@@ -222,7 +222,7 @@ class CurvesPanel(Grid):
                  color=item.colour, yside=yside)  # fmt: skip
         ticks = epoch_ticks(all_x)
         if ticks:
-            plt.xticks(ticks, [str(t) for t in ticks])
+            plt.xticks([float(t) for t in ticks], [str(t) for t in ticks])
         else:
             plt.title(f"{title} (no epochs yet)")
         plot.refresh()

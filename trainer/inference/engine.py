@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -108,8 +109,7 @@ def predict_cases(
                 if should_stop is not None and should_stop(i):
                     break
                 started = time.perf_counter()
-                assert next_case is not None  # read ahead for every case before `total`
-                prepared: PreparedCase = next_case.result()
+                prepared: PreparedCase = cast(Future, next_case).result()  # read ahead for i
                 next_case = read(i + 1) if i + 1 < total else None
                 probs = predict_probabilities(
                     models, prepared.data, cplan.patch_size, plans.num_classes, device,
