@@ -27,8 +27,9 @@ from app.services.bell import NO_BELL_ENV
 from trainer.schema import LIVE_STATES, Roots, resolve_roots
 
 if TYPE_CHECKING:  # imported where used (the app starts before it reads anything)
-    from app.services.gpus import GpuMonitor
-    from app.services.jobs import JobTracker
+    from app.services.gpu_history import PanelReadings
+    from app.services.gpus import GpuMonitor, MachineSnapshot
+    from app.services.jobs import JobTracker, JobView
     from app.services.procs import LoadSampler
     from app.services.registry import Registry
 
@@ -79,7 +80,7 @@ def default_services(config: TuiConfig) -> Services:
     return Services(monitor=monitor, registry=registry, tracker=tracker)
 
 
-def simulated_load(views: list[Any]) -> dict[int, list[tuple[int, str]]]:
+def simulated_load(views: list[JobView]) -> dict[int, list[tuple[int, str]]]:
     """{simulated GPU: [(pid, name)]} of nnui's own live jobs, so the simulated GPUs show
     processes and utilisation that follow what was launched."""
     load: dict[int, list[tuple[int, str]]] = {}
@@ -134,7 +135,7 @@ class _Reader:
 
 
 class MachineRead(Message):
-    def __init__(self, snapshot: Any, readings: Any = None) -> None:
+    def __init__(self, snapshot: MachineSnapshot, readings: PanelReadings | None = None) -> None:
         super().__init__()
         self.snapshot = snapshot
         self.readings = readings  # PanelReadings: history, host line, per-process load
@@ -143,7 +144,7 @@ class MachineRead(Message):
 class JobsRead(Message):
     def __init__(
         self,
-        views: list[Any],
+        views: list[JobView],
         cv_eta_s: float | None,
         first_step: str | None = None,
         problems: tuple[str, ...] = (),
@@ -169,13 +170,13 @@ class NnuiApp(App):
         super().__init__()
         self.config = config
         self.services = services
-        self.snapshot: Any = None
-        self.readings: Any = None
+        self.snapshot: MachineSnapshot | None = None
+        self.readings: PanelReadings | None = None
         self.theme = THEMES.get(config.theme, THEMES["dark"])
         self._panel_sampler: Any = None  # created in the gpus thread (it reads /proc)
         self._procs_read_at: float | None = None
         self._host_read_at: float | None = None
-        self.views: list[Any] = []
+        self.views: list[JobView] = []
         self.cv_eta_s: float | None = None
         self.first_step: str | None = None
         self.problems: tuple[str, ...] = ()  # unreadable registry files (shown as warnings)
@@ -289,7 +290,7 @@ class NnuiApp(App):
         roots = self.config.roots
         return None if catalog.list_datasets(roots) else catalog.first_step(roots)
 
-    def _watch_only(self, tracker: Any) -> list[Any]:
+    def _watch_only(self, tracker: JobTracker) -> list[JobView]:
         """nnU-Net runs nnui did not start (rows marked watch-only). Finding them reads
         /proc, so it runs at the processes' pace (DESIGN §6: 2 s), in the jobs thread."""
         refresh = getattr(tracker, "refresh_watch_only", None)
@@ -335,7 +336,7 @@ class NnuiApp(App):
             if show is not None:
                 show(message.views, message.cv_eta_s)
 
-    def view_of(self, job_id: str) -> Any | None:
+    def view_of(self, job_id: str) -> JobView | None:
         return next((v for v in self.views if v.job.job_id == job_id), None)
 
     def deliver_screenshot(

@@ -6,7 +6,7 @@ kill binding exists at all, so no key and no footer entry can trigger one.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -29,10 +29,14 @@ from app.widgets.gpu_panel import GpuPanel
 from app.widgets.job_table import JobTable
 from trainer.schema import RUNNING_STATES, State
 
+if TYPE_CHECKING:
+    from app.services.gpus import MachineSnapshot
+    from app.services.jobs import JobView
+
 __all__ = ["ACTION_IDS", "DashboardScreen", "cv_text", "summary_text"]
 
 
-def cv_text(views: list[Any], cv_eta_s: float | None, problems: tuple[str, ...] = ()) -> Text:
+def cv_text(views: list[JobView], cv_eta_s: float | None, problems: tuple[str, ...] = ()) -> Text:
     running = sum(1 for v in views if v.state in RUNNING_STATES)
     text = Text()
     text.append(f" {len(views)} job{'s' if len(views) != 1 else ''}, {running} running", "bold")
@@ -76,17 +80,18 @@ class DashboardScreen(Screen):
         self._title_table()
         self.query_one("#job-filter", Input).display = False
         self.query_one(JobTable).focus()
-        if app_of(self).snapshot is not None:
-            self.show_machine(app_of(self).snapshot)
+        snapshot = app_of(self).snapshot
+        if snapshot is not None:
+            self.show_machine(snapshot)
         self.show_jobs(app_of(self).views, app_of(self).cv_eta_s)
 
     # ---- data from the app ------------------------------------------------------------
 
-    def show_machine(self, snapshot: Any) -> None:
+    def show_machine(self, snapshot: MachineSnapshot) -> None:
         if self._ready:
             self.query_one(GpuPanel).update_snapshot(snapshot, getattr(self.app, "readings", None))
 
-    def show_jobs(self, views: list[Any], cv_eta_s: float | None) -> None:
+    def show_jobs(self, views: list[JobView], cv_eta_s: float | None) -> None:
         if not self._ready:
             return
         self.query_one(JobTable).show(job_list.arrange(views, self.filter_text, self.sort))
@@ -102,7 +107,7 @@ class DashboardScreen(Screen):
                 self._problems_seen.add(problem)
                 self.notify(f"warning: {problem}", severity="warning", timeout=10)
 
-    def _notify_changes(self, views: list[Any]) -> None:
+    def _notify_changes(self, views: list[JobView]) -> None:
         if self._bell.rings(views) and app_of(self).config.bell:
             self.app.bell()
         # One toast per condition while it lasts ("stalled ... 208 s", "209 s" are one); it

@@ -6,7 +6,7 @@ found in /proc (nnui never acts on them).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -28,14 +28,21 @@ from app.widgets.formatting import readable_style
 from app.widgets.log_tail import LogTail
 from app.widgets.process_tree import ProcessTree
 
+if TYPE_CHECKING:
+    from app.services.curve_data import EpochPoint
+    from app.services.discovery import AdoptedRun
+    from app.services.jobs import JobView
+    from app.services.nnunet_runs import WatchOnlyRun
+    from app.services.registry import Job
 
-def fold_views(views: list[Any], job: Any, overlay: bool) -> dict[str, Any]:
+
+def fold_views(views: list[JobView], job: Job, overlay: bool) -> dict[str, JobView]:
     """{label: view}: this job's, or the newest job of every fold of its cross-validation
     (same dataset, configuration and trainer)."""
     if not overlay:
         own = next((v for v in views if v.job.job_id == job.job_id), None)
         return {f"fold {job.fold}": own} if own is not None else {}
-    newest: dict[str, Any] = {}
+    newest: dict[str, JobView] = {}
     for view in views:
         other = view.job
         if job_list.group_key(other) != job_list.group_key(job):  # same trainer too
@@ -45,13 +52,15 @@ def fold_views(views: list[Any], job: Any, overlay: bool) -> dict[str, Any]:
     return {f"fold {fold}": newest[fold] for fold in sorted(newest)}
 
 
-def fold_histories(views: list[Any], job: Any, overlay: bool) -> dict[str, tuple[Any, ...]]:
+def fold_histories(
+    views: list[JobView], job: Job, overlay: bool
+) -> dict[str, tuple[EpochPoint, ...]]:
     """This job's history, or the newest job of every fold of the same dataset/config."""
     found = fold_views(views, job, overlay)
     return {label: view.history for label, view in found.items()} or {f"fold {job.fold}": ()}
 
 
-def watch_only_processes(run: Any, mono: bool = False) -> Text:
+def watch_only_processes(run: WatchOnlyRun | AdoptedRun, mono: bool = False) -> Text:
     text = Text()
     text.append(f"pid {run.pid:<8d} nnUNetv2_train  ({run.owner})", style="bold")
     for pid in run.pids:
@@ -98,7 +107,7 @@ class JobDetailScreen(Screen):
         self.poll_processes()
         self.set_interval(app_of(self).config.procs_interval_s, self.poll_processes)
 
-    def show_jobs(self, views: list[Any], cv_eta_s: float | None) -> None:
+    def show_jobs(self, views: list[JobView], cv_eta_s: float | None) -> None:
         view = next((v for v in views if v.job.job_id == self.job_id), None)
         if view is None or not self._ready:
             return
@@ -116,7 +125,7 @@ class JobDetailScreen(Screen):
             # Follow the newest lines, like tail -f.
             self.query_one("#console-box", VerticalScroll).scroll_end(animate=False)
 
-    def _show_curves(self, views: list[Any], view: Any) -> None:
+    def _show_curves(self, views: list[JobView], view: JobView) -> None:
         found = fold_views(views, view.job, self.overlay) or {f"fold {view.job.fold}": view}
         histories = {label: v.history for label, v in found.items()}
         running = {label: getattr(v, "running_loss", ()) for label, v in found.items()}

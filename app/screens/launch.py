@@ -11,7 +11,7 @@ so and `e` does nothing.
 from __future__ import annotations
 
 import shlex
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -34,8 +34,15 @@ from app.widgets.formatting import readable_style
 from app.widgets.key_order import OrderedInput
 from app.widgets.toggles import TextCheckbox, TextRadioButton
 
+if TYPE_CHECKING:
+    from app.services.catalog import DatasetInfo
+    from app.services.gpus import MachineSnapshot
+    from app.services.jobs import JobView
+    from app.services.launch_request import LaunchRequest
+    from app.services.launcher import LaunchPlan
 
-def board_columns(snapshot: Any) -> list[str]:
+
+def board_columns(snapshot: MachineSnapshot | None) -> list[str]:
     slots = getattr(snapshot, "slots", ())  # a MIG device is a column of its own
     return [g.slot for g in slots] if slots else [CPU_COLUMN]
 
@@ -45,7 +52,7 @@ class LaunchScreen(Screen):
 
     def __init__(self) -> None:
         super().__init__(id="launch")
-        self.plans: list[Any] = []
+        self.plans: list[LaunchPlan] = []
         self.problems: list[str] = []
         self.warnings: list[str] = []
         self.confirmations: list[str] = []  # GPUs already in use: g asks first (busy_gpus.py)
@@ -62,7 +69,7 @@ class LaunchScreen(Screen):
         self._jobs_key: tuple | None = None
         self.engine = engines.NNUI  # engines.NNUI | engines.NNUNET
         self.datasets_engine: str | None = None  # whose datasets the picker shows now
-        self.datasets: list[Any] = []  # what the picker shows (catalog.DatasetInfo)
+        self.datasets: list[DatasetInfo] = []  # what the picker shows
         self.memory_lines: list[str] = []  # estimated GPU memory beside the GPUs' free
 
     class Planned(Message):
@@ -138,7 +145,7 @@ class LaunchScreen(Screen):
 
     # ---- data from the app: replan only when something the checks use changed -------
 
-    def show_machine(self, snapshot: Any) -> None:
+    def show_machine(self, snapshot: MachineSnapshot) -> None:
         if not self._ready:
             return
         board = self.query_one(FoldBoard)
@@ -151,7 +158,7 @@ class LaunchScreen(Screen):
             self._machine_key = key
             self.recompute()
 
-    def show_jobs(self, views: list[Any], cv_eta_s: float | None) -> None:
+    def show_jobs(self, views: list[JobView], cv_eta_s: float | None) -> None:
         key = tuple((v.job.job_id, v.state) for v in views)
         if key != self._jobs_key:
             self._jobs_key = key
@@ -179,7 +186,7 @@ class LaunchScreen(Screen):
 
     # ---- the plan: inputs gathered here, checks and plans in a thread -----------------
 
-    def requests(self) -> tuple[list[Any], int | None, list[str]]:
+    def requests(self) -> tuple[list[LaunchRequest], int | None, list[str]]:
         """Launch requests from the widgets, the plans batch size, and input problems."""
         board = self.query_one(FoldBoard)
         choice = self.query_one(DatasetPicker).current
@@ -227,7 +234,9 @@ class LaunchScreen(Screen):
         ]
         return requests, choice.batch_size, problems
 
-    def _check_memory(self, requests: list[Any], snapshot: Any) -> list[str]:
+    def _check_memory(
+        self, requests: list[LaunchRequest], snapshot: MachineSnapshot | None
+    ) -> list[str]:
         """Sets memory_lines; returns the misfits (g asks before starting them)."""
         choice = self.query_one(DatasetPicker).current
         info = next((d for d in self.datasets if choice and d.name == choice.dataset
@@ -264,7 +273,7 @@ class LaunchScreen(Screen):
         def plan() -> tuple[list[Any], list[str], list[str], list[str], list[str]]:
             # The full checks: busy GPUs, other users, a fold already running (registry and
             # run folder), a finished or stopped fold (offer resume).
-            plans: list[Any] = []
+            plans: list[LaunchPlan] = []
             errors, warnings, resumable, asks = list(problems), [], [], list(misfits)
             for request in requests:
                 checks = launcher.check_request(request, roots, batch_size, snapshot, registry)
@@ -391,7 +400,7 @@ class LaunchScreen(Screen):
             return
         self._start(self.plans)
 
-    def _start(self, plans: list[Any]) -> None:
+    def _start(self, plans: list[LaunchPlan]) -> None:
         actions.start_plans(app_of(self), plans)
         if self.app.screen is self:
             self.app.pop_screen()
