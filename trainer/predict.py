@@ -22,6 +22,7 @@ import logging
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -297,7 +298,8 @@ def _write_info(resolved: Resolved, args: argparse.Namespace) -> None:
     atomic_write_text(resolved.out_dir / PREDICTION_INFO_FILE, json.dumps(info, indent=1) + "\n")
 
 
-def run(args: argparse.Namespace, progress=print, events: PredictionEvents | None = None) -> int:
+def run(args: argparse.Namespace, progress: Callable[..., None] = print,  # print-like
+        events: PredictionEvents | None = None) -> int:  # fmt: skip
     from trainer.inference.engine import PredictSettings, build_models, predict_cases
 
     events = events or PredictionEvents(None)
@@ -357,7 +359,9 @@ def run(args: argparse.Namespace, progress=print, events: PredictionEvents | Non
     return 0
 
 
-def _predict_previous_stage(args: argparse.Namespace, resolved: Resolved, progress) -> None:
+def _predict_previous_stage(
+    args: argparse.Namespace, resolved: Resolved, progress: Callable[..., None]
+) -> None:
     """The cascade's first stage, with the same folds and settings, into prev_stage_<c>."""
     assert resolved.previous_stage_dir is not None
     stage = resolved.cplan.previous_stage
