@@ -40,11 +40,13 @@ demo-train: demo-data
 
 test: setup
 	$(VENV)/bin/ruff check app trainer tests bench
+	$(VENV)/bin/mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check app trainer tests bench
 	$(VENV)/bin/ruff format --check app trainer tests bench
+	$(VENV)/bin/mypy
 
 screenshots: setup
 	$(PY) screenshots/make_screenshots.py

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from app import cli_adopted, cli_cv, cli_history
 from app.cli_schedule import cmd_priority, cmd_watch, schedule_notes, schedule_of
@@ -35,6 +35,7 @@ from trainer.schema import (
     ENDED_STATES,
     DatasetNotFound,
     Roots,
+    State,
     find_dataset,
     resolve_roots,
 )
@@ -154,7 +155,7 @@ def progress_cells(view: JobView) -> tuple[str, str, str]:
 def watch_only_dict(view: JobView) -> dict[str, Any]:
     """A watch-only row: the job keys (state, epoch, losses, ETA ...) plus what only an
     nnU-Net run nnui did not start has (owner, pids, trainer, per-class Dice, its log)."""
-    run = view.watch
+    run = cast(WatchOnlyRun, view.watch)  # an adopted run's row is adopted_dict's
     assert run is not None
     row = view_dict(view)
     row.update(
@@ -285,7 +286,7 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
             lines.append(f"  {v.job.job_id}: final validation Dice {v.final_dice:.3f}")
         for alert in v.alerts:
             lines.append(f"! {v.job.job_id}: {alert}")
-        if v.state == "failed" and v.console_tail:
+        if v.state == State.FAILED and v.console_tail:
             lines.append(f"  {v.job.job_id} console (last lines):")
             lines.extend(f"    {line}" for line in v.console_tail[-5:])
     if cv_eta_s is not None:
@@ -351,8 +352,8 @@ def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
         return EXIT_OK
     if views:
         # One row per run folder (a resume continues its row); --all: every job, grouped.
-        rows = job_list.arrange(views, collapse=not options.all)
-        print(status_table(rows, tracker.cross_validation_eta_s(views)))
+        arranged = job_list.arrange(views, collapse=not options.all)
+        print(status_table(arranged, tracker.cross_validation_eta_s(views)))
     if watched:
         print(watch_only_table(watched))
     return EXIT_OK
@@ -381,7 +382,8 @@ def _watch_only_run(
     tracker = JobTracker(registry)
     tracker.refresh()
     views = tracker.refresh_watch_only([roots_of(options).results])
-    return next((v.watch for v in views if v.watch and v.watch.pid == int(pid_text)), None)
+    runs = [cast(WatchOnlyRun, v.watch) for v in views if v.watch]  # nnU-Net's, not adopted
+    return next((run for run in runs if run.pid == int(pid_text)), None)
 
 
 def _refuse_watch_only(options: argparse.Namespace, registry: Registry, text: str) -> int | None:
@@ -443,7 +445,7 @@ def cmd_stop(options: argparse.Namespace, registry: Registry) -> int:
     if view.state in ENDED_STATES:
         print(f"nothing to do: job {job.job_id} is {view.state}")
         return EXIT_NOTHING
-    waiting = view.state == "queued" and between_attempts(job)  # for GPUs, or to restart
+    waiting = view.state == State.QUEUED and between_attempts(job)  # for GPUs, or to restart
     plan = plan_stop(job, None if waiting else view.topology, view.epoch)
     if plan.queued:
         if job.queued_stop:
@@ -606,8 +608,8 @@ def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
     folds = [f.strip() for f in options.folds.split(",") if f.strip()]
     try:
         schedule = schedule_of(options)
-    except ValueError as problem:
-        return error(str(problem), EXIT_USAGE)
+    except ValueError as bad:
+        return error(str(bad), EXIT_USAGE)
     if options.gpus.strip() == "any":
         if not schedule.when_free or options.ddp:
             return error("--gpus any goes with --when-free and single-GPU folds", EXIT_USAGE)
@@ -663,7 +665,7 @@ def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:
     if view.state not in ENDED_STATES:
         print(f"nothing to do: job {view.job.job_id} is {view.state}")
         return EXIT_NOTHING
-    if view.state == "finished":
+    if view.state == State.FINISHED:
         print(f"nothing to do: job {view.job.job_id} finished training")
         return EXIT_NOTHING
     if view.job.kind == PREDICT:  # the rest of its cases (--continue_prediction)

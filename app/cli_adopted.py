@@ -21,7 +21,7 @@ from app.services.registry import Registry
 from app.services.signals import kill as kill_job
 from app.services.signals import plan_stop, send_stop, slurm_step_of
 from app.services.slurm_jobs import SLURM_ID_PREFIX, cancel_pending
-from trainer.schema import ENDED_STATES, resolve_roots
+from trainer.schema import ENDED_STATES, State, resolve_roots
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3
 
@@ -139,7 +139,7 @@ def resume(options: argparse.Namespace, registry: Registry, view: JobView) -> in
     if view.state not in ENDED_STATES:
         print(f"nothing to do: run {job.job_id} is {view.state}")
         return EXIT_NOTHING
-    if view.state == "finished":
+    if view.state == State.FINISHED:
         print(f"nothing to do: run {job.job_id} finished training")
         return EXIT_NOTHING
     plan = resume_plan(job)

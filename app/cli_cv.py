@@ -52,7 +52,7 @@ def narrow_row_cells(row: CvRow) -> list[str]:
     run = f"{row.dataset.removeprefix('Dataset')[:3]} {row.configuration}"
     if (row.trainer, row.plans) != ("nnuiTrainer", "nnuiPlans"):
         run += f" {row.trainer}/{row.plans}"
-    folds = [f"{c.dice:.3f}" if c.state == "finished" and c.dice is not None
+    folds = [f"{c.dice:.3f}" if c.state == State.FINISHED and c.dice is not None
              else SHORT_STATE.get(c.state, c.state) for c in row.folds]  # fmt: skip
     spread = DASH
     if row.mean_dice is not None:
@@ -76,7 +76,7 @@ def cv_table(rows: list[CvRow]) -> str:
 
 def row_class_dice(row: CvRow) -> tuple[list, int]:
     """Final validation Dice per class or region (with its name), mean of finished folds."""
-    finished = [c.fold for c in row.folds if c.state == "finished"]
+    finished = [c.fold for c in row.folds if c.state == State.FINISHED]
     return mean_class_dice(fold_dirs(row.template.run_dir, finished))
 
 

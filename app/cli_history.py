@@ -44,7 +44,8 @@ def cmd_export(options: argparse.Namespace, registry: Registry) -> int:
         view = cli_adopted.find(options, registry, options.job)
         if view is None or not view.job.run_dir:
             return _error(f"no run {options.job!r} with a readable run folder", EXIT_USAGE)
-        job, code = view.job, EXIT_OK
+        job: Job | None = view.job
+        code = EXIT_OK
     else:
         job, code = _resolve(registry, options.job)
     if job is None:

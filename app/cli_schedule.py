@@ -14,7 +14,7 @@ from app.services.hooks import parse_hook
 from app.services.registry import Registry
 from app.services.schedule import Schedule
 from app.services.waiting import waiting
-from trainer.schema import State
+from trainer.schema import RUNNING_STATES, WAITING_STATES, State
 
 EXIT_OK, EXIT_USAGE, EXIT_NOTHING = 0, 2, 3
 
@@ -26,11 +26,7 @@ def schedule_notes(view: Any) -> list[str]:
         notes.append(f"waiting: {job.waiting_reason}")
     if job.restarts:
         notes.append(f"restarts {len(job.restarts)}/{job.retries}: {'; '.join(job.restarts)}")
-    if job.stall_acted_at is not None and view.state not in (
-        State.QUEUED,
-        State.RUNNING,
-        State.STARTING,
-    ):
+    if job.stall_acted_at is not None and view.state not in WAITING_STATES | RUNNING_STATES:
         notes.append(f"ended by the stall watchdog ({job.stall_action}): {job.stall_reason}")
     return notes
 

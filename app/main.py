@@ -196,7 +196,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _flags(parser: argparse.ArgumentParser) -> list[str]:
     """Every flag of a parser and its subcommands (extra arguments are reported by the top)."""
-    flags = []
+    flags: list[str] = []
     for action in parser._actions:
         flags += action.option_strings
         if isinstance(action, argparse._SubParsersAction):
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_tui(options)
     from app import cli
 
-    more = {}
+    more: dict[str, cli.Handler] = {}
     if options.command == "predict":  # its own module (it imports cli)
         from app.cli_predict import cmd_predict
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from platformdirs import user_downloads_path
 from textual.app import App
@@ -24,7 +24,14 @@ from textual.message import Message
 from app.screens.palette import NnuiCommands
 from app.services import catalog, launcher
 from app.services.bell import NO_BELL_ENV
-from trainer.schema import Roots, State, resolve_roots
+from trainer.schema import LIVE_STATES, Roots, resolve_roots
+
+if TYPE_CHECKING:  # imported where used (the app starts before it reads anything)
+    from app.services.gpu_history import PanelReadings
+    from app.services.gpus import GpuMonitor, MachineSnapshot
+    from app.services.jobs import JobTracker, JobView
+    from app.services.procs import LoadSampler
+    from app.services.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +59,10 @@ class TuiConfig:
 class Services:
     """What the app talks to; tests may pass their own."""
 
-    monitor: Any
-    registry: Any
-    tracker: Any
-    sampler: Any = None  # host line and GPU processes' load; None: procs.LoadSampler()
+    monitor: GpuMonitor
+    registry: Registry
+    tracker: JobTracker
+    sampler: LoadSampler | None = None  # host line and GPU processes' load; None: a new one
 
 
 def default_services(config: TuiConfig) -> Services:
@@ -73,18 +80,13 @@ def default_services(config: TuiConfig) -> Services:
     return Services(monitor=monitor, registry=registry, tracker=tracker)
 
 
-def simulated_load(views: list[Any]) -> dict[int, list[tuple[int, str]]]:
+def simulated_load(views: list[JobView]) -> dict[int, list[tuple[int, str]]]:
     """{simulated GPU: [(pid, name)]} of nnui's own live jobs, so the simulated GPUs show
     processes and utilisation that follow what was launched."""
     load: dict[int, list[tuple[int, str]]] = {}
     for view in views:
         job = view.job
-        if not job.simulated or view.state not in (
-            State.STARTING,
-            State.RUNNING,
-            State.STOPPING,
-            State.VALIDATING,
-        ):
+        if not job.simulated or view.state not in LIVE_STATES:
             continue
         ranks = (view.topology or {}).get("ranks") or []
         trainer = job.process("trainer") if hasattr(job, "process") else None
@@ -133,7 +135,7 @@ class _Reader:
 
 
 class MachineRead(Message):
-    def __init__(self, snapshot: Any, readings: Any = None) -> None:
+    def __init__(self, snapshot: MachineSnapshot, readings: PanelReadings | None = None) -> None:
         super().__init__()
         self.snapshot = snapshot
         self.readings = readings  # PanelReadings: history, host line, per-process load
@@ -142,7 +144,7 @@ class MachineRead(Message):
 class JobsRead(Message):
     def __init__(
         self,
-        views: list[Any],
+        views: list[JobView],
         cv_eta_s: float | None,
         first_step: str | None = None,
         problems: tuple[str, ...] = (),
@@ -160,20 +162,21 @@ class NnuiApp(App):
     COMMANDS = App.COMMANDS | {NnuiCommands}
     # Screens get "-short" below 32 rows (nnui.tcss gives the jobs table the room) and
     # "-narrow" below 120 columns (the launch options go under the fold board).
-    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (120, "-wide")]
-    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (32, "-tall")]
+    # Textual declares both `ClassVar[...] | None`, which mypy takes for an instance variable.
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (120, "-wide")]  # type: ignore[misc]
+    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (32, "-tall")]  # type: ignore[misc]
 
     def __init__(self, config: TuiConfig, services: Services) -> None:
         super().__init__()
         self.config = config
         self.services = services
-        self.snapshot: Any = None
-        self.readings: Any = None
+        self.snapshot: MachineSnapshot | None = None
+        self.readings: PanelReadings | None = None
         self.theme = THEMES.get(config.theme, THEMES["dark"])
         self._panel_sampler: Any = None  # created in the gpus thread (it reads /proc)
         self._procs_read_at: float | None = None
         self._host_read_at: float | None = None
-        self.views: list[Any] = []
+        self.views: list[JobView] = []
         self.cv_eta_s: float | None = None
         self.first_step: str | None = None
         self.problems: tuple[str, ...] = ()  # unreadable registry files (shown as warnings)
@@ -287,7 +290,7 @@ class NnuiApp(App):
         roots = self.config.roots
         return None if catalog.list_datasets(roots) else catalog.first_step(roots)
 
-    def _watch_only(self, tracker: Any) -> list[Any]:
+    def _watch_only(self, tracker: JobTracker) -> list[JobView]:
         """nnU-Net runs nnui did not start (rows marked watch-only). Finding them reads
         /proc, so it runs at the processes' pace (DESIGN §6: 2 s), in the jobs thread."""
         refresh = getattr(tracker, "refresh_watch_only", None)
@@ -333,7 +336,7 @@ class NnuiApp(App):
             if show is not None:
                 show(message.views, message.cv_eta_s)
 
-    def view_of(self, job_id: str) -> Any | None:
+    def view_of(self, job_id: str) -> JobView | None:
         return next((v for v in self.views if v.job.job_id == job_id), None)
 
     def deliver_screenshot(

@@ -21,7 +21,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where used: they pull in torch
+    import torch
+
+    from trainer.config import TrainConfig
+    from trainer.data.labels import LabelSpec
+    from trainer.launch import Topology
+    from trainer.planning.plans import ConfigurationPlan, Plans
 
 log = logging.getLogger("trainer")
 
@@ -98,7 +106,7 @@ class Target:
     label_values: list[int]  # sorted, background first: what a prediction can hold
     foreground: list[Any]  # scored keys: label values, or regions (tuples)
     preprocessed_dir: Path
-    spec: Any = None  # trainer.data.labels.LabelSpec
+    spec: LabelSpec
 
     def reference(self, case_id: str) -> Path:
         assert self.raw_dataset is not None
@@ -109,7 +117,7 @@ class Target:
         return self.raw_dataset / "imagesTr" / f"{case_id}_0000{self.ending}"
 
 
-def make_target(config: Any, plans: Any, preprocessed_dir: Path, is_main: bool) -> Target:
+def make_target(config: TrainConfig, plans: Plans, preprocessed_dir: Path, is_main: bool) -> Target:
     """Only rank 0 reads the raw dataset (other nodes may not have it)."""
     from trainer import distributed
     from trainer.data.labels import is_plain
@@ -131,7 +139,9 @@ def make_target(config: Any, plans: Any, preprocessed_dir: Path, is_main: bool) 
     return Target(output, raw, ending, values, foreground, Path(preprocessed_dir), spec)
 
 
-def evaluation_model(plans: Any, cplan: Any, raw_model: Any, device: Any) -> Any:
+def evaluation_model(
+    plans: Plans, cplan: ConfigurationPlan, raw_model: Any, device: torch.device
+) -> Any:
     """The network nnui-predict builds from checkpoint_final (deep supervision off, no
     recomputation, eval mode), with the trained weights: so the validation's numbers are
     the very numbers a prediction gives."""
@@ -145,9 +155,19 @@ def evaluation_model(plans: Any, cplan: Any, raw_model: Any, device: Any) -> Any
 CaseSink = Callable[[int, str, Any], None]
 
 
-def predict_share(model: Any, cases: Any, case_ids: list[str], cplan: Any, num_classes: int,
-                  device: Any, mirror: bool, target: Target, keep_probabilities: bool,
-                  sink: CaseSink, autocast_dtype: Any = None) -> list[list]:  # fmt: skip
+def predict_share(
+    model: Any,
+    cases: Any,
+    case_ids: list[str],
+    cplan: ConfigurationPlan,
+    num_classes: int,
+    device: torch.device,
+    mirror: bool,
+    target: Target,
+    keep_probabilities: bool,
+    sink: CaseSink,
+    autocast_dtype: Any = None,
+) -> list[list]:
     """Predict this rank's cases in order; each goes to `sink` in the raw geometry. Returns
     [case id, summary entry] scored in the preprocessed space (only without raw data)."""
     import numpy as np
@@ -192,13 +212,14 @@ class Collector:
     def add(self, case_id: str, prediction: Any) -> None:
         from trainer.data.image_io import read_image
         from trainer.evaluation.evaluate import case_metrics
-        from trainer.inference.export import probabilities_bytes, write_atomic, write_prediction
+        from trainer.inference.export import probabilities_bytes, write_prediction
+        from trainer.schema import atomic_write_bytes
 
         target = self.target
         if target.raw_dataset is None:  # scored where it was predicted; probabilities only
             if prediction.probabilities is not None:
                 path = target.output_dir / f"{case_id}.npz"
-                write_atomic(path, probabilities_bytes(prediction.probabilities))
+                atomic_write_bytes(path, probabilities_bytes(prediction.probabilities))
             return
         assert target.ending is not None
         write_prediction(target.output_dir, case_id, prediction, target.image(case_id),
@@ -225,7 +246,7 @@ def _transfer_dtypes(label_values: list[int]) -> tuple[Any, Any]:
     return (torch.uint8, np.uint8) if max(label_values) < 256 else (torch.int32, np.int32)
 
 
-def make_sink(topology: Any, shares: list[list[str]], collector: Collector | None,
+def make_sink(topology: Topology, shares: list[list[str]], collector: Collector | None,
               target: Target, npz: bool, on_case: Callable[[], None],
               on_round: Callable[[int], None] | None = None) -> CaseSink:  # fmt: skip
     """Ranks > 0 send each case (segmentation, then probabilities with --npz) to rank 0,
@@ -266,7 +287,9 @@ def make_sink(topology: Any, shares: list[list[str]], collector: Collector | Non
     return sink
 
 
-def _export_next_stage(collector: Collector, config: Any, plans: Any, cplan: Any) -> None:
+def _export_next_stage(
+    collector: Collector, config: TrainConfig, plans: Plans, cplan: ConfigurationPlan
+) -> None:
     from trainer.data.cascade import export_next_stage
 
     if collector.target.raw_dataset is None:
@@ -278,8 +301,8 @@ def _export_next_stage(collector: Collector, config: Any, plans: Any, cplan: Any
     )
 
 
-def validate(config: Any, topology: Any, model: Any, cases: Any, val_ids: list[str],
-             plans: Any, cplan: Any, device: Any, autocast_dtype: Any,
+def validate(config: TrainConfig, topology: Topology, model: Any, cases: Any, val_ids: list[str],
+             plans: Plans, cplan: ConfigurationPlan, device: torch.device, autocast_dtype: Any,
              on_case: Callable[[], None],
              on_progress: Callable[[int, int], None] | None = None) -> dict | None:  # fmt: skip
     """Every rank: predict its share; rank 0: write the files and validation/summary.json.

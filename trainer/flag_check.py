@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
+    def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"error: {message}\n")
         raise SystemExit(2)
 

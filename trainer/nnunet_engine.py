@@ -61,7 +61,7 @@ def split_schedule_flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 class _QuietParser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         raise UsageError(message)  # no usage text: nnU-Net's own parser prints its own
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 SCHEMA_VERSION = 1
 
@@ -129,7 +129,9 @@ class _StrEnum(str, Enum):
     """A str that is also an enum member: JSON, ==, hashing and f-strings see the value."""
 
     __str__ = str.__str__
-    __format__ = str.__format__
+
+    def __format__(self, format_spec: str) -> str:
+        return str.__format__(self, format_spec)
 
 
 class Kind(_StrEnum):
@@ -199,6 +201,12 @@ ENDED_STATES = TERMINAL_STATES | {State.LOST, State.KILLED}  # nothing runs any 
 ACTIVE_STATES = frozenset(
     {State.STARTING, State.QUEUED, State.RUNNING, State.STOPPING, State.VALIDATING}
 )
+# Named groups, so no caller spells a state as a string or a tuple of its own.
+RUNNING_STATES = frozenset({State.RUNNING, State.VALIDATING})  # at work: counted running, ETA
+WAITING_STATES = frozenset({State.QUEUED, State.STARTING})  # launched, not at work yet
+WORKING_STATES = RUNNING_STATES | {State.STARTING}  # its trainer runs and was not told to stop
+LIVE_STATES = ACTIVE_STATES - {State.QUEUED}  # its processes exist
+FAILED_STATES = frozenset({State.FAILED, State.LOST})  # ended without finishing or a stop
 
 
 # ---- what a valid event is (checked by every reader; a record that fails is skipped) ------
@@ -454,39 +462,69 @@ def read_status(run_dir: Path) -> Status | None:
         return None
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_tmp_path(path: Path) -> Path:
+    """The one temporary name of every nnui atomic write: `.NAME.PID.tmp` in the same folder
+    (hidden, and its writer's pid says whether a leftover may be removed)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def _write_all(handle: BinaryIO, data: bytes) -> None:
+    """One seam for the write itself (tests make it fail half way, as a full disk does)."""
+    handle.write(data)
+
+
+def atomic_write_bytes(
+    path: Path, data: bytes, mode: int | None = None, exclusive: bool = False
+) -> None:
     """Write a whole file so readers see the old or the new content, never a mix.
 
     tmp in the same folder, fsync, os.replace, then fsync of the folder so the rename
     itself survives a crash (best effort: some file systems refuse a directory fsync).
+    `mode` sets the file's permission bits before it appears under its name; `exclusive`
+    creates it only where no file has that name (FileExistsError otherwise).
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = atomic_tmp_path(path)
     try:
         with open(tmp, "wb") as handle:
-            handle.write(data)
+            _write_all(handle, data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        if mode is not None:
+            os.chmod(tmp, mode)
+        if not exclusive:
+            os.replace(tmp, path)
+        else:  # os.link is atomic and fails when the name exists: a create, never a replace
+            os.link(tmp, path)
+            tmp.unlink()
     except BaseException:  # e.g. a full disk: no half file left, the old one stays
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """fsync a folder so a rename in it survives a crash (best effort: some file systems
+    refuse a directory fsync)."""
     try:
-        folder = os.open(path.parent, os.O_RDONLY)
+        fd = os.open(folder, os.O_RDONLY)
     except OSError:
         return
     try:
-        os.fsync(folder)
+        os.fsync(fd)
     except OSError:
         pass
     finally:
-        os.close(folder)
+        os.close(fd)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(
+    path: Path, text: str, mode: int | None = None, exclusive: bool = False
+) -> None:
     """atomic_write_bytes for text (UTF-8)."""
-    atomic_write_bytes(path, text.encode("utf-8"))
+    atomic_write_bytes(path, text.encode("utf-8"), mode, exclusive)
 
 
 # ---- folder layout (nnU-Net conventions) -------------------------------------------------

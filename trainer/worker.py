@@ -15,7 +15,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from trainer import stop
 from trainer.checkpoint.format import CheckpointError
@@ -28,6 +28,15 @@ from trainer.schema import (
     atomic_write_text,
     checkpoint_file,
 )
+
+if TYPE_CHECKING:  # imported where used: each of them pulls in torch
+    import torch
+
+    from trainer.data.dataset import PreprocessedCases
+    from trainer.batch import RankBatch
+    from trainer.launch import Topology
+    from trainer.loop import Checkpointer, LoopState, Trainee
+    from trainer.planning.plans import ConfigurationPlan, Plans
 
 log = logging.getLogger("trainer")
 
@@ -43,7 +52,7 @@ def setup_logging(global_rank: int) -> None:
     root.setLevel(logging.INFO if global_rank == 0 else logging.WARNING)
 
 
-def worker(topology: Any, payload: dict[str, Any]) -> int:
+def worker(topology: Topology, payload: dict[str, Any]) -> int:
     stop.install()
     stop.install_termination()
     config = TrainConfig.from_dict(payload)
@@ -69,7 +78,7 @@ def worker(topology: Any, payload: dict[str, Any]) -> int:
         stop.ignore()
 
 
-def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorder) -> int:
+def _train_and_validate(topology: Topology, config: TrainConfig, recorder: RunRecorder) -> int:
     from trainer import batch, distributed, launch
     from trainer.data.dataset import PreprocessedCases
     from trainer.loop import Checkpointer, record_stop
@@ -131,8 +140,14 @@ def _train_and_validate(topology: Any, config: TrainConfig, recorder: RunRecorde
     return 0
 
 
-def _stage_cases(config: TrainConfig, plans: Any, cplan: Any, cases: Any,
-                 case_ids: list[str], splits: list) -> Any:  # fmt: skip
+def _stage_cases(
+    config: TrainConfig,
+    plans: Plans,
+    cplan: ConfigurationPlan,
+    cases: PreprocessedCases,
+    case_ids: list[str],
+    splits: list,
+) -> PreprocessedCases:
     """3d_cascade_fullres: the cases with the previous stage's segmentations; else `cases`."""
     from trainer.data.cascade import CascadeCases, check_inputs, previous_stage_folder
 
@@ -144,7 +159,7 @@ def _stage_cases(config: TrainConfig, plans: Any, cplan: Any, cases: Any,
     return CascadeCases(cases.folder, folder, plans.label_spec)
 
 
-def _remove_stale_tmp(config: TrainConfig, topology: Any) -> None:
+def _remove_stale_tmp(config: TrainConfig, topology: Topology) -> None:
     """Rank 0, before writing anything: what a killed write left in the run folder."""
     from trainer.checkpoint.atomic import remove_stale_tmp
 
@@ -156,8 +171,14 @@ def _remove_stale_tmp(config: TrainConfig, topology: Any) -> None:
                  ", ".join(removed))  # fmt: skip
 
 
-def _record_start(config: TrainConfig, topology: Any, recorder: RunRecorder, device: Any,
-                  rank_batch: Any, class_names: list[str]) -> None:  # fmt: skip
+def _record_start(
+    config: TrainConfig,
+    topology: Topology,
+    recorder: RunRecorder,
+    device: torch.device,
+    rank_batch: RankBatch,
+    class_names: list[str],
+) -> None:
     from trainer import distributed
 
     me = {
@@ -170,6 +191,7 @@ def _record_start(config: TrainConfig, topology: Any, recorder: RunRecorder, dev
     ranks = distributed.gather_objects(me)
     if not topology.is_main:
         return
+    assert ranks is not None  # gathered on rank 0
     if not config.validation_only:  # config.json describes the training, not a --val run
         atomic_write_text(
             Path(config.run_dir) / CONFIG_FILE, json.dumps(config.to_dict(), indent=1)
@@ -186,8 +208,13 @@ def _record_start(config: TrainConfig, topology: Any, recorder: RunRecorder, dev
     recorder.status(State.STARTING, pids=[r["pid"] for r in ranks])
 
 
-def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
-                   weight_ce: float) -> Any:  # fmt: skip
+def _build_trainee(
+    config: TrainConfig,
+    plans: Plans,
+    cplan: ConfigurationPlan,
+    device: torch.device,
+    weight_ce: float,
+) -> Trainee:
     """Network, optimizer and loss, unwrapped (trainee.model is the raw model until _wrap)."""
     import torch
 
@@ -227,7 +254,7 @@ def _build_trainee(config: TrainConfig, plans: Any, cplan: Any, device: Any,
     )  # fmt: skip
 
 
-def _wrap(config: TrainConfig, topology: Any, trainee: Any) -> None:
+def _wrap(config: TrainConfig, topology: Topology, trainee: Trainee) -> None:
     """DDP (world size > 1) and torch.compile around the restored raw model."""
     import torch
 
@@ -239,14 +266,14 @@ def _wrap(config: TrainConfig, topology: Any, trainee: Any) -> None:
         ids = [device.index] if device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=ids)
     if config.compile:
-        model = torch.compile(model)
+        model = cast(torch.nn.Module, torch.compile(model))  # a module in, an OptimizedModule out
     trainee.model = model
 
 
 Loaded = tuple[dict[str, Any], dict[str, Any], str]  # tensors, metadata, path
 
 
-def _load_on_main(pick: Callable[[], Loaded | None], topology: Any) -> Loaded | None:
+def _load_on_main(pick: Callable[[], Loaded | None], topology: Topology) -> Loaded | None:
     """Rank 0 picks and reads the checkpoint and hands it to every rank (other nodes may lack
     the file). None: rank 0 has nothing to resume from. A refusal (CheckpointError,
     IdentityMismatch, BeyondSchedule) fails every rank together."""
@@ -273,7 +300,7 @@ def _load_on_main(pick: Callable[[], Loaded | None], topology: Any) -> Loaded | 
     return tensors, header["metadata"], header["path"]
 
 
-def _pick_resume(config: TrainConfig, trainee: Any) -> Loaded | None:
+def _pick_resume(config: TrainConfig, trainee: Trainee) -> Loaded | None:
     """The newest checkpoint that is intact, of this run and fits the live objects."""
     from trainer.checkpoint import store
     from trainer.checkpoint.fit import check_fits
@@ -290,7 +317,7 @@ def _pick_resume(config: TrainConfig, trainee: Any) -> Loaded | None:
     return found.tensors, found.info.metadata, str(found.info.path)
 
 
-def _apply(tensors: dict, metadata: dict, path: str, trainee: Any, resume: bool) -> None:
+def _apply(tensors: dict, metadata: dict, path: str, trainee: Trainee, resume: bool) -> None:
     """checkpoint.apply; the checks before it make a failure here a bug, said in one line."""
     from trainer.checkpoint import store
 
@@ -307,7 +334,9 @@ def _apply(tensors: dict, metadata: dict, path: str, trainee: Any, resume: bool)
         raise CheckpointError(f"{Path(path).name} does not load: {first_line}") from None
 
 
-def _restore(config: TrainConfig, topology: Any, trainee: Any, recorder: RunRecorder) -> Any:
+def _restore(
+    config: TrainConfig, topology: Topology, trainee: Trainee, recorder: RunRecorder
+) -> LoopState:
     """LoopState to start from: fresh, a resumed checkpoint, or the one --val validates.
 
     Rank 0 chooses (the newest checkpoint that passes every check, as the CLI did) and
@@ -337,18 +366,18 @@ def _restore(config: TrainConfig, topology: Any, trainee: Any, recorder: RunReco
     loaded = _load_on_main(lambda: _pick_resume(config, trainee), topology)
     if loaded is None:
         return LoopState()
-    tensors, metadata, path = loaded
-    _apply(tensors, metadata, path, trainee, resume=True)
+    tensors, metadata, resumed_from = loaded
+    _apply(tensors, metadata, resumed_from, trainee, resume=True)
     if topology.is_main:
-        log.info("continuing from %s at epoch %d", Path(path).name, metadata["epoch_next"])
+        log.info("continuing from %s at epoch %d", Path(resumed_from).name, metadata["epoch_next"])
     return LoopState(
         epoch_next=metadata["epoch_next"], ema=metadata.get("ema_fg_dice"),
         best_ema=metadata.get("best_ema"), history=History.from_dict(metadata.get("history", {})),
-        last_checkpoint=path, resumed_kind=metadata.get("kind"),
+        last_checkpoint=resumed_from, resumed_kind=metadata.get("kind"),
     )  # fmt: skip
 
 
-def _load_pretrained(config: TrainConfig, topology: Any, trainee: Any) -> None:
+def _load_pretrained(config: TrainConfig, topology: Topology, trainee: Trainee) -> None:
     """-pretrained_weights: rank 0 reads the file and picks the tensors whose name and shape
     fit; every rank loads those very tensors (other nodes may lack the file)."""
     from trainer.checkpoint.pretrained import load_matching
@@ -369,9 +398,18 @@ def _load_pretrained(config: TrainConfig, topology: Any, trainee: Any) -> None:
         log.info("%s", metadata["report"])
 
 
-def _train(config: TrainConfig, topology: Any, trainee: Any, state: Any, cases: Any,
-           streams: dict[str, list[str]], cplan: Any, rank_batch: Any, recorder: RunRecorder,
-           checkpointer: Any) -> bool:  # fmt: skip
+def _train(
+    config: TrainConfig,
+    topology: Topology,
+    trainee: Trainee,
+    state: LoopState,
+    cases: PreprocessedCases,
+    streams: dict[str, list[str]],
+    cplan: ConfigurationPlan,
+    rank_batch: RankBatch,
+    recorder: RunRecorder,
+    checkpointer: Checkpointer,
+) -> bool:
     """The epochs, with both loaders closed whatever happens. False = stopped by SIGUSR1."""
     from trainer.data.cascade import CascadeBatches, CascadeCases
     from trainer.data.labels import location_rule
@@ -401,9 +439,16 @@ def _train(config: TrainConfig, topology: Any, trainee: Any, state: Any, cases: 
         )
 
 
-def _final_validation(config: TrainConfig, topology: Any, trainee: Any, cases: Any,
-                      val_ids: list[str], plans: Any, cplan: Any,
-                      recorder: RunRecorder) -> None:  # fmt: skip
+def _final_validation(
+    config: TrainConfig,
+    topology: Topology,
+    trainee: Trainee,
+    cases: PreprocessedCases,
+    val_ids: list[str],
+    plans: Plans,
+    cplan: ConfigurationPlan,
+    recorder: RunRecorder,
+) -> None:
     """Whole validation cases, split val_ids[rank::W], written and scored in the raw
     geometry by rank 0 (trainer.final_validation); `validation_finished` from its summary."""
     from trainer.final_validation import evaluation_model, validate
@@ -440,7 +485,7 @@ def _final_validation(config: TrainConfig, topology: Any, trainee: Any, cases: A
 def stop_notice() -> Callable[[], None]:
     """Called after each validated case: says once that a SIGUSR1 waits for the final
     validation to finish (there is nothing to resume after it)."""
-    told = []
+    told: list[bool] = []
 
     def on_case() -> None:
         if stop.requested() and not told:

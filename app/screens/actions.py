@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.screens.confirm import (
     KillConfirmScreen,
@@ -20,21 +20,32 @@ from app.screens.confirm import (
     StopConfirmScreen,
 )
 from app.services import adopted, catalog, job_text, launcher, nnunet_runs, prediction, signals
-from app.services.registry import PREDICT
-from app.services.targets import is_adopted
+from app.services.registry import PREDICT, Job
+from app.services.targets import StopPlan, is_adopted
 from app.services.waiting import between_attempts
-from trainer.schema import ACTIVE_STATES, ENDED_STATES, DatasetNotFound, State, find_dataset
+from trainer.schema import (
+    ACTIVE_STATES,
+    ENDED_STATES,
+    DatasetNotFound,
+    Roots,
+    State,
+    find_dataset,
+)
 
-NOTHING_TO_STOP = ENDED_STATES
-ACTIVE = ACTIVE_STATES
+if TYPE_CHECKING:
+    from app.screens.seam import AppSeam
+    from app.services.jobs import JobView
+    from app.services.launch_request import LaunchRequest
+    from app.services.launcher import LaunchPlan
+    from app.services.procs import ProcInfo
 
 
 @dataclass(frozen=True)
 class StopChoice:
     """One job in the stop dialog: its plan, or why nothing will be sent."""
 
-    view: Any
-    plan: Any | None  # signals.StopPlan
+    view: JobView
+    plan: StopPlan | None
     note: str | None
 
     @property
@@ -48,12 +59,12 @@ class StopChoice:
 
 @dataclass(frozen=True)
 class KillChoice:
-    view: Any
-    processes: tuple[Any, ...]  # procs.ProcInfo
+    view: JobView
+    processes: tuple[ProcInfo, ...]
 
 
-def plan_stop_choice(view: Any) -> StopChoice:
-    if view.state in NOTHING_TO_STOP:
+def plan_stop_choice(view: JobView) -> StopChoice:
+    if view.state in ENDED_STATES:
         return StopChoice(view, None, f"job is {view.state}: nothing to stop, nothing is sent")
     waits = view.state == State.QUEUED and between_attempts(view.job)
     if view.state == State.QUEUED and not view.topology and not waits:
@@ -71,14 +82,14 @@ def plan_stop_choice(view: Any) -> StopChoice:
     return StopChoice(view, plan, note)
 
 
-def _views(app: Any, job_ids: Sequence[str]) -> list[Any]:
+def _views(app: AppSeam, job_ids: Sequence[str]) -> list[JobView]:
     views = [v for v in (app.view_of(j) for j in job_ids) if v is not None]
     if not views:
         app.notify("No job selected", severity="warning")
     return views
 
 
-def _report_error(app: Any, result: Any) -> bool:
+def _report_error(app: AppSeam, result: object) -> bool:
     if isinstance(result, Exception):
         app.notify(f"error: {result}", severity="error", timeout=10)
         return True
@@ -89,7 +100,7 @@ def _report_error(app: Any, result: Any) -> bool:
 
 
 def refuse_watch_only(
-    app: Any, views: list[Any], title: str, proceed: Callable[[list[Any]], None]
+    app: AppSeam, views: list[JobView], title: str, proceed: Callable[[list[JobView]], None]
 ) -> None:
     """Show why the watch-only views are left alone, then `proceed` with the others."""
     watched = [v for v in views if getattr(v, "watch_only", False)]
@@ -107,13 +118,16 @@ def refuse_watch_only(
             app.push_screen(RefusalScreen(title, result), closed)
 
     # stop_refusal reads the process's SigCgt from /proc: off the UI thread.
-    app.run_in_thread(lambda: [(v, nnunet_runs.stop_refusal(v.watch)) for v in watched], planned)
+    def refusals() -> list[tuple[JobView, nnunet_runs.StopRefusal]]:  # watch-only: has a run
+        return [(v, nnunet_runs.stop_refusal(v.watch)) for v in watched if v.watch is not None]
+
+    app.run_in_thread(refusals, planned)
 
 
 # ---- stop ---------------------------------------------------------------------------
 
 
-def stop_jobs(app: Any, job_ids: Sequence[str]) -> None:
+def stop_jobs(app: AppSeam, job_ids: Sequence[str]) -> None:
     views = _views(app, job_ids)
     if views:
         refuse_watch_only(
@@ -121,7 +135,7 @@ def stop_jobs(app: Any, job_ids: Sequence[str]) -> None:
         )
 
 
-def _stop(app: Any, views: list[Any]) -> None:
+def _stop(app: AppSeam, views: list[JobView]) -> None:
 
     def confirmed(choices: list[StopChoice], ok: bool | None) -> None:
         if ok:
@@ -134,11 +148,11 @@ def _stop(app: Any, views: list[Any]) -> None:
     app.run_in_thread(lambda: [plan_stop_choice(v) for v in views], planned)
 
 
-def send_stops(app: Any, choices: list[StopChoice]) -> list[str]:
+def send_stops(app: AppSeam, choices: list[StopChoice]) -> list[str]:
     lines = []
     for choice in choices:
         job = choice.view.job
-        if choice.sends:
+        if choice.plan is not None and choice.sends:
             records = signals.send_stop(choice.plan, job, app.services.registry)
             sent = [r for r in records if r.result == "sent"]
             lines.append(f"{job.job_id}: SIGUSR1 to {', '.join(str(r.pid) for r in sent)}")
@@ -149,7 +163,7 @@ def send_stops(app: Any, choices: list[StopChoice]) -> list[str]:
     return lines
 
 
-def stops_sent(app: Any, result: Any) -> None:
+def stops_sent(app: AppSeam, result: Any) -> None:
     if not _report_error(app, result):
         app.notify("\n".join(result) or "nothing sent", title="stop", timeout=8)
         app.poll_jobs()
@@ -158,7 +172,7 @@ def stops_sent(app: Any, result: Any) -> None:
 # ---- kill ---------------------------------------------------------------------------
 
 
-def kill_jobs(app: Any, job_ids: Sequence[str]) -> None:
+def kill_jobs(app: AppSeam, job_ids: Sequence[str]) -> None:
     views = _views(app, job_ids)
     if views:
         refuse_watch_only(
@@ -166,8 +180,8 @@ def kill_jobs(app: Any, job_ids: Sequence[str]) -> None:
         )
 
 
-def _kill(app: Any, views: list[Any]) -> None:
-    views = [v for v in views if v.state not in NOTHING_TO_STOP]
+def _kill(app: AppSeam, views: list[JobView]) -> None:
+    views = [v for v in views if v.state not in ENDED_STATES]
     if not views:
         app.notify("Nothing to kill: the selected jobs are not running", severity="warning")
         return
@@ -198,7 +212,7 @@ def _kill(app: Any, views: list[Any]) -> None:
 # ---- launch and resume --------------------------------------------------------------
 
 
-def batch_size_of(request: Any, roots: Any) -> int | None:
+def batch_size_of(request: LaunchRequest, roots: Roots) -> int | None:
     """The global batch size in the plans file the request trains with (its engine's)."""
     used = launcher.effective_roots(request, roots)
     who = launcher.identity(request)
@@ -210,7 +224,7 @@ def batch_size_of(request: Any, roots: Any) -> int | None:
     return catalog.plans_batch_size(used, dataset_name, request.configuration, plans_file)
 
 
-def resume_plan(app: Any, job: Any) -> tuple[list[Any], list[str]]:
+def resume_plan(app: AppSeam, job: Job) -> tuple[list[LaunchPlan], list[str]]:
     """The launch plans that continue a job (`--c`, its engine, GPUs and roots), or why not;
     a prediction part continues with --continue_prediction."""
     if job.kind == PREDICT:
@@ -230,7 +244,7 @@ def resume_plan(app: Any, job: Any) -> tuple[list[Any], list[str]]:
     )
 
 
-def busy_notes(app: Any, job: Any) -> list[str]:
+def busy_notes(app: AppSeam, job: Job) -> list[str]:
     """The GPUs of a resume that already run a process (the dialog names them)."""
     if job.kind == PREDICT or is_adopted(job):
         return []
@@ -242,7 +256,7 @@ def busy_notes(app: Any, job: Any) -> list[str]:
     return checks.confirmations
 
 
-def start_plans(app: Any, plans: Sequence[Any]) -> None:
+def start_plans(app: AppSeam, plans: Sequence[LaunchPlan]) -> None:
     def work() -> list[str]:
         registry = app.services.registry
         parts = [p for p in plans if p.kind == PREDICT]  # all at once, or none
@@ -257,7 +271,7 @@ def start_plans(app: Any, plans: Sequence[Any]) -> None:
     app.run_in_thread(work, done)
 
 
-def resume_jobs(app: Any, job_ids: Sequence[str]) -> None:
+def resume_jobs(app: AppSeam, job_ids: Sequence[str]) -> None:
     views = _views(app, job_ids)
     if views:
         refuse_watch_only(
@@ -265,21 +279,24 @@ def resume_jobs(app: Any, job_ids: Sequence[str]) -> None:
         )
 
 
-def _resume(app: Any, views: list[Any]) -> None:
-    busy = [v.job.job_id for v in views if v.state in ACTIVE]
+def _resume(app: AppSeam, views: list[JobView]) -> None:
+    busy = [v.job.job_id for v in views if v.state in ACTIVE_STATES]
     if busy:
         app.notify(f"still running, not resumed: {', '.join(busy)}", severity="warning")
-    views = [v for v in views if v.state not in ACTIVE]
+    views = [v for v in views if v.state not in ACTIVE_STATES]
     if not views:
         return
 
     def plan() -> tuple[list[Any], list[str], list[str]]:
-        plans, problems, notes = [], [], []
+        plans: list[LaunchPlan | tuple[LaunchPlan, str]] = []
+        problems: list[str] = []
+        notes: list[str] = []
         for view in views:
             got, why = resume_plan(app, view.job)
             if view.job.kind != PREDICT:  # say what --c continues from, or that it cannot
-                got = [(p, job_text.resume_from(view)) for p in got]
-            plans += got
+                plans += [(p, job_text.resume_from(view)) for p in got]
+            else:
+                plans += got
             problems += [f"{view.job.job_id}: {p}" for p in why]
             notes += [n for n in busy_notes(app, view.job) if n not in notes]
         return plans, problems, notes

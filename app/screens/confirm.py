@@ -7,7 +7,7 @@ refusal (s/r/k on a watch-only nnU-Net run) says why and how, and offers only Cl
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -19,10 +19,15 @@ from textual.widgets import Button, Input, Static
 from app.widgets.formatting import readable_style
 from trainer.schema import State
 
+if TYPE_CHECKING:  # actions.py imports this module
+    from app.screens.actions import KillChoice, StopChoice
+    from app.services.jobs import JobView
+    from app.services.nnunet_runs import StopRefusal
+
 KILL_WORD = "kill"
 
 
-def _before_first_epoch(view: Any) -> bool:
+def _before_first_epoch(view: JobView) -> bool:
     """No epoch has ended and no training step of epoch 1 reported: a stop now ends the
     start-up (trainer.worker: stop before the first epoch, nothing to save)."""
     if view.epoch not in (0, None) or view.history:
@@ -30,7 +35,7 @@ def _before_first_epoch(view: Any) -> bool:
     return not any(p.epoch == 0 for p in getattr(view, "running_loss", ()))
 
 
-def stop_text(choices: Sequence[Any], mono: bool = False) -> Text:
+def stop_text(choices: Sequence[StopChoice], mono: bool = False) -> Text:
     text = Text()
     for i, choice in enumerate(choices):
         view, plan = choice.view, choice.plan
@@ -97,7 +102,7 @@ class StopConfirmScreen(ModalScreen[bool]):
         Binding("n,escape", "cancel", "Cancel", id="cancel-stop"),
     ]
 
-    def __init__(self, choices: Sequence[Any]) -> None:
+    def __init__(self, choices: Sequence[StopChoice]) -> None:
         super().__init__(id="stop-confirm")
         self.choices = list(choices)
         self.actionable = any(c.sends or c.queues for c in self.choices)
@@ -127,7 +132,7 @@ class StopConfirmScreen(ModalScreen[bool]):
         self.dismiss(event.button.id == "yes" and self.actionable)
 
 
-def kill_text(choices: Sequence[Any], mono: bool = False) -> Text:
+def kill_text(choices: Sequence[KillChoice], mono: bool = False) -> Text:
     text = Text()
     for i, choice in enumerate(choices):
         job = choice.view.job
@@ -154,7 +159,7 @@ class KillConfirmScreen(ModalScreen[bool]):
         Binding("escape", "cancel", "Cancel", id="cancel-kill")
     ]
 
-    def __init__(self, choices: Sequence[Any]) -> None:
+    def __init__(self, choices: Sequence[KillChoice]) -> None:
         super().__init__(id="kill-confirm")
         self.choices = list(choices)
         self.num_refused = 0  # entries that were not the word (tests wait for it)
@@ -224,7 +229,7 @@ class LaunchConfirmScreen(ModalScreen[bool]):
         self.dismiss(event.button.id == "yes")
 
 
-def refusal_text(refusals: Sequence[tuple[Any, Any]], mono: bool = False) -> Text:
+def refusal_text(refusals: Sequence[tuple[JobView, StopRefusal]], mono: bool = False) -> Text:
     """(view, nnunet_runs.StopRefusal) pairs: the reason and the hints of each."""
     text = Text()
     for i, (view, refusal) in enumerate(refusals):
@@ -246,7 +251,7 @@ class RefusalScreen(ModalScreen[None]):
         Binding("n,escape,enter", "close", "Close", id="close-refusal")
     ]
 
-    def __init__(self, title: str, refusals: Sequence[tuple[Any, Any]]) -> None:
+    def __init__(self, title: str, refusals: Sequence[tuple[JobView, StopRefusal]]) -> None:
         super().__init__(id="refusal")
         self.title_text = title
         self.refusals = list(refusals)

@@ -17,6 +17,7 @@ from app.cli_cv import HEADER, NARROW_HEADER, narrow_row_cells, row_cells, table
 from app.screens import actions
 from app.screens.confirm import LaunchConfirmScreen
 from app.screens.keys import CV_ACTIONS, CV_NAV
+from app.screens.seam import app_of
 from app.services import launcher
 from app.services.cross_validation import CvRow, QueueLaunch, cv_rows, queue_launches
 from app.widgets.fitting_footer import FittingFooter
@@ -57,7 +58,7 @@ class CrossValidationScreen(Screen):
         return NARROW_HEADER, [narrow_row_cells(r) for r in rows]
 
     def refresh_rows(self) -> None:
-        app = self.app
+        app = app_of(self)
         rows = cv_rows(app.views, app.services.tracker.cross_validation_eta_s)
         table = self.query_one(DataTable)
         cursor = table.cursor_row
@@ -79,8 +80,9 @@ class CrossValidationScreen(Screen):
         return self.rows[min(self.query_one(DataTable).cursor_row, len(self.rows) - 1)]
 
     def _launches(self, row: CvRow) -> list[QueueLaunch]:
-        gpus = [str(g.index) for g in (self.app.snapshot.gpus if self.app.snapshot else ())]
-        return queue_launches(row, gpus, self.app.config.simulate_gpus)
+        app = app_of(self)
+        gpus = [str(g.index) for g in (app.snapshot.gpus if app.snapshot else ())]
+        return queue_launches(row, gpus, app.config.simulate_gpus)
 
     def _show_queue(self) -> None:
         row = self.selected()
@@ -97,7 +99,7 @@ class CrossValidationScreen(Screen):
             self.notify("nothing to queue: every fold is finished, running or waiting")
             return
         self.queued = self._launches(row)
-        app = self.app
+        app = app_of(self)
         snapshot, registry, roots = app.snapshot, app.services.registry, app.config.roots
 
         def plan() -> tuple[list[Any], list[str]]:
@@ -124,7 +126,7 @@ class CrossValidationScreen(Screen):
 
         def answered(yes: bool | None) -> None:
             if yes and plans and not problems:
-                actions.start_plans(self.app, plans)
+                actions.start_plans(app_of(self), plans)
 
         title = f"Queue {sum(len(q.folds) for q in self.queued)} fold(s)"
         self.app.push_screen(LaunchConfirmScreen(title, previews, problems), answered)

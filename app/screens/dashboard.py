@@ -6,7 +6,7 @@ kill binding exists at all, so no key and no footer entry can trigger one.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -20,19 +20,24 @@ from app.screens.job_detail import JobDetailScreen
 from app.screens.job_summary import summary_text
 from app.screens.keys import ACTION_IDS, DASHBOARD_ACTIONS, DASHBOARD_NAV, DASHBOARD_VIEW
 from app.screens.launch import LaunchScreen
+from app.screens.seam import app_of
 from app.services import job_list
 from app.services.bell import BellRule
 from app.services.job_text import alert_condition, human_duration
 from app.widgets.fitting_footer import FittingFooter
 from app.widgets.gpu_panel import GpuPanel
 from app.widgets.job_table import JobTable
-from trainer.schema import State
+from trainer.schema import RUNNING_STATES, State
+
+if TYPE_CHECKING:
+    from app.services.gpus import MachineSnapshot
+    from app.services.jobs import JobView
 
 __all__ = ["ACTION_IDS", "DashboardScreen", "cv_text", "summary_text"]
 
 
-def cv_text(views: list[Any], cv_eta_s: float | None, problems: tuple[str, ...] = ()) -> Text:
-    running = sum(1 for v in views if v.state in (State.RUNNING, State.VALIDATING))
+def cv_text(views: list[JobView], cv_eta_s: float | None, problems: tuple[str, ...] = ()) -> Text:
+    running = sum(1 for v in views if v.state in RUNNING_STATES)
     text = Text()
     text.append(f" {len(views)} job{'s' if len(views) != 1 else ''}, {running} running", "bold")
     text.append(f"   cross-validation ETA: {human_duration(cv_eta_s)}")
@@ -61,7 +66,7 @@ class DashboardScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield Header()
-        yield GpuPanel(cpu_slots=self.app.config.cpu_slots, id="gpu-panel")
+        yield GpuPanel(cpu_slots=app_of(self).config.cpu_slots, id="gpu-panel")
         yield JobTable(id="jobs")
         yield Input(placeholder="filter: words of id, dataset, fold, state, trainer, GPUs "
                     "(enter keeps, escape clears)", id="job-filter")  # fmt: skip
@@ -75,17 +80,18 @@ class DashboardScreen(Screen):
         self._title_table()
         self.query_one("#job-filter", Input).display = False
         self.query_one(JobTable).focus()
-        if self.app.snapshot is not None:
-            self.show_machine(self.app.snapshot)
-        self.show_jobs(self.app.views, self.app.cv_eta_s)
+        snapshot = app_of(self).snapshot
+        if snapshot is not None:
+            self.show_machine(snapshot)
+        self.show_jobs(app_of(self).views, app_of(self).cv_eta_s)
 
     # ---- data from the app ------------------------------------------------------------
 
-    def show_machine(self, snapshot: Any) -> None:
+    def show_machine(self, snapshot: MachineSnapshot) -> None:
         if self._ready:
             self.query_one(GpuPanel).update_snapshot(snapshot, getattr(self.app, "readings", None))
 
-    def show_jobs(self, views: list[Any], cv_eta_s: float | None) -> None:
+    def show_jobs(self, views: list[JobView], cv_eta_s: float | None) -> None:
         if not self._ready:
             return
         self.query_one(JobTable).show(job_list.arrange(views, self.filter_text, self.sort))
@@ -101,8 +107,8 @@ class DashboardScreen(Screen):
                 self._problems_seen.add(problem)
                 self.notify(f"warning: {problem}", severity="warning", timeout=10)
 
-    def _notify_changes(self, views: list[Any]) -> None:
-        if self._bell.rings(views) and self.app.config.bell:
+    def _notify_changes(self, views: list[JobView]) -> None:
+        if self._bell.rings(views) and app_of(self).config.bell:
             self.app.bell()
         # One toast per condition while it lasts ("stalled ... 208 s", "209 s" are one); it
         # toasts again only after it cleared and came back.
@@ -127,10 +133,10 @@ class DashboardScreen(Screen):
             return
         table = self.query_one(JobTable)
         job_id = table.current_job_id
-        view = self.app.view_of(job_id) if job_id else None
-        loading = self.app.num_jobs_messages == 0
+        view = app_of(self).view_of(job_id) if job_id else None
+        loading = app_of(self).num_jobs_messages == 0
         text = summary_text(
-            view, self.app.first_step, len(self.app.problems), loading, self.app.no_color
+            view, app_of(self).first_step, len(app_of(self).problems), loading, self.app.no_color
         )
         if text.plain != self._summary:
             self._summary = text.plain
@@ -158,7 +164,7 @@ class DashboardScreen(Screen):
 
     def _rearrange(self) -> None:
         self._title_table()
-        self.show_jobs(self.app.views, self.app.cv_eta_s)
+        self.show_jobs(app_of(self).views, app_of(self).cv_eta_s)
 
     def action_filter(self) -> None:
         box = self.query_one("#job-filter", Input)
@@ -195,9 +201,9 @@ class DashboardScreen(Screen):
         """True (and says so) while the first job reading, or for `gpus` the first GPU
         reading, has not come: an action now would act on a table that is not there yet."""
         missing = []
-        if gpus and self.app.snapshot is None:
+        if gpus and app_of(self).snapshot is None:
             missing.append("GPUs")
-        if self.app.num_jobs_messages == 0:
+        if app_of(self).num_jobs_messages == 0:
             missing.append("jobs")
         if missing:
             what = " and ".join(missing)
@@ -247,12 +253,12 @@ class DashboardScreen(Screen):
 
     def action_stop(self) -> None:
         if self._allowed():
-            actions.stop_jobs(self.app, self.target_job_ids())
+            actions.stop_jobs(app_of(self), self.target_job_ids())
 
     def action_resume(self) -> None:
         if self._allowed():
-            actions.resume_jobs(self.app, self.target_job_ids())
+            actions.resume_jobs(app_of(self), self.target_job_ids())
 
     def action_kill(self) -> None:
         if self._allowed():
-            actions.kill_jobs(self.app, self.target_job_ids())
+            actions.kill_jobs(app_of(self), self.target_job_ids())

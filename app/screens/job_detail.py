@@ -6,7 +6,7 @@ found in /proc (nnui never acts on them).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -19,6 +19,7 @@ from app.screens import actions
 from app.screens.help import HelpScreen
 from app.screens.job_summary import summary_text
 from app.screens.keys import DETAIL_ACTIONS, DETAIL_NAV
+from app.screens.seam import app_of
 from app.services import job_list
 from app.services.curve_data import SMOOTHING_FACTORS
 from app.widgets.curves import CurvesPanel
@@ -27,14 +28,21 @@ from app.widgets.formatting import readable_style
 from app.widgets.log_tail import LogTail
 from app.widgets.process_tree import ProcessTree
 
+if TYPE_CHECKING:
+    from app.services.curve_data import EpochPoint
+    from app.services.discovery import AdoptedRun
+    from app.services.jobs import JobView
+    from app.services.nnunet_runs import WatchOnlyRun
+    from app.services.registry import Job
 
-def fold_views(views: list[Any], job: Any, overlay: bool) -> dict[str, Any]:
+
+def fold_views(views: list[JobView], job: Job, overlay: bool) -> dict[str, JobView]:
     """{label: view}: this job's, or the newest job of every fold of its cross-validation
     (same dataset, configuration and trainer)."""
     if not overlay:
         own = next((v for v in views if v.job.job_id == job.job_id), None)
         return {f"fold {job.fold}": own} if own is not None else {}
-    newest: dict[str, Any] = {}
+    newest: dict[str, JobView] = {}
     for view in views:
         other = view.job
         if job_list.group_key(other) != job_list.group_key(job):  # same trainer too
@@ -44,13 +52,15 @@ def fold_views(views: list[Any], job: Any, overlay: bool) -> dict[str, Any]:
     return {f"fold {fold}": newest[fold] for fold in sorted(newest)}
 
 
-def fold_histories(views: list[Any], job: Any, overlay: bool) -> dict[str, tuple[Any, ...]]:
+def fold_histories(
+    views: list[JobView], job: Job, overlay: bool
+) -> dict[str, tuple[EpochPoint, ...]]:
     """This job's history, or the newest job of every fold of the same dataset/config."""
     found = fold_views(views, job, overlay)
     return {label: view.history for label, view in found.items()} or {f"fold {job.fold}": ()}
 
 
-def watch_only_processes(run: Any, mono: bool = False) -> Text:
+def watch_only_processes(run: WatchOnlyRun | AdoptedRun, mono: bool = False) -> Text:
     text = Text()
     text.append(f"pid {run.pid:<8d} nnUNetv2_train  ({run.owner})", style="bold")
     for pid in run.pids:
@@ -72,7 +82,7 @@ class JobDetailScreen(Screen):
         self._ready = False  # data messages can arrive before the widgets are composed
 
     def compose(self) -> ComposeResult:
-        readonly = self.app.config.readonly
+        readonly = app_of(self).config.readonly
         self._bindings = BindingsMap(DETAIL_NAV + ([] if readonly else DETAIL_ACTIONS))
         yield Static(id="detail-header")
         yield CurvesPanel(id="curves")
@@ -88,16 +98,16 @@ class JobDetailScreen(Screen):
         self._ready = True
         self.query_one("#console-box").border_title = "console"
         self.query_one("#tree-box").border_title = "processes"
-        self.show_jobs(self.app.views, self.app.cv_eta_s)
-        view = self.app.view_of(self.job_id)
+        self.show_jobs(app_of(self).views, app_of(self).cv_eta_s)
+        view = app_of(self).view_of(self.job_id)
         if view is not None and view.watch is not None:
             self.query_one("#console-box").border_title = f"nnU-Net log {view.watch.log_path}"
             self.query_one(ProcessTree).update(watch_only_processes(view.watch, self.app.no_color))
             return  # not nnui's job: its processes are the run's, found by the watcher
         self.poll_processes()
-        self.set_interval(self.app.config.procs_interval_s, self.poll_processes)
+        self.set_interval(app_of(self).config.procs_interval_s, self.poll_processes)
 
-    def show_jobs(self, views: list[Any], cv_eta_s: float | None) -> None:
+    def show_jobs(self, views: list[JobView], cv_eta_s: float | None) -> None:
         view = next((v for v in views if v.job.job_id == self.job_id), None)
         if view is None or not self._ready:
             return
@@ -115,7 +125,7 @@ class JobDetailScreen(Screen):
             # Follow the newest lines, like tail -f.
             self.query_one("#console-box", VerticalScroll).scroll_end(animate=False)
 
-    def _show_curves(self, views: list[Any], view: Any) -> None:
+    def _show_curves(self, views: list[JobView], view: JobView) -> None:
         found = fold_views(views, view.job, self.overlay) or {f"fold {view.job.fold}": view}
         histories = {label: v.history for label, v in found.items()}
         running = {label: getattr(v, "running_loss", ()) for label, v in found.items()}
@@ -125,7 +135,7 @@ class JobDetailScreen(Screen):
             self.query_one("#curves-legend", Static).update(curves.legend)
 
     def poll_processes(self) -> None:
-        view = self.app.view_of(self.job_id)
+        view = app_of(self).view_of(self.job_id)
         if view is None or self._procs_busy:
             return
         self._procs_busy = True
@@ -135,7 +145,7 @@ class JobDetailScreen(Screen):
 
             return process_tree(view.job, view.topology)
 
-        self.app.run_in_thread(read, self._got_processes)
+        app_of(self).run_in_thread(read, self._got_processes)
 
     def _got_processes(self, nodes: Any) -> None:
         self._procs_busy = False
@@ -153,23 +163,23 @@ class JobDetailScreen(Screen):
     def action_overlay(self) -> None:
         self.overlay = not self.overlay
         self._header = None
-        self.show_jobs(self.app.views, self.app.cv_eta_s)
+        self.show_jobs(app_of(self).views, app_of(self).cv_eta_s)
 
     def action_smooth(self) -> None:
         """Cycle the smoothing of losses and Dice: off, then TensorBoard's 0.6, then 0.9."""
         index = SMOOTHING_FACTORS.index(self.smoothing)
         self.smoothing = SMOOTHING_FACTORS[(index + 1) % len(SMOOTHING_FACTORS)]
         self._header = None
-        self.show_jobs(self.app.views, self.app.cv_eta_s)
+        self.show_jobs(app_of(self).views, app_of(self).cv_eta_s)
 
     def action_help(self) -> None:
-        self.app.push_screen(HelpScreen(self.app.config.readonly))
+        self.app.push_screen(HelpScreen(app_of(self).config.readonly))
 
     def action_stop(self) -> None:
-        actions.stop_jobs(self.app, [self.job_id])
+        actions.stop_jobs(app_of(self), [self.job_id])
 
     def action_resume(self) -> None:
-        actions.resume_jobs(self.app, [self.job_id])
+        actions.resume_jobs(app_of(self), [self.job_id])
 
     def action_kill(self) -> None:
-        actions.kill_jobs(self.app, [self.job_id])
+        actions.kill_jobs(app_of(self), [self.job_id])

@@ -9,9 +9,10 @@ from rich.text import Text
 
 from app.services.job_text import human_duration, state_label
 from app.widgets.formatting import readable_style
-from trainer.schema import State
+from trainer.schema import FAILED_STATES, State
 
 FAILED_TAIL_LINES = 4
+EXIT_NAMED_BY = frozenset({State.KILLED, State.FAILED})  # their name says why it exited
 
 
 def watch_only_text(run: Any, mono: bool = False) -> Text:
@@ -68,7 +69,7 @@ def summary_text(
         text.append("nnU-Net  ", style=style("cyan"))
     if getattr(view, "final_dice", None) is not None:
         text.append(f"final validation Dice {view.final_dice:.3f}  ", style="bold")
-    if view.exit_code and view.state not in (State.KILLED, State.FAILED):  # the state names those
+    if view.exit_code and view.state not in EXIT_NAMED_BY:
         text.append(f"exit code {view.exit_code}  ", style=style("bold red"))
     if job.queued_stop:
         text.append(
@@ -76,7 +77,7 @@ def summary_text(
         )
     if view.alerts:
         text.append("⚠ " + "; ".join(view.alerts), style=style("bold red"))
-    if view.state in (State.FAILED, State.LOST) and view.console_tail:
+    if view.state in FAILED_STATES and view.console_tail:
         for line in list(view.console_tail)[-FAILED_TAIL_LINES:]:
             text.append("\n  │ " + line.rstrip("\n"), style=style("red"))
     return text

@@ -11,7 +11,7 @@ so and `e` does nothing.
 from __future__ import annotations
 
 import shlex
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -24,6 +24,7 @@ from textual.widgets import Checkbox, Input, RadioButton, RadioSet, Static
 from app.screens import actions, keys
 from app.screens.confirm import LaunchConfirmScreen
 from app.screens.predict_form import PredictScreen, form_defaults
+from app.screens.seam import app_of
 from app.services import catalog, engines, launcher, niceness
 from app.services.schedule import Schedule
 from app.widgets.dataset_picker import DatasetPicker
@@ -33,8 +34,15 @@ from app.widgets.formatting import readable_style
 from app.widgets.key_order import OrderedInput
 from app.widgets.toggles import TextCheckbox, TextRadioButton
 
+if TYPE_CHECKING:
+    from app.services.catalog import DatasetInfo
+    from app.services.gpus import MachineSnapshot
+    from app.services.jobs import JobView
+    from app.services.launch_request import LaunchRequest
+    from app.services.launcher import LaunchPlan
 
-def board_columns(snapshot: Any) -> list[str]:
+
+def board_columns(snapshot: MachineSnapshot | None) -> list[str]:
     slots = getattr(snapshot, "slots", ())  # a MIG device is a column of its own
     return [g.slot for g in slots] if slots else [CPU_COLUMN]
 
@@ -44,7 +52,7 @@ class LaunchScreen(Screen):
 
     def __init__(self) -> None:
         super().__init__(id="launch")
-        self.plans: list[Any] = []
+        self.plans: list[LaunchPlan] = []
         self.problems: list[str] = []
         self.warnings: list[str] = []
         self.confirmations: list[str] = []  # GPUs already in use: g asks first (busy_gpus.py)
@@ -61,7 +69,7 @@ class LaunchScreen(Screen):
         self._jobs_key: tuple | None = None
         self.engine = engines.NNUI  # engines.NNUI | engines.NNUNET
         self.datasets_engine: str | None = None  # whose datasets the picker shows now
-        self.datasets: list[Any] = []  # what the picker shows (catalog.DatasetInfo)
+        self.datasets: list[DatasetInfo] = []  # what the picker shows
         self.memory_lines: list[str] = []  # estimated GPU memory beside the GPUs' free
 
     class Planned(Message):
@@ -72,7 +80,7 @@ class LaunchScreen(Screen):
         yield Static(self.engine_text(), id="engine-line")
         yield DatasetPicker(id="picker")
         with Horizontal(id="launch-middle"):
-            yield FoldBoard(board_columns(self.app.snapshot), id="board")
+            yield FoldBoard(board_columns(app_of(self).snapshot), id="board")
             with Vertical(id="launch-options"):
                 with RadioSet(id="ddp-launcher"):
                     yield TextRadioButton("DDP via -num_gpus (spawn)", value=True, id="spawn")
@@ -113,7 +121,7 @@ class LaunchScreen(Screen):
         return text
 
     def _read_datasets(self) -> None:
-        name, roots = self.engine, self.app.config.roots
+        name, roots = self.engine, app_of(self).config.roots
         self.query_one(
             "#picker"
         ).border_title = (
@@ -123,7 +131,7 @@ class LaunchScreen(Screen):
         def read() -> list[Any]:
             return catalog.list_engine_datasets(roots, engines.engine(name))
 
-        self.app.run_in_thread(read, lambda datasets: self._got(name, datasets))
+        app_of(self).run_in_thread(read, lambda datasets: self._got(name, datasets))
 
     def _got(self, engine_name: str, datasets: Any) -> None:
         if engine_name != self.engine or not self.is_mounted:
@@ -137,7 +145,7 @@ class LaunchScreen(Screen):
 
     # ---- data from the app: replan only when something the checks use changed -------
 
-    def show_machine(self, snapshot: Any) -> None:
+    def show_machine(self, snapshot: MachineSnapshot) -> None:
         if not self._ready:
             return
         board = self.query_one(FoldBoard)
@@ -150,7 +158,7 @@ class LaunchScreen(Screen):
             self._machine_key = key
             self.recompute()
 
-    def show_jobs(self, views: list[Any], cv_eta_s: float | None) -> None:
+    def show_jobs(self, views: list[JobView], cv_eta_s: float | None) -> None:
         key = tuple((v.job.job_id, v.state) for v in views)
         if key != self._jobs_key:
             self._jobs_key = key
@@ -178,7 +186,7 @@ class LaunchScreen(Screen):
 
     # ---- the plan: inputs gathered here, checks and plans in a thread -----------------
 
-    def requests(self) -> tuple[list[Any], int | None, list[str]]:
+    def requests(self) -> tuple[list[LaunchRequest], int | None, list[str]]:
         """Launch requests from the widgets, the plans batch size, and input problems."""
         board = self.query_one(FoldBoard)
         choice = self.query_one(DatasetPicker).current
@@ -201,7 +209,7 @@ class LaunchScreen(Screen):
         chosen = engines.engine(self.engine)
         if choice.plans != chosen.default_plans:  # the picker's plans; typed flags win
             trainer_args = ["-p", choice.plans, *trainer_args]
-        simulated = bool(getattr(self.app.snapshot, "simulated", False))
+        simulated = bool(getattr(app_of(self).snapshot, "simulated", False))
         when_free = self.query_one("#when-free", Checkbox).value and board.model.device != "cpu"
         cascade = bool(getattr(choice, "previous_stage", None))
         requests = [
@@ -226,7 +234,9 @@ class LaunchScreen(Screen):
         ]
         return requests, choice.batch_size, problems
 
-    def _check_memory(self, requests: list[Any], snapshot: Any) -> list[str]:
+    def _check_memory(
+        self, requests: list[LaunchRequest], snapshot: MachineSnapshot | None
+    ) -> list[str]:
         """Sets memory_lines; returns the misfits (g asks before starting them)."""
         choice = self.query_one(DatasetPicker).current
         info = next((d for d in self.datasets if choice and d.name == choice.dataset
@@ -241,13 +251,13 @@ class LaunchScreen(Screen):
         return misfits
 
     def _no_dataset(self) -> str:
-        where = self.app.config.roots.preprocessed
+        where = app_of(self).config.roots.preprocessed
         if self.engine == engines.NNUNET:
             return (
                 f"no nnU-Net plans (DatasetXXX/nnUNet*Plans*.json) in {where} "
                 "(nnUNetv2_plan_and_preprocess -d ID)"
             )
-        return catalog.first_step(self.app.config.roots)
+        return catalog.first_step(app_of(self).config.roots)
 
     def recompute(self) -> None:
         if not self._ready:
@@ -256,14 +266,14 @@ class LaunchScreen(Screen):
         self._inputs = (requests, batch_size, problems)
         self._generation += 1
         generation = self._generation
-        app = self.app
+        app = app_of(self)
         snapshot, registry, roots = app.snapshot, app.services.registry, app.config.roots
         misfits = self._check_memory(requests, snapshot)
 
         def plan() -> tuple[list[Any], list[str], list[str], list[str], list[str]]:
             # The full checks: busy GPUs, other users, a fold already running (registry and
             # run folder), a finished or stopped fold (offer resume).
-            plans: list[Any] = []
+            plans: list[LaunchPlan] = []
             errors, warnings, resumable, asks = list(problems), [], [], list(misfits)
             for request in requests:
                 checks = launcher.check_request(request, roots, batch_size, snapshot, registry)
@@ -390,8 +400,8 @@ class LaunchScreen(Screen):
             return
         self._start(self.plans)
 
-    def _start(self, plans: list[Any]) -> None:
-        actions.start_plans(self.app, plans)
+    def _start(self, plans: list[LaunchPlan]) -> None:
+        actions.start_plans(app_of(self), plans)
         if self.app.screen is self:
             self.app.pop_screen()
 
@@ -435,6 +445,6 @@ class LaunchScreen(Screen):
             )  # fmt: skip
             self.notify(why, severity="warning", timeout=8)
             return
-        defaults = form_defaults(self.app.config.roots, choice, assignments, choice.plans)
-        simulated = bool(getattr(self.app.snapshot, "simulated", False))
+        defaults = form_defaults(app_of(self).config.roots, choice, assignments, choice.plans)
+        simulated = bool(getattr(app_of(self).snapshot, "simulated", False))
         self.app.push_screen(PredictScreen(defaults, simulated))

@@ -38,7 +38,8 @@ LAUNCH_COMMANDS: tuple[tuple[str, str, str, bool], ...] = (
 
 class NnuiCommands(Provider):
     def _commands(self) -> list[tuple[str, str, Callable[[], Any]]]:
-        readonly = getattr(self.app, "config", None) is not None and self.app.config.readonly
+        config = getattr(self.app, "config", None)  # None: an app other than nnui's
+        readonly = config is not None and config.readonly
         found = [(c, "dashboard") for c in COMMANDS]
         if any(screen.id == "launch" for screen in self.app.screen_stack):
             found += [(c, "launch") for c in LAUNCH_COMMANDS]

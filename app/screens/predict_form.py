@@ -22,6 +22,7 @@ from textual.widgets import Button, Checkbox, Input, Static
 
 from app.screens import keys
 from app.screens.confirm import LaunchConfirmScreen
+from app.screens.seam import app_of
 from app.services import launcher, prediction
 from app.widgets.fitting_footer import FittingFooter
 from app.widgets.toggles import TextCheckbox
@@ -138,7 +139,7 @@ class PredictScreen(Screen):
 
     def action_go(self) -> None:
         request = self.request()
-        app = self.app
+        app = app_of(self)
         roots, registry, snapshot = app.config.roots, app.services.registry, app.snapshot
 
         def plan() -> tuple[list[Any], list[str], list[str]]:
@@ -173,6 +174,6 @@ class PredictScreen(Screen):
     def _start(self, plans: list[Any]) -> None:
         from app.screens import actions
 
-        actions.start_plans(self.app, plans)
+        actions.start_plans(app_of(self), plans)
         while self.app.screen.id not in ("dashboard", None) and len(self.app.screen_stack) > 2:
             self.app.pop_screen()  # back to the jobs, where the parts appear

@@ -217,10 +217,11 @@ class EndedScan:
 
     def runs(self, roots: Iterable[Path], jobs: Sequence[Job], live: set[str]) -> list[Job]:
         by_folder: dict[str, list[Job]] = {}
-        for job in jobs:  # one realpath per job, not one per job and folder
-            by_folder.setdefault(os.path.realpath(job.run_dir), []).append(job)
+        for known in jobs:  # one realpath per job, not one per job and folder
+            by_folder.setdefault(os.path.realpath(known.run_dir), []).append(known)
         live = {os.path.realpath(f) for f in live}
-        out, cache = [], {}
+        out: list[Job] = []
+        cache: dict[str, tuple[tuple[int, float], FolderRun | None, Job | None]] = {}
         for folder in run_folders(roots):
             try:
                 stat = os.stat(os.path.join(folder, EVENTS_FILE))

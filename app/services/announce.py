@@ -45,7 +45,7 @@ def notify_argv(env: Mapping[str, str], environ: Mapping[str, str]) -> list[str]
         details.append(f"Dice {env['NNUI_DICE']}")
     if env["NNUI_REASON"]:
         details.append(env["NNUI_REASON"])
-    urgency = "critical" if event in ("failed", "stalled") else "normal"
+    urgency = "critical" if event in (JobEvent.FAILED, JobEvent.STALLED) else "normal"
     return [program, "--app-name=nnui", f"--urgency={urgency}", title, " · ".join(details)]
 
 

@@ -32,7 +32,7 @@ class ConfigurationInfo:
     patch_size: tuple[int, ...]
     batch_size: int
     # nnU-Net's cascade: 3d_cascade_fullres trains on 3d_lowres's segmentations (its five
-    # folds must be done first; trainer.cascade).
+    # folds must be done first; trainer.data.cascade).
     previous_stage: str | None = None
     gpu_memory_gb: float | None = None  # the plans' estimate for the whole batch, if any
 

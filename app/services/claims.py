@@ -28,6 +28,7 @@ from pathlib import Path
 
 from app.services.procs import is_same_process, process_identity
 from app.services.registry import valid_pid
+from trainer.schema import atomic_write_text
 
 CLAIM_FILE = ".nnui_claim"
 LOCK_FILE = ".nnui_claims.lock"
@@ -142,18 +143,7 @@ def _claim(job_id: str, pid: int) -> Claim:
 
 
 def _write(path: Path, claim: Claim, exclusive: bool) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w") as handle:
-            json.dump(asdict(claim), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if exclusive:
-            try:
-                os.link(tmp, path)  # atomic, and fails when the name exists
-            except FileExistsError:
-                raise ClaimRefused(f"{path} was claimed at the same moment") from None
-        else:
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        atomic_write_text(path, json.dumps(asdict(claim)), exclusive=exclusive)
+    except FileExistsError:
+        raise ClaimRefused(f"{path} was claimed at the same moment") from None

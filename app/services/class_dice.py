@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from trainer.schema import EVENTS_FILE, SUMMARY_FILE, VALIDATION_DIR, Kind
@@ -56,7 +57,7 @@ def fold_class_dice(run_dir: str | Path) -> ClassDice | None:
     return _from_events(run_dir) or _from_summary(run_dir)
 
 
-def mean_class_dice(run_dirs: list[str | Path]) -> tuple[ClassDice, int]:
+def mean_class_dice(run_dirs: Sequence[str | Path]) -> tuple[ClassDice, int]:
     """(name, mean Dice over the folds where defined) and the number of folds averaged."""
     found = [d for d in (fold_class_dice(r) for r in run_dirs) if d]
     if not found:
@@ -64,7 +65,7 @@ def mean_class_dice(run_dirs: list[str | Path]) -> tuple[ClassDice, int]:
     names = [name for name, _ in found[0]]
     out: ClassDice = []
     for index, name in enumerate(names):
-        values = [f[index][1] for f in found if index < len(f) and f[index][1] is not None]
+        values = [v for f in found if index < len(f) and (v := f[index][1]) is not None]
         out.append((name, sum(values) / len(values) if values else None))
     return out, len(found)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,9 @@ def csv_text(records: list[dict[str, Any]]) -> str:
     return out.getvalue()
 
 
-def _panel(title: str, named: list[tuple[str, tuple[list[float], list[float]]]]) -> png_plot.Panel:
+def _panel(
+    title: str, named: Sequence[tuple[str, tuple[Sequence[float], Sequence[float]]]]
+) -> png_plot.Panel:
     kept = [(label, xy) for label, xy in named if xy[0]]
     colours = distinct_colours(len(kept))
     return png_plot.Panel(title, tuple(
@@ -101,6 +104,7 @@ def panels(curves: JobCurves) -> list[png_plot.Panel]:
     history = [epoch_point(r) for r in curves.epochs]
     running = [running_point(r) for r in curves.running]
     classes = max((len(p.dice_per_class) for p in history), default=0)
+    loss: list[tuple[str, tuple[Sequence[float], Sequence[float]]]]
     loss = [("train", series(history, "train_loss")), ("val", series(history, "val_loss")),
             ("train (running)", running_series(running))]  # fmt: skip
     dice = [("Dice", series(history, "mean_fg_dice")), ("EMA", series(history, "ema_fg_dice"))]

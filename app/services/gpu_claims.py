@@ -22,6 +22,7 @@ from pathlib import Path
 
 from app.services.gpu_rule import Holder
 from app.services.procs import proc_info
+from trainer.schema import atomic_write_text
 
 CLAIMS_DIR_ENV = "NNUI_GPU_CLAIMS_DIR"  # tests: a private directory instead of /tmp's
 
@@ -90,14 +91,9 @@ class GpuClaims:
 
     def _write_note(self, gpu: str, job_id: str) -> None:
         note = Holder(job_id=job_id, user=_user_name(), pid=os.getpid())
-        path = self._note_path(gpu)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(asdict(note)))
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except OSError:  # the note is for display only; the lock is the claim
-            tmp.unlink(missing_ok=True)
+        # The note is for display only (the lock is the claim): a failed write is let go.
+        with contextlib.suppress(OSError):
+            atomic_write_text(self._note_path(gpu), json.dumps(asdict(note)), mode=0o644)
 
 
 def _user_name() -> str:

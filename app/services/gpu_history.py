@@ -19,6 +19,7 @@ from pathlib import Path
 
 from app.services.gpus import MachineSnapshot
 from app.services.procs import HostSnapshot, ProcLoad
+from trainer.schema import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -123,15 +124,12 @@ class GpuHistory:
             "step_s": self.step_s,
             "gpus": {u: [[s, *p] for s, p in sorted(v.items())] for u, v in self._points.items()},
         }
-        tmp = self.path.with_name(f".{CACHE_FILE}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(data, separators=(",", ":")))
-            os.replace(tmp, self.path)
+            atomic_write_text(self.path, json.dumps(data, separators=(",", ":")))
             self._dirty = False
         except OSError as error:
             log.info("GPU history cache %s not written: %s", self.path, error)
-            tmp.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

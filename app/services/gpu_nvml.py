@@ -5,6 +5,7 @@ back is plain values, which gpus.py turns into its snapshots."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -145,7 +146,7 @@ def mig_devices(nvml: Any, handle: Any, safe: Callable[[Callable[[], Any]], Any]
             )
         except Exception as error:  # NOT_FOUND: no instance at this position
             if nvml_code(error) == GPU_IS_LOST:
-                safe(lambda error=error: _raise(error))  # let the caller note the loss
+                safe(functools.partial(_raise, error))  # let the caller note the loss
             log.debug("MIG device %d: %s", position, error)
     return found
 

@@ -51,7 +51,7 @@ def _gib(num_bytes: int | None) -> str:
     return "n/a" if num_bytes is None else f"{num_bytes / GIB:.0f} GiB"
 
 
-def _describe(index: int, process: GpuProcess) -> str:
+def _describe(index: int | str, process: GpuProcess) -> str:
     who = "me" if process.is_mine else (process.user or "an unknown user")
     used = _gib(process.used_memory_bytes)
     return f"GPU {index}: {used} used by user {who} (pid {process.pid})"

@@ -18,8 +18,9 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +146,7 @@ class GpuMonitor:
         simulate: int | None = None,
         backend: Any = None,
         visible_devices: str | object | None = FROM_ENV,
-        simulated_load: Callable[[], dict[int, Iterable[tuple[int, str]]]] | None = None,
+        simulated_load: Callable[[], Mapping[int, Iterable[tuple[int, str]]]] | None = None,
     ) -> None:
         """`backend` is the pynvml module or a test double with the same functions.
 
@@ -236,9 +237,7 @@ class GpuMonitor:
                     break  # CUDA ignores this and every later entry
             else:
                 if not uuids:
-                    uuids = {
-                        i: self._safe(lambda i=i: _decode(self._uuid(i)), "") for i in range(count)
-                    }
+                    uuids = {i: self._safe(partial(self._uuid_text, i), "") for i in range(count)}
                 matches = [i for i, u in uuids.items() if u and u.startswith(entry)]
                 if len(matches) != 1:
                     break
@@ -247,6 +246,9 @@ class GpuMonitor:
                 break  # a repeated device makes CUDA see none from here on
             chosen.append(index)
         return chosen
+
+    def _uuid_text(self, index: int) -> str:
+        return _decode(self._uuid(index))
 
     def _uuid(self, index: int) -> Any:
         nvml_index = self._order[index] if self._order else index

@@ -15,9 +15,13 @@ import math
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.schema import ACTIVE_STATES, State
+
+if TYPE_CHECKING:  # jobs.py imports this module
+    from app.services.jobs import JobView
+    from app.services.registry import Job
 
 SORTS = ("fold", "newest", "state", "Dice", "ETA")  # `o` on the dashboard cycles these
 _STATE_ORDER = {state: i for i, state in enumerate(
@@ -26,7 +30,7 @@ _STATE_ORDER = {state: i for i, state in enumerate(
      State.KILLED, State.STOPPED, State.FINISHED))}  # fmt: skip
 
 
-def trainer_of(job: Any) -> str:
+def trainer_of(job: Job) -> str:
     """`nnuiTrainer` from `.../nnuiTrainer__nnuiPlans__3d_fullres/fold_0`."""
     return _trainer_of_folder(str(job.run_dir))
 
@@ -36,7 +40,7 @@ def _trainer_of_folder(run_dir: str) -> str:
     return Path(run_dir).parent.name.split("__")[0] or "?"
 
 
-def group_key(job: Any) -> tuple[str, str, str]:
+def group_key(job: Job) -> tuple[str, str, str]:
     return (job.dataset, job.configuration, trainer_of(job))
 
 
@@ -44,10 +48,12 @@ def _fold_order(fold: str) -> tuple[int, str]:
     return (int(fold), "") if fold.isdigit() else (1 << 30, fold)
 
 
-def one_row_per_run_folder(views: Sequence[Any]) -> tuple[list[Any], dict[str, list[str]]]:
+def one_row_per_run_folder(
+    views: Sequence[JobView],
+) -> tuple[list[JobView], dict[str, list[str]]]:
     """(rows, {row job id: ids of the earlier jobs of its folder, oldest first}).
     Watch-only runs are never folded into nnui's jobs."""
-    folders: dict[tuple[bool, str], list[Any]] = {}
+    folders: dict[tuple[bool, str], list[JobView]] = {}
     for view in views:
         # No folder known (a pending SLURM job, a run not yet writing): a row of its own.
         key = (bool(getattr(view, "watch_only", False)), str(view.job.run_dir or view.job.job_id))
@@ -61,7 +67,7 @@ def one_row_per_run_folder(views: Sequence[Any]) -> tuple[list[Any], dict[str, l
     return rows, earlier
 
 
-def row_text(view: Any) -> str:
+def row_text(view: JobView) -> str:
     """What the filter searches: ids, names, fold, state, GPUs, engine."""
     job = view.job
     parts = [job.job_id, job.dataset, job.configuration, f"fold {job.fold}", f"f{job.fold}",
@@ -72,7 +78,7 @@ def row_text(view: Any) -> str:
     return " ".join(parts).lower()
 
 
-def matches(view: Any, text: str) -> bool:
+def matches(view: JobView, text: str) -> bool:
     haystack = row_text(view)
     return all(word in haystack for word in text.lower().split())
 
@@ -93,8 +99,8 @@ _SORT_KEYS: dict[str, Callable[[Any], Any]] = {
 
 
 def arrange(
-    views: Sequence[Any], text: str = "", sort: str = SORTS[0], collapse: bool = True
-) -> list[Any]:
+    views: Sequence[JobView], text: str = "", sort: str = SORTS[0], collapse: bool = True
+) -> list[JobView]:
     """The dashboard's rows: one per run folder (every job with collapse=False), filtered,
     grouped, sorted in each group."""
     if sort not in _SORT_KEYS:

@@ -23,13 +23,13 @@ from app.services.curve_data import EpochPoint, RunningPoint, epoch_point, runni
 from app.services.discovery import AdoptedRun, discover, is_related
 from app.services.gpus import GpuMonitor, MachineSnapshot
 from app.services.job_events import EventBatch, JobEvents, Scope
-from app.services.nnunet_log import EpochStats
+from app.services.nnunet_log import STARTING_PHASE, EpochStats
 from app.services.nnunet_runs import NnunetRunWatcher, WatchOnlyRun, is_train_cmdline
 from app.services.procs import ProcRow, job_alive, proc_info, process_table
 from app.services.registry import PREDICT, TRAIN, Job, ProcessRecord, Registry
 from app.services.slurm_jobs import SLURM_ID_PREFIX, SlurmJob, SlurmWatcher
 from app.services.tail import TextTail
-from trainer.schema import ACTIVE_STATES, START_KINDS, Kind, State
+from trainer.schema import ACTIVE_STATES, START_KINDS, WORKING_STATES, Kind, State
 
 RECENT_EPOCHS = 5
 CONSOLE_LINES = 40
@@ -61,7 +61,7 @@ class JobView:
     num_invalid_events: int = 0  # lines of events.jsonl skipped as invalid (never fatal)
     invalid_event_reason: str | None = None  # why the last one was skipped
     watch_only: bool = False  # an nnU-Net run nnui did not start (`watch`): no actions
-    watch: WatchOnlyRun | None = None  # owner, pids, trainer, per-class Dice, log path
+    watch: WatchOnlyRun | AdoptedRun | None = None  # owner, pids, trainer, Dice, log path
     # A prediction job (job.kind == "predict"): cases of its part done / in all, s per case.
     num_cases: int | None = None
     cases_done: int | None = None
@@ -262,7 +262,11 @@ def training_eta_s(
     return max(total - elapsed, (num_remaining - 1) * epoch_s, 1.0)
 
 
-_ENDING = {Kind.STOPPED: State.STOPPED, Kind.FINISHED: State.FINISHED, Kind.FAILED: State.FAILED}
+_ENDING: dict[str, State] = {
+    Kind.STOPPED: State.STOPPED,
+    Kind.FINISHED: State.FINISHED,
+    Kind.FAILED: State.FAILED,
+}
 
 
 def derive_state(job: Job, run: _RunState, alive: bool) -> State:
@@ -336,7 +340,7 @@ def watch_only_view(run: WatchOnlyRun, console_tail: tuple[str, ...] = ()) -> Jo
     if run.iterations_per_epoch and run.epoch_time_s:
         it_per_s = run.iterations_per_epoch / run.epoch_time_s
     return JobView(
-        job=job, state=State.STARTING if run.phase == "starting" else State.RUNNING,
+        job=job, state=State.STARTING if run.phase == STARTING_PHASE else State.RUNNING,
         epoch=run.epoch, num_epochs=run.num_epochs, train_loss=run.train_loss,
         val_loss=run.val_loss, mean_dice=run.mean_fg_dice, ema_dice=run.ema_fg_dice,
         it_per_s=it_per_s, eta_s=run.eta_s, alerts=(), topology=None,
@@ -588,11 +592,7 @@ class JobTracker:
         waiting = data_wait_alert(run.history_points()) if state == State.RUNNING else None
         if waiting is not None:
             alerts.append(waiting)
-        if (
-            snapshot is not None
-            and not snapshot.simulated
-            and state in (State.RUNNING, State.STARTING, State.VALIDATING)
-        ):
+        if snapshot is not None and not snapshot.simulated and state in WORKING_STATES:
             for gpu in job.gpus:
                 reading = snapshot.slot(gpu)
                 if reading is not None and reading.lost:

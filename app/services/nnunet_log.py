@@ -40,6 +40,7 @@ EMA_MOMENTUM = 0.9  # nnunet_logger: ema = prev * 0.9 + 0.1 * mean_fg_dice
 RECENT_EPOCHS = 10  # the ETA uses the median epoch period of this many last epochs
 LOG_GLOB = "training_log_*.txt"
 DEBUG_FILE = "debug.json"
+STARTING_PHASE = "starting"  # TrainingLog.phase before its first epoch (not a job state)
 MAX_DEBUG_BYTES = 4 << 20
 
 _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?): (.*)$")
@@ -121,7 +122,7 @@ class TrainingLog(_ByteTail):
     def __init__(self, path: Path) -> None:
         super().__init__(path)  # no backlog: every epoch of the file is needed
         self.epochs: dict[int, LogEpoch] = {}
-        self.phase = "starting"  # starting | training | validating | done
+        self.phase = STARTING_PHASE  # starting | training | validating | done
         self.final_dice: float | None = None
         self.num_unparsed = 0  # epoch lines whose value did not parse (a format we don't know)
         self._current: LogEpoch | None = None
@@ -133,7 +134,7 @@ class TrainingLog(_ByteTail):
             lines = self._new_lines()
             if self.reset:
                 self.epochs.clear()
-                self.phase, self.final_dice, self._current = "starting", None, None
+                self.phase, self.final_dice, self._current = STARTING_PHASE, None, None
                 changed = True
             for raw in lines:
                 changed |= self._line(raw.decode(errors="replace").rstrip("\r"))

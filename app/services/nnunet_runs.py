@@ -34,9 +34,11 @@ import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from app.services.gpus import MachineSnapshot, parse_visible_devices
 from app.services.nnunet_log import (
+    STARTING_PHASE,
     EpochStats,
     TrainingLog,
     _DebugCache,
@@ -69,6 +71,9 @@ STOCK_PLANS = "nnUNetPlans"
 _ENTRY_SCRIPTS = ("nnUNetv2_train", "run_training.py")
 _ENTRY_MODULE = "nnunetv2.run.run_training"
 _VALUE_OPTIONS = {"-tr", "-p", "-pretrained_weights", "-num_gpus", "-device"}
+
+if TYPE_CHECKING:
+    from app.services.discovery import AdoptedRun
 
 
 @dataclass(frozen=True)
@@ -389,7 +394,7 @@ class NnunetRunWatcher:
             cmdline=row.cmdline, environ_readable=row.environ is not None, args=process.args,
             dataset=fold_dir.parent.parent.name, gpus=gpus, gpu_source=gpu_source,
             fold_dir=str(fold_dir), log_path=str(log_path), log_mtime=mtime,
-            phase=logs[-1].phase if logs else "starting",
+            phase=logs[-1].phase if logs else STARTING_PHASE,
             epoch=last.epoch + 1 if last else (None if current is None else 0),
             current_epoch=current, num_epochs=schedule.num_epochs,
             num_epochs_source=schedule.source, iterations_per_epoch=schedule.iterations_per_epoch,
@@ -463,12 +468,13 @@ class StopRefusal:
 _USR1_BIT = 1 << (signal.SIGUSR1 - 1)
 
 
-def stop_refusal(run: WatchOnlyRun, sigcgt_mask: int | None = None) -> StopRefusal:
+def stop_refusal(run: WatchOnlyRun | AdoptedRun, sigcgt_mask: int | None = None) -> StopRefusal:
     """Why nnui does not stop this run (it is never signalled); SigCgt is read fresh.
     Another user's adopted nnui-train run (discovery.py) says whose it is, in one line."""
     if getattr(run, "adopted", False):
-        return StopRefusal(run.refusal_line().removeprefix("refused to stop ").partition(": ")[2],
-                           ())  # fmt: skip
+        line = cast("AdoptedRun", run).refusal_line()
+        return StopRefusal(line.removeprefix("refused to stop ").partition(": ")[2], ())
+    run = cast(WatchOnlyRun, run)  # the other kind of watched run
     mask = read_sigcgt_mask(run.pid) if sigcgt_mask is None else sigcgt_mask
     handler = None if mask is None else bool(mask & _USR1_BIT)
     who = f"pid {run.pid} of user {run.owner}"
@@ -480,7 +486,7 @@ def stop_refusal(run: WatchOnlyRun, sigcgt_mask: int | None = None) -> StopRefus
             f"nnU-Net would die of the signal and lose the epochs since its last checkpoint; "
             f"nothing sent"
         )
-        hints = (
+        hints: tuple[str, ...] = (
             "to stop it gracefully in the future, end it and continue it with nnui's "
             "extension trainer and --c (stock nnU-Net writes checkpoint_latest.pth only every "
             "50 epochs; --c falls back to checkpoint_best.pth):",

@@ -392,6 +392,7 @@ def process_table(
     accepts, the environ and cwd (own uid only) and the SigCgt bit are read too.
     Processes that exit while the table is read are simply absent.
     """
+    wanted: dict[int, tuple[str, ...] | None]
     if roots is None:
         wanted = {pid: None for pid in _pids()}
     else:
@@ -510,7 +511,8 @@ class LoadSampler:
     def host(self) -> HostSnapshot:
         try:
             memory = psutil.virtual_memory()
-            used, total = int(memory.total - memory.available), int(memory.total)
+            used: int | None = int(memory.total - memory.available)
+            total: int | None = int(memory.total)
         except (OSError, psutil.Error):
             used = total = None
         try:

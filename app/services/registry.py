@@ -27,6 +27,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from trainer.schema import atomic_write_text
+
 log = logging.getLogger(__name__)
 
 STATE_DIR_ENV = "NNUI_STATE_DIR"
@@ -346,13 +348,7 @@ class Registry:
     def _write(self, job: Job) -> None:
         # Never write what a reader would set aside (RecordError names the bad field).
         Job.from_dict(job.to_dict())
-        path = self._path(job.job_id)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "w") as handle:
-            json.dump(job.to_dict(), handle, indent=1)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        atomic_write_text(self._path(job.job_id), json.dumps(job.to_dict(), indent=1))
 
     def _read(self, path: Path) -> Job | None:
         try:

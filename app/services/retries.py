@@ -49,7 +49,8 @@ def ended_by_watchdog(job: Job, since: float) -> bool:
 def ended_by_user(job: Job, since: float) -> bool:
     """A stop or kill of this attempt (or one queued for it) came from the user; the
     signals the stall watchdog sent (from its first action on) are not the user's."""
-    until = job.stall_acted_at if ended_by_watchdog(job, since) else math.inf
+    acted = job.stall_acted_at
+    until = acted if acted is not None and ended_by_watchdog(job, since) else math.inf
     sent = any(s.result == "sent" and since <= s.t < until for s in job.signals)
     return sent or job.queued_stop or job.killed_at is not None
 

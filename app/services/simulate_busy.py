@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from app.services.gpus import GIB, SIMULATED_BUSY_ENV, SIMULATED_MEMORY_BYTES
 from app.services.registry import default_state_dir
+from trainer.schema import atomic_write_text
 
 # Above any Linux pid_max (2**22): a simulated process is never mistaken for a real one.
 FIRST_FAKE_PID = 9_000_000
@@ -48,8 +49,6 @@ def install(specs: Sequence[str], num_gpus: int) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"simulated-busy-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json"
     if not path.exists():
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        atomic_write_text(path, text)
     os.environ[SIMULATED_BUSY_ENV] = str(path)
     return str(path)

@@ -35,7 +35,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from app.services.engines import ENGINES, NNUI, NNUNET, engine
 from app.services.trainer_flags import flag_value, without_flags
@@ -44,6 +44,7 @@ from trainer.schema import (
     NNUNET_EXT_DIR,
     NNUNET_EXT_ENV,
     ROOT_ENVS,
+    atomic_write_text,
     find_dataset,
     resolve_roots,
     with_close_flag,
@@ -285,7 +286,7 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)  # `--node` is not `--nodes`
         super().__init__(*args, **kwargs)
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         known = [o for action in self._actions for o in action.option_strings]
         raise UsageError(f"{with_close_flag(message, known)} (see nnui sbatch --help)")
 
@@ -402,13 +403,7 @@ def write_script(spec: JobSpec) -> Path:
     text = render_script(spec)
     spec.output_dir.mkdir(parents=True, exist_ok=True)
     path = spec.output_dir / f"{spec.job_name}.sbatch"
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        tmp.chmod(0o755)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_text(path, text, mode=0o755)
     return path
 
 

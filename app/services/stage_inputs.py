@@ -114,7 +114,7 @@ def missing_at(
         return None, [], None
     block = _block(plans, configuration) if isinstance(plans, dict) else None
     stage = (block or {}).get("previous_stage")
-    if not stage or not isinstance(stage, str):
+    if block is None or not stage or not isinstance(stage, str):
         return None, [], None
     splits = _splits(dataset_dir)
     all_ids = _case_ids(dataset_dir / str(block.get("data_identifier", "")))

@@ -91,8 +91,8 @@ class StallTracker:
         if cpu_s is None:
             return
         # The first sample, fewer CPU seconds (the pids changed), or progress: a new mark.
-        first = self.cpu_mark is None or cpu_s < self.cpu_mark[1]
-        if first or cpu_progressed(cpu_s - self.cpu_mark[1], now - self.cpu_mark[0]):
+        mark = self.cpu_mark
+        if mark is None or cpu_s < mark[1] or cpu_progressed(cpu_s - mark[1], now - mark[0]):
             self.cpu_mark = (now, cpu_s)
 
     def verdict(self, now: float) -> str | None:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -296,7 +297,7 @@ def _run_attempts(
             return code
         delay_s = backoff_s(len(job.restarts))
         _say(f"restart {len(job.restarts) + 1}/{job.retries} with --c in {delay_s:.0f} s: {reason}")
-        job = registry.modify(job_id, lambda j, why=reason: _record_restart(j, why))
+        job = registry.modify(job_id, partial(_record_restart, reason=reason))
         _announce(registry, job, JobEvent.RESTARTED, reason, code)
         if not _back_off(registry, job_id, delay_s):
             return code
@@ -342,9 +343,11 @@ def _end_event(job: Job, code: int) -> JobEvent:
     if code != 0:
         return JobEvent.FAILED
     last = final_kind(job)
-    return {Kind.STOPPED: JobEvent.STOPPED, Kind.FAILED: JobEvent.FAILED}.get(
-        last, JobEvent.FINISHED
-    )
+    ends: dict[str | None, JobEvent] = {
+        Kind.STOPPED: JobEvent.STOPPED,
+        Kind.FAILED: JobEvent.FAILED,
+    }
+    return ends.get(last, JobEvent.FINISHED)
 
 
 def _cancelled(registry: Registry, job: Job, held: GpuClaims) -> int:

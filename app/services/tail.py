@@ -183,7 +183,8 @@ def _record_after_torn_line(raw: bytes) -> dict[str, Any] | None:
 
 
 def _object_starts(raw: bytes) -> list[int]:
-    found, index = [], raw.find(b"{", 1)
+    found: list[int] = []
+    index = raw.find(b"{", 1)
     while index != -1 and len(found) < MAX_RESYNC_TRIES:
         found.append(index)
         index = raw.find(b"{", index + 1)

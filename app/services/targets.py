@@ -204,7 +204,7 @@ def check_worker(
     label = f"pid {pid!r} (rank {entry.get('global_rank', '?')!r})"
     if not _rank_ok(entry):
         return None, f"{label} is not a valid topology entry"
-    info = proc_lookup(pid)
+    info = proc_lookup(entry["pid"])  # _rank_ok: a valid pid
     if info is None:
         return None, f"{label} is not running"
     if info.zombie:

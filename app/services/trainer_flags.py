@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import overload
 
 
+@overload
+def flag_value(args: Sequence[str], flag: str, default: str) -> str: ...
+@overload
+def flag_value(args: Sequence[str], flag: str, default: None = None) -> str | None: ...
 def flag_value(args: Sequence[str], flag: str, default: str | None = None) -> str | None:
     """The value of `flag V` or `flag=V` (the last one wins, as in argparse)."""
     value = default

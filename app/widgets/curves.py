@@ -32,11 +32,12 @@ from app.services.curve_data import (
 
 __all__ = ["CurvesPanel", "Drawn", "epoch_ticks", "legend_text", "plot_fields", "series"]
 
+RUNNING_FIELD = "running"  # the train_loss_running series (a curve, not a job state)
 # (plot id, title, y label, smoothed, [(series label, field)]); "dice_class" expands to
-# one series per foreground class, "running" is the train_loss_running series.
+# one series per foreground class, RUNNING_FIELD is the train_loss_running series.
 PLOTS: tuple[tuple[str, str, str, bool, tuple[tuple[str, str], ...]], ...] = (
     ("plot-loss", "loss", "loss", True,
-     (("train", "train_loss"), ("val", "val_loss"), ("train (running)", "running"))),
+     (("train", "train_loss"), ("val", "val_loss"), ("train (running)", RUNNING_FIELD))),
     ("plot-dice", "pseudo Dice", "Dice", True, (("Dice", "mean_fg_dice"), ("EMA", "ema_fg_dice"))),
     ("plot-class", "Dice per class", "Dice", True, (("class", "dice_class"),)),
     ("plot-lr", "learning rate | epoch time (right)", "lr", False,
@@ -95,7 +96,7 @@ def plot_fields(
 def _xy(
     history: Sequence[EpochPoint], running: Sequence[RunningPoint], field: str
 ) -> tuple[list[float], list[float]]:
-    if field == "running":
+    if field == RUNNING_FIELD:
         return running_series(running)
     xs, ys = series(history, field)
     return [float(x) for x in xs], ys
@@ -221,7 +222,7 @@ class CurvesPanel(Grid):
                  color=item.colour, yside=yside)  # fmt: skip
         ticks = epoch_ticks(all_x)
         if ticks:
-            plt.xticks(ticks, [str(t) for t in ticks])
+            plt.xticks([float(t) for t in ticks], [str(t) for t in ticks])
         else:
             plt.title(f"{title} (no epochs yet)")
         plot.refresh()

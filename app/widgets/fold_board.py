@@ -163,7 +163,8 @@ class FoldBoard(KeysOnArrival, Widget, can_focus=True):
             (col + d_col) % len(self.model.columns),
         )
 
-    def action_toggle(self) -> None:
+    # The board's own toggle (the key binding passes no argument), not DOMNode's attribute one.
+    def action_toggle(self) -> None:  # type: ignore[override]
         row, col = self.cursor
         self.toggle(FOLDS[row], self.model.columns[col])
 

@@ -18,7 +18,7 @@ from textual.widgets.data_table import CellDoesNotExist
 
 from app.services.job_text import human_duration, state_label
 from app.widgets.formatting import bar, fmt_or_na
-from trainer.schema import State
+from trainer.schema import RUNNING_STATES, WAITING_STATES, State
 
 if TYPE_CHECKING:
     from app.services.jobs import JobView
@@ -163,7 +163,7 @@ def both_row_cells(
     job each second, and they differ only in the epoch cell."""
     job = view.job
     state = state_label(view)
-    if job.after and view.state in (State.STARTING, State.QUEUED):
+    if job.after and view.state in WAITING_STATES:
         state = f"{view.state} (after fold {after_fold or '?'})"
     if getattr(view, "watch_only", False):
         owner = getattr(view.watch, "owner", "?")
@@ -199,9 +199,7 @@ def both_row_cells(
         "ema": fmt_or_na(view.ema_dice, "{:.3f}"),
         "its": its,
         "wait": _share(getattr(view, "data_wait_share", None)),
-        "eta": human_duration(view.eta_s)
-        if view.state in (State.RUNNING, State.VALIDATING)
-        else "",
+        "eta": human_duration(view.eta_s) if view.state in RUNNING_STATES else "",
         "alerts": alerts,
     }
     return full, {**full, "epoch": short_epoch}

@@ -12,7 +12,6 @@ import errno
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 from trainer.schema import (
     CHECKPOINT_KINDS,
@@ -20,6 +19,7 @@ from trainer.schema import (
     STATUS_FILE,
     SUMMARY_FILE,
     VALIDATION_DIR,
+    atomic_write_bytes,
     checkpoint_file,
 )
 
@@ -35,11 +35,6 @@ _TMP_NAMES = {
     # summary, probabilities and the segmentations in the raw files' formats
     VALIDATION_DIR: rf"{re.escape(SUMMARY_FILE)}|[^/]+\.(?:npz|nii\.gz|nii|npy|nrrd|mha)",
 }
-
-
-def _tmp_name(path: Path) -> Path:
-    # The name trainer.schema.atomic_write_bytes uses too: `.NAME.PID.tmp`.
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -73,35 +68,15 @@ def remove_stale_tmp(run_dir: Path) -> list[str]:
     return removed
 
 
-def _write_all(handle: Any, data: bytes) -> None:
-    """One seam for the write itself (tests make it fail half way, as a full disk does)."""
-    handle.write(data)
-
-
 def write_atomically(path: Path, data: bytes) -> None:
-    """tmp in the same folder, fsync, os.replace; on any failure the tmp is removed and the
-    old file stays (CheckpointWriteError says why, in one line)."""
+    """schema.atomic_write_bytes (its tmp removed on any failure, the old file kept), with a
+    failure told as one CheckpointWriteError line."""
     path = Path(path)
-    tmp = _tmp_name(path)
     try:
-        with open(tmp, "wb") as handle:
-            _write_all(handle, data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException as error:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if not isinstance(error, OSError):
-            raise
+        atomic_write_bytes(path, data)
+    except OSError as error:
         reason = "no space left on device" if error.errno == errno.ENOSPC else error.strerror
         raise CheckpointWriteError(
             f"could not write {path.name} in {path.parent}: {reason or error}; the older "
             "checkpoints are kept: free the disk, then continue with --c"
         ) from error
-    with contextlib.suppress(OSError):  # the rename itself survives a crash (best effort)
-        folder = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 log = logging.getLogger("trainer.checkpoint.store")
 
@@ -115,8 +115,12 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_span(offsets: list) -> bool:
+    return len(offsets) == 2 and all(map(_is_count, offsets)) and offsets[0] <= offsets[1]
 
 
 def check_tensor_table(name: str, tensors: dict[str, Any]) -> int:
@@ -130,8 +134,7 @@ def check_tensor_table(name: str, tensors: dict[str, Any]) -> int:
             raise CheckpointError(f"{name}: tensor {key[:60]!r} has a bad dtype or shape")
         if not all(_is_count(n) for n in shape):
             raise CheckpointError(f"{name}: tensor {key[:60]!r} has a bad shape")
-        ok = isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
-        if not ok or offsets[0] > offsets[1]:
+        if not isinstance(offsets, list) or not _is_span(offsets):
             raise CheckpointError(f"{name}: tensor {key[:60]!r} has bad data offsets")
         numel = 1
         for n in shape:

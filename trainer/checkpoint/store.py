@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from trainer.checkpoint.atomic import write_atomically
 from trainer.checkpoint.fit import check_resumable
@@ -237,7 +237,10 @@ def capture_rng() -> tuple[dict[str, Any], dict[str, Any]]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for index, state in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng.cuda.{index}"] = state.clone()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # The legacy (default) form: a tuple (typed as tuple-or-dict).
+    kind, keys, pos, has_gauss, cached = cast(
+        tuple[str, np.ndarray, int, int, float], np.random.get_state()
+    )
     py_version, py_state, py_gauss = random.getstate()
     return tensors, {
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
@@ -360,7 +363,7 @@ def load(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             header = parse_header(path.name, size, file_reader(handle, path.name))
             digests = expected_digests(header)
             tensors = {
-                key: _read_tensor(handle, header, key, digests and digests[key])
+                key: _read_tensor(handle, header, key, None if digests is None else digests[key])
                 for key in header.tensors
             }
     except OSError as error:

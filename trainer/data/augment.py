@@ -65,7 +65,7 @@ class AugmentConfig:
     mask_channels: tuple[bool, ...] = ()
 
 
-def _uniform(u: torch.Tensor, bounds: tuple[float, float]) -> torch.Tensor:
+def _uniform(u: float, bounds: tuple[float, float]) -> float:
     return bounds[0] + (bounds[1] - bounds[0]) * u
 
 
@@ -213,6 +213,7 @@ def _rotate_and_scale(
     for k, i in enumerate(moved):
         images[i], labels[i] = new_data[k], new_seg[k]
         if outside is not None:
+            assert new_outside is not None  # read_outside was given
             outside[1][i] = new_outside[k]
 
 
@@ -251,8 +252,8 @@ def channel_factors(pc: list[list[float]], config: AugmentConfig) -> dict[str, l
     from its per-channel uniforms pc (C, 7 + ndim): one draw per channel, as nnU-Net's
     transforms with synchronize_channels=False."""
     ndim = len(pc[0]) - 7
-    ranges = (config.brightness_range, config.contrast_range, config.gamma_range)
-    ranges = (*ranges, config.gamma_range)
+    ranges = (config.brightness_range, config.contrast_range, config.gamma_range,
+              config.gamma_range)  # fmt: skip
     return {
         name: [_below_or_above_one(row[3 + ndim + k], ranges[k]) for row in pc]
         for k, name in enumerate(FACTOR_NAMES)

@@ -13,6 +13,8 @@ from pathlib import Path
 import blosc2
 import numpy as np
 
+from trainer.schema import atomic_tmp_path
+
 BLOCK_TARGET_BYTES = 32 * 1024
 
 
@@ -54,18 +56,24 @@ def write_array(path: Path, array: np.ndarray, patch_size: tuple[int, ...], **cp
     chunks, blocks = choose_layout(array.shape, patch_size, array.dtype.itemsize)
     params = {"codec": blosc2.Codec.LZ4, "clevel": 5, "nthreads": 1}
     params.update(cparams)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    written = blosc2.asarray(
-        np.ascontiguousarray(array),
-        urlpath=str(tmp),
-        mode="w",
-        chunks=chunks,
-        blocks=blocks,
-        cparams=params,
-    )
-    del written  # closes blosc2's handle before the data is flushed to disk
-    _fsync_file(tmp)
-    os.replace(tmp, path)
+    # blosc2 writes to a path, not from bytes: schema.atomic_write_bytes's steps by hand,
+    # under its tmp name.
+    tmp = atomic_tmp_path(path)
+    try:
+        written = blosc2.asarray(
+            np.ascontiguousarray(array),
+            urlpath=str(tmp),
+            mode="w",
+            chunks=chunks,
+            blocks=blocks,
+            cparams=params,
+        )
+        del written  # closes blosc2's handle before the data is flushed to disk
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:  # e.g. a full disk: no half file left
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def open_array(path: Path) -> blosc2.NDArray:

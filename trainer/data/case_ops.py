@@ -51,7 +51,7 @@ def crop(array: np.ndarray, bbox: list[list[int]]) -> np.ndarray:
 
 
 def _normalize_channel(
-    channel: np.ndarray, scheme: str, use_mask: bool, props: dict, body: np.ndarray
+    channel: np.ndarray, scheme: str, use_mask: bool, props: dict, body: np.ndarray | None
 ) -> np.ndarray:
     if scheme == CT:
         channel = np.clip(channel, props["percentile_00_5"], props["percentile_99_5"])
@@ -70,6 +70,7 @@ def _normalize_channel(
     if scheme != ZSCORE:
         raise ValueError(f"unknown normalization scheme {scheme!r}; known: {list(SCHEMES)}")
     if use_mask:
+        assert body is not None  # made for every z-score channel that uses the mask
         values = channel[body]
         mean, std = (float(values.mean()), float(values.std())) if values.size else (0.0, 1.0)
         # outside the body the image was 0 in every channel: it stays 0
@@ -188,12 +189,11 @@ def _resize_labels(seg: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     if len(labels) == 1:
         return np.full(shape, labels[0], dtype=seg.dtype)
     nearest = _resize(seg, shape, 0)
-    best = win = nn_score = None
-    for value in labels:
-        score = _resize(seg == value, shape, 1)
-        if best is None:
-            best, win, nn_score = score, np.full(shape, value, seg.dtype), np.zeros(shape)
-        else:
+    best = _resize(seg == labels[0], shape, 1)
+    win, nn_score = np.full(shape, labels[0], seg.dtype), np.zeros(shape)
+    for i, value in enumerate(labels):
+        score = best if i == 0 else _resize(seg == value, shape, 1)
+        if i > 0:
             wins = score > best
             win[wins] = value
             np.maximum(best, score, out=best)

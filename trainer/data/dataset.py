@@ -55,7 +55,7 @@ def expected_case_ids(folder: Path) -> list[str] | None:
 
 
 class PreprocessedCases:
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path | str):
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise FileNotFoundError(

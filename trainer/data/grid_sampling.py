@@ -7,6 +7,8 @@ argmax, with nnU-Net's -1 label ("outside the body") optionally as a label of it
 
 from __future__ import annotations
 
+from types import EllipsisType
+
 import torch
 import torch.nn.functional as F
 
@@ -52,11 +54,12 @@ def _fill_share(grid: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
     """(b, 1, *out) weight bilinear sampling at grid gives the zero fill: 1 minus the
     product over axes of the in-bounds weight, min(u + 1, n - u) clamped to [0, 1] at
     voxel coordinate u. Equals sampling an all-zero outside label, without a grid_sample."""
-    inside = None
+    inside: torch.Tensor | None = None
     for k, n in enumerate(reversed(spatial)):
         u = (grid[..., k] + 1) * (n / 2) - 0.5
         w = torch.minimum(u + 1, n - u).clamp_(0, 1)
         inside = w if inside is None else inside.mul_(w)
+    assert inside is not None  # spatial has axes
     return (1 - inside).unsqueeze(1)
 
 
@@ -86,6 +89,7 @@ def _resample_labels(
         return out, won_outside
     channels = [(seg == v).to(grid.dtype) for v in labels]
     if sample_outside:  # sampled as indicator - 1 and 1 added back: the fill scores 1
+        assert outside is not None  # sample_outside says it is given
         channels.insert(0, outside.to(grid.dtype) - 1)
     scores = (
         F.grid_sample(
@@ -113,6 +117,7 @@ def _resample_labels(
         wins = score > best
         out.masked_fill_(wins, value)
         if use_outside:
+            assert won_outside is not None  # set above when use_outside
             won_outside &= ~wins
         best = torch.maximum(best, score)
     return out, won_outside
@@ -159,5 +164,8 @@ def centre_crop(x: torch.Tensor, out_size: tuple[int, ...]) -> torch.Tensor:
     does not rotate or scale (start floor(n / 2) - out // 2)."""
     ndim = len(out_size)
     starts = [n // 2 - o // 2 for n, o in zip(x.shape[-ndim:], out_size, strict=True)]
-    index = (..., *(slice(s, s + o) for s, o in zip(starts, out_size, strict=True)))
+    index: tuple[EllipsisType | slice, ...] = (
+        ...,
+        *(slice(s, s + o) for s, o in zip(starts, out_size, strict=True)),
+    )
     return x[index]

@@ -160,7 +160,7 @@ def read_case(
     arrays, spacing, shape = [], None, None
     for path in paths:
         data, file_spacing = _read_file(Path(path), fallback_spacing, channel_file=True)
-        if shape is None:
+        if shape is None or spacing is None:  # channel 0 (sets both)
             shape, spacing = data.shape[1:], file_spacing
         elif data.shape[1:] != shape:
             raise ImageReadError(

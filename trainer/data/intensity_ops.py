@@ -42,8 +42,8 @@ def gaussian_blur(x: torch.Tensor, sigmas: list[float]) -> torch.Tensor:
     for axis, sigma in enumerate(sigmas):
         radius = min(blur_radius(sigma), x.shape[axis] - 1)  # reflect needs pad < length
         taps = torch.arange(-radius, radius + 1, dtype=torch.float64)
-        weights = torch.exp(-0.5 * (taps / sigma) ** 2)
-        weights = (weights / weights.sum()).tolist()
+        kernel = torch.exp(-0.5 * (taps / sigma) ** 2)
+        weights = (kernel / kernel.sum()).tolist()
         pad = [0] * (2 * x.ndim)
         pad[2 * (x.ndim - 1 - axis)] = pad[2 * (x.ndim - 1 - axis) + 1] = radius
         padded = F.pad(out[None, None], pad, mode="reflect")[0, 0]

@@ -87,7 +87,7 @@ class LabelSpec:
     @property
     def output_values(self) -> tuple[int, ...]:
         """Values a prediction can hold (never the ignore label)."""
-        if self.has_regions:
+        if self.regions_class_order is not None:  # has_regions
             return tuple(sorted({0, *self.regions_class_order}))
         return self.all_labels
 
@@ -96,7 +96,7 @@ class LabelSpec:
         written in regions_class_order."""
         values = np.asarray(self.output_values)
         dtype = np.uint8 if values.max() < 256 else np.uint16
-        if not self.has_regions:
+        if self.regions_class_order is None:  # not has_regions
             return np.asarray(self.all_labels, dtype=dtype)[np.argmax(probabilities, axis=0)]
         segmentation = np.zeros(probabilities.shape[1:], dtype=dtype)
         for channel, value in enumerate(self.regions_class_order):
@@ -168,16 +168,17 @@ def _checked_order(order: Any, spec: LabelSpec) -> tuple[int, ...]:
 def _check_round_trip(spec: LabelSpec) -> None:
     """Every label must come back from its regions: where regions overlap, the one written
     last (regions_class_order) decides, so an order that loses a label is refused."""
+    order = spec.regions_class_order or ()  # only called with regions
     for value in spec.all_labels:
         if value == 0:
             continue
         back = 0
-        for (_, key), written in zip(spec.foreground, spec.regions_class_order, strict=True):
+        for (_, key), written in zip(spec.foreground, order, strict=True):
             if value in (key if isinstance(key, tuple) else (key,)):
                 back = written
         if back != value:
             raise LabelError(
-                f"regions_class_order {list(spec.regions_class_order)} turns label {value} into "
+                f"regions_class_order {list(order)} turns label {value} into "
                 f"{back}: overlapping regions must be ordered so every label comes back"
             )
 
@@ -219,7 +220,7 @@ def prediction_labels(spec: LabelSpec) -> dict[str, Any]:
     if spec.ignore_label is not None:
         labels[IGNORE] = spec.ignore_label
     out: dict[str, Any] = {"labels": labels}
-    if spec.has_regions:
+    if spec.regions_class_order is not None:  # has_regions
         out[REGIONS_CLASS_ORDER] = list(spec.regions_class_order)
     return out
 

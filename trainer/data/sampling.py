@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -127,5 +128,12 @@ def plan_batch(
                 _lower_bound(rng, n, r, p, None if centre is None else int(c))
                 for n, r, p, c in zip(shape, read, patch_size, origin, strict=True)
             )
-        boxes.append(PatchBox(case_id, lower, size3, forced))
+        boxes.append(
+            PatchBox(
+                case_id,
+                cast("tuple[int, int, int]", lower),
+                cast("tuple[int, int, int]", size3),
+                forced,
+            )
+        )
     return boxes

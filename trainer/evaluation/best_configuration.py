@@ -26,7 +26,7 @@ from trainer.cli import OneLineParser, one_line
 from trainer.data.image_io import ImageReadError, read_image
 from trainer.data.labels import LabelSpec, from_dataset_json
 from trainer.evaluation.evaluate import case_metrics, summarize
-from trainer.inference.postprocess import POSTPROCESSING_KEY, keep_largest_component
+from trainer.inference.postprocess import POSTPROCESSING_KEY, Step, keep_largest_component
 from trainer.schema import (
     DEFAULT_PLANS,
     DEFAULT_TRAINER,
@@ -105,7 +105,7 @@ def collect(
 
 
 def _segmentation(
-    inputs: Inputs, configs: Sequence[str], case_id: str, largest: Sequence[int]
+    inputs: Inputs, configs: Sequence[str], case_id: str, largest: Sequence[Step]
 ) -> np.ndarray:
     total = None
     for config in configs:
@@ -119,7 +119,7 @@ def _segmentation(
     return keep_largest_component(segmentation, [_as_step(s) for s in largest])
 
 
-def score(inputs: Inputs, configs: Sequence[str], largest: Sequence[int] = ()) -> dict[str, Any]:
+def score(inputs: Inputs, configs: Sequence[str], largest: Sequence[Step] = ()) -> dict[str, Any]:
     """summary.json content of one candidate (one case in memory at a time)."""
     foreground = inputs.spec.foreground_keys  # label values, or regions
     per_case = []
@@ -179,7 +179,7 @@ def choose_postprocessing(
     return kept, _dice(current)
 
 
-def _as_step(step) -> int | tuple[int, ...]:
+def _as_step(step: int | list[int] | tuple[int, ...]) -> Step:
     return tuple(step) if isinstance(step, list) else step
 
 
@@ -207,7 +207,7 @@ def commands(info: dict[str, Any], pp_file: Path) -> list[str]:
 def find_best(
     inputs: Inputs, configurations: Sequence[str], ensembles: bool, progress: Callable[[str], None]
 ) -> dict[str, Any]:
-    candidates = [(c,) for c in configurations]
+    candidates: list[tuple[str, ...]] = [(c,) for c in configurations]
     if ensembles:
         candidates += list(itertools.combinations(configurations, 2))
     figures = {}

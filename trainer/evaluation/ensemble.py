@@ -26,7 +26,7 @@ from trainer.inference.export import (
     RawPrediction,
     write_prediction,
 )
-from trainer.inference.postprocess import keep_largest_component, read_postprocessing
+from trainer.inference.postprocess import Step, keep_largest_component, read_postprocessing
 from trainer.inference.predict import PREDICTION_INFO_FILE
 from trainer.planning.plans import plans_labels
 from trainer.schema import atomic_write_text, refuse_nnunet_output
@@ -104,7 +104,7 @@ def _order_note(info: dict, first: dict) -> str:
 
 def mean_probabilities(files: list[Path]) -> np.ndarray:
     """Mean of the `probabilities` arrays (float64 sum: the order of folders cannot matter)."""
-    total = None
+    total: np.ndarray | None = None
     for path in files:
         try:
             with np.load(path, allow_pickle=False) as archive:
@@ -117,6 +117,7 @@ def mean_probabilities(files: list[Path]) -> np.ndarray:
                 f"{files[0]} {list(total.shape)}"
             )
         total = probs.astype(np.float64) if total is None else total + probs
+    assert total is not None, "no files"
     return (total / len(files)).astype(np.float32)
 
 
@@ -125,7 +126,7 @@ def ensemble(
     out_dir: Path,
     save_probabilities: bool = False,
     progress: Callable[[str], None] = print,
-    largest_component_labels: tuple[int, ...] = (),
+    largest_component_labels: tuple[Step, ...] = (),
 ) -> int:
     case_ids, spec = plan_ensemble(folders, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

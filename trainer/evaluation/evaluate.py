@@ -16,7 +16,7 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -88,7 +88,7 @@ def summarize(per_case: list[dict[str, Any]], labels: Sequence[Key]) -> dict[str
     for metric in METRICS:
         values = [means[k][metric] for k in foreground]
         undefined = not values or any(v is None for v in values)
-        foreground_mean[metric] = None if undefined else float(np.mean(values))
+        foreground_mean[metric] = None if undefined else float(np.mean(cast(list[float], values)))
     return {"metric_per_case": per_case, "mean": means, "foreground_mean": foreground_mean}
 
 

@@ -70,7 +70,9 @@ def _input_case(in_dir: Path, case_id: str, channels: dict[int, Path],
     or, with fewer files than channels, counted from the headers where a file may hold
     several (an RGB image is three, a 4D image its volumes)."""
     files = tuple(channels[c] for c in sorted(channels))
-    ending = _split_name(files[0].name)[2]
+    split = _split_name(files[0].name)
+    assert split is not None  # the channels were found by splitting their names
+    ending = split[2]
     expected = list(range(num_channels))
     missing = [c for c in expected if c not in channels]
     extra = sorted(set(channels) - set(expected))

@@ -11,12 +11,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from trainer.data.labels import LabelSpec
 from trainer.inference.cases import InputCase
 from trainer.inference.export import RawPrediction, write_prediction
+from trainer.inference.postprocess import Step
 from trainer.inference.prepare import PreparedCase, prepare_case
 from trainer.inference.region_export import export_raw
 from trainer.inference.sliding import memory_format, predict_probabilities
@@ -37,7 +39,7 @@ class PredictSettings:
     mirror: bool = True
     save_probabilities: bool = False
     fallback_spacing: tuple[float, ...] | None = None
-    largest_component_labels: tuple[int, ...] = ()  # --postprocess
+    largest_component_labels: tuple[Step, ...] = ()  # --postprocess
     precision: str = "auto"  # trainer.network.precision: autocast on CUDA and AMX CPUs
     previous_stage_dir: Path | None = None  # a cascade: the previous stage's segmentations
 
@@ -62,7 +64,8 @@ def build_models(
         state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
         model.load_state_dict(state)
         layout = memory_format(device, cplan.ndim)
-        models.append(model.to(device, memory_format=layout).eval())
+        # Module.to takes memory_format (torch's docs); its type stubs leave it out.
+        models.append(model.to(device, memory_format=layout).eval())  # type: ignore[call-overload]
     return models
 
 
@@ -106,7 +109,7 @@ def predict_cases(
                 if should_stop is not None and should_stop(i):
                     break
                 started = time.perf_counter()
-                prepared: PreparedCase = next_case.result()
+                prepared: PreparedCase = cast(Future, next_case).result()  # read ahead for i
                 next_case = read(i + 1) if i + 1 < total else None
                 probs = predict_probabilities(
                     models, prepared.data, cplan.patch_size, plans.num_classes, device,

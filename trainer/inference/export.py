@@ -17,7 +17,6 @@ it cost up to 0.07 lesion Dice per fold (bench/RESULTS.md, "the export to the ra
 from __future__ import annotations
 
 import io
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +54,7 @@ def raw_shape(properties: dict[str, Any]) -> list[int]:
     return [shape[a] for a in backward] if backward else shape
 
 
-def label_dtype(label_values: Sequence[int]) -> np.dtype:
+def label_dtype(label_values: Sequence[int] | np.ndarray) -> np.dtype:
     return np.dtype(np.uint8 if max(label_values) < 256 else np.uint16)
 
 
@@ -103,7 +102,9 @@ def _resample_log_space(
     """Probabilities at `shape`: linear in log space (nnU-Net's logit resampling, with its
     separate-z rule: nearest along the thick axis), then a softmax over the classes, so
     they sum to 1 again."""
-    log_probs = resample_image(np.log(np.maximum(probs, TINY)), shape, spacing, raw_spacing, 1)
+    log_probs = resample_image(
+        np.log(np.maximum(probs, TINY)), shape, tuple(spacing), tuple(raw_spacing), 1
+    )
     log_probs -= log_probs.max(axis=0, keepdims=True)
     np.exp(log_probs, out=log_probs)
     log_probs /= log_probs.sum(axis=0, keepdims=True)
@@ -116,19 +117,10 @@ def _as_numpy(array: Any) -> np.ndarray:
     return np.asarray(array, dtype=np.float32)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """atomic_write_bytes, and its tmp file removed when the write fails half-way."""
-    path = Path(path)
-    try:
-        atomic_write_bytes(path, data)
-    except BaseException:
-        path.with_name(f".{path.name}.{os.getpid()}.tmp").unlink(missing_ok=True)
-        raise
-
-
 def probabilities_bytes(probabilities: np.ndarray) -> bytes:
     buffer = io.BytesIO()
-    np.savez_compressed(buffer, **{PROBABILITIES_KEY: probabilities.astype(np.float32)})
+    arrays: dict[str, Any] = {PROBABILITIES_KEY: probabilities.astype(np.float32)}
+    np.savez_compressed(buffer, **arrays)
     return buffer.getvalue()
 
 
@@ -142,10 +134,10 @@ def write_prediction(
     written = []
     if prediction.probabilities is not None:
         npz = Path(out_dir) / f"{case_id}.npz"
-        write_atomic(npz, probabilities_bytes(prediction.probabilities))
+        atomic_write_bytes(npz, probabilities_bytes(prediction.probabilities))
         written.append(npz)
     seg_path = Path(out_dir) / f"{case_id}{ending}"
     for path, data in encode_like(prediction.segmentation, reference, seg_path):
-        write_atomic(path, data)
+        atomic_write_bytes(path, data)
         written.append(path)
     return written

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from scipy import ndimage
@@ -40,7 +41,7 @@ def keep_largest_component(segmentation: np.ndarray, steps: Sequence[Step]) -> n
     return out
 
 
-def _step(value) -> Step:
+def _step(value: Any) -> Step:  # a JSON value
     if isinstance(value, list):
         return tuple(int(v) for v in value)
     return int(value)

@@ -22,15 +22,19 @@ import logging
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer import stop
 from trainer.cli import OneLineParser, one_line, use_caching_allocator
 from trainer.inference.events import PredictionEvents
 from trainer.network import precision
 from trainer.schema import CHECKPOINT_KINDS, DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS, Kind
+
+if TYPE_CHECKING:
+    from trainer.inference.postprocess import Step
 
 log = logging.getLogger("trainer.inference.predict")
 PREDICTION_INFO_FILE = "nnui_prediction.json"
@@ -100,7 +104,7 @@ class Resolved:
     num_skipped: int
     out_dir: Path
     fallback_spacing: tuple[float, ...] | None
-    largest_component_labels: tuple[int, ...] = ()  # from --postprocess
+    largest_component_labels: tuple[Step, ...] = ()  # from --postprocess
     previous_stage_dir: Path | None = None  # a cascade's inputs (given, or predicted first)
 
 
@@ -153,7 +157,7 @@ def resolve(args: argparse.Namespace) -> Resolved:
             "convert the images to .nii.gz or .npy"
         )
     check_headers(todo)
-    largest: tuple[int, ...] = ()
+    largest: tuple[Step, ...] = ()
     if args.postprocess:  # a bad file is refused before any work
         from trainer.inference.postprocess import read_postprocessing
 
@@ -296,7 +300,8 @@ def _write_info(resolved: Resolved, args: argparse.Namespace) -> None:
     atomic_write_text(resolved.out_dir / PREDICTION_INFO_FILE, json.dumps(info, indent=1) + "\n")
 
 
-def run(args: argparse.Namespace, progress=print, events: PredictionEvents | None = None) -> int:
+def run(args: argparse.Namespace, progress: Callable[..., None] = print,  # print-like
+        events: PredictionEvents | None = None) -> int:  # fmt: skip
     from trainer.inference.engine import PredictSettings, build_models, predict_cases
 
     events = events or PredictionEvents(None)
@@ -356,7 +361,9 @@ def run(args: argparse.Namespace, progress=print, events: PredictionEvents | Non
     return 0
 
 
-def _predict_previous_stage(args: argparse.Namespace, resolved: Resolved, progress) -> None:
+def _predict_previous_stage(
+    args: argparse.Namespace, resolved: Resolved, progress: Callable[..., None]
+) -> None:
     """The cascade's first stage, with the same folds and settings, into prev_stage_<c>."""
     assert resolved.previous_stage_dir is not None
     stage = resolved.cplan.previous_stage

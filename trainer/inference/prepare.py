@@ -26,7 +26,9 @@ class PreparedCase:
     properties: dict[str, Any]  # CASE.json keys: spacing, shape_before_cropping, bbox...
 
 
-def read_channels(case: InputCase, fallback_spacing: tuple[float, ...] | None):
+def read_channels(
+    case: InputCase, fallback_spacing: tuple[float, ...] | None
+) -> tuple[np.ndarray, tuple[float, ...]]:
     """(image (C, Z, Y, X) float32, spacing zyx); InputError for unreadable or odd files."""
     try:
         return read_case(case.image_files, fallback_spacing)

@@ -11,7 +11,8 @@ sure of itself weighs more).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import numpy as np
 import torch
@@ -84,7 +85,16 @@ def _flip(x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
     return torch.flip(x, axes) if axes else x
 
 
-def _fold_logits(model, images, windows, weights, combos, num_classes, batch, autocast):
+def _fold_logits(
+    model: torch.nn.Module,
+    images: torch.Tensor,
+    windows: list[tuple],
+    weights: torch.Tensor,
+    combos: list[tuple[int, ...]],
+    num_classes: int,
+    batch: int,
+    autocast: Callable[[], AbstractContextManager],
+) -> torch.Tensor:
     """Gaussian-weighted sums of window logits (N, K, *padded) for one fold, averaged over
     the mirror combinations. Windows and flips share batches, so every forward pass is full
     even when a small case has few windows."""
@@ -142,7 +152,9 @@ def sliding_window_probabilities(
     return probs[(slice(None), slice(None), *crop)]
 
 
-def _autocast_for(device: torch.device, dtype: torch.dtype | None):
+def _autocast_for(
+    device: torch.device, dtype: torch.dtype | None
+) -> Callable[[], AbstractContextManager]:
     if dtype is None:
         return lambda: torch.autocast(device.type, enabled=False)
     return lambda: torch.autocast(device.type, dtype=dtype)

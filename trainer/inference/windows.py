@@ -65,6 +65,11 @@ def _predict_window(
     return out
 
 
+def _at(n: int, window: tuple[slice, ...]) -> tuple[int | slice, ...]:
+    """The index of case n's window, every channel."""
+    return (n, slice(None), *window)
+
+
 def sliding_window_logits(
     model: torch.nn.Module,
     images: torch.Tensor,
@@ -104,10 +109,10 @@ def sliding_window_logits(
     mirror_axes = list(range(2, 2 + ndim)) if mirror else []
     for i in range(0, len(items), max_batch):
         group = items[i : i + max_batch]
-        batch = torch.stack([images[(n, slice(None), *window)] for n, window in group])
+        batch = torch.stack([images[_at(n, window)] for n, window in group])
         out = _predict_window(model, batch, mirror_axes)
         for j, (n, window) in enumerate(group):
-            logits[(n, slice(None), *window)] += out[j] * weights
+            logits[_at(n, window)] += out[j] * weights
     logits /= norm
     if any(pad):
         crop = tuple(slice(a // 2, a // 2 + s) for a, s in zip(pad, spatial, strict=True))

@@ -103,7 +103,9 @@ class DeepSupervisionLoss(nn.Module):
     ) -> None:
         super().__init__()
         self.weights = deep_supervision_weights(num_outputs)
-        self.loss = DiceCELoss(reduce_fn=reduce_fn, weight_ce=weight_ce, batch_dice=batch_dice)
+        self.loss: nn.Module = DiceCELoss(
+            reduce_fn=reduce_fn, weight_ce=weight_ce, batch_dice=batch_dice
+        )
 
     def forward(
         self, outputs: Sequence[torch.Tensor] | torch.Tensor, target: torch.Tensor

@@ -16,7 +16,8 @@ for the plain U-Net).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +27,9 @@ from trainer.network.norm import InstanceNorm3d
 
 # Own small building blocks (not network.unet's): network.unet.build_network dispatches here,
 # and an import back would be a cycle.
-_CONV = {2: nn.Conv2d, 3: nn.Conv3d}
-_TRANSP = {2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
+# Typed as builders: both take an int or a per-axis tuple for sizes and strides.
+_CONV: dict[int, Callable[..., nn.Module]] = {2: nn.Conv2d, 3: nn.Conv3d}
+_TRANSP: dict[int, Callable[..., nn.Module]] = {2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 _NORM = {2: nn.InstanceNorm2d, 3: InstanceNorm3d}  # 3d: a channels_last inference path
 NEGATIVE_SLOPE = 0.01
 
@@ -56,7 +58,7 @@ def _init_weights(module: nn.Module) -> None:
             nn.init.zeros_(module.bias)
 
 
-_POOL = {2: nn.AvgPool2d, 3: nn.AvgPool3d}
+_POOL: dict[int, Callable[..., nn.Module]] = {2: nn.AvgPool2d, 3: nn.AvgPool3d}
 
 
 class ResidualBlock(nn.Module):
@@ -134,8 +136,9 @@ class ResidualEncoderUNet(nn.Module):
         self.apply(_init_weights)
         for module in self.modules():
             if isinstance(module, ResidualBlock):
-                nn.init.zeros_(module.conv2[1].weight)
-                nn.init.zeros_(module.conv2[1].bias)
+                norm = module.conv2[1]
+                nn.init.zeros_(cast(torch.Tensor, norm.weight))
+                nn.init.zeros_(cast(torch.Tensor, norm.bias))
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor] | torch.Tensor:
         skips = []

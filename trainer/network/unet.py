@@ -18,6 +18,7 @@ time on CPU (bench/RESULTS.md). Evaluation and recompute_norm=False run the plai
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +31,12 @@ from torch.utils.checkpoint import (
 
 from trainer.network.norm import InstanceNorm3d, instance_norm_on_base
 
-_CONV = {2: nn.Conv2d, 3: nn.Conv3d}
-_TRANSP = {2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
+if TYPE_CHECKING:
+    from trainer.planning.plans import NetworkPlan
+
+# Typed as builders: both take an int or a per-axis tuple for sizes and strides.
+_CONV: dict[int, Callable[..., nn.Module]] = {2: nn.Conv2d, 3: nn.Conv3d}
+_TRANSP: dict[int, Callable[..., nn.Module]] = {2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 _NORM = {2: nn.InstanceNorm2d, 3: InstanceNorm3d}  # 3d: a channels_last inference path
 
 
@@ -71,7 +76,9 @@ class ConvBlock(nn.Sequential):
             # the norm module keeps a channels_last input in its layout (trainer.network.norm).
             return F.leaky_relu(norm(z), NEGATIVE_SLOPE, inplace=inplace)
         return instance_norm_on_base(
-            norm, z, lambda t: F.leaky_relu(t, NEGATIVE_SLOPE, inplace=inplace)
+            cast(nn.modules.instancenorm._InstanceNorm, norm),
+            z,
+            lambda t: F.leaky_relu(t, NEGATIVE_SLOPE, inplace=inplace),
         )
 
 
@@ -234,11 +241,10 @@ class PlainConvUNet(nn.Module):
         conv (one input channel), and the top decoder's upsampling and concat conv, the
         latter split into its two halves so that neither the concat nor its gradient ever
         exists."""
-        blocks = [block for stage in self.encoder for block in stage]
-        stage_ends = {
-            sum(len(st) for st in self.encoder[: s + 1]) - 1 for s in range(len(self.encoder))
-        }
-        merged_first = len(self.encoder[0]) >= 2  # else z of block 0 is a skip and is kept
+        stages = [cast(nn.Sequential, stage) for stage in self.encoder]
+        blocks = [cast(ConvBlock, block) for stage in stages for block in stage]
+        stage_ends = {sum(len(st) for st in stages[: s + 1]) - 1 for s in range(len(stages))}
+        merged_first = len(stages[0]) >= 2  # else z of block 0 is a skip and is kept
         skips: list[tuple[ConvBlock, torch.Tensor]] = []
         z, owner = x, None  # owner: the block whose conv produced z
         for i, block in enumerate(blocks):
@@ -258,7 +264,8 @@ class PlainConvUNet(nn.Module):
         top = len(self.decoder) - 1
         for d, (up, stage) in enumerate(zip(self.upsample, self.decoder, strict=True)):
             skip_owner, skip_z = skips[-1 - d]
-            first = stage[0]
+            stage = cast(nn.Sequential, stage)
+            first = cast(ConvBlock, stage[0])
             if d == top:
 
                 def merge(t, s, o=owner, u=up, so=skip_owner, conv=first[0]):
@@ -275,7 +282,7 @@ class PlainConvUNet(nn.Module):
                     z, skip_z,
                 )  # fmt: skip
             owner = first
-            for block in list(stage)[1:]:
+            for block in [cast(ConvBlock, b) for b in list(stage)[1:]]:
                 z = self._piece(lambda t, o=owner, b=block: b.conv(o.norm_act(t)), z)
                 owner = block
             if self.deep_supervision or d == top:
@@ -292,7 +299,7 @@ def _init_weights(module: nn.Module) -> None:
 
 
 def build_network(
-    network_plan: object,
+    network_plan: NetworkPlan,
     in_channels: int,
     num_classes: int,
     ndim: int,

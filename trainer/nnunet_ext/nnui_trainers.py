@@ -29,6 +29,7 @@ import sys
 import time
 import traceback
 from os.path import join
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,13 @@ def _finite(value) -> float | None:
     return number if math.isfinite(number) else None
 
 
-class NnuiHooks:
+if TYPE_CHECKING:  # the hooks are mixed into an nnU-Net trainer: they use its attributes
+    from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer as _Mixin
+else:
+    _Mixin = object
+
+
+class NnuiHooks(_Mixin):
     """Mixed in before an nnU-Net trainer class (see wrap())."""
 
     def __init__(
@@ -106,7 +113,7 @@ class NnuiHooks:
     def _nnui_topology(self) -> list[dict]:
         """Every rank's pid and device, gathered as integers (no pickle on the wire)."""
         index = self.device.index if self.device.type == "cuda" else -1
-        mine = [os.getpid(), int(os.environ.get("LOCAL_RANK", self.local_rank)), index]
+        mine = [os.getpid(), int(os.environ.get("LOCAL_RANK", str(self.local_rank))), index]
         mine += [int(self.batch_size), int(stop.installed())]
         rows = [mine]
         if self.is_ddp:
@@ -267,8 +274,8 @@ def classes(labels: dict, has_regions: bool, ignore: int | None) -> list[tuple[s
             if name == "ignore":
                 continue
             listed = isinstance(value, (list, tuple))
-            region = tuple(int(v) for v in value) if listed else int(value)
-            if region == 0 or (listed and set(region) == {0}):
+            region: tuple[int, ...] | int = tuple(int(v) for v in value) if listed else int(value)
+            if region == 0 or (isinstance(region, tuple) and set(region) == {0}):
                 continue
             out.append((str(name), str(region)))  # str(): nnU-Net's label_or_region_to_key
         return out

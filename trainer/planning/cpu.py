@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -125,7 +126,7 @@ def _dataset_geometry(fingerprint: dict, spacing_override=None) -> _DatasetGeome
     shapes = np.asarray(fingerprint["shapes_after_crop"], dtype=np.float64)
     spacing = target_spacing(spacings, shapes)
     if spacing_override is not None:
-        spacing = tuple(float(s) for s in spacing_override)
+        spacing = cast("tuple[float, float, float]", tuple(float(s) for s in spacing_override))
     resampled = shapes * spacings / np.asarray(spacing)
     median_shape = tuple(float(v) for v in np.median(resampled, axis=0))
     dataset_voxels = float(resampled.prod(axis=1).sum())

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
+from typing import cast
 
 import numpy as np
 
@@ -58,8 +59,8 @@ def fingerprint_case(
     return CaseFingerprint(
         case.case_id,
         spacing,
-        tuple(int(n) for n in image.shape[1:]),
-        tuple(int(n) for n in image_c.shape[1:]),
+        cast("tuple[int, int, int]", tuple(int(n) for n in image.shape[1:])),
+        cast("tuple[int, int, int]", tuple(int(n) for n in image_c.shape[1:])),
         samples,
     )
 

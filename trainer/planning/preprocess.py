@@ -23,6 +23,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -117,7 +118,7 @@ def preprocess_case(job: CaseJob) -> dict:
     if job.transpose != (0, 1, 2):  # stored as nnU-Net stores it: the plans' axis order
         image = np.ascontiguousarray(image.transpose(0, *(a + 1 for a in job.transpose)))
         seg = np.ascontiguousarray(seg.transpose(job.transpose))
-        spacing = tuple(spacing[a] for a in job.transpose)
+        spacing = cast("tuple[float, float, float]", tuple(spacing[a] for a in job.transpose))
     bbox = nonzero_bbox(image)
     image_c, seg_c = crop(image, bbox), crop(seg, bbox)
     first = job.configs[0]

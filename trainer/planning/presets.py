@@ -68,8 +68,8 @@ def _plan(options: PlannerOptions, fingerprint: dict, dataset_json: dict, name: 
         run = (fingerprint, dataset_json, name, options.planner, configurations, overrides)
         return plan_preset(*run, options)
     if options.planner == CPU_PLANNER:
-        run = (fingerprint, dataset_json, name, configurations, overrides)
-        return plan_cpu(*run, options.plans_name or CPU_PLANS, options.target_spacing)
+        cpu = (fingerprint, dataset_json, name, configurations, overrides)
+        return plan_cpu(*cpu, options.plans_name or CPU_PLANS, options.target_spacing)
     return plan_experiment(fingerprint, dataset_json, name, configurations, overrides,
                            options=options)  # fmt: skip
 
@@ -151,7 +151,7 @@ def preprocess_preset(raw_root: Path, preprocessed_root: Path, dataset: str,
                       configurations: tuple[str, ...] | None, num_processes: int,
                       options: PlannerOptions, overrides: Overrides | None,
                       progress: Callable[[str], None],
-                      make_default_data: Callable[..., object]) -> Plans:  # fmt: skip
+                      make_default_data: Callable[..., Plans | None]) -> Plans:  # fmt: skip
     """The preset's plans; `make_default_data` (nnui-preprocess's pipeline) runs first
     when the default data it shares is missing or out of date, and afterwards for the
     preset's own 3d_lowres data (`configurations` None: every one the preset makes)."""
@@ -167,8 +167,8 @@ def preprocess_preset(raw_root: Path, preprocessed_root: Path, dataset: str,
         every = plan_preset(fingerprint, raw.dataset_json, name, options.planner, None, None,
                             options)  # fmt: skip
         if "3d_lowres" in every.configurations or configurations is not None:
-            run = (raw_root, preprocessed_root, dataset, ("3d_lowres",), num_processes)
-            plans = make_default_data(*run, overrides, progress=progress, options=options)
+            lowres = (raw_root, preprocessed_root, dataset, ("3d_lowres",), num_processes)
+            plans = make_default_data(*lowres, overrides, progress=progress, options=options)
     assert plans is not None
     return plans
 
@@ -177,7 +177,7 @@ def _shared_preset_plans(raw_root: Path, preprocessed_root: Path, raw: RawDatase
                          configurations: tuple[str, ...], num_processes: int,
                          options: PlannerOptions, overrides: Overrides | None,
                          progress: Callable[[str], None],
-                         make_default_data: Callable[..., object]) -> Plans:  # fmt: skip
+                         make_default_data: Callable[..., Plans | None]) -> Plans:  # fmt: skip
     """The preset's 2d/3d_fullres plans on the default plans' data (made when missing)."""
     planner, name, dataset = options.planner, raw.name, raw.name
     out_dir = Path(preprocessed_root) / name

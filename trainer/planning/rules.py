@@ -24,6 +24,7 @@ For the same fingerprint and dataset.json, `nnui-preprocess D` plans what
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -135,7 +136,8 @@ def target_spacing(spacings: np.ndarray, shapes: np.ndarray) -> tuple[float, flo
         if tenth < max(spacing[others]):
             tenth = float(max(spacing[others])) + 1e-5
         spacing[worst] = tenth
-    return tuple(float(s) for s in spacing)
+    z, y, x = (float(s) for s in spacing)
+    return z, y, x
 
 
 def transpose_for(spacing) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -379,7 +381,7 @@ def plan_experiment(fingerprint: dict, dataset_json: dict, dataset_name: str,
     names = dataset_json["channel_names"]
     channels = [names[k] for k in sorted(names, key=int)]
     schemes, use_mask = normalization(fingerprint, channels)
-    common = {"plans_name": plans_name, "schemes": schemes, "use_mask": use_mask,
+    common: dict[str, Any] = {"plans_name": plans_name, "schemes": schemes, "use_mask": use_mask,
               "num_classes": len(dataset_json["labels"]), "spec": spec}  # fmt: skip
     lowres = "3d_lowres" in planned
     wanted = [n for n in planned if configurations is None or n in configurations]

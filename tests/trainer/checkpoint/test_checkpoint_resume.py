@@ -163,15 +163,15 @@ def test_splits_units() -> None:
 
 FULL_DISK_ON_FINAL = """
 import errno, sys
-from trainer.checkpoint import atomic
-real = atomic._write_all
+from trainer import schema
+real = schema._write_all
 def write(handle, data):
     if "checkpoint_final" in handle.name:  # half of it lands, then the disk is full
         handle.write(data[: len(data) // 2])
         handle.flush()
         raise OSError(errno.ENOSPC, "No space left on device")
     real(handle, data)
-atomic._write_all = write
+schema._write_all = write
 from trainer.run import main
 sys.exit(main(sys.argv[1:]))
 """
