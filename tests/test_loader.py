@@ -582,8 +582,9 @@ def test_rotation_cuts_the_patch_from_the_centre_of_the_read():
     d, s = spatial_transform(data, seg, quarter, (32, 40))
     # Output (y, x) samples the read at centre + M (offset): (43 - x, y + 8).
     rows, cols = 43 - torch.arange(40), torch.arange(32) + 8
+    # float32 grid coordinates (of the input cut to the touched box): ~1e-5 off at most
     torch.testing.assert_close(
-        d, data[:, :, rows][:, :, :, cols].transpose(2, 3), atol=1e-5, rtol=0
+        d, data[:, :, rows][:, :, :, cols].transpose(2, 3), atol=3e-5, rtol=0
     )
     assert torch.equal(s, seg[:, :, rows][:, :, :, cols].transpose(2, 3))
 

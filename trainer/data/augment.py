@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.data.grid_sampling import centre_crop, spatial_with_outside
+from trainer.data.grid_sampling import centre_crop, outside_body, spatial_with_outside
 from trainer.data.intensity_ops import (
     contrast_,
     gamma_retain_stats_,
@@ -218,12 +218,8 @@ def _rotate_and_scale(
     """One sample (C, *read) resampled at its drawn rotation / zoom about the centre, cut
     to out_size: (image, seg, outside mask or None without masked channels)."""
     matrix = _matrix(u, config, data.ndim - 1)[None]
-    read_outside = None
-    if masked:  # on the read: the outside is resampled as a label of its own
-        read_outside = _outside_body(data[None], seg[None], masked)
-    image, label, outside = spatial_with_outside(
-        data[None], seg[None], matrix, out_size, read_outside
-    )
+    # the outside (masked channels) is resampled as a label of its own
+    image, label, outside = spatial_with_outside(data[None], seg[None], matrix, out_size, masked)
     return image[0], label[0], None if outside is None else outside[0]
 
 
@@ -292,15 +288,6 @@ def _intensities_(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig)
         gamma_retain_stats_(x, _per_channel(factors["gamma"], x))
 
 
-def _outside_body(data: torch.Tensor, seg: torch.Tensor, channels: list[int]) -> torch.Tensor:
-    """(b, 1, *spatial) nnU-Net's -1 label: background where the masked channels are
-    exactly 0 (preprocessing leaves them 0 outside the hole-filled body; reads pad with 0)."""
-    outside = seg == 0
-    for c in channels:
-        outside &= data[:, c : c + 1] == 0
-    return outside
-
-
 def _flip_(x: torch.Tensor, dims: list[int]) -> None:
     """x (C, *spatial) flipped along the spatial dims in place, a channel at a time (a
     channel-sized temporary)."""
@@ -345,7 +332,7 @@ def augment_batch(
             x.copy_(centre_crop(samples[i], out))
             y.copy_(centre_crop(seg_samples[i], out))
             if masked:
-                outside = _outside_body(x[None], y[None], masked)[0]
+                outside = outside_body(x[None], y[None], masked)[0]
         _intensities_(x, draws, i, config)
         if outside is not None:  # nnU-Net's MaskImageTransform, after the intensities
             for c in masked:

@@ -7,6 +7,8 @@ argmax, with nnU-Net's -1 label ("outside the body") optionally as a label of it
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -131,25 +133,64 @@ def spatial_transform(
     return data, seg
 
 
+def outside_body(data: torch.Tensor, seg: torch.Tensor, channels: list[int]) -> torch.Tensor:
+    """(b, 1, *spatial) nnU-Net's -1 label: background where the masked channels are
+    exactly 0 (preprocessing leaves them 0 outside the hole-filled body; reads pad with 0)."""
+    outside = seg == 0
+    for c in channels:
+        outside &= data[:, c : c + 1] == 0
+    return outside
+
+
+def _touched_box(matrices: torch.Tensor, spatial: tuple[int, ...], out: tuple[int, ...]):
+    """The box of input voxels bilinear sampling can touch for output voxels mapped by
+    `matrices` (b, d, d) about the centres (affine: its extremes are at the corners), as
+    slices, clipped to the input."""
+    reach = matrices.abs() @ torch.tensor([o / 2 - 0.5 for o in out], dtype=matrices.dtype)
+    reach = reach.amax(0).tolist()  # (d,) largest offset from the input centre per axis
+    box = []
+    for n, r in zip(spatial, reach, strict=True):
+        lo, hi = n / 2 - 0.5 - r, n / 2 - 0.5 + r
+        box.append(slice(max(0, math.floor(lo)), min(n, math.floor(hi) + 2)))
+    return tuple(box)
+
+
 def spatial_with_outside(
     data: torch.Tensor,
     seg: torch.Tensor,
     matrices: torch.Tensor,
     out_size: tuple[int, ...] | None,
-    outside: torch.Tensor | None,
+    masked: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """spatial_transform, and where the outside label won (see _resample_labels)."""
-    spatial = data.shape[2:]
-    out = tuple(out_size) if out_size is not None else tuple(spatial)
-    ndim = len(spatial)
+    """spatial_transform, and with masked channels (use_mask_for_norm) where the outside
+    label (outside_body) won (see _resample_labels); None without.
+
+    The input is first cut to the voxels the grid can touch: the labels' indicators, their
+    resampling and the outside mask then cost what is sampled, not the whole read (the
+    read is sized for the largest rotation and zoom)."""
+    full = tuple(data.shape[2:])
+    out = tuple(out_size) if out_size is not None else full
+    ndim = len(full)
+    box = _touched_box(matrices, full, out)
+    keep = (slice(None), slice(None), *box)
+    data, seg = data[keep], seg[keep]
+    outside = outside_body(data, seg, masked) if masked else None
+    spatial = tuple(data.shape[2:])
+    # the full input's centre, in voxels from the cut's centre
+    shift = [n / 2 - b.start - k / 2 for n, b, k in zip(full, box, spatial, strict=True)]
     # grid_sample's normalised coordinates are per-axis scaled and in (x, y, z) order:
-    # input voxel offset M @ (output offset), each axis measured in its own half-length.
+    # input voxel offset M @ (output offset) + shift, each axis in its own half-length.
     half_in = torch.tensor([n / 2.0 for n in spatial], dtype=matrices.dtype)
     half_out = torch.tensor([n / 2.0 for n in out], dtype=matrices.dtype)
     m = matrices / half_in[None, :, None] * half_out[None, None, :]
     flip = list(range(ndim))[::-1]
     m = m[:, flip][:, :, flip]
-    grid = affine_grid(m.to(device=data.device, dtype=data.dtype), out)
+    # in float64 with the shift, rounded once to the data's precision
+    grid = affine_grid(m.to(device=data.device, dtype=torch.float64), out)
+    for k, axis in enumerate(flip):
+        if shift[axis] != 0:
+            grid[..., k].add_(shift[axis] / half_in[axis].item())
+    grid = grid.to(data.dtype)
     data = F.grid_sample(data, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
     return (data, *_resample_labels(seg, grid, outside))
 
