@@ -86,18 +86,19 @@ def _resample_labels(
     out = torch.zeros(shape, dtype=seg.dtype, device=seg.device)
     if not labels and not use_outside:
         return out, won_outside
-    channels = [(seg == v).to(grid.dtype) for v in labels]
+    # the indicators written straight into one tensor (no per-label float copies to cat)
+    first = 1 if sample_outside else 0
+    channels = torch.empty(
+        (seg.shape[0], first + len(labels), *spatial), dtype=grid.dtype, device=seg.device
+    )
     if sample_outside:  # sampled as indicator - 1 and 1 added back: the fill scores 1
-        channels.insert(0, outside.to(grid.dtype) - 1)
+        channels[:, :1] = outside
+        channels[:, :1] -= 1
+    for k, v in enumerate(labels, start=first):
+        channels[:, k : k + 1] = seg == v
     scores = (
-        F.grid_sample(
-            torch.cat(channels, dim=1),
-            grid,
-            mode="bilinear",
-            padding_mode="zeros",
-            align_corners=False,
-        )
-        if channels
+        F.grid_sample(channels, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+        if channels.shape[1]
         else torch.zeros((seg.shape[0], 0, *shape[2:]), dtype=grid.dtype, device=grid.device)
     )
     if sample_outside:
@@ -185,12 +186,10 @@ def spatial_with_outside(
     m = matrices / half_in[None, :, None] * half_out[None, None, :]
     flip = list(range(ndim))[::-1]
     m = m[:, flip][:, :, flip]
-    # in float64 with the shift, rounded once to the data's precision
-    grid = affine_grid(m.to(device=data.device, dtype=torch.float64), out)
+    grid = affine_grid(m.to(device=data.device, dtype=data.dtype), out)
     for k, axis in enumerate(flip):
         if shift[axis] != 0:
             grid[..., k].add_(shift[axis] / half_in[axis].item())
-    grid = grid.to(data.dtype)
     data = F.grid_sample(data, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
     return (data, *_resample_labels(seg, grid, outside))
 
