@@ -1,7 +1,7 @@
 """Batched data augmentation as torch ops on whatever device the batch lives on.
 
-nnU-Net v2's training transforms, in its order: rotation and scaling (one grid_sample for
-the samples that need it; image linear, segmentation by linear interpolation of each
+nnU-Net v2's training transforms, in its order: rotation and scaling (a grid_sample per
+sample that needs it; image linear, segmentation by linear interpolation of each
 label's indicator and argmax), taking the network patch out of the centre of a larger
 read (read_size), so rotated or zoomed-out corners hold image, not fill; Gaussian noise, Gaussian
 blur, brightness, contrast, low-resolution simulation, gamma on the inverted image, gamma,
@@ -9,7 +9,8 @@ mirroring (exact flips); then, for use_mask_for_norm channels, the outside of th
 (nnU-Net's -1 label, resampled as a label of its own) set back to 0. Brightness, contrast
 and gamma are drawn per channel; "dummy 2D" (in_plane_only) rotates about axis 0 and
 scales y and x only. The ops live in grid_sampling (spatial) and intensity_ops.
-Each transform touches only the samples it was drawn for. Every
+Each transform touches only the samples it was drawn for; samples are written one by one
+into the output batch and transformed there in place (no batch-sized temporaries). Every
 random number comes from the generators given, in a fixed number of draws, so a batch is
 reproducible from its seed; per-sample statistics are summed in float64 so the result
 does not depend on how many threads compute it (loader thread or main thread).
