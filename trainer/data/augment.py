@@ -24,7 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.data.grid_sampling import centre_crop, outside_body, spatial_with_outside
+from trainer.data.grid_sampling import (
+    centre_crop,
+    outside_body,
+    spatial_with_outside,
+    touched_box,
+)
 from trainer.data.intensity_ops import (
     contrast_,
     gamma_retain_stats_,
@@ -167,13 +172,28 @@ def _moves(u: list[float], config: AugmentConfig) -> bool:
     return u[0] < config.p_rotation or u[1] < config.p_scale
 
 
-def moved_samples(generator: torch.Generator, batch_size: int, config: AugmentConfig) -> list[bool]:
-    """Which samples augment_batch will rotate or scale with this generator (its state is
-    left as it was): a reader can fetch only the centre patch of the others."""
+def sample_windows(
+    generator: torch.Generator,
+    batch_size: int,
+    config: AugmentConfig,
+    read: tuple[int, ...],
+    patch: tuple[int, ...],
+) -> list[tuple[slice, ...]]:
+    """The part of its read each sample's augmentation with this generator uses (the
+    generator's state is left as it was): the centre patch of a sample it neither rotates
+    nor scales, else the box its rotation and zoom can touch. A reader can fetch just that
+    and pass read_size to augment_batch."""
     state = generator.get_state()
     u = _draw_u(generator, batch_size)
     generator.set_state(state)
-    return [_moves(row, config) for row in u]
+    windows = []
+    for row in u:
+        if _moves(row, config):
+            windows.append(touched_box(_matrix(row, config, len(read))[None], read, patch))
+        else:  # centre_crop's box
+            starts = [n // 2 - p // 2 for n, p in zip(read, patch, strict=True)]
+            windows.append(tuple(slice(s, s + p) for s, p in zip(starts, patch, strict=True)))
+    return windows
 
 
 def _draw(
@@ -215,12 +235,15 @@ def _rotate_and_scale(
     config: AugmentConfig,
     out_size: tuple[int, ...],
     masked: list[int],
+    read_size: tuple[int, ...] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One sample (C, *read) resampled at its drawn rotation / zoom about the centre, cut
     to out_size: (image, seg, outside mask or None without masked channels)."""
     matrix = _matrix(u, config, data.ndim - 1)[None]
     # the outside (masked channels) is resampled as a label of its own
-    image, label, outside = spatial_with_outside(data[None], seg[None], matrix, out_size, masked)
+    image, label, outside = spatial_with_outside(
+        data[None], seg[None], matrix, out_size, masked, read_size
+    )
     return image[0], label[0], None if outside is None else outside[0]
 
 
@@ -303,11 +326,12 @@ def augment_batch(
     config: AugmentConfig = AugmentConfig(),
     noise_generator: torch.Generator | None = None,
     patch_size: tuple[int, ...] | None = None,
+    read_size: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """data (b, C, *read) float, seg (b, 1, *read) integer; returns new tensors of
     patch_size (default: read), cut from the centre of the read (read_size(patch_size)).
-    data and seg may also be b per-sample tensors, and a sample moved_samples says is
-    not moved may come as its patch_size centre alone (the same voxels); the input is
+    data and seg may also be b per-sample tensors, each the whole read or, with
+    read_size given, just its sample_windows window (the same voxels); the input is
     never written to.
 
     `generator` is a CPU generator for the per-sample parameters; `noise_generator` lives
@@ -325,7 +349,7 @@ def augment_batch(
         x, y, outside = images[i], labels[i], None
         if _moves(draws.u[i], config):
             image, label, outside = _rotate_and_scale(
-                samples[i], seg_samples[i], draws.u[i], config, out, masked
+                samples[i], seg_samples[i], draws.u[i], config, out, masked, read_size
             )
             x.copy_(image)
             y.copy_(label)

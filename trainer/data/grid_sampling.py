@@ -143,7 +143,7 @@ def outside_body(data: torch.Tensor, seg: torch.Tensor, channels: list[int]) -> 
     return outside
 
 
-def _touched_box(matrices: torch.Tensor, spatial: tuple[int, ...], out: tuple[int, ...]):
+def touched_box(matrices: torch.Tensor, spatial: tuple[int, ...], out: tuple[int, ...]):
     """The box of input voxels bilinear sampling can touch for output voxels mapped by
     `matrices` (b, d, d) about the centres (affine: its extremes are at the corners), as
     slices, clipped to the input."""
@@ -162,19 +162,24 @@ def spatial_with_outside(
     matrices: torch.Tensor,
     out_size: tuple[int, ...] | None,
     masked: list[int] | None = None,
+    read_size: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """spatial_transform, and with masked channels (use_mask_for_norm) where the outside
     label (outside_body) won (see _resample_labels); None without.
 
     The input is first cut to the voxels the grid can touch: the labels' indicators, their
     resampling and the outside mask then cost what is sampled, not the whole read (the
-    read is sized for the largest rotation and zoom)."""
-    full = tuple(data.shape[2:])
+    read is sized for the largest rotation and zoom). With read_size (the read's size)
+    different from the input's, the input is that cut already (a reader fetched only it)."""
+    full = tuple(read_size) if read_size is not None else tuple(data.shape[2:])
     out = tuple(out_size) if out_size is not None else full
     ndim = len(full)
-    box = _touched_box(matrices, full, out)
-    keep = (slice(None), slice(None), *box)
-    data, seg = data[keep], seg[keep]
+    box = touched_box(matrices, full, out)
+    if tuple(data.shape[2:]) == full:
+        keep = (slice(None), slice(None), *box)
+        data, seg = data[keep], seg[keep]
+    elif tuple(data.shape[2:]) != tuple(b.stop - b.start for b in box):
+        raise ValueError(f"input {tuple(data.shape[2:])} is neither the read nor its cut")
     outside = outside_body(data, seg, masked) if masked else None
     spatial = tuple(data.shape[2:])
     # the full input's centre, in voxels from the cut's centre

@@ -25,7 +25,7 @@ from multiprocessing import get_context
 import numpy as np
 import torch
 
-from trainer.data.augment import AugmentConfig, augment_batch, moved_samples, read_size
+from trainer.data.augment import AugmentConfig, augment_batch, read_size, sample_windows
 from trainer.data.blosc_io import ReadBuffers
 from trainer.data.dataset import PreprocessedCases
 from trainer.data.patches import (
@@ -213,11 +213,21 @@ class PatchLoader:
         buffers = getattr(self._local, "buffers", None)
         if buffers is None:
             buffers = self._local.buffers = ReadBuffers()
-        moved = moved_samples(self._generator(iteration), self.spec.batch_size, self.augment_config)
-        centre_only = [not m for m in moved]
-        images, segs, _ = load_samples(self.cases, self.spec, iteration, centre_only, buffers)
-        data = [torch.from_numpy(x) for x in images]
-        return self._augmented(data, [torch.from_numpy(y) for y in segs], iteration)
+        spec = self.spec
+        read = spec.read_size or spec.patch_size
+        generator = self._generator(iteration)
+        windows = sample_windows(
+            generator, spec.batch_size, self.augment_config, read, spec.patch_size
+        )
+        images, segs, _ = load_samples(self.cases, spec, iteration, windows, buffers)
+        return augment_batch(
+            [torch.from_numpy(x) for x in images],
+            [torch.from_numpy(y) for y in segs],
+            generator,
+            self.augment_config,
+            patch_size=spec.patch_size,
+            read_size=read,
+        )
 
     def _generator(self, iteration: int) -> torch.Generator:
         generator = torch.Generator()

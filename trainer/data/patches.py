@@ -68,29 +68,27 @@ def load_samples(
     cases: PreprocessedCases,
     spec: BatchSpec,
     iteration: int,
-    centre_only: Sequence[bool],
+    windows: Sequence[tuple[slice, ...]],
     buffers: ReadBuffers,
 ):
     """load_patches' batch as per-sample arrays in `buffers` (overwritten by the next call
-    with them): sample i's (C, *read) image and (1, *read) seg, or with centre_only[i] just
-    the patch_size box at the centre of its read box (what augmentation keeps of a sample
-    it neither rotates nor scales: the same voxels, without reading the rest)."""
+    with them), each only the window (slices of the read box's patch axes) given for it:
+    sample i's (C, *window) image and (1, *window) seg. Augmentation tells the windows
+    (augment.sample_windows): the centre patch of a sample it neither rotates nor scales,
+    the box its rotation and zoom can touch otherwise; the rest is never read."""
     boxes = _boxes(cases, spec, iteration)
-    patch = tuple(spec.patch_size)
-    patch3 = (1, *patch) if len(patch) == 2 else patch
+    two_d = len(spec.patch_size) == 2
     images, segs = [], []
     for i, box in enumerate(boxes):
-        lower, size = tuple(box.lower), tuple(box.size)
-        if centre_only[i]:  # centre_crop's start: n // 2 - patch // 2 per axis
-            starts = zip(lower, size, patch3, strict=True)
-            lower = tuple(lo + n // 2 - p // 2 for lo, n, p in starts)
-            size = patch3
+        window = (slice(0, 1), *windows[i]) if two_d else tuple(windows[i])
+        lower = tuple(lo + w.start for lo, w in zip(box.lower, window, strict=True))
+        size = tuple(w.stop - w.start for w in window)
         image_array, seg_array = cases.load_image(box.case_id), cases.load_seg(box.case_id)
         image = buffers.take(f"image{i}", (image_array.shape[0], *size), image_array.dtype)
         seg = buffers.take(f"seg{i}", (seg_array.shape[0], *size), seg_array.dtype)
         read_padded_into(image_array, lower, image, buffers, 0.0)
         read_padded_into(seg_array, lower, seg, buffers, 0)
-        if len(patch) == 2:  # one slice deep -> (C, Y, X)
+        if two_d:  # one slice deep -> (C, Y, X)
             image, seg = image[:, 0], seg[:, 0]
         images.append(image)
         segs.append(seg)
