@@ -95,7 +95,9 @@ def gamma_retain_stats_(x: torch.Tensor, gamma: torch.Tensor) -> None:
     span = (hi - lo).clamp_min(1e-7)
     x.sub_(lo).div_(span).clamp_min_(0).pow_(gamma).mul_(span).add_(lo)
     out_mean, out_std = _mean_std(x)
-    x.sub_(out_mean).div_(out_std.clamp_min(1e-7)).mul_(std).add_(mean)
+    # (x - out_mean) / out_std * std + mean as one scale and shift per channel: two passes
+    scale = std / out_std.clamp_min(1e-7)
+    x.mul_(scale).add_(mean - out_mean * scale)
 
 
 def contrast_(x: torch.Tensor, factor: torch.Tensor) -> None:
