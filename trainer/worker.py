@@ -32,8 +32,8 @@ from trainer.schema import (
 if TYPE_CHECKING:  # imported where used: each of them pulls in torch
     import torch
 
-    from trainer.data.dataset import PreprocessedCases
     from trainer.batch import RankBatch
+    from trainer.data.dataset import PreprocessedCases
     from trainer.launch import Topology
     from trainer.loop import Checkpointer, LoopState, Trainee
     from trainer.planning.plans import ConfigurationPlan, Plans

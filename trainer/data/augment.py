@@ -1,7 +1,7 @@
 """Batched data augmentation as torch ops on whatever device the batch lives on.
 
-nnU-Net v2's training transforms, in its order: rotation and scaling (one grid_sample for
-the samples that need it; image linear, segmentation by linear interpolation of each
+nnU-Net v2's training transforms, in its order: rotation and scaling (a grid_sample per
+sample that needs it; image linear, segmentation by linear interpolation of each
 label's indicator and argmax), taking the network patch out of the centre of a larger
 read (read_size), so rotated or zoomed-out corners hold image, not fill; Gaussian noise, Gaussian
 blur, brightness, contrast, low-resolution simulation, gamma on the inverted image, gamma,
@@ -9,7 +9,8 @@ mirroring (exact flips); then, for use_mask_for_norm channels, the outside of th
 (nnU-Net's -1 label, resampled as a label of its own) set back to 0. Brightness, contrast
 and gamma are drawn per channel; "dummy 2D" (in_plane_only) rotates about axis 0 and
 scales y and x only. The ops live in grid_sampling (spatial) and intensity_ops.
-Each transform touches only the samples it was drawn for. Every
+Each transform touches only the samples it was drawn for; samples are written one by one
+into the output batch and transformed there in place (no batch-sized temporaries). Every
 random number comes from the generators given, in a fixed number of draws, so a batch is
 reproducible from its seed; per-sample statistics are summed in float64 so the result
 does not depend on how many threads compute it (loader thread or main thread).
@@ -18,14 +19,20 @@ does not depend on how many threads compute it (loader thread or main thread).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from trainer.data.grid_sampling import centre_crop, spatial_with_outside
+from trainer.data.grid_sampling import (
+    centre_crop,
+    outside_body,
+    spatial_with_outside,
+    touched_box,
+)
 from trainer.data.intensity_ops import (
-    contrast,
-    gamma_retain_stats,
+    contrast_,
+    gamma_retain_stats_,
     gaussian_blur,
     low_resolution,
 )
@@ -156,92 +163,103 @@ class _Draws:
     noise_generator: torch.Generator
 
 
+def _draw_u(generator: torch.Generator, b: int) -> list[list[float]]:
+    return torch.rand(b, 17, generator=generator, dtype=torch.float64).tolist()
+
+
+def _moves(u: list[float], config: AugmentConfig) -> bool:
+    """Whether a sample with the uniforms u is rotated or scaled (else centre-cropped)."""
+    return u[0] < config.p_rotation or u[1] < config.p_scale
+
+
+def sample_windows(
+    generator: torch.Generator,
+    batch_size: int,
+    config: AugmentConfig,
+    read: tuple[int, ...],
+    patch: tuple[int, ...],
+) -> list[tuple[slice, ...]]:
+    """The part of its read each sample's augmentation with this generator uses (the
+    generator's state is left as it was): the centre patch of a sample it neither rotates
+    nor scales, else the box its rotation and zoom can touch. A reader can fetch just that
+    and pass read_size to augment_batch."""
+    state = generator.get_state()
+    u = _draw_u(generator, batch_size)
+    generator.set_state(state)
+    windows = []
+    for row in u:
+        if _moves(row, config):
+            windows.append(touched_box(_matrix(row, config, len(read))[None], read, patch))
+        else:  # centre_crop's box
+            starts = [n // 2 - p // 2 for n, p in zip(read, patch, strict=True)]
+            windows.append(tuple(slice(s, s + p) for s, p in zip(starts, patch, strict=True)))
+    return windows
+
+
 def _draw(
-    data: torch.Tensor, generator: torch.Generator, noise_generator: torch.Generator | None
+    shape: tuple[int, int, int],
+    device: torch.device,
+    generator: torch.Generator,
+    noise_generator: torch.Generator | None,
 ) -> _Draws:
-    b, channels, ndim = data.shape[0], data.shape[1], data.ndim - 2
-    u = torch.rand(b, 17, generator=generator, dtype=torch.float64).tolist()
+    b, channels, ndim = shape
+    u = _draw_u(generator, b)
     if noise_generator is None:
-        noise_generator = torch.Generator(device=data.device)
+        noise_generator = torch.Generator(device=device)
         noise_generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
     v = torch.rand(b, 4, generator=generator, dtype=torch.float64).tolist()
     per_channel = torch.rand(b, channels, 7 + ndim, generator=generator, dtype=torch.float64)
     return _Draws(u, v, per_channel.tolist(), noise_generator)
 
 
-def _rotate_and_scale(
-    data: torch.Tensor,
-    seg: torch.Tensor,
-    u: list[list[float]],
-    config: AugmentConfig,
-    images: list[torch.Tensor],
-    labels: list[torch.Tensor],
-    out_size: tuple[int, ...],
-    outside: tuple[list[int], list[torch.Tensor]] | None = None,
-) -> None:
-    """One grid_sample for the samples drawn for rotation or scaling, cut to out_size
-    about the centre; replaces their entries of images / labels (and with outside, the
-    masked channels and the samples' outside masks, those of outside[1]) in place."""
-    b, ndim = data.shape[0], data.ndim - 2
-    moved = [i for i in range(b) if u[i][0] < config.p_rotation or u[i][1] < config.p_scale]
-    if not moved:
-        return
+def _matrix(u: list[float], config: AugmentConfig, ndim: int) -> torch.Tensor:
+    """(ndim, ndim) rotation times zoom of a sample drawn for rotation or scaling."""
     max_angle = math.radians(config.rotation_deg)
+    rotates = u[0] < config.p_rotation
     angles = torch.tensor(
-        [
-            [(x * 2 - 1) * max_angle if u[i][0] < config.p_rotation else 0.0 for x in u[i][2:5]]
-            for i in moved
-        ],
-        dtype=torch.float64,
+        [[(x * 2 - 1) * max_angle if rotates else 0.0 for x in u[2:5]]], dtype=torch.float64
     )
     if ndim == 3 and config.in_plane_only:
         angles[:, 1:] = 0.0
-    factors = torch.tensor(
-        [_uniform(u[i][5], config.scale_range) if u[i][1] < config.p_scale else 1.0 for i in moved],
-        dtype=torch.float64,
-    )
-    matrices = _rotation_matrices(angles, ndim) * factors[:, None, None]
+    factor = _uniform(u[5], config.scale_range) if u[1] < config.p_scale else 1.0
+    matrix = _rotation_matrices(angles, ndim)[0] * factor
     if ndim == 3 and config.in_plane_only:
-        matrices[:, 0, 0] = 1.0  # dummy 2D: y and x scaled, each slice stays one slice
-    index = torch.tensor(moved, device=data.device)
-    read_outside = None
-    if outside is not None:  # on the read of the moved samples only: it costs a pass
-        read_outside = _outside_body(data[index], seg[index], outside[0])
-    new_data, new_seg, new_outside = spatial_with_outside(
-        data[index], seg[index], matrices, out_size, read_outside
+        matrix[0, 0] = 1.0  # dummy 2D: y and x scaled, each slice stays one slice
+    return matrix
+
+
+def _rotate_and_scale(
+    data: torch.Tensor,
+    seg: torch.Tensor,
+    u: list[float],
+    config: AugmentConfig,
+    out_size: tuple[int, ...],
+    masked: list[int],
+    read_size: tuple[int, ...] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One sample (C, *read) resampled at its drawn rotation / zoom about the centre, cut
+    to out_size: (image, seg, outside mask or None without masked channels)."""
+    matrix = _matrix(u, config, data.ndim - 1)[None]
+    # the outside (masked channels) is resampled as a label of its own
+    image, label, outside = spatial_with_outside(
+        data[None], seg[None], matrix, out_size, masked, read_size
     )
-    for k, i in enumerate(moved):
-        images[i], labels[i] = new_data[k], new_seg[k]
-        if outside is not None:
-            assert new_outside is not None  # read_outside was given
-            outside[1][i] = new_outside[k]
+    return image[0], label[0], None if outside is None else outside[0]
 
 
-def _blur_channels(
-    x: torch.Tensor, pc: list[list[float]], config: AugmentConfig, ndim: int
-) -> torch.Tensor:
-    picked = [c for c in range(x.shape[0]) if pc[c][0] < config.p_blur_per_channel]
-    if not picked:
-        return x
-    x = x.clone()  # x may be a view of the caller's batch
-    for c in picked:
-        sigmas = [_uniform(s, config.blur_sigma) for s in pc[c][1 : 1 + ndim]]
-        x[c] = gaussian_blur(x[c], sigmas)
-    return x
+def _blur_channels(x: torch.Tensor, pc: list[list[float]], config: AugmentConfig, ndim: int):
+    for c in range(x.shape[0]):
+        if pc[c][0] < config.p_blur_per_channel:
+            sigmas = [_uniform(s, config.blur_sigma) for s in pc[c][1 : 1 + ndim]]
+            x[c] = gaussian_blur(x[c], sigmas)
 
 
-def _low_res_channels(
-    x: torch.Tensor, pc: list[list[float]], config: AugmentConfig, ndim: int
-) -> torch.Tensor:
-    picked = [c for c in range(x.shape[0]) if pc[c][1 + ndim] < config.p_low_res_per_channel]
-    if not picked:
-        return x
-    x = x.clone()  # x may be a view of the caller's batch
+def _low_res_channels(x: torch.Tensor, pc: list[list[float]], config: AugmentConfig, ndim: int):
     low_res_axes = tuple(range(1 if ndim == 3 and config.in_plane_only else 0, ndim))
-    for c in picked:
-        zoom = _uniform(pc[c][2 + ndim], config.low_res_scale)
-        x[c] = low_resolution(x[c], zoom, low_res_axes)
-    return x
+    for c in range(x.shape[0]):
+        if pc[c][1 + ndim] < config.p_low_res_per_channel:
+            zoom = _uniform(pc[c][2 + ndim], config.low_res_scale)
+            x[c] = low_resolution(x[c], zoom, low_res_axes)
 
 
 FACTOR_NAMES = ("brightness", "contrast", "gamma_inverted", "gamma")
@@ -264,11 +282,10 @@ def _per_channel(values: list[float], x: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=x.dtype, device=x.device).view(-1, *[1] * (x.ndim - 1))
 
 
-def _intensities(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig) -> torch.Tensor:
-    """Image-only transforms of sample i (C, *spatial), each if drawn for it, in
+def _intensities_(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig) -> None:
+    """Image-only transforms of sample i (C, *spatial), in place, each if drawn for it, in
     nnU-Net's order."""
     ndim = x.ndim - 1
-    dims = tuple(range(1, ndim + 1))  # spatial dims of one channel stack (C, *spatial)
     ui, vi, pc = draws.u[i], draws.v[i], draws.per_channel[i]
     factors = channel_factors(pc, config)
     if ui[9] < config.p_noise:
@@ -278,73 +295,76 @@ def _intensities(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig) 
         noise = torch.randn(
             x.shape, generator=draws.noise_generator, device=x.device, dtype=x.dtype
         )
-        x = x + noise * sigma
+        x.add_(noise.mul_(sigma))
     if vi[0] < config.p_blur:
-        x = _blur_channels(x, pc, config, ndim)
+        _blur_channels(x, pc, config, ndim)
     if ui[11] < config.p_brightness:
-        x = x * _per_channel(factors["brightness"], x)
+        x.mul_(_per_channel(factors["brightness"], x))
     if ui[13] < config.p_contrast:
-        x = contrast(x, _per_channel(factors["contrast"], x), dims)
+        contrast_(x, _per_channel(factors["contrast"], x))
     if vi[1] < config.p_low_res:
-        x = _low_res_channels(x, pc, config, ndim)
+        _low_res_channels(x, pc, config, ndim)
     if vi[2] < config.p_gamma_inverted:
-        x = -gamma_retain_stats(-x, _per_channel(factors["gamma_inverted"], x), dims)
+        x.neg_()
+        gamma_retain_stats_(x, _per_channel(factors["gamma_inverted"], x))
+        x.neg_()
     if ui[15] < config.p_gamma:
-        x = gamma_retain_stats(x, _per_channel(factors["gamma"], x), dims)
-    return x
+        gamma_retain_stats_(x, _per_channel(factors["gamma"], x))
 
 
-def _outside_body(data: torch.Tensor, seg: torch.Tensor, channels: list[int]) -> torch.Tensor:
-    """(b, 1, *spatial) nnU-Net's -1 label: background where the masked channels are
-    exactly 0 (preprocessing leaves them 0 outside the hole-filled body; reads pad with 0)."""
-    outside = seg == 0
-    for c in channels:
-        outside &= data[:, c : c + 1] == 0
-    return outside
-
-
-def _channel_mask(outside: torch.Tensor, image: torch.Tensor, channels: list[int]) -> torch.Tensor:
-    mask = torch.zeros(image.shape, dtype=torch.bool, device=image.device)
-    mask[channels] = outside[0]
-    return mask
+def _flip_(x: torch.Tensor, dims: list[int]) -> None:
+    """x (C, *spatial) flipped along the spatial dims in place, a channel at a time (a
+    channel-sized temporary)."""
+    for c in range(x.shape[0]):
+        x[c] = x[c].flip(dims)
 
 
 def augment_batch(
-    data: torch.Tensor,
-    seg: torch.Tensor,
+    data: torch.Tensor | Sequence[torch.Tensor],
+    seg: torch.Tensor | Sequence[torch.Tensor],
     generator: torch.Generator,
     config: AugmentConfig = AugmentConfig(),
     noise_generator: torch.Generator | None = None,
     patch_size: tuple[int, ...] | None = None,
+    read_size: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """data (b, C, *read) float, seg (b, 1, *read) integer; returns new tensors of
     patch_size (default: read), cut from the centre of the read (read_size(patch_size)).
+    data and seg may also be b per-sample tensors, each the whole read or, with
+    read_size given, just its sample_windows window (the same voxels); the input is
+    never written to.
 
     `generator` is a CPU generator for the per-sample parameters; `noise_generator` lives
     on data.device for the noise field (defaults to one seeded from `generator`).
     """
-    ndim = data.ndim - 2
-    out = tuple(patch_size) if patch_size is not None else tuple(data.shape[2:])
-    draws = _draw(data, generator, noise_generator)
-    # Views of the centre, stacked at the end; rotated or scaled samples are replaced.
-    images = list(centre_crop(data, out).unbind(0))
-    labels = list(centre_crop(seg, out).unbind(0))
-    masked = [c for c, on in enumerate(config.mask_channels) if on and c < data.shape[1]]
-    outside = None
-    if masked:  # each sample's outside, resampled as a label of its own where it moves
-        crops = [
-            _outside_body(x[None], y[None], masked)[0] for x, y in zip(images, labels, strict=True)
-        ]
-        outside = (masked, crops)
-    _rotate_and_scale(data, seg, draws.u, config, images, labels, out, outside)
+    samples, seg_samples = list(data), list(seg)
+    b, first = len(samples), samples[0]
+    out = tuple(patch_size) if patch_size is not None else tuple(first.shape[1:])
+    draws = _draw((b, first.shape[0], first.ndim - 1), first.device, generator, noise_generator)
+    masked = [c for c, on in enumerate(config.mask_channels) if on and c < first.shape[0]]
+    images = torch.empty((b, first.shape[0], *out), dtype=first.dtype, device=first.device)
+    labels = torch.empty((b, 1, *out), dtype=seg_samples[0].dtype, device=first.device)
     # Samples in order: the noise generator's stream is consumed sample by sample.
-    for i in range(data.shape[0]):
-        x = _intensities(images[i], draws, i, config)
+    for i in range(b):
+        x, y, outside = images[i], labels[i], None
+        if _moves(draws.u[i], config):
+            image, label, outside = _rotate_and_scale(
+                samples[i], seg_samples[i], draws.u[i], config, out, masked, read_size
+            )
+            x.copy_(image)
+            y.copy_(label)
+        else:
+            x.copy_(centre_crop(samples[i], out))
+            y.copy_(centre_crop(seg_samples[i], out))
+            if masked:
+                outside = outside_body(x[None], y[None], masked)[0]
+        _intensities_(x, draws, i, config)
         if outside is not None:  # nnU-Net's MaskImageTransform, after the intensities
-            x = x.masked_fill(_channel_mask(outside[1][i], x, masked), 0.0)
+            for c in masked:
+                x[c].masked_fill_(outside[0], 0.0)
         # --- mirroring last (as nnU-Net): one exact flip per sample
-        flips = [1 + axis for axis in range(ndim) if draws.u[i][6 + axis] < config.p_mirror]
+        flips = [axis for axis in range(len(out)) if draws.u[i][6 + axis] < config.p_mirror]
         if flips:
-            x, labels[i] = x.flip(flips), labels[i].flip(flips)
-        images[i] = x
-    return torch.stack(images), torch.stack(labels)
+            _flip_(x, flips)
+            _flip_(y, flips)
+    return images, labels

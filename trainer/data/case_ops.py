@@ -141,7 +141,7 @@ def _resize(x: np.ndarray, shape: tuple[int, ...], order: int) -> np.ndarray:
     return out
 
 
-def _nearest_indices(n_in: int, n_out: int) -> np.ndarray:
+def nearest_indices(n_in: int, n_out: int) -> np.ndarray:
     """Input index of each output voxel centre by nearest neighbour (map_coordinates'
     rounding, as nnU-Net's order_z=0)."""
     coords = (np.arange(n_out) + 0.5) * (n_in / n_out) - 0.5
@@ -160,7 +160,7 @@ def _resize_volume(volume, new_shape, axis: int | None, resize_fn) -> np.ndarray
     stacked = np.stack(slices, axis=axis)
     if volume.shape[axis] == new_shape[axis]:
         return stacked
-    return np.take(stacked, _nearest_indices(volume.shape[axis], new_shape[axis]), axis=axis)
+    return np.take(stacked, nearest_indices(volume.shape[axis], new_shape[axis]), axis=axis)
 
 
 def resample_image(

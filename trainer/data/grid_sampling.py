@@ -7,6 +7,7 @@ argmax, with nnU-Net's -1 label ("outside the body") optionally as a label of it
 
 from __future__ import annotations
 
+import math
 from types import EllipsisType
 
 import torch
@@ -87,19 +88,20 @@ def _resample_labels(
     out = torch.zeros(shape, dtype=seg.dtype, device=seg.device)
     if not labels and not use_outside:
         return out, won_outside
-    channels = [(seg == v).to(grid.dtype) for v in labels]
+    # the indicators written straight into one tensor (no per-label float copies to cat)
+    first = 1 if sample_outside else 0
+    channels = torch.empty(
+        (seg.shape[0], first + len(labels), *spatial), dtype=grid.dtype, device=seg.device
+    )
     if sample_outside:  # sampled as indicator - 1 and 1 added back: the fill scores 1
         assert outside is not None  # sample_outside says it is given
-        channels.insert(0, outside.to(grid.dtype) - 1)
+        channels[:, :1] = outside
+        channels[:, :1] -= 1
+    for k, v in enumerate(labels, start=first):
+        channels[:, k : k + 1] = seg == v
     scores = (
-        F.grid_sample(
-            torch.cat(channels, dim=1),
-            grid,
-            mode="bilinear",
-            padding_mode="zeros",
-            align_corners=False,
-        )
-        if channels
+        F.grid_sample(channels, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+        if channels.shape[1]
         else torch.zeros((seg.shape[0], 0, *shape[2:]), dtype=grid.dtype, device=grid.device)
     )
     if sample_outside:
@@ -136,25 +138,69 @@ def spatial_transform(
     return data, seg
 
 
+def outside_body(data: torch.Tensor, seg: torch.Tensor, channels: list[int]) -> torch.Tensor:
+    """(b, 1, *spatial) nnU-Net's -1 label: background where the masked channels are
+    exactly 0 (preprocessing leaves them 0 outside the hole-filled body; reads pad with 0)."""
+    outside = seg == 0
+    for c in channels:
+        outside &= data[:, c : c + 1] == 0
+    return outside
+
+
+def touched_box(
+    matrices: torch.Tensor, spatial: tuple[int, ...], out: tuple[int, ...]
+) -> tuple[slice, ...]:
+    """The box of input voxels bilinear sampling can touch for output voxels mapped by
+    `matrices` (b, d, d) about the centres (affine: its extremes are at the corners), as
+    slices, clipped to the input."""
+    offsets = matrices.abs() @ torch.tensor([o / 2 - 0.5 for o in out], dtype=matrices.dtype)
+    reach = offsets.amax(0).tolist()  # (d,) largest offset from the input centre per axis
+    box = []
+    for n, r in zip(spatial, reach, strict=True):
+        lo, hi = n / 2 - 0.5 - r, n / 2 - 0.5 + r
+        box.append(slice(max(0, math.floor(lo)), min(n, math.floor(hi) + 2)))
+    return tuple(box)
+
+
 def spatial_with_outside(
     data: torch.Tensor,
     seg: torch.Tensor,
     matrices: torch.Tensor,
     out_size: tuple[int, ...] | None,
-    outside: torch.Tensor | None,
+    masked: list[int] | None = None,
+    read_size: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """spatial_transform, and where the outside label won (see _resample_labels)."""
-    spatial = data.shape[2:]
-    out = tuple(out_size) if out_size is not None else tuple(spatial)
-    ndim = len(spatial)
+    """spatial_transform, and with masked channels (use_mask_for_norm) where the outside
+    label (outside_body) won (see _resample_labels); None without.
+
+    The input is first cut to the voxels the grid can touch: the labels' indicators, their
+    resampling and the outside mask then cost what is sampled, not the whole read (the
+    read is sized for the largest rotation and zoom). With read_size (the read's size)
+    different from the input's, the input is that cut already (a reader fetched only it)."""
+    full = tuple(read_size) if read_size is not None else tuple(data.shape[2:])
+    out = tuple(out_size) if out_size is not None else full
+    ndim = len(full)
+    box = touched_box(matrices, full, out)
+    if tuple(data.shape[2:]) == full:
+        keep = (slice(None), slice(None), *box)
+        data, seg = data[keep], seg[keep]
+    elif tuple(data.shape[2:]) != tuple(b.stop - b.start for b in box):
+        raise ValueError(f"input {tuple(data.shape[2:])} is neither the read nor its cut")
+    outside = outside_body(data, seg, masked) if masked else None
+    spatial = tuple(data.shape[2:])
+    # the full input's centre, in voxels from the cut's centre
+    shift = [n / 2 - b.start - k / 2 for n, b, k in zip(full, box, spatial, strict=True)]
     # grid_sample's normalised coordinates are per-axis scaled and in (x, y, z) order:
-    # input voxel offset M @ (output offset), each axis measured in its own half-length.
+    # input voxel offset M @ (output offset) + shift, each axis in its own half-length.
     half_in = torch.tensor([n / 2.0 for n in spatial], dtype=matrices.dtype)
     half_out = torch.tensor([n / 2.0 for n in out], dtype=matrices.dtype)
     m = matrices / half_in[None, :, None] * half_out[None, None, :]
     flip = list(range(ndim))[::-1]
     m = m[:, flip][:, :, flip]
     grid = affine_grid(m.to(device=data.device, dtype=data.dtype), out)
+    for k, axis in enumerate(flip):
+        if shift[axis] != 0:
+            grid[..., k].add_(shift[axis] / half_in[axis].item())
     data = F.grid_sample(data, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
     return (data, *_resample_labels(seg, grid, outside))
 

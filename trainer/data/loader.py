@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import sys
+import threading
 import time
 from collections import deque
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -24,9 +25,16 @@ from multiprocessing import get_context
 import numpy as np
 import torch
 
-from trainer.data.augment import AugmentConfig, augment_batch, read_size
+from trainer.data.augment import AugmentConfig, augment_batch, read_size, sample_windows
+from trainer.data.blosc_io import ReadBuffers
 from trainer.data.dataset import PreprocessedCases
-from trainer.data.patches import BatchSpec, init_worker, load_patches, load_patches_in_worker
+from trainer.data.patches import (
+    BatchSpec,
+    init_worker,
+    load_patches,
+    load_patches_in_worker,
+    load_samples,
+)
 from trainer.data.sampling import STREAM_IDS, LocationRule, forced_slots
 
 ANISO_THRESHOLD = 3.0
@@ -176,9 +184,12 @@ class PatchLoader:
         self._iteration = int(start_iteration)
         self._pending: deque[tuple[int, Future | None]] = deque()
         self._executor: Executor | None = None
-        self._augment_in_worker = (
-            augment and self.device.type == "cpu" and num_workers > 0 and worker_mode == "thread"
-        )
+        cpu_augment = augment and self.device.type == "cpu"
+        self._augment_in_worker = cpu_augment and num_workers > 0 and worker_mode == "thread"
+        # CPU augmentation in the thread that reads (loader threads, or inline): reads go
+        # into that thread's reused buffers, unmoved samples read as their centre alone
+        self._augment_in_load = cpu_augment and (num_workers == 0 or worker_mode == "thread")
+        self._local = threading.local()
         self._executor = _start_workers(cases, num_workers, worker_mode, self._augment_in_worker)
         self._closed = False
         self.wait_s = 0.0  # time __next__ spent blocked on a batch (data starving the step)
@@ -196,16 +207,37 @@ class PatchLoader:
         return self._executor.submit(self._load, iteration)
 
     def _load(self, iteration: int):
-        data, seg, _ = load_patches(self.cases, self.spec, iteration)
-        if self._augment_in_worker:
-            return self._augmented(torch.from_numpy(data), torch.from_numpy(seg), iteration)
-        return data, seg
+        if not self._augment_in_load:
+            data, seg, _ = load_patches(self.cases, self.spec, iteration)
+            return data, seg
+        buffers = getattr(self._local, "buffers", None)
+        if buffers is None:
+            buffers = self._local.buffers = ReadBuffers()
+        spec = self.spec
+        read = spec.read_size or spec.patch_size
+        generator = self._generator(iteration)
+        windows = sample_windows(
+            generator, spec.batch_size, self.augment_config, read, spec.patch_size
+        )
+        images, segs, _ = load_samples(self.cases, spec, iteration, windows, buffers)
+        return augment_batch(
+            [torch.from_numpy(x) for x in images],
+            [torch.from_numpy(y) for y in segs],
+            generator,
+            self.augment_config,
+            patch_size=spec.patch_size,
+            read_size=read,
+        )
 
-    def _augmented(self, data: torch.Tensor, seg: torch.Tensor, iteration: int):
+    def _generator(self, iteration: int) -> torch.Generator:
         generator = torch.Generator()
         generator.manual_seed(
             augment_seed(self.spec.seed, self.spec.rank, self.spec.stream, iteration)
         )
+        return generator
+
+    def _augmented(self, data, seg, iteration: int):
+        generator = self._generator(iteration)
         return augment_batch(
             data, seg, generator, self.augment_config, patch_size=self.spec.patch_size
         )
@@ -223,7 +255,7 @@ class PatchLoader:
         started = time.perf_counter()
         data, seg = future.result() if future is not None else self._load(iteration)
         self.wait_s += time.perf_counter() - started
-        if not self._augment_in_worker:
+        if not self._augment_in_load:
             data, seg = torch.from_numpy(data), torch.from_numpy(seg)
             if self.device.type == "cuda":
                 data, seg = data.pin_memory(), seg.pin_memory()

@@ -6,12 +6,13 @@ batch k is the same wherever and whenever it is built.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from trainer import stop
-from trainer.data.blosc_io import read_padded
+from trainer.data.blosc_io import ReadBuffers, read_padded, read_padded_into
 from trainer.data.dataset import PreprocessedCases
 from trainer.data.sampling import LocationRule, batch_seed, plan_batch
 
@@ -34,11 +35,9 @@ class BatchSpec:
     rule: LocationRule | None = None
 
 
-def load_patches(cases: PreprocessedCases, spec: BatchSpec, iteration: int):
-    """(data (b, C, *read) float32, seg (b, 1, *read) uint8, boxes) of batch `iteration`;
-    read = spec.read_size or spec.patch_size."""
+def _boxes(cases: PreprocessedCases, spec: BatchSpec, iteration: int):
     rng = np.random.default_rng(batch_seed(spec.seed, spec.rank, spec.stream, iteration))
-    boxes = plan_batch(
+    return plan_batch(
         rng,
         spec.case_ids,
         spec.batch_size,
@@ -48,6 +47,12 @@ def load_patches(cases: PreprocessedCases, spec: BatchSpec, iteration: int):
         spec.read_size,
         spec.rule,
     )
+
+
+def load_patches(cases: PreprocessedCases, spec: BatchSpec, iteration: int):
+    """(data (b, C, *read) float32, seg (b, 1, *read) uint8, boxes) of batch `iteration`;
+    read = spec.read_size or spec.patch_size."""
+    boxes = _boxes(cases, spec, iteration)
     images, segs = [], []
     for box in boxes:
         image = read_padded(cases.load_image(box.case_id), box.lower, box.size, 0.0)
@@ -57,6 +62,37 @@ def load_patches(cases: PreprocessedCases, spec: BatchSpec, iteration: int):
         images.append(image)
         segs.append(seg)
     return np.stack(images), np.stack(segs), boxes
+
+
+def load_samples(
+    cases: PreprocessedCases,
+    spec: BatchSpec,
+    iteration: int,
+    windows: Sequence[tuple[slice, ...]],
+    buffers: ReadBuffers,
+):
+    """load_patches' batch as per-sample arrays in `buffers` (overwritten by the next call
+    with them), each only the window (slices of the read box's patch axes) given for it:
+    sample i's (C, *window) image and (1, *window) seg. Augmentation tells the windows
+    (augment.sample_windows): the centre patch of a sample it neither rotates nor scales,
+    the box its rotation and zoom can touch otherwise; the rest is never read."""
+    boxes = _boxes(cases, spec, iteration)
+    two_d = len(spec.patch_size) == 2
+    images, segs = [], []
+    for i, box in enumerate(boxes):
+        window = (slice(0, 1), *windows[i]) if two_d else tuple(windows[i])
+        lower = tuple(lo + w.start for lo, w in zip(box.lower, window, strict=True))
+        size = tuple(w.stop - w.start for w in window)
+        image_array, seg_array = cases.load_image(box.case_id), cases.load_seg(box.case_id)
+        image = buffers.take(f"image{i}", (image_array.shape[0], *size), image_array.dtype)
+        seg = buffers.take(f"seg{i}", (seg_array.shape[0], *size), seg_array.dtype)
+        read_padded_into(image_array, lower, image, buffers, 0.0)
+        read_padded_into(seg_array, lower, seg, buffers, 0)
+        if two_d:  # one slice deep -> (C, Y, X)
+            image, seg = image[:, 0], seg[:, 0]
+        images.append(image)
+        segs.append(seg)
+    return images, segs, boxes
 
 
 # ---- worker-process side -------------------------------------------------------------

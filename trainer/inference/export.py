@@ -17,19 +17,23 @@ it cost up to 0.07 lesion Dice per fold (bench/RESULTS.md, "the export to the ra
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
-from trainer.data.case_ops import resample_image
+from trainer.data.case_ops import nearest_indices, separate_z_axis
 from trainer.data.image_io import encode_like
 from trainer.schema import atomic_write_bytes
 
 PROBABILITIES_KEY = "probabilities"
-TINY = np.finfo(np.float32).tiny  # log(0) guard: a class the network rules out stays ~0
+TINY = float(np.finfo(np.float32).tiny)  # log(0) guard: a class the network rules out stays ~0
+SLAB_BYTES = 32 * 2**20  # log-probabilities of one output slab: the export's working memory
 
 
 @dataclass(frozen=True)
@@ -69,22 +73,26 @@ def to_raw_geometry(
     probabilities: (K, *shape_after_resampling), numpy or torch; class k is the k-th of
     the sorted label values.
     """
-    probs = _as_numpy(probabilities)
+    probs = _as_tensor(probabilities)
     cropped_shape = tuple(int(n) for n in properties["shape_after_cropping_and_before_resampling"])
     full_shape = tuple(int(n) for n in properties["shape_before_cropping"])
-    bbox = properties["bbox_used_for_cropping"]
-    if tuple(probs.shape[1:]) != cropped_shape:
-        spacings = (properties["spacing_after_resampling"], properties["spacing"])
-        probs = _resample_log_space(probs, cropped_shape, *spacings)
-    region = tuple(slice(lo, hi) for lo, hi in bbox)
+    region = tuple(slice(lo, hi) for lo, hi in properties["bbox_used_for_cropping"])
     values = np.asarray(sorted(int(v) for v in label_values))
     segmentation = np.zeros(full_shape, dtype=label_dtype(values))
-    segmentation[region] = values[np.argmax(probs, axis=0)]
     full = None
     if keep_probabilities:
         full = np.zeros((probs.shape[0], *full_shape), dtype=np.float32)
         full[0] = 1.0  # outside the crop: background for sure (it was all zero)
-        full[(slice(None), *region)] = probs
+    axis = None
+    if tuple(probs.shape[1:]) != cropped_shape:
+        axis = separate_z_axis(properties["spacing_after_resampling"], properties["spacing"])
+    resample_to_labels(
+        probs,
+        values,
+        segmentation[region],
+        None if full is None else full[(slice(None), *region)],
+        axis,
+    )
     backward = transpose_backward(properties)
     if backward:  # the stored data was transposed: back to the raw image's axis order
         segmentation = np.ascontiguousarray(segmentation.transpose(backward))
@@ -93,28 +101,76 @@ def to_raw_geometry(
     return RawPrediction(segmentation, full)
 
 
-def _resample_log_space(
-    probs: np.ndarray,
-    shape: tuple[int, ...],
-    spacing: Sequence[float],
-    raw_spacing: Sequence[float],
-) -> np.ndarray:
-    """Probabilities at `shape`: linear in log space (nnU-Net's logit resampling, with its
-    separate-z rule: nearest along the thick axis), then a softmax over the classes, so
-    they sum to 1 again."""
-    log_probs = resample_image(
-        np.log(np.maximum(probs, TINY)), shape, tuple(spacing), tuple(raw_spacing), 1
-    )
-    log_probs -= log_probs.max(axis=0, keepdims=True)
-    np.exp(log_probs, out=log_probs)
-    log_probs /= log_probs.sum(axis=0, keepdims=True)
-    return log_probs.astype(np.float32, copy=False)
+def _axis_weights(
+    n_in: int, n_out: int, nearest: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per output index along one axis: the two input indices and the second's weight.
+    Linear: voxel centres aligned, edges clamped (skimage resize order 1 mode 'edge', as
+    nnU-Net resamples; torch's align_corners=False); nearest: nnU-Net's order_z=0."""
+    if nearest or n_in == n_out:
+        index = nearest_indices(n_in, n_out) if n_in != n_out else np.arange(n_out)
+        return index, index, np.zeros(n_out, dtype=np.float32)
+    src = np.maximum((np.arange(n_out) + 0.5) * (n_in / n_out) - 0.5, 0.0)
+    low = np.minimum(np.floor(src).astype(np.int64), n_in - 1)
+    return low, np.minimum(low + 1, n_in - 1), (src - low).astype(np.float32)
 
 
-def _as_numpy(array: Any) -> np.ndarray:
-    if hasattr(array, "detach"):
-        array = array.detach().float().cpu().numpy()
-    return np.asarray(array, dtype=np.float32)
+def resample_to_labels(
+    probs: torch.Tensor,
+    values: np.ndarray,
+    segmentation: np.ndarray,
+    full: np.ndarray | None,
+    separate_axis: int | None,
+) -> None:
+    """Write values[argmax] of probs (K, *in) resampled to segmentation's shape into
+    `segmentation` (and the renormalised probabilities into `full` (K, *out)), slab by
+    slab along the first axis (the thick one for separate z), so no (K, *out) array is
+    ever whole in memory: linear in log space in-plane, linear or nearest along the slab
+    axis (nnU-Net's rule for the thick axis). float32 (nnU-Net: float64): labels can only
+    differ where two classes' resampled logits tie to ~1e-6 (tests/test_predict_geometry)."""
+    if probs.ndim == 3:  # 2D: one slice deep
+        probs, segmentation = probs[:, None], segmentation[None]
+        full = None if full is None else full[:, None]
+        separate_axis = None if separate_axis is None else separate_axis + 1
+    axis = separate_axis or 0
+    probs = probs.movedim(1 + axis, 1)
+    segmentation = np.moveaxis(segmentation, axis, 0)
+    full = None if full is None else np.moveaxis(full, 1 + axis, 1)
+    n_out, plane = segmentation.shape[0], tuple(segmentation.shape[1:])
+    low, high, weight = _axis_weights(probs.shape[1], n_out, separate_axis is not None)
+    rows = max(1, SLAB_BYTES // (4 * probs.shape[0] * math.prod(plane)))
+    for start in range(0, n_out, rows):
+        stop = min(start + rows, n_out)
+        first, last = int(low[start:stop].min()), int(high[start:stop].max()) + 1
+        # (slices, K, *plane): the input slices this slab needs, in log space, in-plane
+        part = probs[:, first:last].clamp_min(TINY).log_().transpose(0, 1).contiguous()
+        if tuple(part.shape[2:]) != plane:
+            part = F.interpolate(part, size=plane, mode="bilinear", align_corners=False)
+        scores = part[torch.from_numpy(low[start:stop] - first)]
+        w = torch.from_numpy(weight[start:stop]).view(-1, 1, 1, 1)
+        if bool((w > 0).any()):
+            scores.mul_(1 - w).add_(part[torch.from_numpy(high[start:stop] - first)] * w)
+        segmentation[start:stop] = values[_first_argmax(scores).numpy()]
+        if full is not None:
+            full[:, start:stop] = scores.softmax(1).transpose(0, 1).numpy()
+
+
+def _first_argmax(scores: torch.Tensor) -> torch.Tensor:
+    """argmax over dim 1 of (n, K, ...) (the first class on ties) as a running maximum:
+    torch's argmax across a short middle axis is a strided reduction ~10x slower on CPU."""
+    index = torch.zeros((scores.shape[0], *scores.shape[2:]), dtype=torch.int64)
+    best = scores[:, 0].clone()
+    for k in range(1, scores.shape[1]):
+        wins = scores[:, k] > best
+        index.masked_fill_(wins, k)
+        torch.maximum(best, scores[:, k], out=best)
+    return index
+
+
+def _as_tensor(array: Any) -> torch.Tensor:
+    if isinstance(array, torch.Tensor):
+        return array.detach().to("cpu", torch.float32)
+    return torch.from_numpy(np.asarray(array, dtype=np.float32))
 
 
 def probabilities_bytes(probabilities: np.ndarray) -> bytes:

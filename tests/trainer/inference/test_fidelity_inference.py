@@ -91,3 +91,56 @@ def test_gaussian_importance_and_window_starts_are_nnunets(patch):
     assert [window_starts(s, p) for s, p in zip(image, patch, strict=True)] == [
         list(x) for x in steps
     ]
+
+
+def _smooth_logits(shape, classes: int, seed: int) -> torch.Tensor:
+    """Logits that vary smoothly (structures several voxels wide) plus a little noise."""
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.randn((1, classes, *(max(2, n // 4) for n in shape)), generator=g) * 3
+    size = tuple(shape)
+    smooth = torch.nn.functional.interpolate(coarse, size=size, mode="trilinear")[0]
+    return smooth + 0.05 * torch.randn((classes, *shape), generator=g)
+
+
+# (stored shape, stored spacing, raw shape, raw spacing): upsampled, downsampled,
+# anisotropic with the thick axis first and last (separate z: nearest along it)
+EXPORT_CASES = [
+    ((20, 26, 26), (1.0, 0.78125, 0.78125), (20, 25, 25), (1.0, 0.8, 0.8)),
+    ((18, 30, 22), (1.0, 1.0, 1.0), (23, 21, 31), (0.8, 1.4, 0.7)),
+    ((9, 30, 30), (4.0, 0.7, 0.7), (12, 26, 26), (3.0, 0.8, 0.8)),
+    ((30, 30, 9), (0.7, 0.7, 4.0), (26, 26, 12), (0.8, 0.8, 3.0)),
+]
+
+
+@pytest.mark.parametrize("case", EXPORT_CASES)
+def test_export_labels_are_nnunets_resampled_logits(case):
+    """nnui's export (slab-wise float32 resampling of log-probabilities) against nnU-Net's
+    resample_data_or_seg_to_shape of the logits (float64) and argmax. Documented tolerance:
+    labels are identical wherever nnU-Net's two best resampled logits differ by more than
+    1e-4 (float32 rounding can only flip closer ties), and in >= 99.9 % of all voxels."""
+    from trainer.inference.export import to_raw_geometry
+
+    resampling = pytest.importorskip("nnunetv2.preprocessing.resampling.default_resampling")
+    stored, spacing, raw, raw_spacing = case
+    logits = _smooth_logits(stored, 3, seed=len(EXPORT_CASES) + stored[2])
+    # the plans' resampling_fn_probabilities_kwargs (force_separate_z None: nnU-Net's rule)
+    ref = resampling.resample_data_or_seg_to_shape(
+        logits.numpy(), raw, spacing, raw_spacing, is_seg=False, order=1, order_z=0,
+        force_separate_z=None,
+    )  # fmt: skip
+    ref = np.asarray(ref, dtype=np.float64)
+    props = {
+        "shape_after_cropping_and_before_resampling": list(raw),
+        "shape_before_cropping": list(raw),
+        "bbox_used_for_cropping": [[0, n] for n in raw],
+        "spacing_after_resampling": list(spacing),
+        "spacing": list(raw_spacing),
+    }
+    result = to_raw_geometry(torch.softmax(logits, 0), props, [0, 1, 2], keep_probabilities=True)
+    assert result.segmentation.shape == raw and result.segmentation.dtype == np.uint8
+    top2 = np.sort(ref, axis=0)[-2:]
+    clear = (top2[1] - top2[0]) > 1e-4
+    np.testing.assert_array_equal(result.segmentation[clear], ref.argmax(0)[clear])
+    assert (result.segmentation == ref.argmax(0)).mean() >= 0.999
+    expected = torch.softmax(torch.from_numpy(ref), 0).numpy()
+    np.testing.assert_allclose(result.probabilities, expected, atol=2e-5)
