@@ -40,7 +40,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # compare_nnunet adds the repo
 
+import accuracy_raw as rawmode
 from _common import append_results_md, machine_line, parsed_or_exit_code, ratio, run_sampled
+from accuracy_raw import RawDataset, stage_s
 from compare_nnunet import (
     BENCH_DIR,
     DATASET,
@@ -76,6 +78,14 @@ class AccuracyArgs:
     num_workers: int
     order: str  # "alternate" (A B A B) or "together" (both sides of a pair at once)
     nnui_args: list[str]  # execution flags that keep results (e.g. --recompute-norm off)
+    raw: RawDataset | None = None  # --raw: each side plans this dataset for itself
+    patch: list[int] | None = None  # --patch: the same override in both sides' plans
+    batch: int | None = None  # --batch: likewise
+    val_tta: bool = True  # mirroring in the final validation (both sides alike)
+
+    @property
+    def dataset(self) -> str:
+        return self.raw.name if self.raw else DATASET
 
     def units(self) -> list[tuple[str, int]]:
         """(fold, repeat) pairs in run order; each one is trained once by each side."""
@@ -106,6 +116,7 @@ class FoldRun:
     # {label: first epoch with pseudo Dice >= 0.5}: when each side learned each class
     learned_epoch: dict[str, int | None] = field(default_factory=dict)
     seed: int | None = None  # nnui's --seed; None: nnU-Net's own fresh draw
+    final_val_s: float = float("nan")  # of wall_s: the final validation (the rest: training)
 
 
 def read_summary(path: Path) -> tuple[float, dict[str, float]]:
@@ -174,21 +185,24 @@ def run_nnunet_fold(
 ) -> FoldRun:
     results = a.work / "nnunet_results" / _unit_name(fold, repeat)
     shutil.rmtree(results, ignore_errors=True)
-    argv, env = nnunet_train(a.as_bench_args(), venv, roots, results, fold)
+    argv, env = nnunet_train(a.as_bench_args(), venv, roots, results, fold, a.dataset)
     env.update(
         nnUNet_n_proc_DA=str(a.num_workers),
         nnUNet_def_n_proc=str(a.num_workers),  # its final validation's export processes
         NNUI_BENCH_FINAL_VALIDATION="1",
+        NNUI_BENCH_VAL_DISABLE_TTA="0" if a.val_tta else "1",
     )
     load_before = os.getloadavg()[0]
     run = run_sampled(argv, a.work / "logs" / f"nnunet_{_unit_name(fold, repeat)}.log", env=env)
-    fold_dir = nnunet_fold_dir(a.as_bench_args(), results, fold)
+    fold_dir = nnunet_fold_dir(a.as_bench_args(), results, fold, a.dataset)
     fg, labels = read_summary(fold_dir / "validation" / "summary.json")
     curve = nnunet_pseudo_dice(fold_dir)
     learned = learned_epoch(nnunet_pseudo_dice_per_label(fold_dir))
+    stamps = fold_dir / "bench_timing.jsonl"
+    final_val = stage_s(stamps, "event", "final_validation_start", "final_validation_end")
     return FoldRun(
         "nnU-Net", fold, repeat, run.exit_code, fg, labels, run.wall_s, run.tree_cpu_s, curve,
-        (load_before, os.getloadavg()[0]), learned,
+        (load_before, os.getloadavg()[0]), learned, None, final_val,
     )  # fmt: skip
 
 
@@ -197,19 +211,22 @@ def run_nnui_fold(
 ) -> FoldRun:
     results = a.work / "nnui_results" / _unit_name(fold, repeat)
     shutil.rmtree(results, ignore_errors=True)
-    argv = [*nnui_train_argv(a.as_bench_args(), pre_root, results, fold), "--raw", str(raw)]
+    argv = nnui_train_argv(a.as_bench_args(), pre_root, results, fold, a.dataset)
+    argv += ["--raw", str(raw), *([] if a.val_tta else ["--val_disable_tta"])]
     seed = NNUI_SEED + a.units().index((fold, repeat))
     argv += [*a.nnui_args, "--seed", str(seed)]
     log_path = a.work / "logs" / f"nnui_{_unit_name(fold, repeat)}.log"
     load_before = os.getloadavg()[0]
     run = run_sampled(argv, log_path, cwd=REPO, thread_name="nnui-loader")
-    fold_dir = nnui_fold_dir(a.as_bench_args(), results, fold)
+    fold_dir = nnui_fold_dir(a.as_bench_args(), results, fold, a.dataset)
     fg, labels = read_summary(fold_dir / "validation" / "summary.json")
     curve = nnui_pseudo_dice(fold_dir / "events.jsonl")
     learned = learned_epoch(nnui_pseudo_dice_per_label(fold_dir / "events.jsonl"))
+    events = fold_dir / "events.jsonl"
+    final_val = stage_s(events, "kind", "validation_started", "validation_finished")
     return FoldRun(
         "nnui", fold, repeat, run.exit_code, fg, labels, run.wall_s, run.tree_cpu_s, curve,
-        (load_before, os.getloadavg()[0]), learned, seed,
+        (load_before, os.getloadavg()[0]), learned, seed, final_val,
     )  # fmt: skip
 
 
@@ -279,14 +296,18 @@ def _labels(run: FoldRun) -> str:
 
 def config_line(a: AccuracyArgs, plan: dict) -> str:
     arch = plan["architecture"]
+    data = (
+        f"raw {a.raw.folder}" if a.raw else f"{a.cases} demo cases at shape scale {a.shape_scale}"
+    )
     return (
-        f"{a.configuration}, {a.cases} demo cases at shape scale {a.shape_scale}, folds "
+        f"{a.configuration}, {data}, folds "
         f"{','.join(a.folds)} (5-fold split) x {a.repeats} repeat(s), patch "
         f"{plan['patch_size']}, batch {plan['batch_size']}, features "
         f"{arch['features_per_stage']}, {a.epochs} epochs x {a.iterations} iterations "
         f"(+{a.val_iterations} val), torch threads = "
         f"{os.cpu_count()} both, {a.num_workers} data workers each (nnU-Net processes, nnui "
-        "threads), final validation with mirroring on both; nnui flags: "
+        f"threads), final validation {'with' if a.val_tta else 'WITHOUT'} mirroring on both; "
+        "nnui flags: "
         f"{' '.join(a.nnui_args) or 'defaults'}"
     )
 
@@ -338,7 +359,18 @@ def parse_args(argv: list[str]) -> AccuracyArgs:
     p.add_argument(
         "--nnui-args", default="", help="extra nnui-train flags, e.g. '--recompute-norm off'"
     )
+    p.add_argument(
+        "--raw",
+        default=None,
+        help="a DatasetNNN_Name raw folder: each side plans it with its own default planner",
+    )
+    p.add_argument("--patch", default=None, help="with --raw: e.g. 256,256 on both sides' plans")
+    p.add_argument("--batch", type=int, default=None, help="with --raw: batch on both sides")
+    p.add_argument(
+        "--val-disable-tta", action="store_true", help="final validation without mirroring, both"
+    )
     ns = p.parse_args(argv)
+    override = _override(ns)
     folds = [f.strip() for f in ns.folds.split(",") if f.strip()]
     if (
         ns.epochs < 1
@@ -358,8 +390,45 @@ def parse_args(argv: list[str]) -> AccuracyArgs:
     return AccuracyArgs(
         Path(ns.work).absolute(), ns.cases, ns.shape_scale, ns.configuration, ns.epochs,
         ns.iterations, ns.val_iterations, folds, ns.repeats, ns.num_workers, ns.order,
-        shlex.split(ns.nnui_args),
+        shlex.split(ns.nnui_args), *override, not ns.val_disable_tta,
     )  # fmt: skip
+
+
+def _override(ns: argparse.Namespace) -> tuple[RawDataset | None, list[int] | None, int | None]:
+    """(--raw dataset, --patch sizes, --batch), or one error line and exit 2."""
+    try:
+        if ns.raw is None and (ns.patch or ns.batch is not None):
+            raise ValueError("--patch and --batch need --raw (the demo copies nnU-Net's plan)")
+        patch = None
+        if ns.patch:
+            patch = [int(v) for v in ns.patch.replace("x", ",").split(",") if v.strip()]
+            if not patch or any(v < 1 for v in patch):
+                raise ValueError(f"--patch {ns.patch}: sizes must be positive integers")
+        if ns.batch is not None and ns.batch < 1:
+            raise ValueError(f"--batch {ns.batch}: must be >= 1")
+        return (rawmode.raw_dataset(ns.raw) if ns.raw else None), patch, ns.batch
+    except ValueError as exc:
+        message = str(exc) if str(exc).startswith("--") else f"--patch {ns.patch}: not integers"
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def prepare_raw(a: AccuracyArgs) -> tuple[Path, dict[str, str], list[str], dict[str, float]]:
+    """--raw: the venv, each side's own plans and preprocessing, the same override on both,
+    the shared splits; (venv, nnU-Net's roots, plan report lines, plan+preprocess wall s)."""
+    nnunet_pre, nnui_pre = a.work / "nnunet_preprocessed", a.work / "nnui_preprocessed"
+    venv = ensure_nnunet_venv(a.work, BENCH_DIR / "nnunet_short_trainer.py")
+    walls = rawmode.preprocess_both(a.work, a.raw, a.configuration, venv)
+    theirs = rawmode.nnunet_fields(rawmode.planned(a.work, "nnU-Net"), a.configuration)
+    ours = rawmode.nnui_fields(rawmode.planned(a.work, "nnui"), a.configuration)
+    rawmode.check_override(theirs, a.patch)
+    rawmode.check_override(ours, a.patch)
+    rawmode.apply_override(a.work, a.raw, a.configuration, a.patch, a.batch)
+    share_splits(nnunet_pre, nnui_pre, a.dataset)
+    lines = rawmode.plan_lines(theirs, ours, a.configuration)
+    lines.append(rawmode.override_line(theirs, a.patch, a.batch))
+    roots = {"nnUNet_raw": str(a.work / "raw"), "nnUNet_preprocessed": str(nnunet_pre)}
+    return venv, roots, lines, walls
 
 
 def prepare(a: AccuracyArgs) -> tuple[Path, dict[str, str], dict]:
@@ -375,6 +444,17 @@ def prepare(a: AccuracyArgs) -> tuple[Path, dict[str, str], dict]:
     nnui_preprocess(a.as_bench_args(), raw, nnui_pre, plan)
     share_splits(nnunet_pre, nnui_pre)
     return venv, roots, plan
+
+
+def trained_plan(a: AccuracyArgs) -> dict:
+    """Patch, batch and network nnU-Net trains (its plans after any override)."""
+    plans_path = a.work / "nnunet_preprocessed" / a.dataset / rawmode.NNUNET_PLANS
+    conf = json.loads(plans_path.read_text())["configurations"][a.configuration]
+    return {
+        "patch_size": conf["patch_size"],
+        "batch_size": conf["batch_size"],
+        "architecture": conf["architecture"]["arch_kwargs"],
+    }
 
 
 def train_all(a: AccuracyArgs, venv: Path, roots: dict[str, str]) -> list[FoldRun]:
@@ -406,15 +486,26 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(a, int):
         return a
     machine = machine_line()
+    plan_report, prep_s = [], {}
     try:
-        venv, roots, plan = prepare(a)
-    except (RuntimeError, OSError, ValueError) as exc:
+        if a.raw:
+            venv, roots, plan_report, prep_s = prepare_raw(a)
+            plan = trained_plan(a)
+        else:
+            venv, roots, plan = prepare(a)
+    except (RuntimeError, OSError, ValueError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     config = config_line(a, plan)
     log.info("config: %s", config)
+    for line in plan_report:
+        log.info("%s", line)
     runs = train_all(a, venv, roots)
-    lines = summarize(a, runs)
+    lines = plan_report + summarize(a, runs)
+    if a.raw:
+        by = {(r.side, r.fold, r.repeat): r for r in runs}
+        lines += [*rawmode.fold_table(a.units(), by), rawmode.noise_line(a.units(), by)]
+        lines += rawmode.stage_lines(prep_s, a.units(), by)
     print(f"config: {config}")
     print("\n".join(lines))
     append_results(argv, machine, config, lines, runs)
