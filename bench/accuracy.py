@@ -370,7 +370,7 @@ def parse_args(argv: list[str]) -> AccuracyArgs:
         "--val-disable-tta", action="store_true", help="final validation without mirroring, both"
     )
     ns = p.parse_args(argv)
-    override = _override(ns)
+    override = rawmode.parse_raw_options(ns.raw, ns.patch, ns.batch)
     folds = [f.strip() for f in ns.folds.split(",") if f.strip()]
     if (
         ns.epochs < 1
@@ -394,43 +394,6 @@ def parse_args(argv: list[str]) -> AccuracyArgs:
     )  # fmt: skip
 
 
-def _override(ns: argparse.Namespace) -> tuple[RawDataset | None, list[int] | None, int | None]:
-    """(--raw dataset, --patch sizes, --batch), or one error line and exit 2."""
-    try:
-        if ns.raw is None and (ns.patch or ns.batch is not None):
-            raise ValueError("--patch and --batch need --raw (the demo copies nnU-Net's plan)")
-        patch = None
-        if ns.patch:
-            patch = [int(v) for v in ns.patch.replace("x", ",").split(",") if v.strip()]
-            if not patch or any(v < 1 for v in patch):
-                raise ValueError(f"--patch {ns.patch}: sizes must be positive integers")
-        if ns.batch is not None and ns.batch < 1:
-            raise ValueError(f"--batch {ns.batch}: must be >= 1")
-        return (rawmode.raw_dataset(ns.raw) if ns.raw else None), patch, ns.batch
-    except ValueError as exc:
-        message = str(exc) if str(exc).startswith("--") else f"--patch {ns.patch}: not integers"
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-def prepare_raw(a: AccuracyArgs) -> tuple[Path, dict[str, str], list[str], dict[str, float]]:
-    """--raw: the venv, each side's own plans and preprocessing, the same override on both,
-    the shared splits; (venv, nnU-Net's roots, plan report lines, plan+preprocess wall s)."""
-    nnunet_pre, nnui_pre = a.work / "nnunet_preprocessed", a.work / "nnui_preprocessed"
-    venv = ensure_nnunet_venv(a.work, BENCH_DIR / "nnunet_short_trainer.py")
-    walls = rawmode.preprocess_both(a.work, a.raw, a.configuration, venv)
-    theirs = rawmode.nnunet_fields(rawmode.planned(a.work, "nnU-Net"), a.configuration)
-    ours = rawmode.nnui_fields(rawmode.planned(a.work, "nnui"), a.configuration)
-    rawmode.check_override(theirs, a.patch)
-    rawmode.check_override(ours, a.patch)
-    rawmode.apply_override(a.work, a.raw, a.configuration, a.patch, a.batch)
-    share_splits(nnunet_pre, nnui_pre, a.dataset)
-    lines = rawmode.plan_lines(theirs, ours, a.configuration)
-    lines.append(rawmode.override_line(theirs, a.patch, a.batch))
-    roots = {"nnUNet_raw": str(a.work / "raw"), "nnUNet_preprocessed": str(nnunet_pre)}
-    return venv, roots, lines, walls
-
-
 def prepare(a: AccuracyArgs) -> tuple[Path, dict[str, str], dict]:
     """The nnU-Net venv, the raw data, both preprocessings and the shared splits."""
     raw, nnunet_pre = a.work / "raw", a.work / "nnunet_preprocessed"
@@ -444,17 +407,6 @@ def prepare(a: AccuracyArgs) -> tuple[Path, dict[str, str], dict]:
     nnui_preprocess(a.as_bench_args(), raw, nnui_pre, plan)
     share_splits(nnunet_pre, nnui_pre)
     return venv, roots, plan
-
-
-def trained_plan(a: AccuracyArgs) -> dict:
-    """Patch, batch and network nnU-Net trains (its plans after any override)."""
-    plans_path = a.work / "nnunet_preprocessed" / a.dataset / rawmode.NNUNET_PLANS
-    conf = json.loads(plans_path.read_text())["configurations"][a.configuration]
-    return {
-        "patch_size": conf["patch_size"],
-        "batch_size": conf["batch_size"],
-        "architecture": conf["architecture"]["arch_kwargs"],
-    }
 
 
 def train_all(a: AccuracyArgs, venv: Path, roots: dict[str, str]) -> list[FoldRun]:
@@ -489,8 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     plan_report, prep_s = [], {}
     try:
         if a.raw:
-            venv, roots, plan_report, prep_s = prepare_raw(a)
-            plan = trained_plan(a)
+            venv, roots, plan_report, prep_s = rawmode.prepare(
+                a.work, a.raw, a.configuration, a.patch, a.batch
+            )
+            plan = rawmode.trained_plan(a.work, a.raw, a.configuration)
         else:
             venv, roots, plan = prepare(a)
     except (RuntimeError, OSError, ValueError, KeyError) as exc:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _common import run_logged
-from compare_nnunet import REPO
+from compare_nnunet import BENCH_DIR, REPO, ensure_nnunet_venv, share_splits
 
 NNUNET_PLANS = "nnUNetPlans.json"
 NNUI_PLANS = "nnuiPlans.json"
@@ -323,3 +323,57 @@ def stage_lines(prep_s: dict[str, float], units: list[tuple[str, int]], by: dict
             f"{final:.0f}"
         )
     return lines
+
+
+# ---- the bench's --raw steps ----------------------------------------------------------------
+
+
+def parse_raw_options(
+    raw: str | None, patch_text: str | None, batch: int | None
+) -> tuple[RawDataset | None, list[int] | None, int | None]:
+    """(--raw dataset, --patch sizes, --batch), or one error line and exit 2."""
+    try:
+        if raw is None and (patch_text or batch is not None):
+            raise ValueError("--patch and --batch need --raw (the demo copies nnU-Net's plan)")
+        patch = None
+        if patch_text:
+            patch = [int(v) for v in patch_text.replace("x", ",").split(",") if v.strip()]
+            if not patch or any(v < 1 for v in patch):
+                raise ValueError(f"--patch {patch_text}: sizes must be positive integers")
+        if batch is not None and batch < 1:
+            raise ValueError(f"--batch {batch}: must be >= 1")
+        return (raw_dataset(raw) if raw else None), patch, batch
+    except ValueError as exc:
+        message = str(exc) if str(exc).startswith("--") else f"--patch {patch_text}: not integers"
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def prepare(
+    work: Path, ds: RawDataset, configuration: str, patch: list[int] | None, batch: int | None
+) -> tuple[Path, dict[str, str], list[str], dict[str, float]]:
+    """The venv, each side's own plans and preprocessing, the same override on both, the
+    shared splits; (venv, nnU-Net's roots, plan report lines, plan+preprocess wall s)."""
+    nnunet_pre, nnui_pre = work / "nnunet_preprocessed", work / "nnui_preprocessed"
+    venv = ensure_nnunet_venv(work, BENCH_DIR / "nnunet_short_trainer.py")
+    walls = preprocess_both(work, ds, configuration, venv)
+    theirs = nnunet_fields(planned(work, "nnU-Net"), configuration)
+    ours = nnui_fields(planned(work, "nnui"), configuration)
+    check_override(theirs, patch)
+    check_override(ours, patch)
+    apply_override(work, ds, configuration, patch, batch)
+    share_splits(nnunet_pre, nnui_pre, ds.name)
+    lines = [*plan_lines(theirs, ours, configuration), override_line(theirs, patch, batch)]
+    roots = {"nnUNet_raw": str(work / "raw"), "nnUNet_preprocessed": str(nnunet_pre)}
+    return venv, roots, lines, walls
+
+
+def trained_plan(work: Path, ds: RawDataset, configuration: str) -> dict:
+    """Patch, batch and network nnU-Net trains (its plans after any override)."""
+    plans_path = work / "nnunet_preprocessed" / ds.name / NNUNET_PLANS
+    conf = json.loads(plans_path.read_text())["configurations"][configuration]
+    return {
+        "patch_size": conf["patch_size"],
+        "batch_size": conf["batch_size"],
+        "architecture": conf["architecture"]["arch_kwargs"],
+    }
