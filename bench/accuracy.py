@@ -5,9 +5,21 @@ validation (whole validation cases, raw geometry, each side's own summary.json).
                              [--configuration 2d] [--epochs 50] [--iterations 20]
                              [--val-iterations 1] [--folds 0,1,2,3,4] [--repeats 1]
                              [--num-workers 2] [--nnui-args "--recompute-norm off"]
+    python bench/accuracy.py --raw DIR/DatasetNNN_Name [--patch 256,256] [--batch 2]
+                             [--val-disable-tta] [the schedule and fold flags above]
 
-Same raw cases, folds (one splits_final.json), plan, patch, batch and network (nnU-Net's
-plan copied into nnui's plans, as bench/compare_nnunet.py does), same schedule (epochs x
+--raw (issues #25, #32): each side plans the raw dataset with ITS OWN default planner
+(nnUNetv2_plan_and_preprocess -> nnUNetPlans; nnui-preprocess -> nnuiPlans), and the output
+says whether the planned configuration is equal field by field. Where the CPU forces a
+smaller patch or batch, --patch/--batch writes the SAME values into both sides' plans files
+in --work (never the user's; the network stays as planned) and the output says so. Then the
+same folds and schedule as below; it prints Dice per fold, mean and sd of both sides and the
+wall time of each stage (plan+preprocess, training, final validation).
+bench/accuracy_data.py writes generated multi-channel and anisotropic raw datasets for it.
+
+Without --raw (the demo): same raw cases, folds (one splits_final.json), plan, patch, batch
+and network (nnU-Net's plan copied into nnui's plans, as bench/compare_nnunet.py does), same
+schedule (epochs x
 iterations); each side keeps its own augmentation, sampling, loss and optimiser. Folds run
 alternated A B A B; --repeats R trains every fold R times per side, so a difference can be
 set against the run-to-run spread. nnU-Net takes no seed: every run draws fresh weights.
