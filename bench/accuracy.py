@@ -278,7 +278,7 @@ def summarize(a: AccuracyArgs, runs: list[FoldRun]) -> list[str]:
     for side in SIDES:
         lines.append(
             f"{side}: mean foreground Dice {statistics.fmean(dice[side]):.3f} "
-            f"(run-to-run SD {_spread(dice[side]):.3f})"
+            f"(SD over folds and repeats {_spread(dice[side]):.3f})"
         )
     wall = {s: sum(by[(s, *u)].wall_s for u in units) for s in SIDES}
     cpu = {s: sum(by[(s, *u)].tree_cpu_s for u in units) for s in SIDES}
