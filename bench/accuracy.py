@@ -5,9 +5,21 @@ validation (whole validation cases, raw geometry, each side's own summary.json).
                              [--configuration 2d] [--epochs 50] [--iterations 20]
                              [--val-iterations 1] [--folds 0,1,2,3,4] [--repeats 1]
                              [--num-workers 2] [--nnui-args "--recompute-norm off"]
+    python bench/accuracy.py --raw DIR/DatasetNNN_Name [--patch 256,256] [--batch 2]
+                             [--val-disable-tta] [the schedule and fold flags above]
 
-Same raw cases, folds (one splits_final.json), plan, patch, batch and network (nnU-Net's
-plan copied into nnui's plans, as bench/compare_nnunet.py does), same schedule (epochs x
+--raw (issues #25, #32): each side plans the raw dataset with ITS OWN default planner
+(nnUNetv2_plan_and_preprocess -> nnUNetPlans; nnui-preprocess -> nnuiPlans), and the output
+says whether the planned configuration is equal field by field. Where the CPU forces a
+smaller patch or batch, --patch/--batch writes the SAME values into both sides' plans files
+in --work (never the user's; the network stays as planned) and the output says so. Then the
+same folds and schedule as below; it prints Dice per fold, mean and sd of both sides and the
+wall time of each stage (plan+preprocess, training, final validation).
+bench/accuracy_data.py writes generated multi-channel and anisotropic raw datasets for it.
+
+Without --raw (the demo): same raw cases, folds (one splits_final.json), plan, patch, batch
+and network (nnU-Net's plan copied into nnui's plans, as bench/compare_nnunet.py does), same
+schedule (epochs x
 iterations); each side keeps its own augmentation, sampling, loss and optimiser. Folds run
 alternated A B A B; --repeats R trains every fold R times per side, so a difference can be
 set against the run-to-run spread. nnU-Net takes no seed: every run draws fresh weights.
@@ -40,7 +52,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # compare_nnunet adds the repo
 
+import accuracy_raw as rawmode
 from _common import append_results_md, machine_line, parsed_or_exit_code, ratio, run_sampled
+from accuracy_raw import RawDataset, stage_s
 from compare_nnunet import (
     BENCH_DIR,
     DATASET,
@@ -76,6 +90,14 @@ class AccuracyArgs:
     num_workers: int
     order: str  # "alternate" (A B A B) or "together" (both sides of a pair at once)
     nnui_args: list[str]  # execution flags that keep results (e.g. --recompute-norm off)
+    raw: RawDataset | None = None  # --raw: each side plans this dataset for itself
+    patch: list[int] | None = None  # --patch: the same override in both sides' plans
+    batch: int | None = None  # --batch: likewise
+    val_tta: bool = True  # mirroring in the final validation (both sides alike)
+
+    @property
+    def dataset(self) -> str:
+        return self.raw.name if self.raw else DATASET
 
     def units(self) -> list[tuple[str, int]]:
         """(fold, repeat) pairs in run order; each one is trained once by each side."""
@@ -106,6 +128,7 @@ class FoldRun:
     # {label: first epoch with pseudo Dice >= 0.5}: when each side learned each class
     learned_epoch: dict[str, int | None] = field(default_factory=dict)
     seed: int | None = None  # nnui's --seed; None: nnU-Net's own fresh draw
+    final_val_s: float = float("nan")  # of wall_s: the final validation (the rest: training)
 
 
 def read_summary(path: Path) -> tuple[float, dict[str, float]]:
@@ -174,21 +197,24 @@ def run_nnunet_fold(
 ) -> FoldRun:
     results = a.work / "nnunet_results" / _unit_name(fold, repeat)
     shutil.rmtree(results, ignore_errors=True)
-    argv, env = nnunet_train(a.as_bench_args(), venv, roots, results, fold)
+    argv, env = nnunet_train(a.as_bench_args(), venv, roots, results, fold, a.dataset)
     env.update(
         nnUNet_n_proc_DA=str(a.num_workers),
         nnUNet_def_n_proc=str(a.num_workers),  # its final validation's export processes
         NNUI_BENCH_FINAL_VALIDATION="1",
+        NNUI_BENCH_VAL_DISABLE_TTA="0" if a.val_tta else "1",
     )
     load_before = os.getloadavg()[0]
     run = run_sampled(argv, a.work / "logs" / f"nnunet_{_unit_name(fold, repeat)}.log", env=env)
-    fold_dir = nnunet_fold_dir(a.as_bench_args(), results, fold)
+    fold_dir = nnunet_fold_dir(a.as_bench_args(), results, fold, a.dataset)
     fg, labels = read_summary(fold_dir / "validation" / "summary.json")
     curve = nnunet_pseudo_dice(fold_dir)
     learned = learned_epoch(nnunet_pseudo_dice_per_label(fold_dir))
+    stamps = fold_dir / "bench_timing.jsonl"
+    final_val = stage_s(stamps, "event", "final_validation_start", "final_validation_end")
     return FoldRun(
         "nnU-Net", fold, repeat, run.exit_code, fg, labels, run.wall_s, run.tree_cpu_s, curve,
-        (load_before, os.getloadavg()[0]), learned,
+        (load_before, os.getloadavg()[0]), learned, None, final_val,
     )  # fmt: skip
 
 
@@ -197,19 +223,22 @@ def run_nnui_fold(
 ) -> FoldRun:
     results = a.work / "nnui_results" / _unit_name(fold, repeat)
     shutil.rmtree(results, ignore_errors=True)
-    argv = [*nnui_train_argv(a.as_bench_args(), pre_root, results, fold), "--raw", str(raw)]
+    argv = nnui_train_argv(a.as_bench_args(), pre_root, results, fold, a.dataset)
+    argv += ["--raw", str(raw), *([] if a.val_tta else ["--val_disable_tta"])]
     seed = NNUI_SEED + a.units().index((fold, repeat))
     argv += [*a.nnui_args, "--seed", str(seed)]
     log_path = a.work / "logs" / f"nnui_{_unit_name(fold, repeat)}.log"
     load_before = os.getloadavg()[0]
     run = run_sampled(argv, log_path, cwd=REPO, thread_name="nnui-loader")
-    fold_dir = nnui_fold_dir(a.as_bench_args(), results, fold)
+    fold_dir = nnui_fold_dir(a.as_bench_args(), results, fold, a.dataset)
     fg, labels = read_summary(fold_dir / "validation" / "summary.json")
     curve = nnui_pseudo_dice(fold_dir / "events.jsonl")
     learned = learned_epoch(nnui_pseudo_dice_per_label(fold_dir / "events.jsonl"))
+    events = fold_dir / "events.jsonl"
+    final_val = stage_s(events, "kind", "validation_started", "validation_finished")
     return FoldRun(
         "nnui", fold, repeat, run.exit_code, fg, labels, run.wall_s, run.tree_cpu_s, curve,
-        (load_before, os.getloadavg()[0]), learned, seed,
+        (load_before, os.getloadavg()[0]), learned, seed, final_val,
     )  # fmt: skip
 
 
@@ -249,7 +278,7 @@ def summarize(a: AccuracyArgs, runs: list[FoldRun]) -> list[str]:
     for side in SIDES:
         lines.append(
             f"{side}: mean foreground Dice {statistics.fmean(dice[side]):.3f} "
-            f"(run-to-run SD {_spread(dice[side]):.3f})"
+            f"(SD over folds and repeats {_spread(dice[side]):.3f})"
         )
     wall = {s: sum(by[(s, *u)].wall_s for u in units) for s in SIDES}
     cpu = {s: sum(by[(s, *u)].tree_cpu_s for u in units) for s in SIDES}
@@ -279,14 +308,18 @@ def _labels(run: FoldRun) -> str:
 
 def config_line(a: AccuracyArgs, plan: dict) -> str:
     arch = plan["architecture"]
+    data = (
+        f"raw {a.raw.folder}" if a.raw else f"{a.cases} demo cases at shape scale {a.shape_scale}"
+    )
     return (
-        f"{a.configuration}, {a.cases} demo cases at shape scale {a.shape_scale}, folds "
+        f"{a.configuration}, {data}, folds "
         f"{','.join(a.folds)} (5-fold split) x {a.repeats} repeat(s), patch "
         f"{plan['patch_size']}, batch {plan['batch_size']}, features "
         f"{arch['features_per_stage']}, {a.epochs} epochs x {a.iterations} iterations "
         f"(+{a.val_iterations} val), torch threads = "
         f"{os.cpu_count()} both, {a.num_workers} data workers each (nnU-Net processes, nnui "
-        "threads), final validation with mirroring on both; nnui flags: "
+        f"threads), final validation {'with' if a.val_tta else 'WITHOUT'} mirroring on both; "
+        "nnui flags: "
         f"{' '.join(a.nnui_args) or 'defaults'}"
     )
 
@@ -338,7 +371,18 @@ def parse_args(argv: list[str]) -> AccuracyArgs:
     p.add_argument(
         "--nnui-args", default="", help="extra nnui-train flags, e.g. '--recompute-norm off'"
     )
+    p.add_argument(
+        "--raw",
+        default=None,
+        help="a DatasetNNN_Name raw folder: each side plans it with its own default planner",
+    )
+    p.add_argument("--patch", default=None, help="with --raw: e.g. 256,256 on both sides' plans")
+    p.add_argument("--batch", type=int, default=None, help="with --raw: batch on both sides")
+    p.add_argument(
+        "--val-disable-tta", action="store_true", help="final validation without mirroring, both"
+    )
     ns = p.parse_args(argv)
+    override = rawmode.parse_raw_options(ns.raw, ns.patch, ns.batch)
     folds = [f.strip() for f in ns.folds.split(",") if f.strip()]
     if (
         ns.epochs < 1
@@ -358,7 +402,7 @@ def parse_args(argv: list[str]) -> AccuracyArgs:
     return AccuracyArgs(
         Path(ns.work).absolute(), ns.cases, ns.shape_scale, ns.configuration, ns.epochs,
         ns.iterations, ns.val_iterations, folds, ns.repeats, ns.num_workers, ns.order,
-        shlex.split(ns.nnui_args),
+        shlex.split(ns.nnui_args), *override, not ns.val_disable_tta,
     )  # fmt: skip
 
 
@@ -406,15 +450,28 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(a, int):
         return a
     machine = machine_line()
+    plan_report, prep_s = [], {}
     try:
-        venv, roots, plan = prepare(a)
-    except (RuntimeError, OSError, ValueError) as exc:
+        if a.raw:
+            venv, roots, plan_report, prep_s = rawmode.prepare(
+                a.work, a.raw, a.configuration, a.patch, a.batch
+            )
+            plan = rawmode.trained_plan(a.work, a.raw, a.configuration)
+        else:
+            venv, roots, plan = prepare(a)
+    except (RuntimeError, OSError, ValueError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     config = config_line(a, plan)
     log.info("config: %s", config)
+    for line in plan_report:
+        log.info("%s", line)
     runs = train_all(a, venv, roots)
-    lines = summarize(a, runs)
+    lines = plan_report + summarize(a, runs)
+    if a.raw:
+        by = {(r.side, r.fold, r.repeat): r for r in runs}
+        lines += [*rawmode.fold_table(a.units(), by), rawmode.noise_line(a.units(), by)]
+        lines += rawmode.stage_lines(prep_s, a.units(), by)
     print(f"config: {config}")
     print("\n".join(lines))
     append_results(argv, machine, config, lines, runs)

@@ -141,18 +141,18 @@ def nnui_preprocess(a: BenchArgs, raw_root: Path, pre_root: Path, plan: dict) ->
     plans_path.write_text(plans_to_json(plans_from_dict(data)))
 
 
-def share_splits(nnunet_pre: Path, nnui_pre: Path) -> None:
+def share_splits(nnunet_pre: Path, nnui_pre: Path, dataset: str = DATASET) -> None:
     """One splits_final.json (nnU-Net's layout, which nnui reads too) for both sides."""
     from trainer.planning.splits import create_splits
 
     case_ids = sorted(
         p.name[: -len(".b2nd")]
-        for p in (nnui_pre / DATASET).glob("*/*.b2nd")
+        for p in (nnui_pre / dataset).glob("*/*.b2nd")
         if not p.name.endswith("_seg.b2nd")
     )
     text = json.dumps(create_splits(case_ids), indent=1) + "\n"
     for root in (nnunet_pre, nnui_pre):
-        (root / DATASET / "splits_final.json").write_text(text)
+        (root / dataset / "splits_final.json").write_text(text)
 
 
 # ---- nnU-Net side -----------------------------------------------------------------------
@@ -275,10 +275,12 @@ def _wait_for_training(proc: subprocess.Popen, events_path: Path) -> int:
     return proc.returncode
 
 
-def nnui_train_argv(a: BenchArgs, pre_root: Path, results: Path, fold: str) -> list[str]:
+def nnui_train_argv(
+    a: BenchArgs, pre_root: Path, results: Path, fold: str, dataset: str = DATASET
+) -> list[str]:
     """nnui-train of the bench schedule on CPU (results under `results`)."""
     # fmt: off
-    return [sys.executable, "-m", "trainer", str(DATASET_ID), a.configuration, fold,
+    return [sys.executable, "-m", "trainer", dataset, a.configuration, fold,
             "-device", "cpu", "--epochs", str(a.epochs),
             "--iterations-per-epoch", str(a.iterations), "--val-iterations", str(a.val_iterations),
             "--num-workers", str(a.num_workers),
@@ -286,8 +288,8 @@ def nnui_train_argv(a: BenchArgs, pre_root: Path, results: Path, fold: str) -> l
     # fmt: on
 
 
-def nnui_fold_dir(a: BenchArgs, results: Path, fold: str) -> Path:
-    return results / DATASET / f"nnuiTrainer__nnuiPlans__{a.configuration}" / f"fold_{fold}"
+def nnui_fold_dir(a: BenchArgs, results: Path, fold: str, dataset: str = DATASET) -> Path:
+    return results / dataset / f"nnuiTrainer__nnuiPlans__{a.configuration}" / f"fold_{fold}"
 
 
 def run_nnui(a: BenchArgs, pre_root: Path, repeat: int) -> RunFigures:
@@ -345,7 +347,12 @@ def run_nnui(a: BenchArgs, pre_root: Path, repeat: int) -> RunFigures:
 
 
 def nnunet_train(
-    a: BenchArgs, venv: Path, env_roots: dict[str, str], results: Path, fold: str
+    a: BenchArgs,
+    venv: Path,
+    env_roots: dict[str, str],
+    results: Path,
+    fold: str,
+    dataset: str = DATASET,
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of nnUNetv2_train with the bench trainer's schedule."""
     env = dict(
@@ -359,7 +366,7 @@ def nnunet_train(
     train = str(venv / "bin" / "nnUNetv2_train")
     return [
         train,
-        str(DATASET_ID),
+        dataset,
         a.configuration,
         fold,
         "-tr",
@@ -369,9 +376,9 @@ def nnunet_train(
     ], env
 
 
-def nnunet_fold_dir(a: BenchArgs, results: Path, fold: str) -> Path:
+def nnunet_fold_dir(a: BenchArgs, results: Path, fold: str, dataset: str = DATASET) -> Path:
     trained = f"{NNUNET_TRAINER}__nnUNetPlans__{a.configuration}"
-    return results / DATASET / trained / f"fold_{fold}"
+    return results / dataset / trained / f"fold_{fold}"
 
 
 def run_nnunet(a: BenchArgs, venv: Path, env_roots: dict[str, str], repeat: int) -> RunFigures:

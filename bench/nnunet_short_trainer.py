@@ -14,7 +14,8 @@ It changes no work done per iteration. It only
   step, start and end of every training and validation phase, augmentation worker pids),
   so training time is measured without validation and start-up;
 - skips the final sliding-window validation (not part of the compared training work),
-  unless NNUI_BENCH_FINAL_VALIDATION=1 (bench/accuracy.py, which judges by its Dice).
+  unless NNUI_BENCH_FINAL_VALIDATION=1 (bench/accuracy.py, which judges by its Dice);
+  NNUI_BENCH_VAL_DISABLE_TTA=1 runs that validation without mirroring.
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ class nnUNetTrainer_nnuiBench(nnUNetTrainer):  # nnU-Net's -tr naming
     def perform_actual_validation(self, save_probabilities: bool = False):
         if os.environ.get("NNUI_BENCH_FINAL_VALIDATION") == "1":
             self._bench_stamp("final_validation_start")
+            if os.environ.get("NNUI_BENCH_VAL_DISABLE_TTA") == "1":
+                # nnU-Net's final validation always mirrors; no allowed axes = no mirroring
+                # (as nnui-train --val_disable_tta), for CPU budgets where 4x costs too much.
+                self.inference_allowed_mirroring_axes = None
             super().perform_actual_validation(save_probabilities)
             self._bench_stamp("final_validation_end")
             return
