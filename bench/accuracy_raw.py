@@ -89,7 +89,8 @@ def preprocess_both(
             "-c", configuration, "-np", str(processes), "-npfp", str(processes),
             "--verify_dataset_integrity"]),
         "nnui": (work / "nnui_preprocessed", NNUI_PLANS, [
-            sys.executable, "-m", "trainer.planning.preprocess", str(ds.dataset_id), "-c", configuration,
+            sys.executable, "-m", "trainer.planning.preprocess", str(ds.dataset_id),
+            "-c", configuration,
             "--raw", str(raw_root), "--preprocessed", str(work / "nnui_preprocessed"),
             "-np", str(processes)]),
     }  # fmt: skip
