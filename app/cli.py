@@ -17,19 +17,23 @@ from typing import Any
 
 from app import cli_adopted, cli_cv, cli_history
 from app.cli_schedule import cmd_priority, cmd_watch, schedule_notes, schedule_of
-from app.services import busy_gpus, catalog, job_list, launcher, prediction
-from app.services.claims import ClaimRefused
-from app.services.discovery import RUN_ID_PREFIX as ADOPTED_PREFIX
-from app.services.gpus import GpuMonitor, MachineSnapshot
-from app.services.job_text import human_duration, resume_from, state_label
-from app.services.jobs import JobTracker, JobView, simulated_gpu_load
-from app.services.nnunet_runs import RUN_ID_PREFIX, WatchOnlyRun, is_train_cmdline, stop_refusal
-from app.services.procs import proc_info
-from app.services.registry import PREDICT, Job, Registry
-from app.services.signals import kill as kill_job
-from app.services.signals import kill_plan, plan_stop, send_stop, topology_ranks
-from app.services.slurm_jobs import SLURM_ID_PREFIX
-from app.services.waiting import between_attempts
+from app.services.jobs import listing as job_list
+from app.services.jobs.discovery import RUN_ID_PREFIX as ADOPTED_PREFIX
+from app.services.jobs.liveness import between_attempts
+from app.services.jobs.registry import PREDICT, Job, Registry
+from app.services.jobs.simulated_load import simulated_gpu_load
+from app.services.jobs.slurm_jobs import SLURM_ID_PREFIX
+from app.services.jobs.views import JobTracker, JobView
+from app.services.jobs.words import human_duration, resume_from, state_label
+from app.services.launch import busy_gpus, catalog, launcher, prediction
+from app.services.launch import request as launch_request
+from app.services.launch.fold_claims import ClaimRefused
+from app.services.machine.gpus import GpuMonitor, MachineSnapshot
+from app.services.machine.procs import proc_info
+from app.services.nnunet.runs import RUN_ID_PREFIX, WatchOnlyRun, is_train_cmdline, stop_refusal
+from app.services.signals.send import kill as kill_job
+from app.services.signals.send import send_stop
+from app.services.signals.targets import kill_plan, plan_stop, topology_ranks
 from trainer.schema import (
     ACTIVE_STATES,
     ENDED_STATES,
@@ -496,7 +500,7 @@ def _snapshot(options: argparse.Namespace) -> MachineSnapshot:
         monitor.close()
 
 
-def report_checks(checks: launcher.LaunchChecks) -> int | None:
+def report_checks(checks: launch_request.LaunchChecks) -> int | None:
     """Print the warnings and errors of a launch's (or a prediction's) checks; the exit code
     when there are errors: arguments that name nothing are usage errors, the rest refusals."""
     for warning in checks.warnings:
@@ -508,11 +512,11 @@ def report_checks(checks: launcher.LaunchChecks) -> int | None:
     return error(checks.errors[0], EXIT_USAGE if checks.usage_errors else EXIT_REFUSED)
 
 
-def _batch_of(request: launcher.LaunchRequest, roots: Roots) -> int | None:
+def _batch_of(request: launch_request.LaunchRequest, roots: Roots) -> int | None:
     try:
-        used = launcher.effective_roots(request, roots)
+        used = launch_request.effective_roots(request, roots)
         dataset_name = find_dataset(used.preprocessed, request.dataset)
-        who = launcher.identity(request)
+        who = launch_request.identity(request)
         plans_file = who.engine.plans_file(who.plans)
         return catalog.plans_batch_size(used, dataset_name, request.configuration, plans_file)
     except (DatasetNotFound, ValueError):
@@ -520,7 +524,7 @@ def _batch_of(request: launcher.LaunchRequest, roots: Roots) -> int | None:
 
 
 def _launch_plans(
-    request: launcher.LaunchRequest,
+    request: launch_request.LaunchRequest,
     roots: Roots,
     registry: Registry,
     snapshot: MachineSnapshot | None,
@@ -528,7 +532,7 @@ def _launch_plans(
     yes: bool = False,
 ) -> int:
     batch = _batch_of(request, roots)
-    checks = launcher.check_request(request, roots, batch, snapshot, registry)
+    checks = launch_request.check_request(request, roots, batch, snapshot, registry)
     if dry_run and not checks.usage_errors:
         for warning in checks.warnings:
             print(f"warning: {warning}", file=sys.stderr)
@@ -559,7 +563,7 @@ def _launch_plans(
 
 
 def dry_run_folds(
-    request: launcher.LaunchRequest,
+    request: launch_request.LaunchRequest,
     roots: Roots,
     batch: int | None,
     snapshot: MachineSnapshot | None,
@@ -568,14 +572,14 @@ def dry_run_folds(
     """Every fold's command, and which folds would be refused and why (exit 1 if any)."""
     plans, problems = launcher.plan_launch(request, roots, batch, snapshot, registry)
     if not problems:
-        checks = launcher.check_request(request, roots, batch, snapshot, registry)
+        checks = launch_request.check_request(request, roots, batch, snapshot, registry)
         for plan in plans:
             print(launcher.preview(plan))
         for note in checks.confirmations:
             print(f"note: {note} (--yes)", file=sys.stderr)
         return EXIT_OK
     num_refused = 0
-    for fold, fold_request in launcher.fold_requests(request):
+    for fold, fold_request in launch_request.fold_requests(request):
         got, why = launcher.plan_launch(fold_request, roots, batch, snapshot, registry)
         for plan in got:
             print(launcher.preview(plan))
@@ -616,7 +620,7 @@ def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
     if problem is not None:
         return error(problem, EXIT_USAGE)
     simulated = options.simulate_gpus is not None
-    request = launcher.LaunchRequest(
+    request = launch_request.LaunchRequest(
         dataset=options.dataset,
         configuration=options.configuration,
         folds=folds,
@@ -668,10 +672,12 @@ def cmd_resume(options: argparse.Namespace, registry: Registry) -> int:
         return EXIT_NOTHING
     if view.job.kind == PREDICT:  # the rest of its cases (--continue_prediction)
         return start_predictions([prediction.resume_plan(view.job, registry)], registry)
-    request = launcher.resume_request(view.job)  # in the job's own roots, not the current ones
-    folder = launcher.effective_roots(request, roots_of(options))
+    request = launch_request.resume_request(
+        view.job
+    )  # in the job's own roots, not the current ones
+    folder = launch_request.effective_roots(request, roots_of(options))
     expected = Path(view.job.run_dir)
-    planned = launcher.request_run_dir(request, folder, view.job.dataset, view.job.fold)
+    planned = launch_request.request_run_dir(request, folder, view.job.dataset, view.job.fold)
     if planned != expected:
         return error(
             f"cannot resume {view.job.job_id}: it would train in {planned}, not in its own run "

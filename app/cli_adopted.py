@@ -1,6 +1,6 @@
 """`nnui stop|kill|resume|export run:PID`: the headless actions on adopted runs.
 
-An adopted run (app/services/discovery.py) has no registry record: it is found again from
+An adopted run (app/services/jobs/discovery.py) has no registry record: it is found again from
 /proc and its run folder at each command. The user's own runs get the same stop as a
 launched job (SIGUSR1 to the verified workers only, or `scancel --signal=USR1` to an srun
 step whose tasks are the workers); another user's are refused with one line.
@@ -12,15 +12,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from app.services import launcher
-from app.services.adopted import resume_plan
-from app.services.claims import ClaimRefused
-from app.services.discovery import RUN_ID_PREFIX
-from app.services.jobs import JobTracker, JobView
-from app.services.registry import Registry
-from app.services.signals import kill as kill_job
-from app.services.signals import plan_stop, send_stop, slurm_step_of
-from app.services.slurm_jobs import SLURM_ID_PREFIX, cancel_pending
+from app.services.jobs.discovery import RUN_ID_PREFIX
+from app.services.jobs.registry import Registry
+from app.services.jobs.slurm_jobs import SLURM_ID_PREFIX, cancel_pending
+from app.services.jobs.views import JobTracker, JobView
+from app.services.launch import launcher
+from app.services.launch.adopted_resume import resume_plan
+from app.services.launch.fold_claims import ClaimRefused
+from app.services.signals.send import kill as kill_job
+from app.services.signals.send import send_stop, slurm_step_of
+from app.services.signals.targets import plan_stop
 from trainer.schema import ENDED_STATES, resolve_roots
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3

@@ -9,9 +9,9 @@ from typing import Any
 
 from app.services.class_dice import class_dice_text, fold_dirs, mean_class_dice
 from app.services.cross_validation import CvRow, cv_rows, queue_launches
-from app.services.job_text import human_duration
-from app.services.jobs import JobTracker
-from app.services.registry import Registry
+from app.services.jobs.registry import Registry
+from app.services.jobs.views import JobTracker
+from app.services.jobs.words import human_duration
 from trainer.schema import State, resolve_roots
 
 EXIT_OK = 0

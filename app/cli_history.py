@@ -1,7 +1,7 @@
 """`nnui export JOB` and `nnui forget JOB`: keeping the job list useful after weeks.
 
 - export writes JOB_curves.csv (one row per epoch, every epoch_ended field) and
-  JOB_curves.png (app.services.curve_export) into -o DIR (default: the current folder).
+  JOB_curves.png (app.services.export.curves) into -o DIR (default: the current folder).
 - forget marks a job that ended, and the earlier jobs of its run folder, as forgotten in the
   registry (`forgotten_at`): `nnui status` and the TUI no longer list them (`status --all`
   does). Nothing in the results is deleted; `--undo` brings them back.
@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 from app import cli_adopted
-from app.services import curve_export
-from app.services.discovery import RUN_ID_PREFIX
-from app.services.jobs import JobTracker
-from app.services.registry import Job, Registry
+from app.services.export import curves as curve_export
+from app.services.jobs.discovery import RUN_ID_PREFIX
+from app.services.jobs.registry import Job, Registry
+from app.services.jobs.views import JobTracker
 from trainer.schema import ENDED_STATES
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3

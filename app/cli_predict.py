@@ -1,5 +1,5 @@
 """`nnui predict -i IN -o OUT -d D -c C [-f F ...] --gpus 0,1 [-- nnui-predict flags]`: one
-supervised prediction job per GPU, each a part of the cases (app/services/prediction.py).
+supervised prediction job per GPU, each a part of the cases (app/services/launch/prediction.py).
 
 Every check runs before anything starts: a usage mistake (no cases in IN, OUT = IN, a fold
 without its checkpoint, an unknown GPU) is one `error:` line and exit 2, with no job
@@ -24,9 +24,9 @@ from app.cli import (
     roots_of,
     start_predictions,
 )
-from app.services import launcher, prediction
-from app.services.registry import Registry
-from app.services.trainer_flags import flag_value
+from app.services.jobs.registry import Registry
+from app.services.launch import launcher, prediction
+from app.services.launch.trainer_flags import flag_value
 
 
 def predict_args(options: argparse.Namespace) -> list[str]:

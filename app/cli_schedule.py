@@ -9,11 +9,11 @@ import sys
 import time
 from typing import Any
 
-from app.services import job_log
-from app.services.hooks import parse_hook
-from app.services.registry import Registry
-from app.services.schedule import Schedule
-from app.services.waiting import waiting
+from app.services.jobs.liveness import waiting
+from app.services.jobs.registry import Registry
+from app.services.launch.schedule import Schedule
+from app.services.supervisor import job_log
+from app.services.supervisor.hooks import parse_hook
 from trainer.schema import State
 
 EXIT_OK, EXIT_USAGE, EXIT_NOTHING = 0, 2, 3

@@ -19,7 +19,7 @@ import logging
 import sys
 from typing import Any, NoReturn
 
-from app.services.engines import ENGINES, NNUI
+from app.services.launch.engines import ENGINES, NNUI
 from trainer.schema import with_close_flag
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3
@@ -333,10 +333,11 @@ def _simulated_busy_problem(options: argparse.Namespace) -> str | None:
         return None
     if options.simulate_gpus is None:
         return "--simulate-busy goes with --simulate-gpus N"
-    from app.services.simulate_busy import install
+    from app.services.jobs.registry import default_state_dir
+    from app.services.machine.simulate_busy import install
 
     try:
-        install(options.simulate_busy, options.simulate_gpus)
+        install(options.simulate_busy, options.simulate_gpus, default_state_dir())
     except (ValueError, OSError) as error:
         return str(error)
     return None
@@ -344,7 +345,7 @@ def _simulated_busy_problem(options: argparse.Namespace) -> str | None:
 
 def _state_dir_problem() -> str | None:
     """One line when $NNUI_STATE_DIR cannot be used (a file in its place, not writable)."""
-    from app.services.registry import StateDirError, check_state_dir, default_state_dir
+    from app.services.jobs.registry import StateDirError, check_state_dir, default_state_dir
 
     try:
         check_state_dir(default_state_dir())

@@ -22,8 +22,8 @@ from textual.app import App
 from textual.message import Message
 
 from app.screens.palette import NnuiCommands
-from app.services import catalog, launcher
-from app.services.bell import NO_BELL_ENV
+from app.services.jobs.bell import NO_BELL_ENV
+from app.services.launch import catalog, launcher
 from trainer.schema import Roots, State, resolve_roots
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,9 @@ class Services:
 
 
 def default_services(config: TuiConfig) -> Services:
-    from app.services.gpus import GpuMonitor
-    from app.services.jobs import JobTracker
-    from app.services.registry import Registry
+    from app.services.jobs.registry import Registry
+    from app.services.jobs.views import JobTracker
+    from app.services.machine.gpus import GpuMonitor
 
     registry = Registry(config.state_dir)
     # No monitor in the tracker: the app hands it the latest snapshot (one NVML read per s).
@@ -245,8 +245,8 @@ class NnuiApp(App):
     def _read_machine(self) -> MachineRead:
         """NVML every call; the host side of GPU processes at the processes' pace (2 s),
         the host line at its own (5 s)."""
-        from app.services.gpu_history import GpuHistory, PanelReadings, default_cache_dir
-        from app.services.procs import LoadSampler
+        from app.services.machine.gpu_history import GpuHistory, PanelReadings, default_cache_dir
+        from app.services.machine.host import LoadSampler
 
         snapshot = self.services.monitor.snapshot()
         if self._panel_sampler is None:

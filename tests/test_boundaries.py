@@ -224,14 +224,17 @@ def test_no_import_cycles_in_app_and_trainer() -> None:
 
 # (pattern in the code, the only modules of app/ and trainer/ that may use it, why)
 OWNERS = [
-    (re.compile(r"\bPopen\("), {"app/services/launcher.py", "app/services/supervisor.py"},
+    (re.compile(r"\bPopen\("),
+     {"app/services/launch/launcher.py", "app/services/supervisor/main.py"},
      "jobs are started by the launcher and run under their supervisor"),
     (re.compile(r"open\([^)]*[\"']/proc/|Path\([\"']/proc"),
-     {"app/services/procs.py", "trainer/run_folder.py"},
+     {"app/services/machine/procs.py", "trainer/run_folder.py"},
      "/proc: procs in the app; the trainer (no app imports) only asks if a tmp writer lives"),
-    (re.compile(r"\bpthread_sigmask\(|SIG_IGN"), {"trainer/stop.py", "app/services/supervisor.py"},
+    (re.compile(r"\bpthread_sigmask\(|SIG_IGN"),
+     {"trainer/stop.py", "app/services/supervisor/main.py"},
      "signal masks and dispositions: trainer.stop (the supervisor ignores USR1/HUP itself)"),
-    (re.compile(r"\bimport pynvml|\bfrom pynvml"), {"app/services/gpus.py"}, "NVML: gpus only"),
+    (re.compile(r"\bimport pynvml|\bfrom pynvml"), {"app/services/machine/gpus.py"},
+     "NVML: gpus only"),
     (re.compile(r"\bimport blosc2|\bfrom blosc2"), {"trainer/data/blosc_io.py"}, "blosc2"),
     (re.compile(r"\bimport safetensors|\bfrom safetensors"),
      {"trainer/checkpoint.py", "trainer/checkpoint_format.py", "trainer/predict.py",

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from fake_trainer import cleanup_jobs, fake_env, wait_until
 
-from app.services import claims
-from app.services.claims import CLAIM_FILE, ClaimRefused
-from app.services.registry import Registry
+from app.services.jobs.registry import Registry
+from app.services.launch import fold_claims as claims
+from app.services.launch.fold_claims import CLAIM_FILE, ClaimRefused
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,7 +60,7 @@ def test_stale_claim_of_a_dead_holder_is_taken_over(tmp_path: Path) -> None:
 
 def test_reused_pid_is_not_the_holder(tmp_path: Path) -> None:
     run = tmp_path / "fold_0"
-    from app.services.procs import process_start_ticks
+    from app.services.machine.procs import process_start_ticks
 
     _write_claim(run, pid=os.getpid(), start_ticks=process_start_ticks(os.getpid()) + 1)
     assert claims.check(run, "0") is None  # same pid, other start ticks: stale
@@ -92,7 +92,7 @@ def test_garbage_claim_file_is_refused_with_its_path(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
 def test_claim_of_another_users_live_process_holds(tmp_path: Path) -> None:
-    from app.services.procs import process_start_ticks
+    from app.services.machine.procs import process_start_ticks
 
     other = subprocess.Popen(["sleep", "60"], user=65534)
     try:
@@ -112,7 +112,7 @@ BARRIER = """
 import sys, time
 from pathlib import Path
 sys.path.insert(0, {root!r})
-from app.services import launcher
+from app.services.launch import launcher
 ready, go = Path(sys.argv[1]), Path(sys.argv[2])
 original = launcher.start
 

@@ -199,7 +199,7 @@ def test_state_dir_that_is_a_file_is_one_line(env: dict, tmp_path: Path, args: l
 def test_bad_registry_file_is_reported_and_the_others_still_show(env: dict) -> None:
     from test_registry import make_job
 
-    from app.services.registry import Registry
+    from app.services.jobs.registry import Registry
 
     registry = Registry(Path(env["NNUI_STATE_DIR"]))
     registry.add(make_job("1130-120000-f0-abc", exit_code=0, ended_at=1e12))
@@ -254,8 +254,8 @@ def test_launch_with_plans_missing_is_refused_before_writing(env: dict) -> None:
 
 
 def test_kill_of_a_forged_record_is_refused(env: dict) -> None:
-    from app.services.registry import Job, ProcessRecord, Registry
-    from app.services.signals import proc_info
+    from app.services.jobs.registry import Job, ProcessRecord, Registry
+    from app.services.machine.procs import proc_info
 
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -315,7 +315,7 @@ def test_resume_continues_in_the_jobs_own_roots(env: dict, tmp_path: Path) -> No
 
 def test_only_a_bad_registry_file_is_not_no_jobs(env: dict) -> None:
     """Was "no jobs" on stdout while the warning said a job file could not be read."""
-    from app.services.registry import Registry
+    from app.services.jobs.registry import Registry
 
     registry = Registry(Path(env["NNUI_STATE_DIR"]))
     (registry.jobs_dir / "1130-120000-f1-bad.json").write_text('{"job_id": "1130-')

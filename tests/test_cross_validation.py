@@ -18,8 +18,8 @@ from app.screens.confirm import LaunchConfirmScreen
 from app.screens.cross_validation import CrossValidationScreen
 from app.screens.dashboard import DashboardScreen
 from app.services.cross_validation import cv_rows, queue_launches
-from app.services.jobs import JobTracker
-from app.services.registry import Job, ProcessRecord, Registry
+from app.services.jobs.registry import Job, ProcessRecord, Registry
+from app.services.jobs.views import JobTracker
 from trainer.schema import (
     EVENTS_FILE,
     Kind,

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from app.main import main
-from app.services import curve_export, png_plot
-from app.services.curve_data import EpochPoint, RunningPoint, distinct_colours, smooth
-from app.services.jobs import JobTracker
-from app.services.registry import Job, Registry
+from app.services.export import curves as curve_export
+from app.services.export import png as png_plot
+from app.services.jobs.curves import EpochPoint, RunningPoint, distinct_colours, smooth
+from app.services.jobs.registry import Job, Registry
+from app.services.jobs.views import JobTracker
 from trainer.running_loss import RunningLoss, log_points
 from trainer.schema import encode_event
 
@@ -217,7 +218,7 @@ def test_png_draws_every_series_colour_and_a_legend_box() -> None:
 
 
 def test_the_pixel_font_writes_titles_and_tick_values() -> None:
-    from app.services import pixel_font
+    from app.services.export import pixel_font
 
     assert all(len(pixel_font.glyph(c)) == 15 for c in "0123456789abcxyz.-+()?")
     assert pixel_font.glyph("a") == pixel_font.glyph("A") and pixel_font.glyph("~") == (

@@ -1,4 +1,4 @@
-"""Adopted runs (app/services/discovery.py): grouping a process table into runs, and forged or
+"""Adopted runs (app/services/jobs/discovery.py): grouping a process table into runs, and forged or
 stale run folders that must never lead to a signal nor crash `nnui status`.
 
 The forged cases use real processes: a stand-in `nnui-train` (a small script of that name
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from app.services.discovery import (
+from app.services.jobs.discovery import (
     discover,
     is_agent,
     is_related,
@@ -31,7 +31,7 @@ from app.services.discovery import (
     parse_args,
     trainer_index,
 )
-from app.services.procs import ProcRow, read_sigcgt_usr1
+from app.services.machine.procs import ProcRow, read_sigcgt_usr1
 from trainer.schema import EVENTS_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -387,8 +387,8 @@ def test_runs_that_ended_unseen_are_listed_with_their_outcome(tmp_path) -> None:
     again; an unreadable events file is skipped."""
     from test_registry import make_job
 
-    from app.services.jobs import JobTracker
-    from app.services.registry import Registry
+    from app.services.jobs.registry import Registry
+    from app.services.jobs.views import JobTracker
 
     results = tmp_path / "results"
     now = time.time() - 100
@@ -429,7 +429,7 @@ def test_slurm_trainings_are_found_in_own_and_nnui_sbatch_scripts() -> None:
     what `nnui sbatch` writes); other jobs are not trainings. squeue is asked once per poll
     interval, each script once."""
     from app.services import slurm
-    from app.services.slurm_jobs import SlurmWatcher
+    from app.services.jobs.slurm_jobs import SlurmWatcher
 
     spec = slurm.JobSpec(dataset="900", configuration="3d_fullres", fold="3", nodes=1,
                          gpus_per_node=2, time_limit="01:00:00", procs_per_node=1)  # fmt: skip
@@ -451,8 +451,8 @@ def test_slurm_trainings_are_found_in_own_and_nnui_sbatch_scripts() -> None:
     assert found == {("12", "PENDING", "2d", "1"), ("13", "RUNNING", "3d_fullres", "3")}
     watcher.jobs()
     assert calls == ["squeue", "scontrol", "scontrol", "scontrol"]
-    from app.services.job_list import arrange
-    from app.services.jobs import slurm_view
+    from app.services.jobs.listing import arrange
+    from app.services.jobs.views import slurm_view
 
     rows = arrange([slurm_view(j, 0.0) for j in watcher.jobs()])  # no folder: a row each
     assert sorted(r.job.job_id for r in rows) == ["slurm:12", "slurm:13"]

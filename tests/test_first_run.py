@@ -12,7 +12,7 @@ from pathlib import Path
 from test_tui_fixtures import screen_of, tui_app, wait_for
 
 from app.screens.dashboard import DashboardScreen
-from app.services import catalog
+from app.services.launch import catalog
 from trainer.schema import Roots
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from app.services.job_events import latest_topology
-from app.services.jobs import JobTracker
-from app.services.procs import ProcInfo, proc_info
-from app.services.proctree import process_tree
-from app.services.registry import Job, ProcessRecord, Registry
-from app.services.signals import plan_stop
-from app.services.supervisor import RunWatch
+from app.services.jobs.events import latest_topology
+from app.services.jobs.registry import Job, ProcessRecord, Registry
+from app.services.jobs.views import JobTracker
+from app.services.machine.procs import ProcInfo, proc_info
+from app.services.signals.proctree import process_tree
+from app.services.signals.targets import plan_stop
+from app.services.supervisor.main import RunWatch
 from trainer.schema import (
     EVENTS_FILE,
     OPTIONAL_KEYS,

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from app.services.gpu_claims import GpuClaims, live_holders
-from app.services.gpu_rule import Holder, WaitRule, choose
-from app.services.gpus import GIB, GpuProcess, GpuSnapshot, MachineSnapshot
-from app.services.registry import Job, ProcessRecord
-from app.services.waiting import queue_order, turn_choice
+from app.services.jobs.registry import Job, ProcessRecord
+from app.services.machine.gpus import GIB, GpuProcess, GpuSnapshot, MachineSnapshot
+from app.services.supervisor.free_rule import Holder, WaitRule, choose
+from app.services.supervisor.gpu_claims import GpuClaims, live_holders
+from app.services.supervisor.waiting import queue_order, turn_choice
 
 TOTAL = 80 * GIB
 
@@ -141,7 +141,7 @@ def test_a_ddp_group_ahead_does_not_block_a_fold_elsewhere() -> None:
 HOLD = """
 import sys, time
 from pathlib import Path
-from app.services.gpu_claims import GpuClaims
+from app.services.supervisor.gpu_claims import GpuClaims
 claims = GpuClaims(Path(sys.argv[1]))
 assert claims.try_claim(("1",), "job-x")
 print("held", flush=True)

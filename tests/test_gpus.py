@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
-from app.services.gpus import GIB, GpuMonitor, fmt_na, parse_visible_devices
+from app.services.machine.gpus import GIB, GpuMonitor, fmt_na, parse_visible_devices
 
 UUIDS = ["GPU-aaaa1111-0000-0000-0000-000000000000", "GPU-bbbb2222-0000-0000-0000-000000000000"]
 OTHER_PID = 424242

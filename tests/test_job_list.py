@@ -12,10 +12,10 @@ from test_tui_fixtures import make_roots, tui_app, wait_for, write_frozen_runs
 
 from app.main import main
 from app.screens.dashboard import DashboardScreen
-from app.services import job_list
-from app.services.jobs import JobTracker
-from app.services.procs import proc_info
-from app.services.registry import Job, ProcessRecord, Registry
+from app.services.jobs import listing as job_list
+from app.services.jobs.registry import Job, ProcessRecord, Registry
+from app.services.jobs.views import JobTracker
+from app.services.machine.procs import proc_info
 from app.widgets.job_table import JobTable
 from trainer.schema import encode_event
 

@@ -13,11 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.services import jobs as jobs_module
-from app.services.gpus import GIB, GpuMonitor, GpuProcess, GpuSnapshot, MachineSnapshot
-from app.services.jobs import JobTracker, JobView, simulated_gpu_load
-from app.services.registry import Job, ProcessRecord, Registry, SignalRecord
-from app.services.signals import proc_info
+from app.services.jobs import views as jobs_module
+from app.services.jobs.registry import Job, ProcessRecord, Registry, SignalRecord
+from app.services.jobs.simulated_load import simulated_gpu_load
+from app.services.jobs.views import JobTracker, JobView
+from app.services.machine.gpus import GIB, GpuMonitor, GpuProcess, GpuSnapshot, MachineSnapshot
+from app.services.machine.procs import proc_info
 from trainer.schema import State, encode_event
 
 NOW = time.time()
@@ -290,11 +291,11 @@ def test_views_carry_states_of_the_one_enum(tmp_path: Path) -> None:
 
 def test_gpus_does_not_import_jobs() -> None:
     """The services gpus<->jobs cycle stays cut: the simulated load is the caller's."""
-    source = (Path(__file__).parent.parent / "app" / "services" / "gpus.py").read_text()
+    source = (Path(__file__).parent.parent / "app" / "services" / "machine" / "gpus.py").read_text()
     imported = {
         node.module for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)
     }
-    assert not {"app.services.jobs", "app.services.registry"} & imported
+    assert not {"app.services.jobs.views", "app.services.jobs.registry"} & imported
     assert all(not g.processes for g in GpuMonitor(simulate=2).snapshot().gpus)
 
 

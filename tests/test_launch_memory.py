@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from test_tui_board import open_board, settled
 from test_tui_fixtures import DATASET, make_roots, tui_app, use_fake_trainer, wait_for
 
-from app.services.catalog import ConfigurationInfo, memory_check, read_configurations
+from app.services.launch.catalog import ConfigurationInfo, memory_check, read_configurations
 
 GIB = 1024**3
 

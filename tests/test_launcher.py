@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 from fake_trainer import FAKE_TRAINER, cleanup_jobs, fake_env, make_preprocessed, wait_until
 
-from app.services import launcher
-from app.services.gpus import GIB, GpuProcess, GpuSnapshot, MachineSnapshot
-from app.services.launcher import LaunchRequest, plan_launch, preview, resume_request
-from app.services.registry import Registry
-from app.services.signals import proc_info
+from app.services.jobs.registry import Registry
+from app.services.launch import launcher
+from app.services.launch import request as launch_request
+from app.services.launch.launcher import plan_launch, preview
+from app.services.launch.request import LaunchRequest, resume_request
+from app.services.machine.gpus import GIB, GpuProcess, GpuSnapshot, MachineSnapshot
+from app.services.machine.procs import proc_info
 from trainer.schema import DEFAULT_PLANS, Roots, State, Status, atomic_write_text, run_dir
 
 ENTRY = ("-m", "trainer")
@@ -142,16 +144,18 @@ def test_busy_and_foreign_gpus_are_warnings(roots: Roots) -> None:
     snapshot = MachineSnapshot(
         (gpu(0, 1, 5), gpu(1, 20, 0), gpu(2, 1, 50), gpu(3, 1, 0, ("alice",))), False, None, 0.0
     )
-    checks = launcher.check_request(
+    checks = launch_request.check_request(
         request(folds=["0", "1", "2", "3"], gpus=["0", "1", "2", "3"]), roots, 4, snapshot
     )
     assert checks.errors == []
     assert [w.split(" is ")[0] for w in checks.warnings] == ["GPU 1", "GPU 2", "GPU 3"]
     assert "alice" in checks.warnings[2]
-    missing = launcher.check_request(request(gpus=["7"]), roots, 4, snapshot)
+    missing = launch_request.check_request(request(gpus=["7"]), roots, 4, snapshot)
     assert any("not visible" in e for e in missing.errors)
     no_driver = MachineSnapshot((), False, "No NVIDIA driver found", 0.0)
-    assert any("--cpu" in e for e in launcher.check_request(request(), roots, 4, no_driver).errors)
+    assert any(
+        "--cpu" in e for e in launch_request.check_request(request(), roots, 4, no_driver).errors
+    )
 
 
 @pytest.mark.parametrize(
@@ -169,7 +173,7 @@ def test_fold_with_an_earlier_run(roots: Roots, state: str, resume: bool, fragme
     folder.mkdir(parents=True)
     status = Status(state=state, epoch=3, pids=[os.getpid()])
     atomic_write_text(folder / "status.json", status.to_json())
-    checks = launcher.check_request(request(continue_training=resume), roots, 4)
+    checks = launch_request.check_request(request(continue_training=resume), roots, 4)
     if fragment is None:
         assert checks.errors == []
     else:
@@ -182,7 +186,7 @@ def test_resume_request_keeps_fold_gpus_and_mode(roots: Roots, tmp_path: Path) -
         request(mode="torchrun", gpus=["2", "3"], trainer_args=["--c"]), roots, 4
     )
     registry = Registry(tmp_path / "state")
-    from app.services.registry import Job
+    from app.services.jobs.registry import Job
 
     job = Job(
         job_id=plans[0].job_id, created_at=0, dataset=D, configuration=C, fold="0",
@@ -288,13 +292,13 @@ def _cpu(**changes: object) -> LaunchRequest:
 
 
 def test_cpu_folds_take_turns_on_the_cpu_slots(roots: Roots, monkeypatch) -> None:
-    from app.services import cpu_slots
+    from app.services.launch import cpu_slots
 
     monkeypatch.setattr(cpu_slots, "usable_cores", lambda: 2)
     plans, problems = plan_launch(_cpu(), roots, 4)  # a job uses both cores: one slot
     assert problems == []
     assert [p.after for p in plans] == [None, plans[0].job_id, plans[1].job_id]
-    checks = launcher.check_request(_cpu(), roots, 4)
+    checks = launch_request.check_request(_cpu(), roots, 4)
     assert any("1 CPU slot (2 cores, 2 threads per job)" in w for w in checks.warnings)
 
     plans, _ = plan_launch(_cpu(threads=1), roots, 4)  # two slots of one thread each
@@ -302,8 +306,8 @@ def test_cpu_folds_take_turns_on_the_cpu_slots(roots: Roots, monkeypatch) -> Non
 
     plans, _ = plan_launch(_cpu(oversubscribe=True), roots, 4)
     assert [p.after for p in plans] == [None, None, None]
-    (warning,) = [w for w in launcher.check_request(_cpu(oversubscribe=True), roots, 4).warnings
-                  if "--oversubscribe" in w]  # fmt: skip
+    checks = launch_request.check_request(_cpu(oversubscribe=True), roots, 4)
+    (warning,) = [w for w in checks.warnings if "--oversubscribe" in w]
     assert "3 CPU jobs on 1 CPU slot" in warning and "at least 3x slower" in warning
 
 
@@ -311,7 +315,7 @@ def test_cpu_slots_count_the_cpu_jobs_already_running(roots: Roots, tmp_path: Pa
                                                       monkeypatch) -> None:  # fmt: skip
     from test_jobs import ME_ALIVE, add_job
 
-    from app.services import cpu_slots
+    from app.services.launch import cpu_slots
 
     monkeypatch.setattr(cpu_slots, "usable_cores", lambda: 2)
     registry = Registry(tmp_path / "state")
@@ -322,7 +326,7 @@ def test_cpu_slots_count_the_cpu_jobs_already_running(roots: Roots, tmp_path: Pa
 
 
 def test_two_cpu_folds_on_one_slot_run_one_after_the_other(env: dict, monkeypatch) -> None:
-    from app.services import cpu_slots
+    from app.services.launch import cpu_slots
 
     monkeypatch.setattr(cpu_slots, "usable_cores", lambda: 2)  # one slot, as on this box
     registry = Registry()

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from fake_trainer import wait_until
 
-from app.services.jobs import JobTracker
-from app.services.procs import proc_info, process_identity
-from app.services.registry import Job, ProcessRecord, Registry
-from app.services.supervisor import RunWatch
+from app.services.jobs.registry import Job, ProcessRecord, Registry
+from app.services.jobs.views import JobTracker
+from app.services.machine.procs import proc_info, process_identity
+from app.services.supervisor.main import RunWatch
 from trainer.schema import EVENTS_FILE, encode_event
 
 ROOT = Path(__file__).resolve().parent.parent

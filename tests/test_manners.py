@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 from test_jobs import add_job
 
-from app.services import consoles, niceness, supervisor
-from app.services.jobs import JobTracker
-from app.services.registry import Registry
+from app.services.jobs import consoles
+from app.services.jobs.registry import Registry
+from app.services.jobs.views import JobTracker
+from app.services.launch import niceness
+from app.services.supervisor import main as supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,7 +43,7 @@ def test_a_restart_moves_the_console_and_names_it_in_the_registry(tmp_path, monk
 
 def test_redirect_output_sends_this_process_and_its_children_to_the_new_file(tmp_path) -> None:
     code = (
-        "import subprocess, sys; from pathlib import Path; from app.services import consoles\n"
+        "import subprocess, sys; from pathlib import Path; from app.services.jobs import consoles\n"
         "print('before', flush=True); consoles.redirect_output(Path(sys.argv[1]))\n"
         "print('after', flush=True); subprocess.run(['echo', 'child'])\n"
     )
@@ -108,9 +110,10 @@ def test_simulate_busy_is_checked_and_written_where_the_monitor_reads_it(tmp_pat
         assert result.returncode == 2 and result.stderr.startswith("error: --simulate-busy")
     assert nnui(env, "status", "--simulate-busy", "1:bob:3").returncode == 2  # no simulation
     code = (
-        "import os; from app.services.simulate_busy import install\n"
-        "from app.services.gpus import GpuMonitor\n"
-        "install(['2:otheruser:30', '2:bob:10:50'], 4)\n"
+        "import os; from app.services.machine.simulate_busy import install\n"
+        "from app.services.machine.gpus import GpuMonitor\n"
+        "from app.services.jobs.registry import default_state_dir\n"
+        "install(['2:otheruser:30', '2:bob:10:50'], 4, default_state_dir())\n"
         "gpu = GpuMonitor(simulate=4).snapshot().gpu(2)\n"
         "print(gpu.other_users, gpu.memory_used_bytes >> 30, gpu.utilization_percent)\n"
     )
@@ -209,8 +212,9 @@ def test_nice_and_threads_reach_the_job_environment_and_survive_a_resume(tmp_pat
     from fake_trainer import make_preprocessed
     from test_launcher import request
 
-    from app.services import launcher
-    from app.services.registry import Job
+    from app.services.jobs.registry import Job
+    from app.services.launch import launcher
+    from app.services.launch import request as launch_request
     from trainer.schema import Roots
 
     make_preprocessed(tmp_path / "pre", batch_size=4)
@@ -222,7 +226,7 @@ def test_nice_and_threads_reach_the_job_environment_and_survive_a_resume(tmp_pat
     assert "NNUI_NICE" not in default.env and "OMP_NUM_THREADS" not in default.env
     job = Job("j", 0.0, "Dataset004_Hippocampus", "3d_fullres", "0", "single", "cuda", ["0"],
               False, [], dict(plans[0].env), "/r", "/r/c.log")  # fmt: skip
-    again = launcher.resume_request(job)
+    again = launch_request.resume_request(job)
     assert (again.nice, again.threads) == (5, 2)
 
 
@@ -273,7 +277,7 @@ def test_child_setup_starts_the_child_at_the_nice_value() -> None:
     ],
 )
 def test_the_flag_check_refuses_what_the_trainer_would(engine, flags, fragment) -> None:
-    from app.services import flag_check
+    from app.services.launch import flag_check
 
     problem = flag_check.flag_problem(engine, "Dataset004_Demo", "3d_fullres", tuple(flags))
     assert problem is not None and fragment in problem and "\n" not in problem

@@ -18,8 +18,9 @@ import pytest
 from conftest import make_nnunet_tree
 from fake_trainer import wait_until
 
-from app.services import engines
-from app.services.launcher import LaunchRequest, check_request, plan_launch
+from app.services.launch import engines
+from app.services.launch.launcher import plan_launch
+from app.services.launch.request import LaunchRequest, check_request
 from trainer.schema import NNUNET_EXT_DIR, NNUNET_EXT_ENV, Roots
 
 ROOT = Path(__file__).resolve().parent.parent

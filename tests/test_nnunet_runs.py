@@ -17,12 +17,14 @@ from pathlib import Path
 import pytest
 from fake_trainer import wait_until
 
-from app.services.gpus import GpuProcess, GpuSnapshot, MachineSnapshot
-from app.services.jobs import JobTracker
-from app.services.nnunet_log import (
+from app.services.jobs.registry import Registry
+from app.services.jobs.views import JobTracker
+from app.services.machine.gpus import GpuProcess, GpuSnapshot, MachineSnapshot
+from app.services.machine.procs import ProcRow, process_start_ticks, read_sigcgt_usr1
+from app.services.nnunet.log import (
     DEFAULT_NUM_EPOCHS,
+    DebugCache,
     TrainingLog,
-    _DebugCache,
     eta_s,
     median_epoch_s,
     merge_history,
@@ -30,7 +32,7 @@ from app.services.nnunet_log import (
     read_schedule,
     sorted_logs,
 )
-from app.services.nnunet_runs import (
+from app.services.nnunet.runs import (
     live_log,
     parse_train_argv,
     restart_command,
@@ -38,8 +40,6 @@ from app.services.nnunet_runs import (
     train_processes,
     watch_only_runs,
 )
-from app.services.procs import ProcRow, process_start_ticks, read_sigcgt_usr1
-from app.services.registry import Registry
 from trainer.schema import NNUNET_EXT_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,14 +162,14 @@ def test_a_log_replaced_by_a_shorter_one_is_read_again(tmp_path: Path) -> None:
 def test_num_epochs_from_debug_json_only_for_its_own_log(tmp_path: Path) -> None:
     shutil.copytree(DATA, tmp_path / "fold_0")
     fold = tmp_path / "fold_0"
-    own = read_schedule(fold, fold / SECOND_LOG, "nnUNetTrainer", _DebugCache())
+    own = read_schedule(fold, fold / SECOND_LOG, "nnUNetTrainer", DebugCache())
     assert (own.num_epochs, own.source, own.iterations_per_epoch) == (4, "debug.json", 2)
-    other = read_schedule(fold, fold / FIRST_LOG, "nnUNetTrainer", _DebugCache())
+    other = read_schedule(fold, fold / FIRST_LOG, "nnUNetTrainer", DebugCache())
     assert (other.num_epochs, other.source) == (DEFAULT_NUM_EPOCHS, "default")
-    named = read_schedule(fold, fold / FIRST_LOG, "nnUNetTrainer_250epochs", _DebugCache())
+    named = read_schedule(fold, fold / FIRST_LOG, "nnUNetTrainer_250epochs", DebugCache())
     assert (named.num_epochs, named.source) == (250, "trainer name")
     (fold / "debug.json").write_text("{not json")
-    broken = read_schedule(fold, fold / SECOND_LOG, "nnUNetTrainer", _DebugCache())
+    broken = read_schedule(fold, fold / SECOND_LOG, "nnUNetTrainer", DebugCache())
     assert broken.source == "default"
 
 

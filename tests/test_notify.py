@@ -14,8 +14,8 @@ import pytest
 from fake_trainer import cleanup_jobs, fake_env, wait_until
 from test_tui_fixtures import make_roots, tui_app, wait_for, write_frozen_runs
 
-from app.services.announce import notify_argv
-from app.services.bell import BellRule
+from app.services.jobs.bell import BellRule
+from app.services.supervisor.announce import notify_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_NOTIFY = """#!{python}

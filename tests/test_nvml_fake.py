@@ -23,10 +23,10 @@ from fake_nvml.scenario import (
 )
 from fake_trainer import cleanup_jobs, fake_env
 
-from app.services.busy_gpus import occupied_note
-from app.services.gpu_nvml import ORDER_NOTE
-from app.services.gpu_rule import WaitRule, blocker
-from app.services.gpus import GpuMonitor
+from app.services.launch.busy_gpus import occupied_note
+from app.services.machine.gpus import GpuMonitor
+from app.services.machine.nvml import ORDER_NOTE
+from app.services.supervisor.free_rule import WaitRule, blocker
 from app.widgets.gpu_panel import CardOptions, GpuPanel, gpu_lines
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,11 +18,13 @@ from test_tui_fixtures import make_roots, screen_of, use_fake_trainer, wait_for
 
 from app.screens.dashboard import DashboardScreen
 from app.screens.launch import LaunchScreen
-from app.services import launcher
-from app.services.gpus import GpuMonitor
-from app.services.jobs import JobTracker
-from app.services.registry import Registry
-from app.services.signals import plan_stop, send_stop
+from app.services.jobs.registry import Registry
+from app.services.jobs.views import JobTracker
+from app.services.launch import launcher
+from app.services.launch import request as launch_request
+from app.services.machine.gpus import GpuMonitor
+from app.services.signals.send import send_stop
+from app.services.signals.targets import plan_stop
 from app.tui import Services, TuiConfig, make_app
 from app.widgets.fold_board import FoldBoard
 from app.widgets.gpu_panel import GpuCard, GpuPanel
@@ -96,7 +98,7 @@ async def test_board_without_a_driver_offers_cpu_slots(
 def _start_on(gpus: list[str], machine: FakeMachine, registry: Registry):
     """One fold of the fake trainer as a CUDA job on `gpus`, checked against the fake."""
     snapshot = GpuMonitor(backend=machine.nvml, visible_devices=None).snapshot()
-    request = launcher.LaunchRequest("4", "3d_fullres", ["0"], gpus, "per_gpu", "cuda",
+    request = launch_request.LaunchRequest("4", "3d_fullres", ["0"], gpus, "per_gpu", "cuda",
                                      ["--epochs", "300", "--epoch-time", "0.1"], False)  # fmt: skip
     plans, problems = launcher.plan_launch(request, resolve_roots(), 2, snapshot, registry)
     assert problems == []

@@ -17,9 +17,9 @@ from test_cli import nnui
 from test_cli import status as rows
 from test_predict import write_checkpoint
 
-from app.services.case_progress import CaseProgress
-from app.services.jobs import JobTracker
-from app.services.registry import PREDICT, Job, Registry
+from app.services.jobs.case_progress import CaseProgress
+from app.services.jobs.registry import PREDICT, Job, Registry
+from app.services.jobs.views import JobTracker
 from trainer import schema
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -194,9 +194,9 @@ def test_bad_input_is_refused_with_exit_2_and_no_job(env, trained, tmp_path) -> 
 
 
 def test_a_second_prediction_into_a_busy_folder_is_refused(trained, tmp_path) -> None:
-    from app.services import prediction
-    from app.services.registry import ProcessRecord
-    from app.services.signals import process_identity
+    from app.services.jobs.registry import ProcessRecord
+    from app.services.launch import prediction
+    from app.services.machine.procs import process_identity
 
     registry = Registry(tmp_path / "state")
     ticks, created = process_identity(os.getpid())  # a live "supervisor": this test

@@ -48,7 +48,7 @@ def test_fold_without_names_reads_summary_keys(tmp_path):
 def test_launch_form_lists_the_cascade_and_marks_its_dependency(tmp_path):
     """nnU-Net's plans write 3d_cascade_fullres as `inherits_from` 3d_fullres: the form lists
     it (its patch and batch are 3d_fullres's) and says it runs after 3d_lowres's folds."""
-    from app.services.catalog import DatasetInfo, read_configurations
+    from app.services.launch.catalog import DatasetInfo, read_configurations
     from app.widgets.dataset_picker import choices_of
 
     full = {"patch_size": [16, 32, 32], "batch_size": 2}

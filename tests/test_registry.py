@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.services.registry import Job, ProcessRecord, Registry, SignalRecord, new_job_id
+from app.services.jobs.registry import Job, ProcessRecord, Registry, SignalRecord, new_job_id
 
 
 def make_job(job_id: str = "1130-120000-f0-abc", **changes: object) -> Job:
@@ -204,7 +204,7 @@ def test_refusal_records_keep_pid_zero(tmp_path: Path) -> None:
 @pytest.mark.parametrize("layout", ["state dir is a file", "below a file", "jobs is a file",
                                     "lock is a folder"])  # fmt: skip
 def test_unusable_state_dir_is_one_line(tmp_path: Path, layout: str) -> None:
-    from app.services.registry import StateDirError
+    from app.services.jobs.registry import StateDirError
 
     state = tmp_path / "state"
     if layout == "state dir is a file":
@@ -226,7 +226,7 @@ def test_unusable_state_dir_is_one_line(tmp_path: Path, layout: str) -> None:
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
 def test_unwritable_state_dir_is_one_line(tmp_path: Path) -> None:
-    from app.services.registry import StateDirError
+    from app.services.jobs.registry import StateDirError
 
     (tmp_path / "state" / "jobs").mkdir(parents=True)
     (tmp_path / "state" / "lock").touch()

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from app.services.registry import PID_MAX, Job, Registry
-from app.services.signals import kill_plan, plan_stop
+from app.services.jobs.registry import Job, Registry
+from app.services.machine.procs import PID_MAX
+from app.services.signals.targets import kill_plan, plan_stop
 
 SEEDS = range(4)
 FILES_PER_SEED = 60

@@ -17,8 +17,8 @@ from fake_trainer import cleanup_jobs, fake_env, wait_until
 from test_cli import launched_ids as launched
 from test_cli import nnui, status
 
-from app.services.registry import Job, SignalRecord
-from app.services.retries import AttemptEnd, describe_exit, restart_reason
+from app.services.jobs.registry import Job, SignalRecord
+from app.services.supervisor.retries import AttemptEnd, describe_exit, restart_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 HOOK = """
@@ -326,7 +326,7 @@ def test_a_ddp_group_waits_until_all_its_gpus_are_free(env: dict) -> None:
 
 
 def test_hook_argv_is_split_once_and_never_run_through_a_shell() -> None:
-    from app.services.hooks import parse_hook
+    from app.services.supervisor.hooks import parse_hook
 
     assert parse_hook("notify-send 'fold done' $HOME;rm") == [
         "notify-send",
@@ -336,8 +336,8 @@ def test_hook_argv_is_split_once_and_never_run_through_a_shell() -> None:
 
 
 def test_a_stop_during_the_back_off_cancels_the_restart(tmp_path: Path) -> None:
-    from app.services import supervisor
-    from app.services.registry import Registry
+    from app.services.jobs.registry import Registry
+    from app.services.supervisor import main as supervisor
 
     registry = Registry(tmp_path / "state")
     registry.add(job(queued_stop=True))

@@ -177,8 +177,8 @@ def test_old_identifiers_only_continue_runs_nnui_made(
 
 
 def test_resume_of_an_old_job_names_its_folders_identifiers():
-    from app.services.launcher import resume_request
-    from app.services.registry import Job
+    from app.services.jobs.registry import Job
+    from app.services.launch.request import resume_request
 
     def job(folder: str, args: list[str]) -> Job:
         return Job(

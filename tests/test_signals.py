@@ -15,25 +15,22 @@ from pathlib import Path
 import pytest
 from fake_trainer import cleanup_jobs, fake_env, wait_until
 
-from app.services import launcher
-from app.services.jobs import JobTracker
-from app.services.procs import process_table
-from app.services.proctree import process_tree
-from app.services.registry import Job, ProcessRecord, Registry, SignalRecord
-from app.services.signals import (
+from app.services.jobs.liveness import record_alive
+from app.services.jobs.registry import Job, ProcessRecord, Registry, SignalRecord
+from app.services.jobs.views import JobTracker
+from app.services.launch import launcher
+from app.services.launch import request as launch_request
+from app.services.machine.procs import (
     ProcInfo,
-    _sigcgt_has,
-    is_launcher_cmdline,
     is_same_process,
-    kill,
-    plan_kill,
-    plan_stop,
     proc_info,
     process_start_ticks,
-    record_alive,
-    remember_workers,
-    send_stop,
+    process_table,
+    sigcgt_has,
 )
+from app.services.signals.proctree import process_tree
+from app.services.signals.send import kill, remember_workers, send_stop
+from app.services.signals.targets import is_launcher_cmdline, plan_kill, plan_stop
 from trainer.schema import resolve_roots
 
 ME = os.getuid()
@@ -263,7 +260,7 @@ def test_launcher_cmdlines(cmdline: list[str], expected: bool) -> None:
     ("sigcgt", "expected"), [("0000000000000200", True), ("0000000000004002", False)]
 )
 def test_sigcgt_bit_10_is_sigusr1(sigcgt: str, expected: bool) -> None:
-    assert _sigcgt_has(f"Name:\tpython\nSigCgt:\t{sigcgt}\n", signal.SIGUSR1) is expected
+    assert sigcgt_has(f"Name:\tpython\nSigCgt:\t{sigcgt}\n", signal.SIGUSR1) is expected
 
 
 # ---- real processes -----------------------------------------------------------------------
@@ -282,7 +279,7 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 def _launch(mode: str, gpus: list[str], extra: list[str]) -> tuple[Registry, Job]:
     registry = Registry()
-    request = launcher.LaunchRequest(
+    request = launch_request.LaunchRequest(
         "4", "3d_fullres", ["0"], gpus, mode, "cpu", ["--epochs", "200", *extra], True
     )
     plans, problems = launcher.plan_launch(request, resolve_roots(), 2, registry=registry)
@@ -458,7 +455,7 @@ def test_malformed_topology_sends_nothing(topo: object, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("bad", [0, -1, -os.getpid()])
 def test_send_refuses_non_pids_without_signalling(bad: int) -> None:
-    from app.services.signals import _send
+    from app.services.signals.send import _send
 
     # os.kill(0 | -N) would signal this very process group: it must never be reached.
     assert _send(bad, 0.0, signal.SIGTERM).startswith("refused")
@@ -497,7 +494,7 @@ KILL_CASES = [
     ids=[c[0] for c in KILL_CASES],
 )
 def test_kill_target_selection(table, records, targets, refused, fragment) -> None:
-    from app.services.signals import kill_plan
+    from app.services.signals.targets import kill_plan
 
     changes = {} if records is None else {"processes": records}
     kids = {11: [p.pid for p in table if p.ppid == 11]}
@@ -511,7 +508,7 @@ def test_kill_target_selection(table, records, targets, refused, fragment) -> No
 
 
 def test_kill_sweeps_an_unrecorded_trainer_carrying_the_job_id() -> None:
-    from app.services.signals import kill_plan
+    from app.services.signals.targets import kill_plan
 
     recorded = [ProcessRecord(10, T_JOB + 1, "supervisor")]  # trainer not recorded yet
     table = lookup(SUPERVISOR, TRAINER, worker(99, env_job_id="OTHER"))
@@ -557,11 +554,11 @@ def test_real_kill_refuses_a_forged_record(tmp_path: Path, carries: str | None) 
 
 
 def test_real_kill_in_the_supervisors_first_second_ends_killed(env: dict) -> None:
-    from app.services.jobs import derive_state
-    from app.services.procs import pids_with_job_id
+    from app.services.jobs.views import derive_state
+    from app.services.machine.procs import pids_with_job_id
 
     registry = Registry()
-    request = launcher.LaunchRequest(
+    request = launch_request.LaunchRequest(
         "4", "3d_fullres", ["0"], ["0"], "per_gpu", "cpu", ["--epochs", "200"], True
     )
     plans, problems = launcher.plan_launch(request, resolve_roots(), 2, registry=registry)

@@ -29,8 +29,9 @@ import psutil
 import pytest
 from fake_trainer import FAKE_TRAINER, cleanup_jobs, make_preprocessed, wait_until
 
-from app.services.registry import Registry
-from app.services.signals import job_alive, kill, record_alive
+from app.services.jobs.liveness import job_alive, record_alive
+from app.services.jobs.registry import Registry
+from app.services.signals.send import kill
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ("sshd", "ssh", "ssh-keygen", "tmux")

@@ -13,9 +13,9 @@ from fake_trainer import cleanup_jobs, fake_env, wait_until
 from test_cli import nnui, status
 from test_scheduler_e2e import job as a_job
 
-from app.services.registry import Registry
-from app.services.retries import AttemptEnd, restart_reason
-from app.services.stall import StallTracker, allowance_s
+from app.services.jobs.registry import Registry
+from app.services.supervisor.retries import AttemptEnd, restart_reason
+from app.services.supervisor.stall import StallTracker, allowance_s
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ def test_final_validation_gets_the_larger_allowance() -> None:
 
 
 def test_a_watchdog_ended_attempt_is_restarted_even_after_a_clean_stop() -> None:
-    from app.services.registry import SignalRecord
+    from app.services.jobs.registry import SignalRecord
 
     stopped = a_job(stall_acted_at=10.0, stall_reason="no event for 9 s",
                     signals=[SignalRecord(10.0, 5, "SIGUSR1", 0, "sent")])  # fmt: skip

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from test_registry import make_job
 
-from app.services.registry import Registry
+from app.services.jobs.registry import Registry
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # inside it: the handler runs at the next bytecode, with the lock held (exactly, no timers).
 DRIVER = """
 import os, signal, sys
-from app.services import supervisor
-from app.services.registry import Registry
+from app.services.supervisor import main as supervisor
+from app.services.jobs.registry import Registry
 
 read = Registry.get
 fired = []

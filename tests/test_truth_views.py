@@ -16,9 +16,9 @@ from test_jobs import ME_ALIVE, add_job, epoch, run_started, topology, write_eve
 from app.cli import status_table, view_dict
 from app.screens.actions import StopChoice
 from app.screens.confirm import stop_text
-from app.services.job_text import alert_condition, resume_from, state_label
-from app.services.jobs import JobTracker, training_eta_s
-from app.services.registry import Registry
+from app.services.jobs.registry import Registry
+from app.services.jobs.views import JobTracker, training_eta_s
+from app.services.jobs.words import alert_condition, resume_from, state_label
 from app.widgets.job_table import row_cells
 from trainer.schema import State, encode_event, validate_event
 

@@ -20,9 +20,9 @@ from test_tui_fixtures import (
 
 from app.screens.dashboard import DashboardScreen
 from app.screens.launch import LaunchScreen
-from app.services.jobs import JobTracker
-from app.services.procs import proc_info
-from app.services.registry import Job, ProcessRecord, Registry
+from app.services.jobs.registry import Job, ProcessRecord, Registry
+from app.services.jobs.views import JobTracker
+from app.services.machine.procs import proc_info
 from app.tui import Services, TuiConfig, make_app
 from app.widgets.fold_board import BoardModel, FoldBoard, RequestSpec
 from trainer.schema import Status, atomic_write_text, run_dir

@@ -112,8 +112,8 @@ def burst(app: Any, *keys: str) -> None:
 def end_job_processes(state_dir: Path) -> None:
     """End every live process of every job in this registry through the product's own kill
     (verified identities, SIGTERM then SIGKILL, by pid only)."""
-    from app.services import signals
-    from app.services.registry import Registry
+    from app.services.jobs.registry import Registry
+    from app.services.signals import send as signals
 
     registry = Registry(state_dir)
     for job in registry.list():
@@ -144,7 +144,7 @@ def _epoch(epoch: int, num_epochs: int, nan: bool = False) -> dict[str, Any]:
 
 def write_frozen_runs(roots: Roots, state_dir: Path) -> list[str]:
     """Three ended jobs (finished, stopped, failed) with deterministic files and registry."""
-    from app.services.registry import Job, ProcessRecord, Registry
+    from app.services.jobs.registry import Job, ProcessRecord, Registry
 
     registry = Registry(state_dir)
     specs = [

@@ -21,12 +21,14 @@ from test_tui_fixtures import (
 )
 
 from app.screens.confirm import KillConfirmScreen, LaunchConfirmScreen, StopConfirmScreen
-from app.screens.dashboard import ACTION_IDS, DashboardScreen
+from app.screens.dashboard import DashboardScreen
 from app.screens.help import HelpScreen
+from app.screens.keys import ACTION_IDS
 from app.screens.launch import LaunchScreen
 from app.screens.palette import NnuiCommands
-from app.services import launcher
-from app.services.registry import Registry
+from app.services.jobs.registry import Registry
+from app.services.launch import launcher
+from app.services.launch import request as launch_request
 
 
 def live_or_zombie_children() -> list[int]:
@@ -272,12 +274,13 @@ async def test_go_right_after_typing_flags_uses_the_new_flags(tmp_path: Path, mo
             await wait_for(lambda: screen.query_one("#picker").choices, pilot)
             await pilot.press("space")
             await wait_for(lambda: screen.plans and screen.plan_is_current(), pilot)  # no flags
-            real_checks, release = launcher.check_request, threading.Event()
+            real_checks, release = launch_request.check_request, threading.Event()
 
             def held_checks(*args, **kwargs):  # the checks wait until g was handled
                 assert release.wait(SAFETY_NET_S)
                 return real_checks(*args, **kwargs)
 
+            monkeypatch.setattr(launch_request, "check_request", held_checks)
             monkeypatch.setattr(launcher, "check_request", held_checks)
             await pilot.press("f", *"--epochs 7", "enter", "g")
             await wait_for(lambda: screen._go_pending, pilot)  # g seen, waiting for the checks
@@ -296,7 +299,7 @@ class _LateMonitor:
     begun to be taken apart (a thread finishing late on a busy machine at shutdown)."""
 
     def __init__(self) -> None:
-        from app.services.gpus import GpuMonitor
+        from app.services.machine.gpus import GpuMonitor
 
         self.inner = GpuMonitor(simulate=2)
         self.panel = None  # armed: the GpuPanel to outlive
@@ -321,7 +324,7 @@ class _LateMonitor:
 
 async def test_a_reading_that_arrives_during_shutdown_is_dropped(tmp_path: Path) -> None:
     """Was `NoMatches: JobTable` / `GpuPanel`: data drawn into a half-removed screen."""
-    from app.services.jobs import JobTracker
+    from app.services.jobs.views import JobTracker
     from app.tui import Services, TuiConfig, make_app
     from app.widgets.gpu_panel import GpuPanel
 

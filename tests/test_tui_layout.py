@@ -20,9 +20,9 @@ from test_tui_widgets import Gpu, View
 
 from app.screens.dashboard import DashboardScreen
 from app.screens.job_summary import summary_text
-from app.services.gpu_history import GpuHistory, HistorySeries
-from app.services.gpus import SIMULATED_BUSY_ENV, GpuProcess, MachineSnapshot
-from app.services.procs import HostSnapshot, LoadSampler, ProcLoad
+from app.services.machine.gpu_history import GpuHistory, HistorySeries
+from app.services.machine.gpus import SIMULATED_BUSY_ENV, GpuProcess, MachineSnapshot
+from app.services.machine.host import HostSnapshot, LoadSampler, ProcLoad
 from app.widgets.formatting import readable_style
 from app.widgets.gpu_panel import (
     CardOptions,
@@ -532,7 +532,7 @@ async def test_the_app_keeps_gpu_history_across_restarts(tmp_path) -> None:
 def test_nvml_static_fields_are_read_once(monkeypatch) -> None:
     from test_gpus import FakeNvml
 
-    import app.services.gpus as gpus
+    import app.services.machine.gpus as gpus
 
     calls: dict[str, int] = {}
 

@@ -34,14 +34,18 @@ from app.screens.dashboard import DashboardScreen
 from app.screens.job_detail import JobDetailScreen
 from app.screens.launch import LaunchScreen
 from app.screens.palette import NnuiCommands
-from app.services import engines, launcher, nnunet_runs, signals
-from app.services.gpus import GpuMonitor
-from app.services.job_text import human_duration
-from app.services.jobs import JobTracker, watch_only_view
-from app.services.nnunet_log import EpochStats
-from app.services.nnunet_runs import TrainArgs, WatchOnlyRun
-from app.services.procs import process_start_ticks
-from app.services.registry import Job, ProcessRecord, Registry
+from app.services.jobs.registry import Job, ProcessRecord, Registry
+from app.services.jobs.views import JobTracker, watch_only_view
+from app.services.jobs.words import human_duration
+from app.services.launch import engines
+from app.services.launch import request as launch_request
+from app.services.machine.gpus import GpuMonitor
+from app.services.machine.procs import process_start_ticks
+from app.services.nnunet import runs as nnunet_runs
+from app.services.nnunet.log import EpochStats
+from app.services.nnunet.runs import TrainArgs, WatchOnlyRun
+from app.services.signals import send as signals
+from app.services.signals import targets
 from app.tui import Services, TuiConfig, make_app
 from app.widgets.curves import CurvesPanel
 from app.widgets.dataset_picker import DatasetPicker
@@ -214,9 +218,14 @@ def watching_app(roots, state: Path, runs: list[Any]):
 def signals_sent(monkeypatch) -> list[tuple]:
     """Every way nnui could signal a process, recorded instead of done."""
     calls: list[tuple] = []
-    for name in ("send_stop", "kill", "plan_stop", "plan_kill"):
+    for module, name in (
+        (signals, "send_stop"),
+        (signals, "kill"),
+        (targets, "plan_stop"),
+        (targets, "plan_kill"),
+    ):
         monkeypatch.setattr(
-            signals, name, lambda *a, _name=name, **k: calls.append((_name, a)) or []
+            module, name, lambda *a, _name=name, **k: calls.append((_name, a)) or []
         )
     monkeypatch.setattr(os, "kill", lambda *a: calls.append(("os.kill", a)))
     monkeypatch.setattr(nnunet_runs, "read_sigcgt_mask", lambda pid: 0)  # stock: no handler
@@ -362,7 +371,7 @@ def test_a_resume_checks_the_batch_of_its_own_engines_plans(
     tmp_path: Path, nnunet_installed, engine: str, plans_args: list[str], batch: int
 ) -> None:
     roots = nnunet_roots(tmp_path)
-    request = launcher.LaunchRequest(
+    request = launch_request.LaunchRequest(
         dataset=DATASET, configuration="2d", folds=["0"], gpus=["0"], mode="per_gpu",
         device="cpu", trainer_args=plans_args, simulated=True, engine=engine,
     )  # fmt: skip

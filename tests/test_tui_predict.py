@@ -23,7 +23,7 @@ from app.screens.dashboard import DashboardScreen
 from app.screens.job_detail import JobDetailScreen
 from app.screens.launch import LaunchScreen
 from app.screens.predict_form import PredictScreen
-from app.services.registry import PREDICT, Registry
+from app.services.jobs.registry import PREDICT, Registry
 from trainer.schema import checkpoint_file, run_dir
 
 FAKE_PREDICT = ROOT / "tests" / "fake_predict.py"

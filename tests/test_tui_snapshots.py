@@ -12,7 +12,7 @@ from test_tui_fixtures import make_roots, screen_of, tui_app, wait_for, write_fr
 
 from app.screens.dashboard import DashboardScreen
 from app.screens.job_detail import JobDetailScreen
-from app.services.procs import HostSnapshot, ProcLoad
+from app.services.machine.host import HostSnapshot, ProcLoad
 from app.widgets.curves import CurvesPanel
 from app.widgets.gpu_panel import GpuCard
 from app.widgets.job_table import JobTable

@@ -9,8 +9,8 @@ from pathlib import Path
 from test_tui_fixtures import SAFETY_NET_S, make_roots, screen_of, wait_for
 
 from app.screens.dashboard import DashboardScreen
-from app.services.jobs import JobTracker
-from app.services.registry import Registry
+from app.services.jobs.registry import Registry
+from app.services.jobs.views import JobTracker
 from app.tui import Services, TuiConfig, make_app
 
 
@@ -18,7 +18,7 @@ class _HeldMonitor:
     """Simulated GPUs whose readings wait until the test releases them (a slow NVML)."""
 
     def __init__(self) -> None:
-        from app.services.gpus import GpuMonitor
+        from app.services.machine.gpus import GpuMonitor
 
         self.inner = GpuMonitor(simulate=2)
         self.release = threading.Event()
@@ -135,7 +135,7 @@ async def test_one_toast_per_alert_condition_not_per_second(tmp_path: Path) -> N
     """Was: "stalled: no event for 208 s", "209 s", ... one toast a second."""
     from test_tui_fixtures import write_frozen_runs
 
-    from app.services.gpus import GpuMonitor
+    from app.services.machine.gpus import GpuMonitor
 
     roots, state = make_roots(tmp_path), tmp_path / "state"
     ids = write_frozen_runs(roots, state)

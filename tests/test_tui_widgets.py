@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 import pytest
 
 from app.screens.confirm import stop_text
-from app.services.gpus import GpuProcess, GpuSnapshot, MachineSnapshot
-from app.services.job_text import human_duration
-from app.services.proctree import label_tree
-from app.widgets.curves import epoch_ticks, series
+from app.services.jobs.curves import series
+from app.services.jobs.words import human_duration
+from app.services.machine.gpus import GpuProcess, GpuSnapshot, MachineSnapshot
+from app.services.signals.proctree import label_tree
+from app.widgets.curves import epoch_ticks
 from app.widgets.formatting import bar
 from app.widgets.gpu_panel import NO_DRIVER_BANNER, GpuPanel, gpu_lines, sparkline
 from app.widgets.job_table import row_cells
@@ -269,7 +270,7 @@ def test_tui_modules_import_no_heavy_packages() -> None:
 def test_dice_curves_are_named_by_the_run_s_classes() -> None:
     """A region-based run records its class (region) names: the per-class Dice series carry
     them; without names (or with a count that does not match) they stay `class N`."""
-    from app.services.curve_data import EpochPoint
+    from app.services.jobs.curves import EpochPoint
     from app.widgets.curves import PLOTS, plan_plot
 
     point = EpochPoint(0, 0.5, 0.6, 0.7, 0.7, 0.01, 2.0, 10.0, (0.9, 0.6, 0.4))

@@ -17,8 +17,9 @@ from app.cli_cv import HEADER, NARROW_HEADER, narrow_row_cells, row_cells, table
 from app.screens import actions
 from app.screens.confirm import LaunchConfirmScreen
 from app.screens.keys import CV_ACTIONS, CV_NAV
-from app.services import launcher
 from app.services.cross_validation import CvRow, QueueLaunch, cv_rows, queue_launches
+from app.services.launch import launcher
+from app.services.launch import request as launch_request
 from app.widgets.fitting_footer import FittingFooter
 
 REFRESH_S = 1.0
@@ -105,7 +106,7 @@ class CrossValidationScreen(Screen):
             problems: list[str] = []
             for launch in self.queued:  # the checks and plans of `nnui launch`
                 request = launch.request()
-                checks = launcher.check_request(request, roots, None, snapshot, registry)
+                checks = launch_request.check_request(request, roots, None, snapshot, registry)
                 problems += checks.errors
                 if not checks.errors:
                     got, why = launcher.plan_launch(request, roots, None, snapshot, registry)

@@ -20,9 +20,9 @@ from app.screens.job_detail import JobDetailScreen
 from app.screens.job_summary import summary_text
 from app.screens.keys import ACTION_IDS, DASHBOARD_ACTIONS, DASHBOARD_NAV, DASHBOARD_VIEW
 from app.screens.launch import LaunchScreen
-from app.services import job_list
-from app.services.bell import BellRule
-from app.services.job_text import alert_condition, human_duration
+from app.services.jobs import listing as job_list
+from app.services.jobs.bell import BellRule
+from app.services.jobs.words import alert_condition, human_duration
 from app.widgets.fitting_footer import FittingFooter
 from app.widgets.gpu_panel import GpuPanel
 from app.widgets.job_table import JobTable

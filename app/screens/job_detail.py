@@ -19,8 +19,8 @@ from app.screens import actions
 from app.screens.help import HelpScreen
 from app.screens.job_summary import summary_text
 from app.screens.keys import DETAIL_ACTIONS, DETAIL_NAV
-from app.services import job_list
-from app.services.curve_data import SMOOTHING_FACTORS
+from app.services.jobs import listing as job_list
+from app.services.jobs.curves import SMOOTHING_FACTORS
 from app.widgets.curves import CurvesPanel
 from app.widgets.fitting_footer import FittingFooter
 from app.widgets.formatting import readable_style
@@ -131,7 +131,7 @@ class JobDetailScreen(Screen):
         self._procs_busy = True
 
         def read() -> list[Any]:
-            from app.services.proctree import process_tree
+            from app.services.signals.proctree import process_tree
 
             return process_tree(view.job, view.topology)
 

@@ -24,8 +24,9 @@ from textual.widgets import Checkbox, Input, RadioButton, RadioSet, Static
 from app.screens import actions, keys
 from app.screens.confirm import LaunchConfirmScreen
 from app.screens.predict_form import PredictScreen, form_defaults
-from app.services import catalog, engines, launcher, niceness
-from app.services.schedule import Schedule
+from app.services.launch import catalog, engines, launcher, niceness
+from app.services.launch import request as launch_request
+from app.services.launch.schedule import Schedule
 from app.widgets.dataset_picker import DatasetPicker
 from app.widgets.fitting_footer import FittingFooter
 from app.widgets.fold_board import CPU_COLUMN, FoldBoard
@@ -205,7 +206,7 @@ class LaunchScreen(Screen):
         when_free = self.query_one("#when-free", Checkbox).value and board.model.device != "cpu"
         cascade = bool(getattr(choice, "previous_stage", None))
         requests = [
-            launcher.LaunchRequest(
+            launch_request.LaunchRequest(
                 dataset=choice.dataset,
                 configuration=choice.configuration,
                 folds=list(spec.folds),
@@ -266,7 +267,9 @@ class LaunchScreen(Screen):
             plans: list[Any] = []
             errors, warnings, resumable, asks = list(problems), [], [], list(misfits)
             for request in requests:
-                checks = launcher.check_request(request, roots, batch_size, snapshot, registry)
+                checks = launch_request.check_request(
+                    request, roots, batch_size, snapshot, registry
+                )
                 errors += [e for e in checks.errors if e not in errors]
                 warnings += [w for w in checks.warnings if w not in warnings]
                 asks += [c for c in checks.confirmations if c not in asks]

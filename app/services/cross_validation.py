@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.services.job_events import JobEvents, Scope
-from app.services.launcher import LaunchRequest
-from app.services.registry import TRAIN, Job
-from app.services.schedule import Schedule
+from app.services.jobs.events import JobEvents, Scope
+from app.services.jobs.registry import TRAIN, Job
+from app.services.launch.request import LaunchRequest
+from app.services.launch.schedule import Schedule
 from trainer.schema import (
     CHECKPOINT_KINDS,
     STATUS_FILE,

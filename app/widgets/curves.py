@@ -20,7 +20,7 @@ from textual.app import ComposeResult
 from textual.containers import Grid
 from textual_plotext import PlotextPlot
 
-from app.services.curve_data import (
+from app.services.jobs.curves import (
     EpochPoint,
     RunningPoint,
     distinct_colours,
