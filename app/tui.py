@@ -365,7 +365,7 @@ def make_app(config: TuiConfig, services: Services | None = None) -> NnuiApp:
 
 
 def config_from_options(options: Any) -> TuiConfig:
-    """argparse namespace (app/main.py) -> TuiConfig; absent attributes take defaults."""
+    """argparse namespace (app/cli/parser.py) -> TuiConfig; absent attributes take defaults."""
     roots = getattr(options, "roots", None)
     if roots is None:
         roots = resolve_roots(

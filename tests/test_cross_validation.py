@@ -228,7 +228,7 @@ def test_nnui_cv_shows_a_validating_fold_live_and_offers_no_queue_for_it(cv_box,
 
     from test_jobs import ME_ALIVE
 
-    from app.cli_cv import cmd_cv
+    from app.cli.cv import cmd_cv
 
     roots, registry = cv_box
     folder = run_dir(roots.results, DATASET, "3d_fullres", "3")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_jobs import ME_ALIVE, add_job, epoch, run_started, topology, write_events
 
-from app.cli import status_table, view_dict
+from app.cli.status import status_table, view_dict
 from app.screens.actions import StopChoice
 from app.screens.confirm import stop_text
 from app.services.jobs.registry import Registry

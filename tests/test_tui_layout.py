@@ -566,7 +566,7 @@ def test_nvml_static_fields_are_read_once(monkeypatch) -> None:
 
 
 def test_theme_flag_reaches_the_app() -> None:
-    from app.main import build_parser
+    from app.cli.parser import build_parser
     from app.tui import config_from_options
 
     assert config_from_options(build_parser().parse_args(["--theme", "light"])).theme == "light"

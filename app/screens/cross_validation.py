@@ -13,7 +13,7 @@ from textual.binding import BindingsMap
 from textual.screen import Screen
 from textual.widgets import DataTable, Header, Static
 
-from app.cli_cv import HEADER, NARROW_HEADER, narrow_row_cells, row_cells, table_width
+from app.cli.cv import HEADER, NARROW_HEADER, narrow_row_cells, row_cells, table_width
 from app.screens import actions
 from app.screens.confirm import LaunchConfirmScreen
 from app.screens.keys import CV_ACTIONS, CV_NAV

@@ -28,14 +28,7 @@ from app.services.jobs.words import human_duration
 from app.services.machine.gpu_history import HistorySeries, PanelReadings
 from app.services.machine.gpus import GpuProcess, GpuSnapshot, MachineSnapshot
 from app.services.machine.host import HostSnapshot, ProcLoad
-from app.widgets.formatting import (
-    NA,
-    bar,
-    fmt_gib,
-    fmt_or_na,
-    readable_style,
-    short_uuid,
-)
+from app.widgets.formatting import NA, bar, fmt_gib, fmt_or_na, readable_style, short_uuid
 
 HISTORY_POINTS = 24
 SPARK_LEVELS = "▁▁▂▃▄▅▆▇█"  # 0 % still draws a baseline

@@ -17,13 +17,7 @@ from typing import Any
 
 from app.services.jobs.liveness import job_alive
 from app.services.jobs.registry import Job, ProcessRecord, Registry, SignalRecord
-from app.services.machine.procs import (
-    ProcInfo,
-    is_same_process,
-    proc_info,
-    read_comm,
-    valid_pid,
-)
+from app.services.machine.procs import ProcInfo, is_same_process, proc_info, read_comm, valid_pid
 from app.services.signals.targets import (
     StopPlan,
     check_worker,

@@ -13,17 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from app.cli import (
-    EXIT_OK,
-    EXIT_USAGE,
-    _confirm,
-    _snapshot,
-    chosen_gpus,
-    error,
-    report_checks,
-    roots_of,
-    start_predictions,
-)
+from app.cli.common import EXIT_OK, EXIT_USAGE, confirm, error, machine_snapshot, roots_of
+from app.cli.launch import chosen_gpus, report_checks, start_predictions
 from app.services.jobs.registry import Registry
 from app.services.launch import launcher, prediction
 from app.services.launch.trainer_flags import flag_value
@@ -64,7 +55,7 @@ def cmd_predict(options: argparse.Namespace, registry: Registry) -> int:
     request = request_of(options, gpus)
     roots = roots_of(options)
     real_gpus = request.device == "cuda" and not request.simulated
-    snapshot = _snapshot(options) if real_gpus else None
+    snapshot = machine_snapshot(options) if real_gpus else None
     checks = prediction.check_prediction(request, roots, registry, snapshot)
     refused = report_checks(checks)
     if refused is not None:
@@ -74,7 +65,7 @@ def cmd_predict(options: argparse.Namespace, registry: Registry) -> int:
         for plan in plans:
             print(launcher.preview(plan))
         return EXIT_OK
-    if checks.warnings and not options.yes and not _confirm("start anyway?"):
+    if checks.warnings and not options.yes and not confirm("start anyway?"):
         print("not started")
         return EXIT_OK
     return start_predictions(plans, registry)

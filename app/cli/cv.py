@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+from app.cli.common import EXIT_OK
 from app.services.class_dice import class_dice_text, fold_dirs, mean_class_dice
 from app.services.cross_validation import CvRow, cv_rows, queue_launches
 from app.services.jobs.registry import Registry
@@ -14,7 +15,6 @@ from app.services.jobs.views import JobTracker
 from app.services.jobs.words import human_duration
 from trainer.schema import State, resolve_roots
 
-EXIT_OK = 0
 DASH = "–"
 
 

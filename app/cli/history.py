@@ -5,43 +5,36 @@
 - forget marks a job that ended, and the earlier jobs of its run folder, as forgotten in the
   registry (`forgotten_at`): `nnui status` and the TUI no longer list them (`status --all`
   does). Nothing in the results is deleted; `--undo` brings them back.
-Exit codes as app/main.py says: 0 ok, 1 refused, 2 usage, 3 nothing to do.
+Exit codes as app/cli/common.py says: 0 ok, 1 refused, 2 usage, 3 nothing to do.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-from app import cli_adopted
+from app.cli import adopted as cli_adopted
+from app.cli.common import EXIT_NOTHING, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, error
 from app.services.export import curves as curve_export
 from app.services.jobs.discovery import RUN_ID_PREFIX
 from app.services.jobs.registry import Job, Registry
 from app.services.jobs.views import JobTracker
 from trainer.schema import ENDED_STATES
 
-EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3
-
-
-def _error(message: str, code: int) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return code
-
 
 def _resolve(registry: Registry, text: str) -> tuple[Job | None, int]:
     try:
         return registry.resolve(text), EXIT_OK
     except KeyError as problem:
-        return None, _error(str(problem.args[0]), EXIT_USAGE)
+        return None, error(str(problem.args[0]), EXIT_USAGE)
 
 
 def cmd_export(options: argparse.Namespace, registry: Registry) -> int:
     if options.job.startswith(RUN_ID_PREFIX):  # an adopted run: found from /proc or its folder
         view = cli_adopted.find(options, registry, options.job)
         if view is None or not view.job.run_dir:
-            return _error(f"no run {options.job!r} with a readable run folder", EXIT_USAGE)
+            return error(f"no run {options.job!r} with a readable run folder", EXIT_USAGE)
         job, code = view.job, EXIT_OK
     else:
         job, code = _resolve(registry, options.job)
@@ -49,7 +42,7 @@ def cmd_export(options: argparse.Namespace, registry: Registry) -> int:
         return code
     folder = Path(options.output or ".").expanduser()
     if folder.exists() and not folder.is_dir():
-        return _error(f"-o {folder} is not a folder", EXIT_USAGE)
+        return error(f"-o {folder} is not a folder", EXIT_USAGE)
     curves = curve_export.read_curves(job)
     if not curves.epochs:
         print(f"nothing to do: job {job.job_id} has no finished epoch yet")
@@ -57,7 +50,7 @@ def cmd_export(options: argparse.Namespace, registry: Registry) -> int:
     try:
         paths, lines = curve_export.export(job, folder, curves)
     except OSError as problem:
-        return _error(f"cannot write into {folder}: {problem.strerror or problem}", EXIT_USAGE)
+        return error(f"cannot write into {folder}: {problem.strerror or problem}", EXIT_USAGE)
     for path in paths:
         print(path)
     print(f"{len(curves.epochs)} epochs; the PNG's panels, top to bottom:")
@@ -80,7 +73,7 @@ def cmd_forget(options: argparse.Namespace, registry: Registry) -> int:
     members = _row_jobs(registry, job)
     active = [j.job_id for j in members if states.get(j.job_id) not in ENDED_STATES]
     if active and not options.undo:
-        return _error(
+        return error(
             f"refused to forget {job.job_id}: job {active[0]} is {states.get(active[0])}; "
             "stop it first (nnui stop)",
             EXIT_REFUSED,

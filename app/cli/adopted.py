@@ -4,7 +4,7 @@ An adopted run (app/services/jobs/discovery.py) has no registry record: it is fo
 /proc and its run folder at each command. The user's own runs get the same stop as a
 launched job (SIGUSR1 to the verified workers only, or `scancel --signal=USR1` to an srun
 step whose tasks are the workers); another user's are refused with one line.
-Exit codes as app/main.py says: 0 ok, 1 refused, 2 usage, 3 nothing to do.
+Exit codes as app/cli/common.py says: 0 ok, 1 refused, 2 usage, 3 nothing to do.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from app.cli.common import EXIT_NOTHING, EXIT_OK, EXIT_REFUSED, error
+from app.cli.sending import not_confirmed, print_targets, send_and_report
 from app.services.jobs.discovery import RUN_ID_PREFIX
 from app.services.jobs.registry import Registry
 from app.services.jobs.slurm_jobs import SLURM_ID_PREFIX, cancel_pending
@@ -20,16 +22,9 @@ from app.services.launch import launcher
 from app.services.launch.adopted_resume import resume_plan
 from app.services.launch.fold_claims import ClaimRefused
 from app.services.signals.send import kill as kill_job
-from app.services.signals.send import send_stop, slurm_step_of
+from app.services.signals.send import slurm_step_of
 from app.services.signals.targets import plan_stop
 from trainer.schema import ENDED_STATES, resolve_roots
-
-EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3
-
-
-def _error(message: str, code: int) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return code
 
 
 def is_adopted_id(text: str) -> bool:
@@ -60,12 +55,12 @@ def _slurm_only(view: JobView, action: str) -> int | None:
         return None
     job_id = view.job.job_id.removeprefix(SLURM_ID_PREFIX)
     if view.slurm_state != "PENDING":
-        return _error(f"refused to {action} {view.job.job_id}: SLURM job {job_id} is "
+        return error(f"refused to {action} {view.job.job_id}: SLURM job {job_id} is "
                       f"{view.slurm_state} with no worker on this machine; run nnui on the "
                       "node that trains it", EXIT_REFUSED)  # fmt: skip
     result = cancel_pending(job_id)
     if result != "sent":
-        return _error(f"cannot cancel pending SLURM job {job_id}: {result}", EXIT_REFUSED)
+        return error(f"cannot cancel pending SLURM job {job_id}: {result}", EXIT_REFUSED)
     print(f"cancelled pending SLURM job {job_id} (it had not started: nothing trained)")
     return EXIT_OK
 
@@ -73,7 +68,7 @@ def _slurm_only(view: JobView, action: str) -> int | None:
 def _others(view: JobView, action: str) -> int | None:
     run = view.adopted
     if run is not None and not run.own:
-        return _error(run.refusal_line(action), EXIT_REFUSED)
+        return error(run.refusal_line(action), EXIT_REFUSED)
     return None
 
 
@@ -89,27 +84,19 @@ def stop(options: argparse.Namespace, registry: Registry, view: JobView) -> int:
         return EXIT_NOTHING
     plan = plan_stop(job, view.topology, view.epoch)
     if not plan.ok:
-        return _error(f"refused to stop {job.job_id}: {plan.reason}", EXIT_REFUSED)
+        return error(f"refused to stop {job.job_id}: {plan.reason}", EXIT_REFUSED)
     print(f"run {job.job_id} (adopted, epoch {plan.epoch if plan.epoch is not None else 'n/a'})"
           ": SIGUSR1 to")  # fmt: skip
-    for target in plan.targets:
-        print(f"  pid {target.pid}  rank {target.rank}  local rank {target.local_rank}  "
-              f"device {target.device}  host {target.host}")  # fmt: skip
-    if not options.yes and not sys.stdin.isatty():
-        return _error("no terminal to confirm the stop: add --yes to send it", EXIT_USAGE)
-    if not options.yes and input("send the graceful stop? [y/N] ").strip().lower() not in (
-        "y", "yes"):  # fmt: skip
-        print("not sent")
-        return EXIT_NOTHING
+    print_targets(plan)
+    code = not_confirmed(options)
+    if code is not None:
+        return code
     step = slurm_step_of(plan, job)
     if step is not None:  # the workers are the step's tasks: SLURM signals exactly them
         print(f"  via scancel --signal=USR1 {step} (the step's tasks; never the batch shell)")
-    records = send_stop(plan, job, registry)
-    failed = [r for r in records if r.result != "sent"]
-    for record in failed:
-        print(f"  pid {record.pid}: {record.result}", file=sys.stderr)
-    if failed and len(failed) == len(records):
-        return _error("no worker received the signal", EXIT_REFUSED)
+    code = send_and_report(plan, job, registry)
+    if code is not None:
+        return code
     print("sent; the run checkpoints and exits at the end of its current epoch")
     return EXIT_OK
 
@@ -127,7 +114,7 @@ def kill(options: argparse.Namespace, registry: Registry, view: JobView) -> int:
     for record in records:
         print(f"  {record.signal} -> pid {record.pid}: {record.result}")
     if not any(r.result == "sent" for r in records):
-        return _error(f"refused to kill {view.job.job_id}: no process passed the identity "
+        return error(f"refused to kill {view.job.job_id}: no process passed the identity "
                       "checks", EXIT_REFUSED)  # fmt: skip
     return EXIT_OK
 
@@ -145,13 +132,13 @@ def resume(options: argparse.Namespace, registry: Registry, view: JobView) -> in
         return EXIT_NOTHING
     plan = resume_plan(job)
     if isinstance(plan, str):
-        return _error(f"cannot resume {job.job_id}: {plan}", EXIT_REFUSED)
+        return error(f"cannot resume {job.job_id}: {plan}", EXIT_REFUSED)
     try:
         started = launcher.start(plan, registry)
     except ClaimRefused as refused:
-        return _error(f"cannot resume {job.job_id}: {refused}", EXIT_REFUSED)
+        return error(f"cannot resume {job.job_id}: {refused}", EXIT_REFUSED)
     except OSError as problem:
-        return _error(f"cannot resume {job.job_id}: {problem}", EXIT_REFUSED)
+        return error(f"cannot resume {job.job_id}: {problem}", EXIT_REFUSED)
     # On stderr: stdout stays one started job id per line, for scripts.
     print(f"resume {job.job_id} as it was started, with --c: {launcher.preview(plan)}",
           file=sys.stderr)  # fmt: skip
