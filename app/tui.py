@@ -22,6 +22,7 @@ from textual.app import App
 from textual.message import Message
 
 from app.screens.palette import NnuiCommands
+from app.services.cross_validation import cross_validation_eta_s
 from app.services.jobs.bell import NO_BELL_ENV
 from app.services.launch import catalog, launcher
 from trainer.schema import Roots, State, resolve_roots
@@ -275,7 +276,7 @@ class NnuiApp(App):
             launcher.reap_children()  # supervisors that ended: no <defunct> under the board
             tracker = self.services.tracker
             views = tracker.refresh(self.snapshot)
-            eta_s = tracker.cross_validation_eta_s(views)  # nnui's own cross-validation
+            eta_s = cross_validation_eta_s(views)  # nnui's own cross-validation
             views = [*views, *self._watch_only(tracker)]
             problems = tuple(getattr(tracker, "problems", ()))
             return JobsRead(views, eta_s, None if views else self._first_step(), problems)

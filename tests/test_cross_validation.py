@@ -89,7 +89,7 @@ def cv_box(tmp_path: Path):
 def test_the_aggregation_table(cv_box) -> None:
     _, registry = cv_box
     tracker = JobTracker(registry)
-    (row,) = cv_rows(tracker.refresh(), tracker.cross_validation_eta_s)
+    (row,) = cv_rows(tracker.refresh())
     assert (row.dataset, row.configuration, row.trainer, row.plans) == (
         DATASET, "3d_fullres", "nnuiTrainer", "nnuiPlans")  # fmt: skip
     cells = [(c.fold, c.state, c.dice, c.resumable) for c in row.folds]
@@ -216,7 +216,7 @@ def test_cv_and_status_show_the_same_dice_after_the_folder_changes(cv_box) -> No
     )
     tracker = JobTracker(registry)
     views = tracker.refresh()
-    (row,) = cv_rows(views, tracker.cross_validation_eta_s)
+    (row,) = cv_rows(views)
     view = next(v for v in views if v.job.fold == "1")
     assert row.folds[1].dice == view.final_dice == pytest.approx(0.6)
 
@@ -262,7 +262,7 @@ def test_a_cascade_row_queues_its_folds_after_the_lowres_ones(cv_box) -> None:
     for job in registry.list():
         registry.update(job.job_id, after_previous_stage=True)
     tracker = JobTracker(registry)
-    (row,) = cv_rows(tracker.refresh(), tracker.cross_validation_eta_s)
+    (row,) = cv_rows(tracker.refresh())
     launches = queue_launches(row, ["0", "1"])
     assert all("--after-lowres" in q.command() for q in launches)
     assert all(q.request().schedule.after_previous_stage for q in launches)

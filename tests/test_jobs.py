@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from app.services.cross_validation import cross_validation_eta_s
 from app.services.jobs import views as jobs_module
 from app.services.jobs.registry import Job, ProcessRecord, Registry, SignalRecord
 from app.services.jobs.simulated_load import simulated_gpu_load
@@ -216,7 +217,7 @@ def view(job_id: str, state: str, eta: float | None, after: str | None = None) -
     ],
 )
 def test_cross_validation_eta(tmp_path: Path, views: list[JobView], expected: float | None) -> None:
-    assert JobTracker(Registry(tmp_path)).cross_validation_eta_s(views) == expected
+    assert cross_validation_eta_s(views) == expected
 
 
 def test_simulated_gpu_load_follows_live_simulated_jobs(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from test_jobs import ME_ALIVE, add_job, epoch, run_started, topology, write_eve
 from app.cli.status import status_table, view_dict
 from app.screens.actions import StopChoice
 from app.screens.confirm import stop_text
+from app.services.cross_validation import cross_validation_eta_s
 from app.services.jobs.registry import Registry
 from app.services.jobs.views import JobTracker, training_eta_s
 from app.services.jobs.words import alert_condition, resume_from, state_label
@@ -189,5 +190,5 @@ def test_cross_validation_eta_is_unknown_not_zero_while_a_fold_validates(tmp_pat
 
     running = view("a", "running", 20.0)
     validating = dataclasses.replace(view("b", "validating", None), epoch=10)  # all epochs done
-    eta = JobTracker(Registry(tmp_path)).cross_validation_eta_s([running, validating])
+    eta = cross_validation_eta_s([running, validating])
     assert eta is None  # was 20 s: as if the validation took no time ("0s" on its own)

@@ -98,7 +98,7 @@ def cmd_cv(options: argparse.Namespace, registry: Registry) -> int:
     results = resolve_roots(options.raw, options.preprocessed, options.results).results
     # Runs started by hand count as launched ones (another user's stay out: watch-only).
     views += [v for v in tracker.refresh_watch_only([results]) if v.watch is None and v.job.run_dir]
-    rows = cv_rows(views, tracker.cross_validation_eta_s)
+    rows = cv_rows(views)
     if options.json:
         print(json.dumps([row_dict(r) for r in rows], indent=1))
         return EXIT_OK

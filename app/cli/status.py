@@ -10,6 +10,7 @@ from typing import Any
 
 from app.cli.common import EXIT_OK, machine_snapshot, roots_of
 from app.cli.schedule import schedule_notes
+from app.services.cross_validation import cross_validation_eta_s
 from app.services.jobs import listing as job_list
 from app.services.jobs.discovery import RUN_ID_PREFIX as ADOPTED_PREFIX
 from app.services.jobs.registry import PREDICT, Registry
@@ -291,7 +292,7 @@ def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
     if views:
         # One row per run folder (a resume continues its row); --all: every job, grouped.
         rows = job_list.arrange(views, collapse=not options.all)
-        print(status_table(rows, tracker.cross_validation_eta_s(views)))
+        print(status_table(rows, cross_validation_eta_s(views)))
     if watched:
         print(watch_only_table(watched))
     return EXIT_OK

@@ -59,7 +59,7 @@ class CrossValidationScreen(Screen):
 
     def refresh_rows(self) -> None:
         app = self.app
-        rows = cv_rows(app.views, app.services.tracker.cross_validation_eta_s)
+        rows = cv_rows(app.views)
         table = self.query_one(DataTable)
         cursor = table.cursor_row
         header, cells = self._layout(rows)

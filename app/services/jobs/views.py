@@ -23,7 +23,7 @@ from app.services.jobs.curves import EpochPoint, RunningPoint, epoch_point, runn
 from app.services.jobs.discovery import AdoptedRun, discover, is_related
 from app.services.jobs.events import EventBatch, JobEvents, Scope
 from app.services.jobs.liveness import job_alive
-from app.services.jobs.registry import PREDICT, TRAIN, Job, ProcessRecord, Registry
+from app.services.jobs.registry import PREDICT, Job, ProcessRecord, Registry
 from app.services.jobs.slurm_jobs import SLURM_ID_PREFIX, SlurmJob, SlurmWatcher
 from app.services.machine.gpus import GpuMonitor, MachineSnapshot
 from app.services.machine.procs import ProcRow, proc_info, process_table
@@ -586,40 +586,3 @@ class JobTracker:
                 if reading is not None and reading.other_users:
                     alerts.append(f"GPU {gpu} also used by {', '.join(reading.other_users)}")
         return tuple(alerts)
-
-    def cross_validation_eta_s(self, views: list[JobView]) -> float | None:
-        """Time until every active job is done: queued chains add up, parallel ones overlap."""
-        views = [v for v in views if v.job.kind == TRAIN]  # predictions have their own ETA
-        by_id = {v.job.job_id: v for v in views}
-        active = [v for v in views if v.state in ACTIVE_STATES]
-        if not active:
-            return None
-        known = [v.mean_epoch_time_s for v in views if v.mean_epoch_time_s]
-        fallback_epoch_s = statistics.fmean(known) if known else None
-        epochs_known = [v.num_epochs for v in views if v.num_epochs]
-        fallback_epochs = max(epochs_known) if epochs_known else None
-        active_ids = {v.job.job_id for v in active}
-
-        def own(view: JobView) -> float | None:
-            if view.eta_s is not None:
-                return view.eta_s
-            num_epochs = view.num_epochs or fallback_epochs
-            remaining = max(0, (num_epochs or 0) - (view.epoch or 0))
-            if remaining and fallback_epoch_s:
-                return remaining * fallback_epoch_s
-            return None  # e.g. its final validation, no case done yet: unknown, not "0s"
-
-        def chain(view: JobView, depth: int = 0) -> float | None:
-            mine = own(view)
-            if mine is None:
-                return None
-            before = by_id.get(view.job.after or "")
-            if before is None or depth > 20 or before.job.job_id not in active_ids:
-                return mine
-            earlier = chain(before, depth + 1)
-            return None if earlier is None else earlier + mine
-
-        totals = [chain(v) for v in active]
-        if any(t is None for t in totals):
-            return None
-        return max(t for t in totals if t is not None)
