@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.legacy import old_plans_identifiers
 from app.services.launch.engines import NNUI, Engine
 from trainer.schema import (
     DEFAULT_PLANS,
-    LEGACY_PLANS,
-    LEGACY_PLANS_FILE,
     Roots,
     plans_file_name,
     read_status,
@@ -138,8 +137,8 @@ def plans_identifiers(folder: Path, chosen: Engine) -> list[str]:
     nnui's `nnui*Plans*.json` (and nnui 0.1's `plans.json`, whose identifier is nnUNetPlans)."""
     try:
         names = {p.stem for p in folder.glob(chosen.plans_glob) if p.is_file()}
-        if chosen.name == NNUI and (folder / LEGACY_PLANS_FILE).is_file():
-            names.add(LEGACY_PLANS)
+        if chosen.name == NNUI:
+            names |= old_plans_identifiers(folder)  # app/legacy.py
     except OSError as error:
         log.warning("cannot list plans in %s: %s", folder, error)
         return []

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from app.legacy import old_identity
 from app.services.jobs.liveness import job_alive
 from app.services.jobs.registry import TRAIN, Job, Registry
 from app.services.launch import engines, flag_check
@@ -42,7 +43,6 @@ from trainer.schema import (
     Roots,
     State,
     find_dataset,
-    is_legacy_identifier,
     read_status,
     run_dir,
 )
@@ -143,8 +143,9 @@ def resume_request(job: Job) -> LaunchRequest:
     results and preprocessed roots (recorded in its environment), not the caller's."""
     args = [a for a in job.trainer_args if a != "--c"]
     # A job of nnui 0.1 ran under nnU-Net's names without saying so: name its folder's.
-    trainer, plans, _ = [*Path(job.run_dir).parent.name.split("__"), "", "", ""][:3]
-    if job.engine == NNUI and is_legacy_identifier(trainer, plans):
+    old = old_identity(job.run_dir) if job.engine == NNUI else None  # app/legacy.py
+    if old is not None:
+        trainer, plans = old
         if flag_value(args, "-tr", DEFAULT_TRAINER) != trainer:
             args += ["-tr", trainer]
         if flag_value(args, "-p", DEFAULT_PLANS) != plans:

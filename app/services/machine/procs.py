@@ -20,14 +20,11 @@ from dataclasses import dataclass, replace
 
 import psutil
 
+from app.legacy import same_start_time
 from trainer.schema import JOB_ID_ENV
 
 log = logging.getLogger(__name__)
 
-# Records written before start_ticks existed are compared by wall-clock start time, which
-# drifts with clock adjustments: a tolerance of ~1 s (a reused pid needs a full pid-space
-# wrap within that second to slip through).
-LEGACY_CREATE_TIME_TOLERANCE_S = 1.0
 # Comparing a start time with another wall-clock instant (job launch, topology event).
 WALL_CLOCK_TOLERANCE_S = 2.0
 
@@ -230,7 +227,7 @@ def same_identity(info: ProcInfo, create_time: float, start_ticks: int | None) -
     wall-clock start time (1 s tolerance) only for old records without ticks."""
     if start_ticks is not None and info.start_ticks is not None:
         return info.start_ticks == start_ticks
-    return abs(info.create_time - create_time) <= LEGACY_CREATE_TIME_TOLERANCE_S
+    return same_start_time(info.create_time, create_time)  # app/legacy.py
 
 
 def is_same_process(
