@@ -18,7 +18,7 @@ from app.screens import actions
 from app.screens.help import HelpScreen
 from app.screens.job_detail import JobDetailScreen
 from app.screens.job_summary import summary_text
-from app.screens.keys import ACTION_IDS, DASHBOARD_ACTIONS, DASHBOARD_NAV, DASHBOARD_VIEW
+from app.screens.keys import DASHBOARD_ACTIONS, DASHBOARD_NAV, DASHBOARD_VIEW
 from app.screens.launch import LaunchScreen
 from app.services.jobs import listing as job_list
 from app.services.jobs.bell import BellRule
@@ -28,7 +28,7 @@ from app.widgets.gpu_panel import GpuPanel
 from app.widgets.job_table import JobTable
 from trainer.schema import State
 
-__all__ = ["ACTION_IDS", "DashboardScreen", "cv_text", "summary_text"]
+__all__ = ["DashboardScreen", "cv_text"]
 
 
 def cv_text(views: list[Any], cv_eta_s: float | None, problems: tuple[str, ...] = ()) -> Text:

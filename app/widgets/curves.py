@@ -30,7 +30,7 @@ from app.services.jobs.curves import (
     smooth,
 )
 
-__all__ = ["CurvesPanel", "Drawn", "epoch_ticks", "legend_text", "plot_fields", "series"]
+__all__ = ["CurvesPanel", "Drawn", "epoch_ticks", "legend_text", "plot_fields"]
 
 # (plot id, title, y label, smoothed, [(series label, field)]); "dice_class" expands to
 # one series per foreground class, "running" is the train_loss_running series.

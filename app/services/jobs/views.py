@@ -37,7 +37,7 @@ CONSOLE_LINES = 40
 MAX_HISTORY_EPOCHS = 20000
 MAX_RUNNING_POINTS = 20000  # a few train_loss_running points per epoch, the newest kept
 
-__all__ = ["EpochPoint", "JobTracker", "JobView", "RunningPoint"]
+__all__ = ["JobTracker", "JobView"]
 
 
 @dataclass(frozen=True)
