@@ -1,6 +1,6 @@
 """The cross-validation view (v on the dashboard): one row per dataset x configuration x
 trainer x plans with folds 0-4, the final Dice mean ± std, GPU-hours and ETA
-(cross_validation.py aggregates, cli_cv.py formats the cells); `m` queues exactly the
+(cross_validation.py aggregates, cli/cv.py formats the cells); `m` queues exactly the
 missing or failed folds of the selected row, after the launch confirm dialog showed the
 commands."""
 

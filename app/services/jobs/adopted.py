@@ -1,5 +1,5 @@
-"""Adopted runs as jobs: the in-memory Job of a run nnui did not launch, runs that ended
-while nnui was not looking, and how an adopted run is continued (`--c`).
+"""Adopted runs as jobs: the in-memory Job of a run nnui did not launch, and runs that ended
+while nnui was not looking (continuing one with `--c`: launch/adopted_resume.py).
 
 An adopted run's Job is never written to the registry: it is rebuilt from /proc at every
 refresh (discovery.py), so curves, ETA, alerts, the detail view and export read its run

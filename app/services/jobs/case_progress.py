@@ -1,5 +1,5 @@
 """A prediction job's progress from its events (trainer.prediction_events): cases done of
-its part, seconds per case, time left. Plain data, fed by jobs.py with this job's records."""
+its part, seconds per case, time left. Plain data, fed by jobs/views.py with this job's records."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ batch_script JOB -`, read once per job) runs the trainer: `nnui-train ...` or `-
 machine is also an adopted run (discovery.py): the board shows that run with the SLURM
 state; the others (pending, or running on another node) are rows of their own. Nothing
 here signals: a stop of a pending job cancels it (`scancel JOB`: nothing was trained),
-a running one is stopped through its step's workers (signals.py).
+a running one is stopped through its step's workers (signals/send.py).
 """
 
 from __future__ import annotations

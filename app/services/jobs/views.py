@@ -2,7 +2,7 @@
 
 `JobTracker.refresh()` keeps one reader per job file, so a refresh reads only appended
 bytes. `JobTracker.refresh_watch_only()` adds the nnU-Net runs nnui did not start
-(nnunet_runs.py) as views with `watch_only=True`: never stopped, resumed or killed.
+(nnunet/runs.py) as views with `watch_only=True`: never stopped, resumed or killed.
 It only reads: it never writes the registry and never signals (DESIGN §4) — the
 job's supervisor records the workers and delivers a stop queued before they were up.
 """

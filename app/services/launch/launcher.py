@@ -1,8 +1,9 @@
-"""Starting trainings — the only subprocess.Popen user (DESIGN §4).
+"""Starting trainings: the Popen of each job's supervisor (DESIGN §4), which then starts the
+trainer; this module and supervisor/main.py are the only Popen users.
 
-A launch request (launch_request.py: the request, its checks, its roots) becomes one plan
+A launch request (request.py: the request, its checks, its roots) becomes one plan
 per job: argv list, environment additions, run folder. `start()` claims the run folder
-atomically (claims.py: the folder checks again, then an exclusive claim, under one lock
+atomically (fold_claims.py: the folder checks again, then an exclusive claim, under one lock
 with the registration), runs the plan under a small supervisor in a new session with
 stdin from /dev/null and stdout/stderr into the run folder's console.<job>.<attempt>.log, so the job
 outlives nnui and the SSH session, and records it in the registry.

@@ -3,7 +3,7 @@
 Every reason not to launch, with the flag that fixes it. Arguments that name nothing (a
 fold, a dataset, a configuration not in the plans) are usage errors, found before anything
 is written. A run folder is free when no live job of the registry trains there, no live
-claim holds it (claims.py) and its status.json shows no earlier run (unless `--c`); start()
+claim holds it (fold_claims.py) and its status.json shows no earlier run (unless `--c`); start()
 checks the folder once more under the claims lock. A resume uses the job's own roots.
 """
 

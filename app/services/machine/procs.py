@@ -1,6 +1,6 @@
 """Process identity from /proc (read-only): who a pid is, whether it is still the same process.
 
-Used by the stop and kill checks (signals.py), the supervisor and the job views. A pid alone
+Used by the stop and kill checks (signals/), the supervisor and the job views. A pid alone
 never identifies a process (pids are reused): always pid + start_ticks, the start time in
 clock ticks since boot (/proc/PID/stat field 22). It is exact and never changes for a
 process, whereas any wall-clock start time moves when the VM's clock is adjusted (measured:

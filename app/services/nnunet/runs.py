@@ -1,7 +1,7 @@
 """Watch-only nnU-Net runs: `nnUNetv2_train` processes nnui did not start, and their logs.
 
 A colleague's run, or one started by hand, shows in nnui with owner, GPU, epoch, losses,
-pseudo Dice, epoch time and ETA, parsed from nnU-Net's text log (nnunet_log.py). nnui never
+pseudo Dice, epoch time and ETA, parsed from nnU-Net's text log (log.py). nnui never
 signals these processes: a stop is refused with the reason (`stop_refusal`).
 
 How a process is matched to its fold folder, and the limits of that:

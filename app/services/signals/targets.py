@@ -7,7 +7,7 @@ topology (start ticks since boot), part of this job (NNUI_JOB_ID in its environm
 child of its recorded trainer that carries it), and have a SIGUSR1 handler (else the signal
 would kill it). A kill passes the same identity checks (no handler needed). A pid of 0 or
 below, a string or a bool is a data error: never a target (os.kill(0 | -1) would reach a
-process group). signals.py sends; this module only decides.
+process group). send.py sends; this module only decides.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """When is a GPU free for a waiting job — a pure rule over one NVML snapshot (no I/O).
 
-The supervisor of a `--when-free` job (waiting.py) reads the machine (gpus.py) and the
+The supervisor of a `--when-free` job (waiting.py) reads the machine (machine/gpus.py) and the
 machine-wide claims (gpu_claims.py) and asks `choose()` which GPUs it may take. Kept pure so
 a table test can try every case: own processes, other users, thresholds, DDP groups, claims.
 
