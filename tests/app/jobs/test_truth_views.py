@@ -94,7 +94,8 @@ def test_eta_in_the_view_counts_from_the_last_epoch_event(tmp_path: Path) -> Non
 
 
 def test_alerts_dedupe_by_condition() -> None:
-    # The stall rule itself (final validation exempt) is the supervisor's: tests/app/supervisor/test_stall.py.
+    # The stall rule itself (final validation exempt) is the supervisor's:
+    # tests/app/supervisor/test_stall.py.
     assert alert_condition("stalled: no event for 208 s") == alert_condition(
         "stalled: no event for 209 s"
     )

@@ -1,6 +1,7 @@
 """SVG snapshot tests (pytest-textual-snapshot) on frozen run folders: ended jobs only, a
 fixed registry, simulated GPUs with no load, so nothing on screen depends on the clock.
-Update with `pytest tests/app/tui/test_tui_snapshots.py --snapshot-update` after a deliberate change.
+Update with `pytest tests/app/tui/test_tui_snapshots.py --snapshot-update` after a deliberate
+change.
 """
 
 from __future__ import annotations
