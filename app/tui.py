@@ -22,16 +22,17 @@ from textual.app import App
 from textual.message import Message
 
 from app.screens.palette import NnuiCommands
-from app.services import catalog, launcher
-from app.services.bell import NO_BELL_ENV
+from app.services.cross_validation import cross_validation_eta_s
+from app.services.jobs.bell import NO_BELL_ENV
+from app.services.launch import catalog, launcher
 from trainer.schema import LIVE_STATES, Roots, resolve_roots
 
 if TYPE_CHECKING:  # imported where used (the app starts before it reads anything)
-    from app.services.gpu_history import PanelReadings
-    from app.services.gpus import GpuMonitor, MachineSnapshot
-    from app.services.jobs import JobTracker, JobView
-    from app.services.procs import LoadSampler
-    from app.services.registry import Registry
+    from app.services.jobs.registry import Registry
+    from app.services.jobs.views import JobTracker, JobView
+    from app.services.machine.gpu_history import PanelReadings
+    from app.services.machine.gpus import GpuMonitor, MachineSnapshot
+    from app.services.machine.host import LoadSampler
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,9 @@ class Services:
 
 
 def default_services(config: TuiConfig) -> Services:
-    from app.services.gpus import GpuMonitor
-    from app.services.jobs import JobTracker
-    from app.services.registry import Registry
+    from app.services.jobs.registry import Registry
+    from app.services.jobs.views import JobTracker
+    from app.services.machine.gpus import GpuMonitor
 
     registry = Registry(config.state_dir)
     # No monitor in the tracker: the app hands it the latest snapshot (one NVML read per s).
@@ -248,8 +249,8 @@ class NnuiApp(App):
     def _read_machine(self) -> MachineRead:
         """NVML every call; the host side of GPU processes at the processes' pace (2 s),
         the host line at its own (5 s)."""
-        from app.services.gpu_history import GpuHistory, PanelReadings, default_cache_dir
-        from app.services.procs import LoadSampler
+        from app.services.machine.gpu_history import GpuHistory, PanelReadings, default_cache_dir
+        from app.services.machine.host import LoadSampler
 
         snapshot = self.services.monitor.snapshot()
         if self._panel_sampler is None:
@@ -278,7 +279,7 @@ class NnuiApp(App):
             launcher.reap_children()  # supervisors that ended: no <defunct> under the board
             tracker = self.services.tracker
             views = tracker.refresh(self.snapshot)
-            eta_s = tracker.cross_validation_eta_s(views)  # nnui's own cross-validation
+            eta_s = cross_validation_eta_s(views)  # nnui's own cross-validation
             views = [*views, *self._watch_only(tracker)]
             problems = tuple(getattr(tracker, "problems", ()))
             return JobsRead(views, eta_s, None if views else self._first_step(), problems)
@@ -368,7 +369,7 @@ def make_app(config: TuiConfig, services: Services | None = None) -> NnuiApp:
 
 
 def config_from_options(options: Any) -> TuiConfig:
-    """argparse namespace (app/main.py) -> TuiConfig; absent attributes take defaults."""
+    """argparse namespace (app/cli/parser.py) -> TuiConfig; absent attributes take defaults."""
     roots = getattr(options, "roots", None)
     if roots is None:
         roots = resolve_roots(

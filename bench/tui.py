@@ -68,14 +68,15 @@ def cpu_s() -> float:
 
 
 def start_jobs(roots, state: Path, num_jobs: int, epoch_s: float) -> list[str]:
-    from app.services import launcher
-    from app.services.registry import Registry
+    from app.services.jobs.registry import Registry
+    from app.services.launch import launcher
+    from app.services.launch import request as launch_request
 
     registry = Registry(state)
     ids = []
     configurations = ["3d_fullres", "2d"]
     for i in range(num_jobs):
-        request = launcher.LaunchRequest(
+        request = launch_request.LaunchRequest(
             dataset="Dataset900_Bench", configuration=configurations[i % 2],
             folds=[str(i // 2 % 5)], gpus=[str(i % 8)], mode="per_gpu", device="cpu",
             trainer_args=["--epochs", "100000", "--epoch-time", str(epoch_s)], simulated=True,
@@ -88,8 +89,8 @@ def start_jobs(roots, state: Path, num_jobs: int, epoch_s: float) -> list[str]:
 
 def add_probe_job(roots, state: Path) -> Path:
     """A job whose events this benchmark writes itself (to time event -> screen)."""
-    from app.services.procs import process_identity
-    from app.services.registry import Job, ProcessRecord, Registry
+    from app.services.jobs.registry import Job, ProcessRecord, Registry
+    from app.services.machine.procs import process_identity
 
     folder = roots.results / "probe"
     folder.mkdir(parents=True)
@@ -116,7 +117,7 @@ def end_job_processes(state_dir: Path) -> None:
     does not rely on create_time, which drifts on VMs whose clock is adjusted.)"""
     import psutil
 
-    from app.services.registry import Registry
+    from app.services.jobs.registry import Registry
 
     for job in Registry(state_dir).list():
         doomed: list[psutil.Process] = []

@@ -76,8 +76,8 @@ def prepare_real(roots: Roots) -> str:
 def end_job_processes(state_dir: Path) -> None:
     """End every live process of every job in this registry through the product's own kill
     (verified identities, SIGTERM then SIGKILL, by pid only)."""
-    from app.services import signals
-    from app.services.registry import Registry
+    from app.services.jobs.registry import Registry
+    from app.services.signals import send as signals
 
     registry = Registry(state_dir)
     for job in registry.list():

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import pytest
 
-# Adopted runs (app/services/discovery.py): only those under a test's own results root, so
+# Adopted runs (app/services/jobs/discovery.py): only those under a test's own results root, so
 # that trainings elsewhere on a shared box never show in another test's status or board.
 os.environ.setdefault("NNUI_ADOPT_SCOPE", "roots")
 

@@ -298,8 +298,8 @@ def cleanup_jobs(state_dir: Path) -> None:
     """SIGKILL every live process of every job in this (test) registry, by verified pid."""
     import psutil
 
-    from app.services.registry import Registry
-    from app.services.signals import record_alive
+    from app.services.jobs.liveness import record_alive
+    from app.services.jobs.registry import Registry
 
     registry = Registry(Path(state_dir))
     for job in registry.list():

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """nnui-predict that holds after writing its first case until the file $NNUI_TEST_GATE
-exists (tests/test_predict_jobs.py): a stop sent meanwhile arrives while a case is being
-predicted, whatever the machine's speed. Everything else is the real trainer.inference.predict."""
+exists (tests/app/launch/test_predict_jobs.py): a stop sent meanwhile arrives while a case is being
+predicted, whatever the machine's speed. Everything else is the real trainer.predict."""
 
 import os
 import sys

@@ -220,18 +220,201 @@ def test_no_import_cycles_in_app_and_trainer() -> None:
     assert cycles == [], "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
 
 
+# ---- the floor plan of app/services (issue #26) -----------------------------------------
+
+# A room is a folder of app/services, or a module at its top. A room imports only rooms of
+# lower layers (and its own modules): each flow reads bottom-up through named folders, and
+# no folder cycle can form. Siblings of one layer stay independent of each other.
+SERVICE_LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"machine"}),  # what the box is (NVML, /proc, host load): no job knowledge
+    frozenset({"tail"}),  # reading growing files by byte offset
+    frozenset({"nnunet"}),  # stock nnU-Net runs nnui did not start (watch-only)
+    frozenset({"jobs"}),  # nnui's jobs as records, and what is read about them
+    frozenset({"launch", "signals", "export"}),  # starting; stop and kill; curves out
+    frozenset({"supervisor", "cross_validation", "slurm", "class_dice"}),  # composed
+)
+SERVICES = "app.services."
+
+
+def service_room(module: str) -> str | None:
+    return module[len(SERVICES) :].split(".")[0] if module.startswith(SERVICES) else None
+
+
+def layer_violations(
+    graph: dict[str, set[str]], layers: tuple[frozenset[str], ...] = SERVICE_LAYERS
+) -> list[str]:
+    """`module -> imported` for every import of a room in the same or a higher layer (and
+    every room that is in no layer)."""
+    rank = {room: i for i, rooms in enumerate(layers) for room in rooms}
+    found = []
+    for module, imported in sorted(graph.items()):
+        room = service_room(module)
+        if room is None:
+            continue
+        if room not in rank:
+            found.append(f"{module}: its room {room!r} is in no layer of SERVICE_LAYERS")
+            continue
+        for target in sorted(imported):
+            other = service_room(target)
+            if other is not None and other != room and rank.get(other, len(layers)) >= rank[room]:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_layer_rule_finds_upward_sideways_and_unplaced_rooms() -> None:
+    graph = {
+        "app.services.machine.gpus": {"app.services.jobs.registry"},  # upward
+        "app.services.launch.launcher": {"app.services.signals.send"},  # sideways
+        "app.services.jobs.views": {"app.services.jobs.registry", "app.services.tail"},
+        "app.services.attic.old": set(),  # a new room nobody placed
+        "app.tui": {"app.services.supervisor.main"},  # outside app/services: not ruled here
+    }
+    assert layer_violations(graph) == [
+        "app.services.attic.old: its room 'attic' is in no layer of SERVICE_LAYERS",
+        "app.services.launch.launcher -> app.services.signals.send",
+        "app.services.machine.gpus -> app.services.jobs.registry",
+    ]
+
+
+def test_app_services_folders_import_only_lower_layers() -> None:
+    assert layer_violations(import_graph(ROOT, ("app",))) == []
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for module in graph.get(todo.pop(), ()):
+            if module not in seen:
+                seen.add(module)
+                todo.append(module)
+    return seen
+
+
+def test_the_supervisor_process_never_loads_the_tui_view_model() -> None:
+    """The per-job supervisor lives for the whole job: it reads the machine and the
+    registry, never the board's views (jobs/views.py), screens, widgets or the CLI."""
+    graph = import_graph(ROOT, ("app",))
+    loaded = reachable(graph, "app.services.supervisor.main")
+    ui = ("app.services.jobs.views", "app.tui", "app.screens", "app.widgets", "app.cli")
+    assert sorted(m for m in loaded if m.startswith(ui)) == []
+
+
+def test_the_legacy_module_is_a_leaf() -> None:
+    """app/legacy.py (nnui 0.1 compatibility, removed at 1.0) depends on no app module."""
+    graph = import_graph(ROOT, ("app",))
+    assert graph["app.legacy"] == set()
+
+
+# ---- no facades, no private cross-imports -------------------------------------------------
+
+# trainer/ joins these two rules once its own layout move (the other half of issue #26) has
+# made its remaining re-exports and private imports public.
+FACADE_RULE_PACKAGES = ("app",)
+
+
+def bound_by_imports(tree: ast.Module) -> set[str]:
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names.update(a.asname or a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def reexports(path: Path) -> list[str]:
+    """Names of `__all__` that the module imported instead of defining (a facade)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    imported = bound_by_imports(tree)
+    listed: list[str] = []
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            listed += [e.value for e in ast.walk(node.value) if isinstance(e, ast.Constant)]
+    return sorted(name for name in listed if name in imported)
+
+
+def private_imports(path: Path, root: Path = ROOT) -> list[str]:
+    """`module._name` for every private name this file takes from another project module
+    (`from m import _name`, or `m._name` on an imported project module)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    project = ("app", "trainer")
+    modules: dict[str, str] = {}  # local name -> project module
+    found = set()
+    for node in _runtime_nodes(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(project):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.add(f"{node.module}.{alias.name}")
+                modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(project) and alias.asname:
+                    modules[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.add(f"{modules[node.value.id]}.{node.attr}")
+    return sorted(found)
+
+
+def test_facade_and_private_rules_find_their_plants(tmp_path: Path) -> None:
+    facade = tmp_path / "facade.py"
+    facade.write_text(
+        'from app.x import helper, other\n\ndef own():\n    pass\n\n__all__ = ["helper", "own"]\n'
+    )
+    assert reexports(facade) == ["helper"]
+    sneaky = tmp_path / "sneaky.py"
+    sneaky.write_text(
+        "from app.services import tail\nfrom app.services.tail import _ByteTail, TextTail\n"
+        "from os import _exit\n\ndef f():\n    return tail._open_regular, tail.TextTail\n"
+    )
+    assert private_imports(sneaky) == [
+        "app.services.tail._ByteTail",
+        "app.services.tail._open_regular",
+    ]
+
+
+@pytest.mark.parametrize("package", FACADE_RULE_PACKAGES)
+def test_no_module_reexports_another_modules_names(package: str) -> None:
+    offenders = {
+        str(path.relative_to(ROOT)): reexports(path)
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if reexports(path)
+    }
+    assert offenders == {}, "import these names from the module that defines them"
+
+
+@pytest.mark.parametrize("package", FACADE_RULE_PACKAGES)
+def test_no_module_imports_another_modules_private_names(package: str) -> None:
+    offenders = {
+        str(path.relative_to(ROOT)): private_imports(path)
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if private_imports(path)
+    }
+    assert offenders == {}, "make the name public, or keep its use inside its module"
+
+
 # ---- one owner per outside system ------------------------------------------------------
 
 # (pattern in the code, the only modules of app/ and trainer/ that may use it, why)
 OWNERS = [
-    (re.compile(r"\bPopen\("), {"app/services/launcher.py", "app/services/supervisor.py"},
+    (re.compile(r"\bPopen\("),
+     {"app/services/launch/launcher.py", "app/services/supervisor/main.py"},
      "jobs are started by the launcher and run under their supervisor"),
     (re.compile(r"open\([^)]*[\"']/proc/|Path\([\"']/proc"),
-     {"app/services/procs.py", "trainer/checkpoint/atomic.py"},
+     {"app/services/machine/procs.py", "trainer/checkpoint/atomic.py"},
      "/proc: procs in the app; the trainer (no app imports) only asks if a tmp writer lives"),
-    (re.compile(r"\bpthread_sigmask\(|SIG_IGN"), {"trainer/stop.py", "app/services/supervisor.py"},
+    (re.compile(r"\bpthread_sigmask\(|SIG_IGN"),
+     {"trainer/stop.py", "app/services/supervisor/main.py"},
      "signal masks and dispositions: trainer.stop (the supervisor ignores USR1/HUP itself)"),
-    (re.compile(r"\bimport pynvml|\bfrom pynvml"), {"app/services/gpus.py"}, "NVML: gpus only"),
+    (re.compile(r"\bimport pynvml|\bfrom pynvml"), {"app/services/machine/gpus.py"},
+     "NVML: gpus only"),
     (re.compile(r"\bimport blosc2|\bfrom blosc2"), {"trainer/data/blosc_io.py"}, "blosc2"),
     (re.compile(r"\bimport safetensors|\bfrom safetensors"),
      {"trainer/checkpoint/store.py", "trainer/checkpoint/format.py", "trainer/inference/predict.py",

@@ -16,10 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from app.services.launch.stage_inputs import missing_at
 from fake_trainer import cleanup_jobs, wait_until
 from test_cli import launched_ids, nnui, status
-
-from app.services.stage_inputs import missing_at
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_NNUNET = ROOT / "tests" / "fake_nnunet" / "nnUNetv2_train"

@@ -179,8 +179,8 @@ def test_a_region_cascade_waits_for_its_lowres_fold_stopped_and_resumed(tree) ->
 def _region_curves_named(tree: dict, job_id: str) -> None:
     """The board's view of the running lowres job: its per-class curves carry the regions'
     names (what the job detail plots)."""
-    from app.services.jobs import JobTracker
-    from app.services.registry import Registry
+    from app.services.jobs.registry import Registry
+    from app.services.jobs.views import JobTracker
     from app.widgets.curves import plot_fields
 
     view = next(v for v in JobTracker(Registry(tree["base"] / "state")).refresh()

@@ -68,7 +68,7 @@ def test_preset_writes_only_its_plans_on_the_default_data(resenc):
 
 
 def test_board_lists_every_nnui_plans_identifier_and_not_nnunets(resenc, tmp_path):
-    from app.services import catalog, engines
+    from app.services.launch import catalog, engines
 
     roots = schema.Roots(resenc["raw"], resenc["pre"], tmp_path)
     listed = {(d.plans, c.name, c.batch_size)

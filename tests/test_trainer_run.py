@@ -363,8 +363,8 @@ def test_full_run_writes_every_file_and_event_and_lines_stay_whole(demo_preproce
     for epoch in epochs:
         points = [e["loss"] for e in running if e["epoch"] == epoch["epoch"]]
         assert sum(points) / 2 == pytest.approx(epoch["train_loss"], rel=1e-5)
-    from app.services.jobs import JobTracker  # the jobs reader sees them
-    from app.services.registry import Job, Registry
+    from app.services.jobs.registry import Job, Registry
+    from app.services.jobs.views import JobTracker  # the jobs reader sees them
 
     registry = Registry(tmp_path / "state")
     registry.add(Job(job_id="j", created_at=0.0, dataset="Dataset900_NnuiDemo",

@@ -19,25 +19,23 @@ from app.screens.confirm import (
     RefusalScreen,
     StopConfirmScreen,
 )
-from app.services import adopted, catalog, job_text, launcher, nnunet_runs, prediction, signals
-from app.services.registry import PREDICT, Job
-from app.services.targets import StopPlan, is_adopted
-from app.services.waiting import between_attempts
-from trainer.schema import (
-    ACTIVE_STATES,
-    ENDED_STATES,
-    DatasetNotFound,
-    Roots,
-    State,
-    find_dataset,
-)
+from app.services.jobs import words as job_text
+from app.services.jobs.liveness import between_attempts
+from app.services.jobs.registry import PREDICT, Job
+from app.services.launch import adopted_resume, catalog, launcher, prediction
+from app.services.launch import request as launch_request
+from app.services.nnunet import runs as nnunet_runs
+from app.services.signals import send as signals
+from app.services.signals import targets
+from app.services.signals.targets import StopPlan, is_adopted
+from trainer.schema import ACTIVE_STATES, ENDED_STATES, DatasetNotFound, Roots, State, find_dataset
 
 if TYPE_CHECKING:
     from app.screens.seam import AppSeam
-    from app.services.jobs import JobView
-    from app.services.launch_request import LaunchRequest
-    from app.services.launcher import LaunchPlan
-    from app.services.procs import ProcInfo
+    from app.services.jobs.views import JobView
+    from app.services.launch.launcher import LaunchPlan
+    from app.services.launch.request import LaunchRequest
+    from app.services.machine.procs import ProcInfo
 
 
 @dataclass(frozen=True)
@@ -70,7 +68,7 @@ def plan_stop_choice(view: JobView) -> StopChoice:
     if view.state == State.QUEUED and not view.topology and not waits:
         return StopChoice(view, None, "job has not started yet (waiting for its turn)")
     # Waiting for GPUs or to restart: no trainer runs, the queued stop cancels it.
-    plan = signals.plan_stop(view.job, None if waits else view.topology, view.epoch)
+    plan = targets.plan_stop(view.job, None if waits else view.topology, view.epoch)
     note = "waiting (for a free GPU or to restart): the stop cancels it" if waits else None
     if view.state == State.STOPPING:
         note = "already stopping: sending SIGUSR1 again is harmless (the flag is already set)"
@@ -204,7 +202,7 @@ def _kill(app: AppSeam, views: list[JobView]) -> None:
             app.push_screen(KillConfirmScreen(result), lambda ok: confirmed(result, ok))
 
     def plan() -> list[KillChoice]:
-        return [KillChoice(v, tuple(signals.plan_kill(v.job))) for v in views]
+        return [KillChoice(v, tuple(targets.plan_kill(v.job))) for v in views]
 
     app.run_in_thread(plan, planned)
 
@@ -214,8 +212,8 @@ def _kill(app: AppSeam, views: list[JobView]) -> None:
 
 def batch_size_of(request: LaunchRequest, roots: Roots) -> int | None:
     """The global batch size in the plans file the request trains with (its engine's)."""
-    used = launcher.effective_roots(request, roots)
-    who = launcher.identity(request)
+    used = launch_request.effective_roots(request, roots)
+    who = launch_request.identity(request)
     try:
         dataset_name = find_dataset(used.preprocessed, request.dataset)
     except DatasetNotFound:
@@ -230,11 +228,11 @@ def resume_plan(app: AppSeam, job: Job) -> tuple[list[LaunchPlan], list[str]]:
     if job.kind == PREDICT:
         return [prediction.resume_plan(job, app.services.registry)], []
     if is_adopted(job):  # started by hand: its own argv + --c, in its own roots
-        plan = adopted.resume_plan(job)
+        plan = adopted_resume.resume_plan(job)
         return ([], [plan]) if isinstance(plan, str) else ([plan], [])
-    request = launcher.resume_request(job)
-    planned = launcher.request_run_dir(
-        request, launcher.effective_roots(request, app.config.roots), job.dataset, job.fold
+    request = launch_request.resume_request(job)
+    planned = launch_request.request_run_dir(
+        request, launch_request.effective_roots(request, app.config.roots), job.dataset, job.fold
     )
     if planned != Path(job.run_dir):
         return [], [f"it would train in {planned}, not in its own run folder {job.run_dir}"]
@@ -248,9 +246,9 @@ def busy_notes(app: AppSeam, job: Job) -> list[str]:
     """The GPUs of a resume that already run a process (the dialog names them)."""
     if job.kind == PREDICT or is_adopted(job):
         return []
-    request = launcher.resume_request(job)
+    request = launch_request.resume_request(job)
     batch = batch_size_of(request, app.config.roots)
-    checks = launcher.check_request(
+    checks = launch_request.check_request(
         request, app.config.roots, batch, app.snapshot, app.services.registry
     )
     return checks.confirmations

@@ -21,8 +21,8 @@ from trainer.schema import State
 
 if TYPE_CHECKING:  # actions.py imports this module
     from app.screens.actions import KillChoice, StopChoice
-    from app.services.jobs import JobView
-    from app.services.nnunet_runs import StopRefusal
+    from app.services.jobs.views import JobView
+    from app.services.nnunet.runs import StopRefusal
 
 KILL_WORD = "kill"
 

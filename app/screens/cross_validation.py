@@ -1,6 +1,6 @@
 """The cross-validation view (v on the dashboard): one row per dataset x configuration x
 trainer x plans with folds 0-4, the final Dice mean ± std, GPU-hours and ETA
-(cross_validation.py aggregates, cli_cv.py formats the cells); `m` queues exactly the
+(cross_validation.py aggregates, cli/cv.py formats the cells); `m` queues exactly the
 missing or failed folds of the selected row, after the launch confirm dialog showed the
 commands."""
 
@@ -13,13 +13,14 @@ from textual.binding import BindingsMap
 from textual.screen import Screen
 from textual.widgets import DataTable, Header, Static
 
-from app.cli_cv import HEADER, NARROW_HEADER, narrow_row_cells, row_cells, table_width
+from app.cli.cv import HEADER, NARROW_HEADER, narrow_row_cells, row_cells, table_width
 from app.screens import actions
 from app.screens.confirm import LaunchConfirmScreen
 from app.screens.keys import CV_ACTIONS, CV_NAV
 from app.screens.seam import app_of
-from app.services import launcher
 from app.services.cross_validation import CvRow, QueueLaunch, cv_rows, queue_launches
+from app.services.launch import launcher
+from app.services.launch import request as launch_request
 from app.widgets.fitting_footer import FittingFooter
 
 REFRESH_S = 1.0
@@ -59,7 +60,7 @@ class CrossValidationScreen(Screen):
 
     def refresh_rows(self) -> None:
         app = app_of(self)
-        rows = cv_rows(app.views, app.services.tracker.cross_validation_eta_s)
+        rows = cv_rows(app.views)
         table = self.query_one(DataTable)
         cursor = table.cursor_row
         header, cells = self._layout(rows)
@@ -107,7 +108,7 @@ class CrossValidationScreen(Screen):
             problems: list[str] = []
             for launch in self.queued:  # the checks and plans of `nnui launch`
                 request = launch.request()
-                checks = launcher.check_request(request, roots, None, snapshot, registry)
+                checks = launch_request.check_request(request, roots, None, snapshot, registry)
                 problems += checks.errors
                 if not checks.errors:
                     got, why = launcher.plan_launch(request, roots, None, snapshot, registry)

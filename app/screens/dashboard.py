@@ -18,22 +18,22 @@ from app.screens import actions
 from app.screens.help import HelpScreen
 from app.screens.job_detail import JobDetailScreen
 from app.screens.job_summary import summary_text
-from app.screens.keys import ACTION_IDS, DASHBOARD_ACTIONS, DASHBOARD_NAV, DASHBOARD_VIEW
+from app.screens.keys import DASHBOARD_ACTIONS, DASHBOARD_NAV, DASHBOARD_VIEW
 from app.screens.launch import LaunchScreen
 from app.screens.seam import app_of
-from app.services import job_list
-from app.services.bell import BellRule
-from app.services.job_text import alert_condition, human_duration
+from app.services.jobs import listing as job_list
+from app.services.jobs.bell import BellRule
+from app.services.jobs.words import alert_condition, human_duration
 from app.widgets.fitting_footer import FittingFooter
 from app.widgets.gpu_panel import GpuPanel
 from app.widgets.job_table import JobTable
 from trainer.schema import RUNNING_STATES, State
 
 if TYPE_CHECKING:
-    from app.services.gpus import MachineSnapshot
-    from app.services.jobs import JobView
+    from app.services.jobs.views import JobView
+    from app.services.machine.gpus import MachineSnapshot
 
-__all__ = ["ACTION_IDS", "DashboardScreen", "cv_text", "summary_text"]
+__all__ = ["DashboardScreen", "cv_text"]
 
 
 def cv_text(views: list[JobView], cv_eta_s: float | None, problems: tuple[str, ...] = ()) -> Text:

@@ -20,8 +20,8 @@ from app.screens.help import HelpScreen
 from app.screens.job_summary import summary_text
 from app.screens.keys import DETAIL_ACTIONS, DETAIL_NAV
 from app.screens.seam import app_of
-from app.services import job_list
-from app.services.curve_data import SMOOTHING_FACTORS
+from app.services.jobs import listing as job_list
+from app.services.jobs.curves import SMOOTHING_FACTORS
 from app.widgets.curves import CurvesPanel
 from app.widgets.fitting_footer import FittingFooter
 from app.widgets.formatting import readable_style
@@ -29,11 +29,11 @@ from app.widgets.log_tail import LogTail
 from app.widgets.process_tree import ProcessTree
 
 if TYPE_CHECKING:
-    from app.services.curve_data import EpochPoint
-    from app.services.discovery import AdoptedRun
-    from app.services.jobs import JobView
-    from app.services.nnunet_runs import WatchOnlyRun
-    from app.services.registry import Job
+    from app.services.jobs.curves import EpochPoint
+    from app.services.jobs.discovery import AdoptedRun
+    from app.services.jobs.registry import Job
+    from app.services.jobs.views import JobView
+    from app.services.nnunet.runs import WatchOnlyRun
 
 
 def fold_views(views: list[JobView], job: Job, overlay: bool) -> dict[str, JobView]:
@@ -141,7 +141,7 @@ class JobDetailScreen(Screen):
         self._procs_busy = True
 
         def read() -> list[Any]:
-            from app.services.proctree import process_tree
+            from app.services.signals.proctree import process_tree
 
             return process_tree(view.job, view.topology)
 

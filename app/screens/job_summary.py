@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.text import Text
 
-from app.services.job_text import human_duration, state_label
+from app.services.jobs.words import human_duration, state_label
 from app.widgets.formatting import readable_style
 from trainer.schema import FAILED_STATES, State
 

@@ -25,8 +25,9 @@ from app.screens import actions, keys
 from app.screens.confirm import LaunchConfirmScreen
 from app.screens.predict_form import PredictScreen, form_defaults
 from app.screens.seam import app_of
-from app.services import catalog, engines, launcher, niceness
-from app.services.schedule import Schedule
+from app.services.launch import catalog, engines, launcher, niceness
+from app.services.launch import request as launch_request
+from app.services.launch.schedule import Schedule
 from app.widgets.dataset_picker import DatasetPicker
 from app.widgets.fitting_footer import FittingFooter
 from app.widgets.fold_board import CPU_COLUMN, FoldBoard
@@ -35,11 +36,11 @@ from app.widgets.key_order import OrderedInput
 from app.widgets.toggles import TextCheckbox, TextRadioButton
 
 if TYPE_CHECKING:
-    from app.services.catalog import DatasetInfo
-    from app.services.gpus import MachineSnapshot
-    from app.services.jobs import JobView
-    from app.services.launch_request import LaunchRequest
-    from app.services.launcher import LaunchPlan
+    from app.services.jobs.views import JobView
+    from app.services.launch.catalog import DatasetInfo
+    from app.services.launch.launcher import LaunchPlan
+    from app.services.launch.request import LaunchRequest
+    from app.services.machine.gpus import MachineSnapshot
 
 
 def board_columns(snapshot: MachineSnapshot | None) -> list[str]:
@@ -213,7 +214,7 @@ class LaunchScreen(Screen):
         when_free = self.query_one("#when-free", Checkbox).value and board.model.device != "cpu"
         cascade = bool(getattr(choice, "previous_stage", None))
         requests = [
-            launcher.LaunchRequest(
+            launch_request.LaunchRequest(
                 dataset=choice.dataset,
                 configuration=choice.configuration,
                 folds=list(spec.folds),
@@ -276,7 +277,9 @@ class LaunchScreen(Screen):
             plans: list[LaunchPlan] = []
             errors, warnings, resumable, asks = list(problems), [], [], list(misfits)
             for request in requests:
-                checks = launcher.check_request(request, roots, batch_size, snapshot, registry)
+                checks = launch_request.check_request(
+                    request, roots, batch_size, snapshot, registry
+                )
                 errors += [e for e in checks.errors if e not in errors]
                 warnings += [w for w in checks.warnings if w not in warnings]
                 asks += [c for c in checks.confirmations if c not in asks]

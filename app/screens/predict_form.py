@@ -1,5 +1,5 @@
 """The prediction form (p on the fold board): the folds marked on the board predict a folder,
-one part of its cases per marked GPU (app/services/prediction.py).
+one part of its cases per marked GPU (app/services/launch/prediction.py).
 
 Prefilled from the board: the picker's dataset and configuration, the marked folds, the
 marked GPUs, `imagesTs` of the dataset's raw folder as input and a folder of its own under
@@ -23,7 +23,7 @@ from textual.widgets import Button, Checkbox, Input, Static
 from app.screens import keys
 from app.screens.confirm import LaunchConfirmScreen
 from app.screens.seam import app_of
-from app.services import launcher, prediction
+from app.services.launch import launcher, prediction
 from app.widgets.fitting_footer import FittingFooter
 from app.widgets.toggles import TextCheckbox
 from trainer.schema import DEFAULT_PLANS, Roots

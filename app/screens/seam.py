@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from textual.notifications import SeverityLevel
     from textual.screen import Screen
 
-    from app.services.gpus import MachineSnapshot
-    from app.services.jobs import JobView
+    from app.services.jobs.views import JobView
+    from app.services.machine.gpus import MachineSnapshot
     from app.tui import Services, TuiConfig
 
 

@@ -12,16 +12,17 @@ import json
 import shlex
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.services.job_events import JobEvents, Scope
-from app.services.launcher import LaunchRequest
-from app.services.registry import TRAIN, Job
-from app.services.schedule import Schedule
+from app.services.jobs.events import JobEvents, Scope
+from app.services.jobs.registry import TRAIN, Job
+from app.services.jobs.views import JobView
+from app.services.launch.request import LaunchRequest
+from app.services.launch.schedule import Schedule
 from trainer.schema import (
+    ACTIVE_STATES,
     CHECKPOINT_KINDS,
     STATUS_FILE,
     SUMMARY_FILE,
@@ -159,7 +160,45 @@ def fold_cell(fold: str, view: Any | None) -> FoldCell:
     return FoldCell(fold, state, dice, needs_continue(view.job.run_dir))
 
 
-def _row(key: tuple[str, str, str, str], views: list[Any], eta_of: Callable, now: float) -> CvRow:
+def cross_validation_eta_s(views: list[JobView]) -> float | None:
+    """Time until every active job is done: queued chains add up, parallel ones overlap."""
+    views = [v for v in views if v.job.kind == TRAIN]  # predictions have their own ETA
+    by_id = {v.job.job_id: v for v in views}
+    active = [v for v in views if v.state in ACTIVE_STATES]
+    if not active:
+        return None
+    known = [v.mean_epoch_time_s for v in views if v.mean_epoch_time_s]
+    fallback_epoch_s = statistics.fmean(known) if known else None
+    epochs_known = [v.num_epochs for v in views if v.num_epochs]
+    fallback_epochs = max(epochs_known) if epochs_known else None
+    active_ids = {v.job.job_id for v in active}
+
+    def own(view: JobView) -> float | None:
+        if view.eta_s is not None:
+            return view.eta_s
+        num_epochs = view.num_epochs or fallback_epochs
+        remaining = max(0, (num_epochs or 0) - (view.epoch or 0))
+        if remaining and fallback_epoch_s:
+            return remaining * fallback_epoch_s
+        return None  # e.g. its final validation, no case done yet: unknown, not "0s"
+
+    def chain(view: JobView, depth: int = 0) -> float | None:
+        mine = own(view)
+        if mine is None:
+            return None
+        before = by_id.get(view.job.after or "")
+        if before is None or depth > 20 or before.job.job_id not in active_ids:
+            return mine
+        earlier = chain(before, depth + 1)
+        return None if earlier is None else earlier + mine
+
+    totals = [chain(v) for v in active]
+    if any(t is None for t in totals):
+        return None
+    return max(t for t in totals if t is not None)
+
+
+def _row(key: tuple[str, str, str, str], views: list[Any], now: float) -> CvRow:
     newest = {}
     for view in sorted(views, key=lambda v: v.job.created_at):
         newest[view.job.fold] = view  # the newest job of each fold says its state
@@ -172,13 +211,11 @@ def _row(key: tuple[str, str, str, str], views: list[Any], eta_of: Callable, now
         mean_dice=statistics.fmean(dices) if dices else None,
         std_dice=statistics.pstdev(dices) if dices else None,
         gpu_hours=sum(gpu_hours(v.job, now) for v in views),
-        eta_s=eta_of(list(newest.values())), gpus=tuple(gpus), template=template,
+        eta_s=cross_validation_eta_s(list(newest.values())), gpus=tuple(gpus), template=template,
     )  # fmt: skip
 
 
-def cv_rows(
-    views: list[Any], eta_of: Callable[[list[Any]], float | None], now: float | None = None
-) -> list[CvRow]:
+def cv_rows(views: list[Any], now: float | None = None) -> list[CvRow]:
     """The rows of the view, from the job views (nnui's trainings; watch-only skipped)."""
     now = time.time() if now is None else now
     groups: dict[tuple[str, str, str, str], list[Any]] = {}
@@ -189,7 +226,7 @@ def cv_rows(
         trainer, plans, configuration = split_run_dir(job.run_dir)
         key = (job.dataset, job.configuration or configuration, trainer, plans)
         groups.setdefault(key, []).append(view)
-    return [_row(key, groups[key], eta_of, now) for key in sorted(groups)]
+    return [_row(key, groups[key], now) for key in sorted(groups)]
 
 
 # ---- queueing the missing folds -----------------------------------------------------------

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from app.services.engines import ENGINES, NNUI, NNUNET, engine
-from app.services.trainer_flags import flag_value, without_flags
+from app.services.launch.engines import ENGINES, NNUI, NNUNET, engine
+from app.services.launch.trainer_flags import flag_value, without_flags
 from trainer.schema import (
     FOLDS,
     NNUNET_EXT_DIR,

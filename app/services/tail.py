@@ -28,7 +28,7 @@ MAX_RESYNC_TRIES = 32  # candidate record starts tried in one torn line
 _RECORD_START = re.compile(rb'\{\s*"v"\s*:')
 
 
-class _ByteTail:
+class ByteTail:
     """Shared offset bookkeeping: returns the new complete lines (bytes) on each call."""
 
     def __init__(self, path: Path, backlog_bytes: int | None = None) -> None:
@@ -124,7 +124,7 @@ def _open_regular(path: Path) -> BinaryIO | None:
     return os.fdopen(fd, "rb")
 
 
-class JsonlTail(_ByteTail):
+class JsonlTail(ByteTail):
     """The one reader of events.jsonl: only valid records come out (schema.parse_event);
     every line that is not one is skipped and counted in `num_invalid`, with its reason."""
 
@@ -191,7 +191,7 @@ def _object_starts(raw: bytes) -> list[int]:
     return found
 
 
-class TextTail(_ByteTail):
+class TextTail(ByteTail):
     def __init__(self, path: Path, max_lines: int = 500) -> None:
         super().__init__(path, backlog_bytes=TEXT_BACKLOG_BYTES)
         self.lines: deque[str] = deque(maxlen=max_lines)

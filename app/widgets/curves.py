@@ -20,7 +20,7 @@ from textual.app import ComposeResult
 from textual.containers import Grid
 from textual_plotext import PlotextPlot
 
-from app.services.curve_data import (
+from app.services.jobs.curves import (
     EpochPoint,
     RunningPoint,
     distinct_colours,
@@ -30,7 +30,7 @@ from app.services.curve_data import (
     smooth,
 )
 
-__all__ = ["CurvesPanel", "Drawn", "epoch_ticks", "legend_text", "plot_fields", "series"]
+__all__ = ["CurvesPanel", "Drawn", "epoch_ticks", "legend_text", "plot_fields"]
 
 RUNNING_FIELD = "running"  # the train_loss_running series (a curve, not a job state)
 # (plot id, title, y label, smoothed, [(series label, field)]); "dice_class" expands to

@@ -14,7 +14,7 @@ from rich.text import Text
 from textual.message import Message
 from textual.widgets import DataTable
 
-from app.services.catalog import DatasetInfo
+from app.services.launch.catalog import DatasetInfo
 from app.widgets.formatting import readable_style
 from trainer.schema import DEFAULT_PLANS, FOLDS
 

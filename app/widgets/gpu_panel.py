@@ -24,18 +24,11 @@ from textual.containers import VerticalScroll
 from textual.geometry import Region
 from textual.widgets import Static
 
-from app.services.gpu_history import HistorySeries, PanelReadings
-from app.services.gpus import GpuProcess, GpuSnapshot, MachineSnapshot
-from app.services.job_text import human_duration
-from app.services.procs import HostSnapshot, ProcLoad
-from app.widgets.formatting import (
-    NA,
-    bar,
-    fmt_gib,
-    fmt_or_na,
-    readable_style,
-    short_uuid,
-)
+from app.services.jobs.words import human_duration
+from app.services.machine.gpu_history import HistorySeries, PanelReadings
+from app.services.machine.gpus import GpuProcess, GpuSnapshot, MachineSnapshot
+from app.services.machine.host import HostSnapshot, ProcLoad
+from app.widgets.formatting import NA, bar, fmt_gib, fmt_or_na, readable_style, short_uuid
 
 HISTORY_POINTS = 24
 SPARK_LEVELS = "▁▁▂▃▄▅▆▇█"  # 0 % still draws a baseline

@@ -16,13 +16,13 @@ from textual.geometry import Region
 from textual.widgets import DataTable
 from textual.widgets.data_table import CellDoesNotExist
 
-from app.services.job_text import human_duration, state_label
+from app.services.jobs.words import human_duration, state_label
 from app.widgets.formatting import bar, fmt_or_na
 from trainer.schema import RUNNING_STATES, WAITING_STATES, State
 
 if TYPE_CHECKING:
-    from app.services.jobs import JobView
-    from app.services.registry import Job
+    from app.services.jobs.registry import Job
+    from app.services.jobs.views import JobView
 
 # (key, label): keys stay stable so cells can be updated by name.
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -357,7 +357,7 @@ class JobTable(DataTable):
         self._cells[job_id] = {key: _plain(value) for key, value in cells.items()}
 
     def show(self, views: list[JobView]) -> None:
-        """Rows in the order given (app.services.job_list arranges them)."""
+        """Rows in the order given (app.services.jobs.listing arranges them)."""
         wanted = {view.job.job_id: view for view in views}
         self._views = wanted
         if self.level is None:

@@ -15,7 +15,7 @@ from textual.widgets import Static
 from app.widgets.formatting import readable_style
 
 if TYPE_CHECKING:
-    from app.services.proctree import TreeNode
+    from app.services.signals.proctree import TreeNode
 
 
 def tree_text(nodes: list[TreeNode], mono: bool = False) -> Text:

@@ -1,0 +1,41 @@
+"""What every nnui subcommand shares: exit codes, the one-line error, the roots, a y/N
+question and one reading of the machine.
+
+Exit codes: 0 ok, 1 refused by a safety check (reason printed), 2 usage error or unknown
+job, 3 nothing to do (already stopped or finished).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from app.services.jobs.registry import Registry
+from app.services.jobs.simulated_load import simulated_gpu_load
+from app.services.machine.gpus import GpuMonitor, MachineSnapshot
+from trainer.schema import Roots, resolve_roots
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3
+
+
+def error(message: str, code: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def roots_of(options: argparse.Namespace) -> Roots:
+    return resolve_roots(options.raw, options.preprocessed, options.results)
+
+
+def confirm(question: str) -> bool:
+    answer = input(f"{question} [y/N] ").strip().lower()
+    return answer in ("y", "yes")
+
+
+def machine_snapshot(options: argparse.Namespace) -> MachineSnapshot:
+    load = None if options.simulate_gpus is None else lambda: simulated_gpu_load(Registry())
+    monitor = GpuMonitor(simulate=options.simulate_gpus, simulated_load=load)
+    try:
+        return monitor.snapshot()
+    finally:
+        monitor.close()

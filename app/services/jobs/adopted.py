@@ -1,0 +1,252 @@
+"""Adopted runs as jobs: the in-memory Job of a run nnui did not launch, and runs that ended
+while nnui was not looking (continuing one with `--c`: launch/adopted_resume.py).
+
+An adopted run's Job is never written to the registry: it is rebuilt from /proc at every
+refresh (discovery.py), so curves, ETA, alerts, the detail view and export read its run
+folder through the same code as a launched job's. Its processes are recorded with their
+start ticks as discovered; the stop checks (targets.py) accept only those very workers.
+
+A run that ended unseen is found from its folder: the newest `run_started` of an
+events.jsonl under a watched results root that no registry job and no live process
+claims. Its state is the run's own last lifecycle event (finished, stopped, failed), or
+lost when it has none (killed, or the machine went down).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from app.services.jobs.discovery import RUN_ID_PREFIX, AdoptedRun, TrainArgs, parse_args
+from app.services.jobs.events import CLOCK_SLACK_S
+from app.services.jobs.registry import Job, ProcessRecord
+from app.services.machine.gpus import MachineSnapshot, parse_visible_devices
+from app.services.machine.procs import ticks_to_wall_s
+from trainer.schema import CONFIG_FILE, CONSOLE_FILE, EVENTS_FILE, ROOT_ENVS, Kind, parse_event
+
+MAX_SCAN_BYTES = 64 << 20  # an events file larger than this is not scanned for history
+
+
+def _trainer_args(args: TrainArgs | None) -> list[str]:
+    """The arguments a `--c` continues with: all but the device, rank count and --c."""
+    if args is None:
+        return []
+    out, rest = [], list(args.rest)
+    while rest:
+        arg = rest.pop(0)
+        if arg in ("-device", "-num_gpus"):
+            rest = rest[1:]
+        elif arg != "--c" and not arg.startswith(("-device=", "-num_gpus=")):
+            out.append(arg)
+    return out
+
+
+def run_gpus(run: AdoptedRun, snapshot: MachineSnapshot | None) -> list[str]:
+    """The GPUs a CUDA run uses: NVML's process lists, else its CUDA_VISIBLE_DEVICES."""
+    if run.args is None or run.args.device != "cuda":
+        return []
+    if snapshot is not None and not snapshot.simulated:
+        pids = set(run.pids)
+        used = [str(g.index) for g in snapshot.gpus if any(p.pid in pids for p in g.processes)]
+        if used:
+            return used
+    visible = parse_visible_devices(run.env.get("CUDA_VISIBLE_DEVICES")) or []
+    return visible[: run.world_size]
+
+
+def adopted_job(run: AdoptedRun, snapshot: MachineSnapshot | None = None) -> Job:
+    """The Job of a live adopted run (never stored): the topmost process is its `trainer`,
+    each rank a `worker` (what a stop may reach), with start ticks as discovered."""
+    created = run.start_time or 0.0
+    processes = [ProcessRecord(run.top_pid, created, "trainer", None,
+                               next((m.start_ticks for m in run.members
+                                     if m.pid == run.top_pid), None))]  # fmt: skip
+    for member in run.workers:
+        wall = ticks_to_wall_s(member.start_ticks) if member.start_ticks is not None else created
+        processes.append(ProcessRecord(member.pid, wall, "worker", member.rank,
+                                       member.start_ticks))  # fmt: skip
+    env = dict(run.env)
+    if run.slurm_job:
+        env["SLURM_JOB_ID"] = run.slurm_job
+    if run.slurm_step:
+        env["SLURM_STEP_ID"] = run.slurm_step
+    args = run.args
+    folder = run.run_dir or ""
+    return Job(
+        job_id=run.run_id, created_at=created,
+        dataset=Path(folder).parent.parent.name if folder else (args.dataset if args else "?"),
+        configuration=args.configuration if args else "?", fold=args.fold if args else "?",
+        mode=run.mode, device="cpu" if args and args.device == "cpu" else "cuda",
+        gpus=run_gpus(run, snapshot), simulated=False, argv=list(run.argv), env=env,
+        run_dir=folder,
+        console_path=os.path.join(folder, CONSOLE_FILE) if folder else os.devnull,
+        processes=processes, trainer_args=_trainer_args(args),
+        continue_training=bool(args and args.continue_training),
+        note=f"adopted: started outside nnui by {run.owner} ({run.launcher})",
+    )  # fmt: skip
+
+
+# ---- runs that ended while nnui was not looking ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class FolderRun:
+    """The newest run of a run folder, from its events (what history needs)."""
+
+    run_dir: str
+    started_t: float
+    ended_t: float
+    rank0_pid: int | None
+    world_size: int
+    launcher: str
+    argv: tuple[str, ...]
+    dataset: str
+    configuration: str
+    fold: str
+
+
+def newest_run(run_dir: str) -> FolderRun | None:
+    """The newest run_started of the folder's events.jsonl and what follows it; None when
+    there is none, the file is unreadable or too large. Invalid lines are skipped."""
+    path = Path(run_dir) / EVENTS_FILE
+    try:
+        if path.stat().st_size > MAX_SCAN_BYTES:
+            return None
+        data = path.read_bytes()
+    except OSError:
+        return None
+    records = [r for r in (parse_event(line)[0] for line in data.splitlines()) if r]
+    starts = [i for i, r in enumerate(records) if r["kind"] == Kind.RUN_STARTED]
+    if not starts:
+        return None
+    start, after = records[starts[-1]], records[starts[-1] :]
+    topology = next((r for r in after if r["kind"] == Kind.TOPOLOGY), None)
+    ranks = topology["ranks"] if topology else []
+    rank0 = next((r["pid"] for r in ranks if r.get("global_rank", 0) == 0), None)
+    argv = start.get("argv")
+    return FolderRun(
+        run_dir=run_dir, started_t=start["t"], ended_t=after[-1]["t"], rank0_pid=rank0,
+        world_size=int(start.get("world_size") or 1), launcher=str(start.get("launcher") or "?"),
+        argv=tuple(argv) if isinstance(argv, list) else (),
+        dataset=str(start.get("dataset") or Path(run_dir).parent.parent.name),
+        configuration=str(start.get("configuration") or _named(run_dir)[0]),
+        fold=str(start.get("fold", _named(run_dir)[1])),
+    )  # fmt: skip
+
+
+def _named(run_dir: str) -> tuple[str, str]:
+    """(configuration, fold) as the folder names them: `T__P__C/fold_F`."""
+    folder = Path(run_dir)
+    parts = folder.parent.name.split("__")
+    return (parts[2] if len(parts) == 3 else "?"), folder.name.removeprefix("fold_")
+
+
+def _claimed(run: FolderRun, jobs: Iterable[Job]) -> bool:
+    """A registry job of the folder owns this run (it started at or after the job)."""
+    for job in jobs:
+        if run.started_t < job.created_at - CLOCK_SLACK_S:
+            continue
+        if job.ended_at is None or run.started_t <= job.ended_at + CLOCK_SLACK_S:
+            return True
+    return False
+
+
+def run_folders(roots: Iterable[Path]) -> list[str]:
+    """Every fold folder with an events.jsonl under the results roots."""
+    found = []
+    for root in roots:
+        try:
+            paths = sorted(Path(root).glob(f"Dataset*/*__*__*/fold_*/{EVENTS_FILE}"))
+        except OSError:
+            continue
+        found += [os.path.realpath(p.parent) for p in paths]
+    return list(dict.fromkeys(found))
+
+
+def ended_job(run: FolderRun) -> Job:
+    """The Job of a run that ended unseen: its own run is the newest in the folder."""
+    key = run.rank0_pid or zlib.crc32(f"{run.run_dir}:{run.started_t}".encode())
+    return Job(
+        job_id=f"{RUN_ID_PREFIX}{key}", created_at=run.started_t - CLOCK_SLACK_S / 2,
+        dataset=run.dataset, configuration=run.configuration, fold=run.fold,
+        mode={"spawn": "spawn", "torchrun": "torchrun"}.get(run.launcher, "single"),
+        device="cpu" if flag_in(run.argv, "-device") == "cpu" else "cuda", gpus=[],
+        simulated=False, argv=list(run.argv), env=roots_env(run.run_dir), run_dir=run.run_dir,
+        trainer_args=_rest_args(run.argv),
+        console_path=os.path.join(run.run_dir, CONSOLE_FILE), ended_at=run.ended_t,
+        note=f"adopted: started outside nnui ({run.launcher}), ended while nnui was not looking",
+    )  # fmt: skip
+
+
+def _rest_args(argv: Sequence[str]) -> list[str]:
+    """The trainer arguments after dataset, configuration and fold, without the device, the
+    rank count and --c (what a resume through nnui's launcher adds itself)."""
+    return _trainer_args(parse_args(argv))
+
+
+def flag_in(argv: Sequence[str], name: str) -> str | None:
+    for index, arg in enumerate(argv):
+        if arg == name and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith(name + "="):
+            return arg.partition("=")[2]
+    return None
+
+
+class EndedScan:
+    """Runs that ended unseen, read again only when an events file changed."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[tuple[int, float], FolderRun | None, Job | None]] = {}
+
+    def runs(self, roots: Iterable[Path], jobs: Sequence[Job], live: set[str]) -> list[Job]:
+        by_folder: dict[str, list[Job]] = {}
+        for known in jobs:  # one realpath per job, not one per job and folder
+            by_folder.setdefault(os.path.realpath(known.run_dir), []).append(known)
+        live = {os.path.realpath(f) for f in live}
+        out: list[Job] = []
+        cache: dict[str, tuple[tuple[int, float], FolderRun | None, Job | None]] = {}
+        for folder in run_folders(roots):
+            try:
+                stat = os.stat(os.path.join(folder, EVENTS_FILE))
+            except OSError:
+                continue
+            key = (stat.st_size, stat.st_mtime)
+            held = self._cache.get(folder)
+            if held is not None and held[0] == key:
+                run, job = held[1], held[2]
+            else:
+                run = newest_run(folder)
+                job = ended_job(run) if run is not None else None
+            cache[folder] = (key, run, job)
+            if run is None or job is None or folder in live:
+                continue
+            if not _claimed(run, by_folder.get(folder, ())):
+                out.append(job)
+        self._cache = cache
+        return out
+
+
+# ---- resume: the way it was started, with --c ------------------------------------------------
+
+
+def roots_env(run_dir: str) -> dict[str, str]:
+    """The roots the run used: its results root (the folder's grandparent's parent) and the
+    preprocessed/raw roots its config.json names."""
+    env = {ROOT_ENVS["results"]: str(Path(run_dir).parent.parent.parent)}
+    try:
+        config: Any = json.loads((Path(run_dir) / CONFIG_FILE).read_text())
+    except (OSError, ValueError, RecursionError):
+        config = {}
+    if isinstance(config, dict):
+        for key, name in (("preprocessed_dataset_dir", "preprocessed"),
+                          ("raw_dataset_dir", "raw")):  # fmt: skip
+            value = config.get(key)
+            if isinstance(value, str) and value:
+                env[ROOT_ENVS[name]] = str(Path(value).parent)
+    return env

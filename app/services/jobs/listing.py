@@ -1,0 +1,115 @@
+"""The job list after weeks: one row per run folder, grouped, filtered and sorted.
+
+- A run folder is one row: `nnui resume` starts a new job in the same folder, and that job
+  continues the row (its curves already hold the earlier runs' epochs) instead of adding an
+  unrelated one. The row shows the newest job, or the one still active.
+- Rows are grouped by dataset x configuration x trainer (the trainer is the first part of
+  the folder `Trainer__Plans__configuration`), and sorted inside each group.
+- A filter keeps the rows whose text holds every word typed (any order, any case).
+Works on JobView-like objects (`.job`, `.state`, `.ema_dice`, `.eta_s`); no textual.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.schema import ACTIVE_STATES, State
+
+if TYPE_CHECKING:  # jobs.py imports this module
+    from app.services.jobs.registry import Job
+    from app.services.jobs.views import JobView
+
+SORTS = ("fold", "newest", "state", "Dice", "ETA")  # `o` on the dashboard cycles these
+_STATE_ORDER = {state: i for i, state in enumerate(
+    (State.RUNNING, State.VALIDATING, State.STOPPING, State.STARTING, State.QUEUED, State.FAILED,
+     State.LOST,
+     State.KILLED, State.STOPPED, State.FINISHED))}  # fmt: skip
+
+
+def trainer_of(job: Job) -> str:
+    """`nnuiTrainer` from `.../nnuiTrainer__nnuiPlans__3d_fullres/fold_0`."""
+    return _trainer_of_folder(str(job.run_dir))
+
+
+@lru_cache(maxsize=4096)  # every row is grouped and filtered every second; folders stay
+def _trainer_of_folder(run_dir: str) -> str:
+    return Path(run_dir).parent.name.split("__")[0] or "?"
+
+
+def group_key(job: Job) -> tuple[str, str, str]:
+    return (job.dataset, job.configuration, trainer_of(job))
+
+
+def _fold_order(fold: str) -> tuple[int, str]:
+    return (int(fold), "") if fold.isdigit() else (1 << 30, fold)
+
+
+def one_row_per_run_folder(
+    views: Sequence[JobView],
+) -> tuple[list[JobView], dict[str, list[str]]]:
+    """(rows, {row job id: ids of the earlier jobs of its folder, oldest first}).
+    Watch-only runs are never folded into nnui's jobs."""
+    folders: dict[tuple[bool, str], list[JobView]] = {}
+    for view in views:
+        # No folder known (a pending SLURM job, a run not yet writing): a row of its own.
+        key = (bool(getattr(view, "watch_only", False)), str(view.job.run_dir or view.job.job_id))
+        folders.setdefault(key, []).append(view)
+    rows, earlier = [], {}
+    for members in folders.values():
+        members.sort(key=lambda v: (v.job.created_at, v.job.job_id))
+        row = max(members, key=lambda v: (v.state in ACTIVE_STATES, v.job.created_at))
+        rows.append(row)
+        earlier[row.job.job_id] = [v.job.job_id for v in members if v is not row]
+    return rows, earlier
+
+
+def row_text(view: JobView) -> str:
+    """What the filter searches: ids, names, fold, state, GPUs, engine."""
+    job = view.job
+    parts = [job.job_id, job.dataset, job.configuration, f"fold {job.fold}", f"f{job.fold}",
+             trainer_of(job), str(view.state), ",".join(job.gpus) or "cpu",
+             getattr(job, "engine", "nnui")]  # fmt: skip
+    if getattr(view, "watch_only", False):
+        parts.append("watch-only")
+    return " ".join(parts).lower()
+
+
+def matches(view: JobView, text: str) -> bool:
+    haystack = row_text(view)
+    return all(word in haystack for word in text.lower().split())
+
+
+def _missing_last(value: float | None, descending: bool) -> tuple[int, float]:
+    if value is None or not math.isfinite(value):
+        return (1, 0.0)
+    return (0, -value if descending else value)
+
+
+_SORT_KEYS: dict[str, Callable[[Any], Any]] = {
+    "fold": lambda v: (_fold_order(v.job.fold), v.job.created_at),
+    "newest": lambda v: -v.job.created_at,
+    "state": lambda v: (_STATE_ORDER.get(v.state, 99), _fold_order(v.job.fold)),
+    "Dice": lambda v: (_missing_last(v.ema_dice, True), _fold_order(v.job.fold)),
+    "ETA": lambda v: (_missing_last(v.eta_s, False), _fold_order(v.job.fold)),
+}
+
+
+def arrange(
+    views: Sequence[JobView], text: str = "", sort: str = SORTS[0], collapse: bool = True
+) -> list[JobView]:
+    """The dashboard's rows: one per run folder (every job with collapse=False), filtered,
+    grouped, sorted in each group."""
+    if sort not in _SORT_KEYS:
+        raise ValueError(f"unknown sort {sort!r}; one of {', '.join(SORTS)}")
+    rows = one_row_per_run_folder(views)[0] if collapse else list(views)
+    rows = [v for v in rows if matches(v, text)]
+    by_sort = _SORT_KEYS[sort]
+    return sorted(rows, key=lambda v: (group_key(v.job), by_sort(v)))
+
+
+def next_sort(sort: str) -> str:
+    return SORTS[(SORTS.index(sort) + 1) % len(SORTS)] if sort in SORTS else SORTS[0]

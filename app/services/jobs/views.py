@@ -1,0 +1,588 @@
+"""What the UI shows about each job: registry + run folder + live processes, incrementally.
+
+`JobTracker.refresh()` keeps one reader per job file, so a refresh reads only appended
+bytes. `JobTracker.refresh_watch_only()` adds the nnU-Net runs nnui did not start
+(nnunet/runs.py) as views with `watch_only=True`: never stopped, resumed or killed.
+It only reads: it never writes the registry and never signals (DESIGN §4) — the
+job's supervisor records the workers and delivers a stop queued before they were up.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from app.services.jobs.adopted import EndedScan, adopted_job
+from app.services.jobs.case_progress import CaseProgress
+from app.services.jobs.curves import EpochPoint, RunningPoint, epoch_point, running_point
+from app.services.jobs.discovery import AdoptedRun, discover, is_related
+from app.services.jobs.events import EventBatch, JobEvents, Scope
+from app.services.jobs.liveness import job_alive
+from app.services.jobs.registry import PREDICT, Job, ProcessRecord, Registry
+from app.services.jobs.slurm_jobs import SLURM_ID_PREFIX, SlurmJob, SlurmWatcher
+from app.services.machine.gpus import GpuMonitor, MachineSnapshot
+from app.services.machine.procs import ProcRow, proc_info, process_table
+from app.services.nnunet.log import STARTING_PHASE, EpochStats
+from app.services.nnunet.runs import NnunetRunWatcher, WatchOnlyRun, is_train_cmdline
+from app.services.tail import TextTail
+from trainer.schema import ACTIVE_STATES, START_KINDS, WORKING_STATES, Kind, State
+
+RECENT_EPOCHS = 5
+CONSOLE_LINES = 40
+MAX_HISTORY_EPOCHS = 20000
+MAX_RUNNING_POINTS = 20000  # a few train_loss_running points per epoch, the newest kept
+
+__all__ = ["JobTracker", "JobView"]
+
+
+@dataclass(frozen=True)
+class JobView:
+    job: Job
+    state: State
+    epoch: int | None  # epochs completed (last epoch_ended index + 1)
+    num_epochs: int | None
+    train_loss: float | None
+    val_loss: float | None
+    mean_dice: float | None
+    ema_dice: float | None
+    it_per_s: float | None
+    eta_s: float | None
+    alerts: tuple[str, ...]
+    topology: dict | None
+    history: tuple[EpochPoint, ...]
+    console_tail: tuple[str, ...]
+    exit_code: int | None
+    mean_epoch_time_s: float | None = None
+    last_event_t: float | None = None
+    num_invalid_events: int = 0  # lines of events.jsonl skipped as invalid (never fatal)
+    invalid_event_reason: str | None = None  # why the last one was skipped
+    watch_only: bool = False  # an nnU-Net run nnui did not start (`watch`): no actions
+    watch: WatchOnlyRun | AdoptedRun | None = None  # owner, pids, trainer, Dice, log path
+    # A prediction job (job.kind == "predict"): cases of its part done / in all, s per case.
+    num_cases: int | None = None
+    cases_done: int | None = None
+    seconds_per_case: float | None = None
+    running_loss: tuple[RunningPoint, ...] = ()  # train_loss_running points, in file order
+    final_dice: float | None = None  # validation_finished's mean foreground Dice
+    validation_done: int | None = None  # final validation: cases done (while validating)
+    validation_cases: int | None = None  # ... of all the validation cases
+    run_dir_gone: bool = False  # the job's results folder no longer exists
+    # checkpoint_saved events of every run in the folder: (kind, epochs completed), newest
+    # save of each kind (what a --c resume can continue from, if the file is still there).
+    checkpoints: tuple[tuple[str, int], ...] = ()
+    data_wait_share: float | None = None  # newest epoch: share of step time spent waiting
+    class_names: tuple[str, ...] = ()  # names of dice_per_class's entries (run_started)
+    # A run nnui did not launch (discovery.py); watch_only when it is another user's.
+    adopted: AdoptedRun | None = None
+    slurm_state: str | None = None  # the user's SLURM job: PENDING, RUNNING ... (squeue)
+
+
+DATA_WAIT_ALERT_SHARE = 0.3  # of the step time, over each of the last DATA_WAIT_EPOCHS epochs
+DATA_WAIT_EPOCHS = 3
+
+
+def data_wait_alert(history: tuple[EpochPoint, ...]) -> str | None:
+    """The step waited for batches for a large share of its time, epoch after epoch: the
+    GPU (or CPU) is starved by data loading, and the fix is on the user's side."""
+    recent = [p.data_wait_share for p in history[-DATA_WAIT_EPOCHS:]]
+    if len(recent) < DATA_WAIT_EPOCHS or not all(
+        math.isfinite(s) and s >= DATA_WAIT_ALERT_SHARE for s in recent
+    ):
+        return None
+    return (
+        f"waiting for data {recent[-1]:.0%} of the step: more --num-workers, fewer parallel "
+        "jobs on this machine's cores"
+    )
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+@dataclass
+class _RunState:
+    """Everything parsed from one job's events.jsonl so far (bounded)."""
+
+    events: JobEvents
+    console: TextTail
+    history: dict[int, EpochPoint] = field(default_factory=dict)
+    # Keyed by (epoch, iteration): a resume that repeats an epoch replaces its points in place.
+    running: dict[tuple[int, int], RunningPoint] = field(default_factory=dict)
+    _running_tuple: tuple[RunningPoint, ...] | None = ()  # None: points came, build again
+    # The views' tuples, built again only after a change (not every second for every job:
+    # a long run has thousands of epochs, a console hundreds of lines).
+    _history_tuple: tuple[EpochPoint, ...] | None = ()  # None: an epoch came
+    _console_tuple: tuple[str, ...] | None = ()  # None: console lines came
+    num_epochs: int | None = None
+    class_names: tuple[str, ...] = ()  # from run_started (regions: their dataset.json names)
+    last_kind: str | None = None  # last lifecycle event of THIS job's run
+    stop_requested: bool = False
+    last_event_t: float | None = None
+    nan_epoch: int | None = None
+    cases: CaseProgress = field(default_factory=CaseProgress)  # a prediction's
+    last_epoch_t: float | None = None  # when this run's newest epoch_ended was written
+    validation: tuple[int, int] | None = None  # (cases done, of) while final validation runs
+    validation_t: float | None = None  # when the final validation began
+    final_dice: float | None = None
+    checkpoints: dict[str, int] = field(default_factory=dict)  # kind -> epochs completed
+
+    @property
+    def topology(self) -> dict | None:
+        return self.events.topology
+
+    def running_points(self) -> tuple[RunningPoint, ...]:
+        if self._running_tuple is None:
+            self._running_tuple = tuple(self.running.values())
+        return self._running_tuple
+
+    def history_points(self) -> tuple[EpochPoint, ...]:
+        """The epochs in epoch order."""
+        if self._history_tuple is None:
+            self._history_tuple = tuple(self.history[k] for k in sorted(self.history))
+        return self._history_tuple
+
+    def console_tail(self) -> tuple[str, ...]:
+        if self._console_tuple is None:
+            self._console_tuple = tuple(self.console.lines)[-CONSOLE_LINES:]
+        return self._console_tuple
+
+    def follow_console(self, path: Path) -> None:
+        """Read the console of a new attempt (a restart writes a new file)."""
+        self.console = TextTail(path)
+        self._console_tuple = None
+
+    def poll_console(self) -> None:
+        while True:
+            if self.console.poll():
+                self._console_tuple = None
+            if not self.console.more:
+                return
+
+    def absorb(self, batch: EventBatch) -> None:
+        if batch.reset:
+            self.history.clear()
+            self.running.clear()
+            self._running_tuple = self._history_tuple = ()
+            self.num_epochs, self.last_kind, self.stop_requested = None, None, False
+            self.nan_epoch, self.last_event_t = None, None
+            self.cases = CaseProgress()
+            self.last_epoch_t, self.validation, self.final_dice = None, None, None
+            self.checkpoints = {}
+        for scope, record in batch.records:
+            if scope is Scope.LATER:
+                continue  # a later run (a resume) in the same folder: that job's view shows it
+            # Earlier runs in the folder are history: their epochs still draw the curve.
+            self._absorb_history(scope, record)
+            if scope is Scope.MINE:
+                self._absorb_mine(record)
+
+    def _absorb_history(self, scope: Scope, record: dict[str, Any]) -> None:
+        kind = record["kind"]
+        if kind == Kind.RUN_STARTED:
+            self.num_epochs = record["num_epochs"]
+            names = record.get("class_names")
+            self.class_names = tuple(names) if isinstance(names, list) else ()
+        elif kind == Kind.TRAIN_LOSS_RUNNING:
+            running = running_point(record)
+            self.running[(running.epoch, running.iteration)] = running
+            if len(self.running) > MAX_RUNNING_POINTS:
+                self.running.pop(next(iter(self.running)))
+            self._running_tuple = None
+        elif kind == Kind.CHECKPOINT_SAVED and isinstance(record.get("epoch"), int):
+            self.checkpoints[record["checkpoint"]] = record["epoch"] + 1
+        elif kind == Kind.EPOCH_ENDED:
+            point = epoch_point(record)
+            self.history[point.epoch] = point
+            self._history_tuple = None
+            if len(self.history) > MAX_HISTORY_EPOCHS:
+                self.history.pop(min(self.history))
+            finite = math.isfinite(point.train_loss) and math.isfinite(point.val_loss)
+            if scope is Scope.MINE and not finite:
+                self.nan_epoch = point.epoch
+
+    def _absorb_mine(self, record: dict[str, Any]) -> None:
+        kind = record["kind"]
+        self.last_event_t = record["t"]
+        self._absorb_validation(record)
+        if kind == Kind.EPOCH_ENDED:
+            self.last_epoch_t = record["t"]
+        if kind in START_KINDS:
+            self.last_kind, self.stop_requested = None, False
+            if kind == Kind.PREDICTION_STARTED:
+                self.cases = CaseProgress()
+        elif kind in (Kind.STOP_REQUESTED, Kind.STOP_HEARD):
+            self.stop_requested = True
+        if kind in (Kind.PREDICTION_STARTED, Kind.CASE_PREDICTED):
+            self.cases.absorb(record)
+        if kind in (Kind.RUN_STARTED, Kind.STOPPED, Kind.FINISHED, Kind.FAILED):
+            self.last_kind = kind
+        elif kind == Kind.EPOCH_ENDED and self.last_kind is None:
+            self.last_kind = Kind.RUN_STARTED
+
+    def _absorb_validation(self, record: dict[str, Any]) -> None:
+        kind = record["kind"]
+        if kind == Kind.VALIDATION_STARTED:
+            self.validation = (0, int(record.get("num_cases") or 0))
+            self.validation_t = record["t"]
+        elif kind == Kind.VALIDATION_CASE:
+            self.validation = (record["index"], record["num_cases"])
+        elif kind == Kind.VALIDATION_FINISHED:
+            self.validation = None
+            dice = record.get("mean_fg_dice")
+            self.final_dice = dice if isinstance(dice, (int, float)) else None
+        elif kind in (*START_KINDS, Kind.STOPPED, Kind.FINISHED, Kind.FAILED):
+            self.validation = None
+            if kind in START_KINDS:
+                self.final_dice = None
+
+
+def _run_dir_gone(job: Job, run: _RunState) -> bool:
+    """The results folder this job wrote its events into no longer exists (moved, deleted)."""
+    started = run.last_event_t is not None or job.exit_code is not None
+    started = started or job.process("trainer") is not None
+    return started and not os.path.isdir(job.run_dir)
+
+
+def training_eta_s(
+    num_remaining: int, epoch_s: float, last_epoch_t: float | None, now: float
+) -> float | None:
+    """Seconds until the remaining epochs are done, counting down between epoch ends (from
+    the newest epoch_ended's time); never 0 while an epoch remains (an overrunning epoch
+    still leaves the ones after it, and at least a second)."""
+    if num_remaining <= 0:
+        return None
+    total = num_remaining * epoch_s
+    if last_epoch_t is None:
+        return total
+    elapsed = max(0.0, now - last_epoch_t)
+    return max(total - elapsed, (num_remaining - 1) * epoch_s, 1.0)
+
+
+_ENDING: dict[str, State] = {
+    Kind.STOPPED: State.STOPPED,
+    Kind.FINISHED: State.FINISHED,
+    Kind.FAILED: State.FAILED,
+}
+
+
+def derive_state(job: Job, run: _RunState, alive: bool) -> State:
+    ending = _ENDING.get(run.last_kind) if run.last_kind else None
+    if job.killed_at is not None and (job.exit_code is not None or not alive):
+        return State.KILLED  # killed by the user, whatever exit code the kill caused
+    if job.exit_code is not None:
+        if ending in (State.FINISHED, State.STOPPED):
+            return ending
+        if job.note == "stopped before it started":
+            return State.STOPPED
+        return State.FAILED if job.exit_code != 0 or ending else State.FINISHED
+    if not alive:
+        return ending or State.LOST
+    if job.restarts and not job.process("trainer"):
+        return State.QUEUED  # between attempts: restarted with --c after the back-off
+    if ending is not None:
+        return ending
+    if run.validation is not None:
+        return State.VALIDATING
+    waits_for_inputs = getattr(job, "after_previous_stage", False)
+    if (job.after or job.when_free or waits_for_inputs) and not job.process("trainer"):
+        return State.STOPPING if job.queued_stop else State.QUEUED
+    stop_sent = any(s.signal == "SIGUSR1" and s.result == "sent" for s in job.signals)
+    if run.stop_requested or stop_sent or job.queued_stop:
+        return State.STOPPING
+    if run.topology is not None or (run.history and run.last_event_t):
+        return State.RUNNING
+    return State.STARTING
+
+
+def _watch_point(stats: EpochStats) -> EpochPoint:
+    return EpochPoint(
+        epoch=stats.epoch, train_loss=stats.train_loss, val_loss=stats.val_loss,
+        mean_fg_dice=stats.mean_fg_dice, ema_fg_dice=stats.ema_fg_dice, lr=stats.lr,
+        epoch_time_s=stats.epoch_time_s, iterations_per_s=math.nan,
+        dice_per_class=tuple(stats.dice_per_class),
+    )  # fmt: skip
+
+
+def watch_only_view(run: WatchOnlyRun, console_tail: tuple[str, ...] = ()) -> JobView:
+    """A watch-only run as a job row: a Job built from its process (never in the registry;
+    its job_id is the run id `nnunet:<pid>`, its run_dir the fold folder, its console the
+    nnU-Net training log)."""
+    args = run.args
+    job = Job(
+        job_id=run.run_id, created_at=run.start_time or 0.0, dataset=run.dataset,
+        configuration=args.configuration, fold=args.fold,
+        mode="spawn" if args.num_gpus > 1 else "single", device=args.device,
+        gpus=list(run.gpus), simulated=False, argv=list(run.cmdline), env={},
+        run_dir=run.fold_dir, console_path=run.log_path,
+        processes=[ProcessRecord(run.pid, run.start_time or 0.0, "trainer", None,
+                                 run.start_ticks)],
+    )  # fmt: skip
+    it_per_s = None
+    if run.iterations_per_epoch and run.epoch_time_s:
+        it_per_s = run.iterations_per_epoch / run.epoch_time_s
+    return JobView(
+        job=job, state=State.STARTING if run.phase == STARTING_PHASE else State.RUNNING,
+        epoch=run.epoch, num_epochs=run.num_epochs, train_loss=run.train_loss,
+        val_loss=run.val_loss, mean_dice=run.mean_fg_dice, ema_dice=run.ema_fg_dice,
+        it_per_s=it_per_s, eta_s=run.eta_s, alerts=(), topology=None,
+        history=tuple(_watch_point(s) for s in run.history), console_tail=console_tail,
+        exit_code=None, mean_epoch_time_s=run.median_epoch_time_s,
+        last_event_t=run.log_mtime, watch_only=True, watch=run,
+    )  # fmt: skip
+
+
+def slurm_view(entry: SlurmJob, seen_at: float) -> JobView:
+    """A SLURM training with no process on this machine: pending, or on another node."""
+    args = entry.args
+    where = f" on {entry.node}" if entry.node else ""
+    job = Job(
+        job_id=f"{SLURM_ID_PREFIX}{entry.job_id}", created_at=seen_at, dataset=args.dataset,
+        configuration=args.configuration, fold=args.fold, mode="single", device=args.device,
+        gpus=[], simulated=False, argv=[], env={"SLURM_JOB_ID": entry.job_id}, run_dir="",
+        console_path=os.devnull, waiting_reason=f"SLURM {entry.state} ({entry.reason}){where}",
+        note=f"SLURM job {entry.job_id} ({entry.name})",
+    )  # fmt: skip
+    state = State.QUEUED if entry.state == "PENDING" else State.STARTING
+    return JobView(job=job, state=state, epoch=None, num_epochs=None, train_loss=None,
+                   val_loss=None, mean_dice=None, ema_dice=None, it_per_s=None, eta_s=None,
+                   alerts=(), topology=None, history=(), console_tail=(), exit_code=None,
+                   slurm_state=entry.state)  # fmt: skip
+
+
+class JobTracker:
+    def __init__(
+        self,
+        registry: Registry,
+        gpu_monitor: GpuMonitor | None = None,
+        include_forgotten: bool = True,
+    ) -> None:
+        self.registry = registry
+        # False: jobs marked by `nnui forget` are left out (and their files never read).
+        self.include_forgotten = include_forgotten
+        self.gpu_monitor = gpu_monitor
+        self._runs: dict[str, _RunState] = {}
+        self.views: list[JobView] = []
+        self._watcher = NnunetRunWatcher()
+        self._watch_consoles: dict[str, TextTail] = {}
+        self.watch_only: list[JobView] = []
+        self.adopted: list[JobView] = []
+        self._adopted: dict[str, tuple[Job, AdoptedRun]] = {}  # seen live: kept once ended
+        self._ended = EndedScan()
+        self._slurm = SlurmWatcher()
+        self._slurm_seen: dict[str, float] = {}  # SLURM job id -> first seen (its row's age)
+        self.problems: list[str] = []  # job files the newest refresh() could not read
+
+    def refresh_watch_only(
+        self,
+        results_roots: list[Path],
+        snapshot: MachineSnapshot | None = None,
+        procs: list[ProcRow] | None = None,
+    ) -> list[JobView]:
+        """Views of the runs nnui did not start: stock nnU-Net runs (watch-only) and adopted
+        nnui-train runs (call after refresh(): the folders of nnui's own active jobs are
+        left out). One /proc reading serves both. Reads only, like refresh()."""
+        active = [v.job.run_dir for v in self.views if v.state in ACTIVE_STATES]
+        if procs is None:
+            procs = process_table(detail=lambda _: True,
+                                  roots=lambda c: is_train_cmdline(c) or is_related(c))  # fmt: skip
+        runs = self._watcher.refresh(results_roots, procs, snapshot, exclude_dirs=active)
+        consoles = {}
+        for run in runs:
+            tail = self._watch_consoles.get(run.log_path) or TextTail(Path(run.log_path))
+            tail.poll()
+            consoles[run.log_path] = tail
+        self._watch_consoles = consoles
+        self.watch_only = [
+            watch_only_view(r, tuple(consoles[r.log_path].lines)[-CONSOLE_LINES:]) for r in runs
+        ]
+        # The folders of live stock nnU-Net runs are not "ended unseen" either.
+        busy = [*active, *(r.fold_dir for r in runs)]
+        self.adopted = self.refresh_adopted(results_roots, procs, snapshot, busy)
+        # What the board shows between two readings of /proc (tui.py reads `watch_only`).
+        self.watch_only = [*self.watch_only, *self.adopted]
+        return self.watch_only
+
+    def refresh_adopted(
+        self,
+        results_roots: list[Path],
+        procs: list[ProcRow],
+        snapshot: MachineSnapshot | None,
+        active: list[str],
+    ) -> list[JobView]:
+        """Adopted runs: live ones, those seen live that ended since, and those that ended
+        while nnui was not looking (their folder's newest run, claimed by no job)."""
+        live = discover(results_roots, procs, exclude_dirs=active)
+        live_ids = {run.run_id for run in live}
+        for run in live:
+            self._adopted[run.run_id] = (adopted_job(run, snapshot), run)
+        for run_id, (job, _) in list(self._adopted.items()):
+            if run_id not in live_ids and not job.run_dir:
+                del self._adopted[run_id]  # gone, and no folder to say how it ended
+        views = [self._adopted_view(job, run, job.job_id in live_ids, snapshot)
+                 for job, run in self._adopted.values()]  # fmt: skip
+        folders = {job.run_dir for job, _ in self._adopted.values() if job.run_dir}
+        jobs = self.registry.list(copies=False)
+        for job in self._ended.runs(results_roots, jobs, folders | set(active)):
+            views.append(self._view(job, self._run(job), False, snapshot))
+        return self._with_slurm(views)
+
+    def _with_slurm(self, views: list[JobView]) -> list[JobView]:
+        """The user's SLURM trainings: the state on the run found here, else a row of its own
+        (pending, or running on another node)."""
+        slurm = self._slurm.jobs()
+        by_job = {
+            v.adopted.slurm_job: i
+            for i, v in enumerate(views)
+            if v.adopted is not None and v.adopted.slurm_job and v.state in ACTIVE_STATES
+        }
+        for entry in slurm:
+            index = by_job.get(entry.job_id)
+            if index is not None:
+                views[index] = replace(views[index], slurm_state=entry.state)
+                continue
+            seen = self._slurm_seen.setdefault(entry.job_id, time.time())
+            views.append(slurm_view(entry, seen))
+        self._slurm_seen = {k: v for k, v in self._slurm_seen.items()
+                            if k in {e.job_id for e in slurm}}  # fmt: skip
+        return views
+
+    def _adopted_view(
+        self, job: Job, run: AdoptedRun, alive: bool, snapshot: MachineSnapshot | None
+    ) -> JobView:
+        if not job.run_dir:  # another user's run under an unwatched root: processes only
+            view = JobView(job=job, state=State.STARTING, epoch=None, num_epochs=None,
+                           train_loss=None, val_loss=None, mean_dice=None, ema_dice=None,
+                           it_per_s=None, eta_s=None, alerts=(), topology=None, history=(),
+                           console_tail=(), exit_code=None)  # fmt: skip
+        else:
+            state = self._run(job)
+            if not alive and job.ended_at is None:
+                job.ended_at = state.last_event_t or time.time()
+            view = self._view(job, state, alive, snapshot)
+        own = run.own
+        return replace(view, adopted=run, watch_only=not own, watch=None if own else run)
+
+    def _run(self, job: Job) -> _RunState:
+        run = self._runs.get(job.job_id)
+        if run is None:
+            run = _RunState(JobEvents(job.run_dir), TextTail(Path(job.console_path)))
+            self._runs[job.job_id] = run
+        if run.console.path != Path(job.console_path):  # a restart: the new attempt's file
+            run.follow_console(Path(job.console_path))
+        run.absorb(run.events.poll(job))
+        run.poll_console()
+        return run
+
+    def refresh(self, snapshot: MachineSnapshot | None = None) -> list[JobView]:
+        """Views of every job. Reads only: no registry write, no signal (DESIGN §4)."""
+        if snapshot is None and self.gpu_monitor is not None:
+            snapshot = self.gpu_monitor.snapshot()
+        views = []
+        for job in self.registry.list(copies=False):  # views only read their jobs
+            if job.forgotten_at is not None and not self.include_forgotten:
+                continue
+            run = self._run(job)
+            alive = job.exit_code is None and job_alive(job, proc_info)
+            views.append(self._view(job, run, alive, snapshot))
+        self.views = views
+        self.problems = list(getattr(self.registry, "list_problems", ()))
+        return views
+
+    def _view(
+        self, job: Job, run: _RunState, alive: bool, snapshot: MachineSnapshot | None
+    ) -> JobView:
+        state = derive_state(job, run, alive)
+        history = run.history_points()
+        last = history[-1] if history else None
+        recent = [p.epoch_time_s for p in history[-RECENT_EPOCHS:] if math.isfinite(p.epoch_time_s)]
+        mean_epoch_s = statistics.fmean(recent) if recent else None
+        done = last.epoch + 1 if last else (0 if run.num_epochs else None)
+        eta = self._eta_s(job, run, state, statistics.median(recent) if recent else None, done)
+        alerts = self._alerts(job, run, state, mean_epoch_s, snapshot)
+        console = run.console_tail()
+        return JobView(
+            job=job,
+            state=state,
+            epoch=done,
+            num_epochs=run.num_epochs,
+            train_loss=_finite(last.train_loss) if last else None,
+            val_loss=_finite(last.val_loss) if last else None,
+            mean_dice=_finite(last.mean_fg_dice) if last else None,
+            ema_dice=_finite(last.ema_fg_dice) if last else None,
+            it_per_s=_finite(last.iterations_per_s) if last else None,
+            eta_s=eta,
+            alerts=alerts,
+            topology=run.topology,
+            history=history,
+            console_tail=console,
+            exit_code=job.exit_code,
+            mean_epoch_time_s=mean_epoch_s,
+            last_event_t=run.last_event_t,
+            num_invalid_events=run.events.num_invalid,
+            invalid_event_reason=run.events.tail.last_invalid_reason,
+            num_cases=run.cases.num_cases,
+            cases_done=run.cases.num_done,
+            seconds_per_case=run.cases.seconds_per_case,
+            running_loss=run.running_points(),
+            final_dice=run.final_dice,
+            validation_done=run.validation[0] if run.validation else None,
+            validation_cases=run.validation[1] if run.validation else None,
+            run_dir_gone=_run_dir_gone(job, run),
+            checkpoints=tuple(run.checkpoints.items()),
+            data_wait_share=_finite(last.data_wait_share) if last else None,
+            class_names=run.class_names,
+        )
+
+    def _eta_s(
+        self, job: Job, run: _RunState, state: State, epoch_s: float | None, done: int | None
+    ) -> float | None:
+        if state not in ACTIVE_STATES:
+            return None
+        if job.kind == PREDICT:
+            return run.cases.eta_s()
+        now = time.time()
+        if state == State.VALIDATING and run.validation and run.validation_t is not None:
+            num_done, num_cases = run.validation
+            if num_done <= 0:
+                return None  # no case done yet: no honest figure
+            per_case_s = max(0.0, now - run.validation_t) / num_done
+            return max(1.0, (num_cases - num_done) * per_case_s)
+        if epoch_s is None or run.num_epochs is None or done is None:
+            return None
+        return training_eta_s(run.num_epochs - done, epoch_s, run.last_epoch_t, now)
+
+    def _alerts(
+        self,
+        job: Job,
+        run: _RunState,
+        state: State,
+        mean_epoch_s: float | None,
+        snapshot: MachineSnapshot | None,
+    ) -> tuple[str, ...]:
+        alerts = []
+        if run.nan_epoch is not None:
+            alerts.append(f"NaN loss at epoch {run.nan_epoch}")
+        if state == State.RUNNING and job.stalled_at is not None:
+            # One rule (stall.py), applied by the job's supervisor, which also sees CPU time
+            # and final validation; a view only reads its verdict.
+            alerts.append(f"stalled: {job.stall_reason or 'no progress'}")
+        if _run_dir_gone(job, run):
+            alerts.append(f"run folder gone: {job.run_dir}")
+        if run.events.num_invalid:
+            alerts.append(f"{run.events.num_invalid} invalid event lines skipped")
+        waiting = data_wait_alert(run.history_points()) if state == State.RUNNING else None
+        if waiting is not None:
+            alerts.append(waiting)
+        if snapshot is not None and not snapshot.simulated and state in WORKING_STATES:
+            for gpu in job.gpus:
+                reading = snapshot.slot(gpu)
+                if reading is not None and reading.lost:
+                    alerts.append(f"GPU {gpu} lost (NVML: GPU is lost): the job cannot go on")
+                if reading is not None and reading.other_users:
+                    alerts.append(f"GPU {gpu} also used by {', '.join(reading.other_users)}")
+        return tuple(alerts)

@@ -1,0 +1,79 @@
+"""The words the screens and `nnui status` use for a job's state, its alerts and what a
+resume continues from: one place, so the table, the header, the dialogs and the CLI agree."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trainer.schema import ENDED_STATES, State, checkpoint_file
+
+if TYPE_CHECKING:
+    from app.services.jobs.views import JobView
+
+
+def state_label(view: JobView) -> str:
+    """The state as users read it, the same in the jobs table and `nnui status`: a kill
+    is "killed by you" (not a failure with exit 143), a final validation shows its cases,
+    a run whose results folder vanished says so."""
+    state = str(view.state)
+    cases = getattr(view, "validation_cases", None)  # getattr: also plain stand-in views
+    if state == State.FAILED and view.exit_code is not None:
+        state = f"failed (exit {view.exit_code})"
+    elif state == State.KILLED:
+        state = "killed by you"  # nnui kill / k: whatever exit code the kill caused
+    elif state == State.VALIDATING and cases:
+        state = f"validating {getattr(view, 'validation_done', 0) or 0}/{cases} cases"
+    if getattr(view, "run_dir_gone", False) and view.state in ENDED_STATES:
+        state += " (run folder gone)"
+    return state
+
+
+RESUME_ORDER = ("final", "latest", "best")  # the trainer's order on equal epochs (--c)
+
+
+def resume_from(view: JobView) -> str:
+    """What a `--c` resume of this job continues from, in words: the checkpoint the trainer
+    will pick (the newest saved one whose file is still there) and its epoch, or that it
+    starts from scratch. Reads only whether the files exist."""
+    folder = Path(view.job.run_dir)
+    if getattr(view.job, "engine", "nnui") == "nnunet":
+        found = [n for n in ("checkpoint_final.pth", "checkpoint_latest.pth")
+                 if (folder / n).is_file()]  # fmt: skip
+        if found:
+            return f"continues from nnU-Net's {found[0]} in {folder}"
+        return f"no checkpoint in {folder}: nnU-Net starts from scratch (epoch 1)"
+    saved = [(kind, done) for kind, done in view.checkpoints
+             if (folder / checkpoint_file(kind)).is_file()]  # fmt: skip
+    if not saved:
+        return f"no checkpoint in {folder}: starts from scratch (epoch 1)"
+    kind, done = min(saved, key=lambda s: (-s[1], RESUME_ORDER.index(s[0])))
+    total = view.num_epochs or "?"
+    return (
+        f"continues from {checkpoint_file(kind)}: {done}/{total} epochs done, next epoch {done + 1}"
+    )
+
+
+def alert_condition(alert: str) -> str:
+    """What an alert is about, without its changing numbers ("stalled: no event for 208 s"
+    and "... 209 s" are one condition): notifications are de-duplicated by it."""
+    return re.sub(r"(?<!GPU )\d+(\.\d+)?", "#", alert)  # a GPU's index names the condition
+
+
+def human_duration(seconds: float | None) -> str:
+    """Every duration users read: `31 s`, `4 min`, `2 h 10 min`; `n/a` when unknown.
+
+    Whole units only: an ETA is an estimate, and `0m` for half a minute read as "done".
+    """
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    whole = max(0, round(seconds))
+    if whole < 60:
+        return f"{whole} s"
+    minutes = round(whole / 60)
+    if minutes < 60:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min" if minutes else f"{hours} h"

@@ -1,0 +1,1 @@
+"""Launching: a request, its checks, the plans, and the Popen of a job's supervisor."""
