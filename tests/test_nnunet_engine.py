@@ -54,6 +54,9 @@ def _kinds(folder: Path) -> list[str]:
 
 
 @pytest.mark.slow
+# Past the suite-wide 600 s: its own safety nets add up to 25 min, and the module fixture
+# (nnU-Net planning and preprocessing) is charged to it; a loaded box took 10 min in all.
+@pytest.mark.timeout(1800)
 def test_launch_stop_and_resume_a_real_nnunet_fold(nnunet_tree):
     tree, folder = nnunet_tree, nnunet_tree["base"] / "res" / FOLD_DIR
     done = _nnui(tree, "launch", "900", "2d", "--cpu", "--folds", "0", "--engine", "nnunet",
