@@ -7,6 +7,10 @@ TORCH  ?= torch==2.13.0
 CONSTRAINTS ?= .ci/constraints-cpu.txt
 DEMO   ?= 900
 PYTEST_ARGS ?=
+# Two pytest-xdist workers (the box has 2 cores, and much of the suite waits on the processes
+# it starts); a worker runs a whole test file (its module fixtures are built once) and the
+# files with the most slow tests go first (tests/conftest.py). PYTEST_XDIST= runs serially.
+PYTEST_XDIST ?= -n 2 --dist loadscope --no-loadscope-reorder
 
 .PHONY: setup demo demo-data demo-train test lint screenshots
 
@@ -41,7 +45,7 @@ demo-train: demo-data
 test: setup
 	$(VENV)/bin/ruff check app trainer tests bench
 	$(VENV)/bin/mypy
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check app trainer tests bench

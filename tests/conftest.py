@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -62,8 +63,13 @@ def demo_preprocessed(demo_raw, tmp_path_factory) -> DemoPreprocessed:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Skip `@pytest.mark.gpu` tests where torch sees no CUDA device (torch is imported
-    only when such a test was collected)."""
+    """Modules with the most `slow` tests first (whole modules, order kept inside): under
+    pytest-xdist (`make test`) a worker takes one module at a time, and the long end-to-end
+    modules started early do not leave one worker finishing alone at the end. Then skip
+    `@pytest.mark.gpu` tests where torch sees no CUDA device (torch is imported only when
+    such a test was collected)."""
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # stable: the collection order otherwise
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
@@ -115,3 +121,18 @@ def _own_cache_dir(tmp_path_factory) -> Iterator[None]:
         os.environ.pop("XDG_CACHE_HOME", None)
     else:
         os.environ["XDG_CACHE_HOME"] = before
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_gpu_claims_dir(tmp_path_factory) -> Iterator[None]:
+    """GPU claims (app/services/gpu_claims.py) are machine-wide flocks in /tmp by default:
+    a job waiting for a free simulated GPU in one test must never wait for another test's
+    job (another pytest-xdist worker, another suite on the box). Tests that need their own
+    folder still set NNUI_GPU_CLAIMS_DIR themselves."""
+    before = os.environ.get("NNUI_GPU_CLAIMS_DIR")
+    os.environ["NNUI_GPU_CLAIMS_DIR"] = str(tmp_path_factory.mktemp("gpu-claims"))
+    yield
+    if before is None:
+        os.environ.pop("NNUI_GPU_CLAIMS_DIR", None)
+    else:
+        os.environ["NNUI_GPU_CLAIMS_DIR"] = before

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+from xml.etree import ElementTree
 
+from rich.cells import cell_len
+from rich.color import Color
+from rich.terminal_theme import SVG_EXPORT_THEME
 from textual import events
 from textual.css.query import NoMatches
 from textual.keys import _character_to_key
@@ -107,6 +113,74 @@ def burst(app: Any, *keys: str) -> None:
         event = events.Key(name, char)
         event.set_sender(app)
         app.post_message(event)
+
+
+# ---- the screen as drawn, through Textual's public SVG export ------------------------
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """A run of text as the terminal shows it: cell column, line, colours after reverse."""
+
+    x: int
+    y: int
+    text: str
+    fg: Color
+    bg: Color
+    bold: bool
+
+
+_SVG = "{http://www.w3.org/2000/svg}"
+_CELL_W, _LINE_H, _TEXT_Y, _RECT_Y = 20 * 0.61, 20 * 1.22, 20.0, 1.5  # Rich's SVG metrics
+
+
+def _cell(value: str | None, base: float, step: float) -> int:
+    return round((float(value or 0) - base) / step)
+
+
+def drawn_runs(app: Any) -> list[Drawn]:
+    """Every non-blank run of text on the current screen, read from `app.export_screenshot()`
+    (the SVG Textual writes: line filters such as NO_COLOR applied, reverse resolved; a run
+    without a background rectangle sits on the SVG's default background)."""
+    svg = ElementTree.fromstring(app.export_screenshot())
+    css = "".join(node.text or "" for node in svg.iter(f"{_SVG}style"))
+    rules = dict(re.findall(r"\.([\w-]+) \{ (fill: #[0-9a-fA-F]{6}[^}]*)\}", css))
+    backgrounds = {
+        (_cell(r.get("x"), 0, _CELL_W), _cell(r.get("y"), _RECT_Y, _LINE_H)): r.get("fill")
+        for r in svg.iter(f"{_SVG}rect")
+        if r.get("shape-rendering") == "crispEdges"
+    }
+    default_bg = SVG_EXPORT_THEME.background_color.hex
+    runs = []
+    for node in svg.iter(f"{_SVG}text"):
+        text = (node.text or "").replace("\xa0", " ")
+        rule = rules.get(node.get("class", ""))
+        if rule is None or not text.strip():
+            continue  # the title, or a line's end
+        x, y = _cell(node.get("x"), 0, _CELL_W), _cell(node.get("y"), _TEXT_Y, _LINE_H)
+        fg, bg = Color.parse(rule[6:13]), Color.parse(backgrounds.get((x, y), default_bg))
+        runs.append(Drawn(x, y, text, fg, bg, "font-weight: bold" in rule))
+    return runs
+
+
+def drawn_cells(app: Any) -> list[list[str]]:
+    """The current screen cell by cell, a list per line (a wide character's second cell
+    holds ""), so that a widget's columns are a slice."""
+    width, height = app.size
+    cells = [[" "] * width for _ in range(height)]
+    for run in drawn_runs(app):
+        x = run.x
+        for char in run.text:
+            for offset in range(cell_len(char)):
+                if x + offset < width:
+                    cells[run.y][x + offset] = "" if offset else char
+            x += cell_len(char)
+    return cells
+
+
+def drawn_lines(app: Any) -> list[str]:
+    """The current screen's lines as the terminal shows them."""
+    return ["".join(line) for line in drawn_cells(app)]
 
 
 def end_job_processes(state_dir: Path) -> None:

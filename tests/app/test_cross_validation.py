@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tui_fixtures import T0, make_roots, screen_of, tui_app, wait_for
+from tui_fixtures import T0, drawn_lines, make_roots, screen_of, tui_app, wait_for
 
 from app.screens.confirm import LaunchConfirmScreen
 from app.screens.cross_validation import CrossValidationScreen
@@ -187,7 +187,7 @@ async def test_the_cv_screen_at_80x24_keeps_dice_and_eta_whole(cv_box) -> None:
             "004 3d_fullres", "0.800", "0.600", "FAIL", "–", "FAIL", "0.70±0.10"]  # fmt: skip
         widths = sum(column.get_render_width(table) for column in table.columns.values())
         assert widths <= table.size.width  # nothing scrolled off: the ETA column is whole
-        footer = screen._compositor.render_strips()[-1].text
+        footer = drawn_lines(app)[-1]
         assert "Back" in footer and "Queue missing/failed folds" in footer
 
 

@@ -143,9 +143,17 @@ def test_a_stop_cancels_a_waiting_job(env: dict) -> None:
 def test_kill_9_of_the_worker_resumes_with_c(env: dict) -> None:
     (job_id,) = launched(nnui(env, "launch", "4", "3d_fullres", "--simulate-gpus", "1", "--folds",
                               "0", "--gpus", "0", "--retries", "2", "--on-event", hook_flag(env),
-                              "--", "--epochs", "6", "--epoch-time", "0.5"))  # fmt: skip
-    assert wait_until(lambda: (status(env)[job_id]["epoch"] or 0) >= 2)
-    (worker,) = status(env)[job_id]["worker_pids"]
+                              "--", "--epochs", "6", "--epoch-time", "3"))  # fmt: skip
+    # Read once: the kill must land before the last epoch however slow `nnui status` is
+    # (with 0.5 s epochs and two reads, a loaded box saw the worker already gone).
+    seen: dict = {}
+
+    def at_epoch_2() -> bool:
+        seen.update(status(env)[job_id])
+        return (seen["epoch"] or 0) >= 2
+
+    assert wait_until(at_epoch_2)
+    (worker,) = seen["worker_pids"]
     os.kill(worker, signal.SIGKILL)  # e.g. the OOM killer: a signal nnui did not send
     assert wait_until(lambda: status(env)[job_id]["state"] == "finished", 240)
     row = status(env)[job_id]

@@ -182,6 +182,11 @@ def setup(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict]:
         and os.environ.get("NNUI_E2E_TRAINER") != "fake"  # quick local runs
     )
     env = {"NNUI_STATE_DIR": str(tmp_path / "state"), "nnUNet_results": str(tmp_path / "results")}
+    # The login shell does not inherit pytest's environment: the suite's isolation from other
+    # tests' trainings (conftest: adoption scope, GPU claims folder) must be passed on.
+    env.update(
+        {k: os.environ[k] for k in ("NNUI_ADOPT_SCOPE", "NNUI_GPU_CLAIMS_DIR") if k in os.environ}
+    )
     if real:
         demo = request.getfixturevalue("demo_preprocessed")
         env["nnUNet_preprocessed"] = str(demo.preprocessed)

@@ -53,7 +53,7 @@ signal.signal(signal.SIGUSR1, record)
 signal.signal(signal.SIGTERM, record)
 held = open(os.environ["FAKE_OPEN"], "a") if os.environ.get("FAKE_OPEN") else None
 print("ready", flush=True)
-time.sleep(120)
+time.sleep(3600)  # outlives the test however slow the box (the test kills it)
 """
 
 
@@ -257,7 +257,7 @@ async def test_forged_and_stale_folders_never_lead_to_a_signal(started, tmp_path
         results = shared / "results"
         results.mkdir(mode=0o777)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_STATE_HOME": str(tmp_path / "state")}
-        bystander = started.start(["sleep", "120"])
+        bystander = started.start(["sleep", "3600"])  # killed at the end: must outlive the test
         other = _other_user()
         victim = None
         if other is not None:

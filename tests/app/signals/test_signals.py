@@ -453,7 +453,8 @@ def test_malformed_topology_sends_nothing(topo: object, tmp_path: Path) -> None:
         == job("single").processes  # fmt: skip
 
 
-@pytest.mark.parametrize("bad", [0, -1, -os.getpid()])
+# Named ids: pytest-xdist workers must collect the same test names (the pid differs).
+@pytest.mark.parametrize("bad", [0, -1, -os.getpid()], ids=["0", "-1", "-own pid"])
 def test_send_refuses_non_pids_without_signalling(bad: int) -> None:
     from app.services.signals.send import _send
 

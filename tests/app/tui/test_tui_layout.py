@@ -16,7 +16,17 @@ from dataclasses import replace
 import pytest
 from rich.color import Color, ColorSystem
 from test_tui_widgets import Gpu, View
-from tui_fixtures import make_roots, screen_of, tui_app, wait_for, write_frozen_runs
+from tui_fixtures import (
+    Drawn,
+    drawn_cells,
+    drawn_lines,
+    drawn_runs,
+    make_roots,
+    screen_of,
+    tui_app,
+    wait_for,
+    write_frozen_runs,
+)
 
 from app.screens.dashboard import DashboardScreen
 from app.screens.job_summary import summary_text
@@ -114,7 +124,7 @@ async def test_every_size_keeps_the_watched_columns(tmp_path, size, num_gpus) ->
         assert table.region.height >= 5  # header + rows, not squeezed out by the panel
 
         def footer() -> str:  # the bottom line as drawn
-            return screen._compositor.render_strips()[-1].text
+            return drawn_lines(app)[-1]
 
         await wait_for(lambda: "Stop" in footer(), pilot)
         for word in ("Launch", "Resume", "Kill", "Help", "Quit"):
@@ -176,23 +186,13 @@ def contrast(a: Color, b: Color) -> float:
     return (hi + 0.05) / (lo + 0.05)
 
 
-def state_segment(app, text: str):
-    """The segment showing `text` as the terminal receives it (after Textual's filters)."""
-    screen = app.screen
-    background = screen.styles.background
-    for strip in screen._compositor.render_strips():
-        for line_filter in app.get_line_filters():
-            strip = strip.apply_filter(line_filter, background)
-        for segment in strip:
-            if text in segment.text:
-                return segment
-    lines = [s.text for s in screen._compositor.render_strips()]
-    raise AssertionError(f"{text!r} not on screen: " + "\n".join(lines))
-
-
-def _fg_bg(style):
-    fg, bg = style.color, style.bgcolor
-    return (bg, fg) if style.reverse else (fg, bg)
+def state_segment(app, text: str) -> Drawn:
+    """The run showing `text` as the terminal shows it (Textual's filters applied, colours
+    after reverse)."""
+    for run in drawn_runs(app):
+        if text in run.text:
+            return run
+    raise AssertionError(f"{text!r} not on screen: " + "\n".join(drawn_lines(app)))
 
 
 @pytest.mark.parametrize("theme", ["dark", "light"])
@@ -204,10 +204,13 @@ async def test_no_color_keeps_states_readable(tmp_path, monkeypatch, theme) -> N
         assert screen.query_one(JobTable).palette == "mono"
         for text in ("failed (exit 3)", "finished", "stopped"):
             segment = state_segment(app, text)
-            fg, bg = _fg_bg(segment.style)
+            fg, bg = segment.fg, segment.bg
             assert contrast(fg, bg) >= 4.5, (text, fg, bg)
-        assert state_segment(app, "failed (exit 3)").style.bold  # a cue beyond colour
-        assert state_segment(app, "failed (exit 3)").style.reverse
+        failed = state_segment(app, "failed (exit 3)")
+        assert failed.bold  # cues beyond colour: bold, and reverse (its row's colours swapped)
+        before = max((r for r in drawn_runs(app) if r.y == failed.y and r.x < failed.x),
+                     key=lambda r: r.x)  # fmt: skip
+        assert (failed.fg, failed.bg) == (before.bg, before.fg), (failed, before)
 
 
 @pytest.mark.parametrize("theme", ["dark", "light"])
@@ -228,7 +231,7 @@ async def test_no_color_keeps_the_failure_summary_readable(tmp_path, monkeypatch
         segments = _segments(app, summary)
         assert any("failed (exit 3)" in s.text for s in segments)
         for segment in segments:
-            fg, bg = _fg_bg(segment.style)
+            fg, bg = segment.fg, segment.bg
             assert contrast(fg, bg) >= 4.5, (segment.text, fg, bg)
 
 
@@ -249,21 +252,14 @@ async def test_no_color_keeps_the_gpu_panel_readable(tmp_path, monkeypatch, them
         await wait_for(lambda: any("bob" in " ".join(_texts(app, c)) for c in cards), pilot)
         for card in cards:
             for segment in _segments(app, card):
-                fg, bg = _fg_bg(segment.style)
+                fg, bg = segment.fg, segment.bg
                 assert contrast(fg, bg) >= 4.5, (segment.text, fg, bg)
 
 
-def _segments(app, widget) -> list:
-    """The non-blank segments of `widget`'s lines as the terminal receives them."""
-    screen, region = app.screen, widget.region
-    strips = screen._compositor.render_strips()
-    found = []
-    for y in range(region.y, region.bottom):
-        strip = strips[y].crop(region.x, region.right)
-        for line_filter in app.get_line_filters():
-            strip = strip.apply_filter(line_filter, screen.styles.background)
-        found += [s for s in strip if s.text.strip()]
-    return found
+def _segments(app, widget) -> list[Drawn]:
+    """The non-blank runs of text inside `widget` as the terminal shows them."""
+    region = widget.region
+    return [r for r in drawn_runs(app) if region.contains(r.x, r.y)]
 
 
 def _texts(app, widget) -> list[str]:
@@ -304,12 +300,12 @@ async def test_light_theme_by_flag_and_key(tmp_path) -> None:
         table = screen.query_one(JobTable)
         assert app.theme == "textual-light" and table.palette == "light"
         for text in ("failed (exit 3)", "finished", "stopped"):
-            fg, bg = _fg_bg(state_segment(app, text).style)
-            assert contrast(fg, bg) >= 4.5, (text, fg, bg)
+            run = state_segment(app, text)
+            assert contrast(run.fg, run.bg) >= 4.5, (text, run.fg, run.bg)
         await pilot.press("t")
         await wait_for(lambda: table.palette == "dark", pilot)
-        fg, bg = _fg_bg(state_segment(app, "failed (exit 3)").style)
-        assert app.theme == "textual-dark" and contrast(fg, bg) >= 3.0
+        run = state_segment(app, "failed (exit 3)")
+        assert app.theme == "textual-dark" and contrast(run.fg, run.bg) >= 3.0
 
 
 @pytest.mark.parametrize("system", [ColorSystem.STANDARD, ColorSystem.EIGHT_BIT])
@@ -326,11 +322,10 @@ def test_state_colours_survive_fewer_colours(palette, system) -> None:
 
 
 def _row_text(app, table: JobTable, job_id: str) -> str:
-    """The row of `job_id` as the terminal shows it (rendered through the compositor)."""
+    """The row of `job_id` as the terminal shows it."""
     region = table.content_region
     y = region.y + 1 + table.get_row_index(job_id)  # under the header row
-    strip = app.screen._compositor.render_strips()[y].crop(region.x, region.right)
-    return "".join(segment.text for segment in strip)
+    return "".join(drawn_cells(app)[y][region.x : region.right])
 
 
 async def test_a_changed_cell_shows_with_only_its_row_repainted(tmp_path) -> None:

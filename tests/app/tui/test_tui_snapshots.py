@@ -9,7 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tui_fixtures import make_roots, screen_of, tui_app, wait_for, write_frozen_runs
+from tui_fixtures import (
+    drawn_lines,
+    make_roots,
+    screen_of,
+    tui_app,
+    wait_for,
+    write_frozen_runs,
+)
 
 from app.screens.dashboard import DashboardScreen
 from app.screens.job_detail import JobDetailScreen
@@ -57,7 +64,7 @@ def loaded(app, num_gpus: int = 2):
         screen = await screen_of(app, pilot, DashboardScreen)
         await wait_for(lambda: _drawn(screen, num_gpus), pilot)
         # The footer draws its keys a frame later; the shot must show them.
-        await wait_for(lambda: "Stop" in screen._compositor.render_strips()[-1].text, pilot)
+        await wait_for(lambda: "Stop" in drawn_lines(app)[-1], pilot)
 
     return run_before
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from fake_trainer import cleanup_jobs, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DATASET = "Dataset900_NnuiDemo"
 NUM_CASES = 3  # fold 'all' validates (and writes the next stage of) every case
 REGIONS = {"background": 0, "whole tumor": [1, 2, 3], "tumor core": [2, 3], "enhancing tumor": 3}

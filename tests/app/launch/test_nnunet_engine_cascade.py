@@ -16,11 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from app.services.launch.stage_inputs import missing_at
 from fake_trainer import cleanup_jobs, wait_until
 from test_cli import launched_ids, nnui, status
 
-ROOT = Path(__file__).resolve().parent.parent
+from app.services.launch.stage_inputs import missing_at
+
+ROOT = Path(__file__).resolve().parents[3]
 FAKE_NNUNET = ROOT / "tests" / "fake_nnunet" / "nnUNetv2_train"
 DATASET = "Dataset901_Cascade"
 CASES = ["a", "b", "c"]
