@@ -37,6 +37,7 @@ SKIPPED_KEYS = frozenset({"v", "kind", "dice_per_class"})
 class JobCurves:
     epochs: list[dict[str, Any]] = field(default_factory=list)  # epoch_ended, by epoch
     running: list[dict[str, Any]] = field(default_factory=list)  # train_loss_running
+    class_names: tuple[str, ...] = ()  # run_started's names of dice_per_class (regions too)
 
 
 def read_curves(job: Job) -> JobCurves:
@@ -44,14 +45,17 @@ def read_curves(job: Job) -> JobCurves:
     events = JobEvents(job.run_dir)
     epochs: dict[int, dict[str, Any]] = {}
     running: dict[tuple[int, int], dict[str, Any]] = {}
+    names: tuple[str, ...] = ()
     for scope, record in events.poll(job).records:
         if scope is Scope.LATER:
             continue
-        if record["kind"] == Kind.EPOCH_ENDED:
+        if record["kind"] == Kind.RUN_STARTED and isinstance(record.get("class_names"), list):
+            names = tuple(str(n) for n in record["class_names"])
+        elif record["kind"] == Kind.EPOCH_ENDED:
             epochs[record["epoch"]] = record
         elif record["kind"] == Kind.TRAIN_LOSS_RUNNING:
             running[(record["epoch"], record["iteration"])] = record
-    return JobCurves([epochs[e] for e in sorted(epochs)], list(running.values()))
+    return JobCurves([epochs[e] for e in sorted(epochs)], list(running.values()), names)
 
 
 def csv_columns(records: list[dict[str, Any]]) -> list[str]:
@@ -108,7 +112,9 @@ def panels(curves: JobCurves) -> list[png_plot.Panel]:
     loss = [("train", series(history, "train_loss")), ("val", series(history, "val_loss")),
             ("train (running)", running_series(running))]  # fmt: skip
     dice = [("Dice", series(history, "mean_fg_dice")), ("EMA", series(history, "ema_fg_dice"))]
-    dice += [(f"class {c}", series(history, f"dice_class_{c}")) for c in range(1, classes + 1)]
+    names = curves.class_names if len(curves.class_names) == classes else ()
+    dice += [(names[c - 1] if names else f"class {c}", series(history, f"dice_class_{c}"))
+             for c in range(1, classes + 1)]  # fmt: skip
     return [_panel("loss", loss), _panel("pseudo Dice", dice),
             _panel("learning rate", [("lr", series(history, "lr"))])]  # fmt: skip
 

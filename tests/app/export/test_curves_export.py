@@ -177,6 +177,23 @@ def test_export_writes_csv_rows_equal_to_the_events_and_a_png(tmp_path: Path, mo
     assert "loss: x (epoch)" in printed and "#1f77b4 train" in printed
 
 
+def test_a_region_runs_png_names_each_dice_series_by_its_region(tmp_path: Path) -> None:
+    """run_started's class_names (a BraTS-style dataset's regions) label the Dice series;
+    a run without them (or with a count that does not match) keeps "class N"."""
+    registry = Registry(tmp_path / "state")
+    job = add_job(registry, tmp_path, "0101-000000-f0-reg")
+    names = ["whole tumor", "tumor core", "enhancing tumor"]
+    write(job, encode_event("run_started", t=NOW - 90, num_epochs=4, class_names=names),
+          *[epoch_line(NOW - 80 + n, n, [0.1, 0.2, 0.3]) for n in range(2)])  # fmt: skip
+    curves = curve_export.read_curves(job)
+    assert curves.class_names == tuple(names)
+    dice = curve_export.panels(curves)[1]
+    assert [series.label for series in dice.series][2:] == names
+    unnamed = curve_export.JobCurves(curves.epochs, curves.running, ("only one",))
+    labels = [series.label for series in curve_export.panels(unnamed)[1].series][2:]
+    assert labels == ["class 1", "class 2", "class 3"]
+
+
 def test_export_errors_are_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("NNUI_STATE_DIR", str(tmp_path / "state"))
     registry = Registry(tmp_path / "state")
