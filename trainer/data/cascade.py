@@ -69,7 +69,8 @@ def check_inputs(
 ) -> None:  # fmt: skip
     """CascadeError naming the previous stage's folds whose validation cases are missing
     (a case is there as CASE<suffix>; stock nnU-Net's numpy dataset writes .npz)."""
-    missing = [c for c in case_ids if not any((folder / f"{c}{s}").is_file() for s in suffixes)]
+    wanted = dict.fromkeys(case_ids)  # fold `all` trains and validates on the same cases
+    missing = [c for c in wanted if not any((folder / f"{c}{s}").is_file() for s in suffixes)]
     if not missing:
         return
     folds = sorted({i for i, s in enumerate(splits) for c in missing if c in s.get("val", ())})

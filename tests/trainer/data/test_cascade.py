@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from trainer import schema
-from trainer.data.cascade import NEXT_STAGE_DIR
+from trainer.data.cascade import NEXT_STAGE_DIR, CascadeError, check_inputs
 from trainer.data.image_io import read_image
 from trainer.demo import DEMO_DATASET, make_demo_dataset
 
@@ -114,6 +114,19 @@ def test_cascade_before_its_lowres_folds_names_them_and_writes_nothing(cascade):
     assert "train 3d_lowres fold(s) 1, 2, 3, 4 first" in err, err
     run_dir = schema.run_dir(cascade / "res", DEMO_DATASET, CASCADE, "0")
     assert not run_dir.exists()
+
+
+def test_fold_all_counts_each_missing_case_once(tmp_path: Path) -> None:
+    """Fold `all` trains and validates on the same cases: the refusal counts them once."""
+    from types import SimpleNamespace
+
+    (tmp_path / "b.b2nd").write_bytes(b"")
+    splits = [{"train": ["b", "c"], "val": ["a"]}, {"train": ["a", "b"], "val": ["c"]}]
+    plan = SimpleNamespace(name="3d_cascade_fullres", previous_stage="3d_lowres")
+    with pytest.raises(CascadeError) as refused:
+        check_inputs(tmp_path, ["a", "b", "c", "a", "b", "c"], splits, plan)
+    assert "segmentations of 2 case(s) (a ...)" in str(refused.value)
+    assert "fold(s) 0, 1 first" in str(refused.value)
 
 
 def test_lowres_fold_writes_its_validation_cases_for_the_next_stage(cascade):
