@@ -611,3 +611,34 @@ def with_close_flag(message: str, known_flags: Iterable[str]) -> str:
             if close:
                 return f"{message} (did you mean {close[0]}?)"
     return message
+
+
+def nnunet_classes(labels: dict[str, Any]) -> list[tuple[str, str]]:
+    """(dataset.json name, nnU-Net's summary.json key) of what nnU-Net's pseudo Dice and
+    validation are per, in nnU-Net's order. Regions (some entry lists several labels, as
+    nnU-Net's label manager decides): every entry but `ignore` and background, in
+    dataset.json's order (a single value is a region too: BraTS's "enhancing": 3); else
+    the foreground labels by value, the ignore label left out. Unreadable entries: []."""
+    try:
+        ignore = labels.get("ignore")
+        has_regions = any(isinstance(v, (list, tuple)) and len(v) > 1 for v in labels.values())
+        out: list[tuple[str, str]] = []
+        if has_regions:
+            for name, value in labels.items():
+                if name == "ignore":
+                    continue
+                listed = isinstance(value, (list, tuple))
+                region: tuple[int, ...] | int = (
+                    tuple(int(v) for v in value) if listed else int(value)
+                )
+                if region == 0 or (isinstance(region, tuple) and set(region) == {0}):
+                    continue
+                out.append((str(name), str(region)))  # str(): nnU-Net's summary.json key
+            return out
+        by_value: dict[int, str] = {}
+        for name, value in labels.items():
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                by_value.setdefault(int(v), str(name))
+        return [(by_value[v], str(v)) for v in sorted(by_value) if v != 0 and v != ignore]
+    except (TypeError, ValueError, AttributeError):
+        return []

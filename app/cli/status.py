@@ -115,6 +115,7 @@ def watch_only_dict(view: JobView) -> dict[str, Any]:
             "phase": run.phase,
             "num_epochs_source": run.num_epochs_source,
             "dice_per_class": list(run.dice_per_class),
+            "class_names": list(run.class_names),
             "lr": run.lr,
             "epoch_time_s": run.epoch_time_s,
             "median_epoch_time_s": run.median_epoch_time_s,

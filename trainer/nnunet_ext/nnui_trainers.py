@@ -37,7 +37,7 @@ from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
 
 from trainer import stop
 from trainer.events import RunRecorder
-from trainer.schema import NNUNET_WRAP_SUFFIX, Kind, State
+from trainer.schema import NNUNET_WRAP_SUFFIX, Kind, State, nnunet_classes
 
 stop.install()
 
@@ -263,36 +263,11 @@ class NnuiHooks(_Mixin):
         sys.exit(0)  # skips nnU-Net's final validation; a spawned rank exits 0 too
 
 
-def classes(labels: dict, has_regions: bool, ignore: int | None) -> list[tuple[str, str]]:
-    """(dataset.json name, nnU-Net's summary.json key) of what nnU-Net's pseudo Dice and
-    validation are per, in nnU-Net's order: its regions in dataset.json's order (every entry
-    but `ignore` and background; a single value is a region too: BraTS's "enhancing": 3),
-    else its foreground labels by value (the ignore label left out)."""
-    out: list[tuple[str, str]] = []
-    if has_regions:
-        for name, value in labels.items():
-            if name == "ignore":
-                continue
-            listed = isinstance(value, (list, tuple))
-            region: tuple[int, ...] | int = tuple(int(v) for v in value) if listed else int(value)
-            if region == 0 or (isinstance(region, tuple) and set(region) == {0}):
-                continue
-            out.append((str(name), str(region)))  # str(): nnU-Net's label_or_region_to_key
-        return out
-    by_value: dict[int, str] = {}
-    for name, value in labels.items():
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            by_value.setdefault(int(v), str(name))
-    return [(by_value[v], str(v)) for v in sorted(by_value) if v != 0 and v != ignore]
-
-
 def trainer_classes(trainer) -> list[tuple[str, str]]:
-    """classes() of an nnU-Net trainer (its dataset.json and label manager); [] unreadable."""
+    """schema.nnunet_classes of an nnU-Net trainer's dataset.json; [] unreadable."""
     try:
-        manager = trainer.label_manager
-        labels = trainer.dataset_json["labels"]
-        return classes(labels, manager.has_regions, manager.ignore_label)
-    except (AttributeError, KeyError, TypeError, ValueError):
+        return nnunet_classes(trainer.dataset_json["labels"])
+    except (AttributeError, KeyError, TypeError):
         return []
 
 

@@ -332,7 +332,7 @@ def watch_only_view(run: WatchOnlyRun, console_tail: tuple[str, ...] = ()) -> Jo
         it_per_s=it_per_s, eta_s=run.eta_s, alerts=(), topology=None,
         history=tuple(_watch_point(s) for s in run.history), console_tail=console_tail,
         exit_code=None, mean_epoch_time_s=run.median_epoch_time_s,
-        last_event_t=run.log_mtime, watch_only=True, watch=run,
+        last_event_t=run.log_mtime, watch_only=True, watch=run, class_names=run.class_names,
     )  # fmt: skip
 
 

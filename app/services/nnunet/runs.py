@@ -27,6 +27,7 @@ How a process is matched to its fold folder, and the limits of that:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shlex
@@ -61,6 +62,7 @@ from trainer.schema import (
     NNUNET_EXT_DIR,
     NNUNET_EXT_ENV,
     NNUNET_WRAP_SUFFIX,
+    nnunet_classes,
 )
 
 RUN_ID_PREFIX = "nnunet:"  # a watch-only run's id: "nnunet:<pid of its nnUNetv2_train>"
@@ -268,6 +270,7 @@ class WatchOnlyRun:
     sigusr1_handler: bool | None  # SigCgt of the nnUNetv2_train process (None: unreadable)
     history: tuple[EpochStats, ...]
     watch_only: bool = True
+    class_names: tuple[str, ...] = ()  # of dice_per_class: the run folder's dataset.json
 
     @property
     def configuration(self) -> str:
@@ -407,8 +410,18 @@ class NnunetRunWatcher:
             epoch_time_s=_finite(last.epoch_time_s) if last else None,
             median_epoch_time_s=median_epoch_s(stats), eta_s=eta_s(stats, schedule.num_epochs),
             final_dice=logs[-1].final_dice if logs else None, sigusr1_handler=row.sigcgt_usr1,
-            history=tuple(stats),
+            history=tuple(stats), class_names=_class_names(fold_dir),
         )  # fmt: skip
+
+
+def _class_names(fold_dir: Path) -> tuple[str, ...]:
+    """Names of nnU-Net's per-class pseudo Dice, from the dataset.json nnU-Net copies beside
+    its folds (regions by their names, in its order); () when unreadable."""
+    try:
+        labels = json.loads((fold_dir.parent / "dataset.json").read_text())["labels"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ()
+    return tuple(name for name, _ in nnunet_classes(labels)) if isinstance(labels, dict) else ()
 
 
 def watch_only_runs(

@@ -24,7 +24,7 @@ from nnunetv2.evaluation.evaluate_predictions import (  # noqa: E402
 from nnunetv2.utilities.label_handling.label_handling import LabelManager  # noqa: E402
 
 from app.services.class_dice import fold_class_dice  # noqa: E402
-from trainer.schema import encode_event  # noqa: E402
+from trainer.schema import encode_event, nnunet_classes  # noqa: E402
 
 BRATS = {"background": 0, "whole tumor": [1, 2, 3], "tumor core": [2, 3], "enhancing tumor": 3}
 CASES = [
@@ -48,7 +48,7 @@ def _nnunet_classes(manager: LabelManager) -> list:
 @pytest.mark.parametrize(("labels", "order", "names"), CASES)
 def test_names_and_keys_follow_nnunets_label_manager(labels, order, names) -> None:
     manager = _manager(labels, order)
-    found = nnui_trainers.classes(labels, manager.has_regions, manager.ignore_label)
+    found = nnunet_classes(labels)  # what the app reads from a run's dataset.json too
     assert [name for name, _ in found] == names
     # one name per pseudo-Dice entry, in nnU-Net's order, keyed as its summary.json keys them
     expected = [label_or_region_to_key(c) for c in _nnunet_classes(manager)]
@@ -70,7 +70,7 @@ def test_validation_finished_is_per_class_in_nnunets_order_with_names(
     summary = tmp_path / "validation" / "summary.json"
     summary.parent.mkdir()
     save_summary_json(results, str(summary))  # nnU-Net's own writer (keys sorted as text)
-    classes = nnui_trainers.classes(labels, manager.has_regions, manager.ignore_label)
+    classes = nnunet_classes(labels)
     fields = nnui_trainers._read_summary(str(summary), classes)
     assert fields is not None
     assert fields["class_names"] == names and fields["num_cases"] == 2

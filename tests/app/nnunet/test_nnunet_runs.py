@@ -18,7 +18,7 @@ import pytest
 from fake_trainer import wait_until
 
 from app.services.jobs.registry import Registry
-from app.services.jobs.views import JobTracker
+from app.services.jobs.views import JobTracker, watch_only_view
 from app.services.machine.gpus import GpuProcess, GpuSnapshot, MachineSnapshot
 from app.services.machine.procs import ProcRow, process_start_ticks, read_sigcgt_usr1
 from app.services.nnunet.log import (
@@ -253,6 +253,23 @@ def _row(
                    environ=environ, sigcgt_usr1=handler)  # fmt: skip
 
 
+def test_a_region_runs_dice_is_named_by_its_regions(tmp_path: Path) -> None:
+    """The dataset.json nnU-Net copies beside its folds names the per-class pseudo Dice:
+    regions by name in nnU-Net's order (the board's curves and `nnui status` show them)."""
+    results = tmp_path / "results"
+    fold = _fold(results)
+    labels = {"background": 0, "whole tumor": [1, 2, 3], "tumor core": [2, 3], "enhancing": 3}
+    (fold.parent / "dataset.json").write_text(json.dumps({"labels": labels}))
+    rows = [_row(100, ("900", "2d", "0"), time.time() - 60,
+                 environ={"nnUNet_results": str(results)})]  # fmt: skip
+    (run,) = watch_only_runs([results], procs=rows)
+    assert run.class_names == ("whole tumor", "tumor core", "enhancing")
+    assert watch_only_view(run).class_names == run.class_names
+    (fold.parent / "dataset.json").write_text("{not json")
+    (run,) = watch_only_runs([results], procs=rows)
+    assert run.class_names == ()
+
+
 def test_discovery_matches_processes_to_their_fold_folders(tmp_path: Path) -> None:
     results, elsewhere = tmp_path / "results", tmp_path / "other"
     now = time.time()
@@ -422,6 +439,7 @@ def test_status_lists_and_stop_refuses_a_hand_started_run(tmp_path: Path, handle
         assert row["watch_only"] is True and row["id"] == f"nnunet:{process.pid}"
         assert row["pids"] == sorted(pids) and row["epoch"] == 2 and row["num_epochs"] == 1000
         assert row["dice_per_class"] == [0.4, 0.2] and row["sigusr1_handler"] is handler
+        assert row["class_names"] == []  # the fake run folder has no dataset.json
         assert row["eta_s"] == pytest.approx((1000 - 2) * (13 + 12.5) / 2)  # median epoch
         table = _nnui(env, "status").stdout
         assert "watch-only" in table and f"nnunet:{process.pid}" in table
