@@ -8,8 +8,8 @@ Every entry point runs this module's top first (the console script imports main 
 here, `python -m trainer` and torchrun's `-m trainer` via trainer/__main__.py, spawned ranks
 when they re-import the main script), so its first statement installs the SIGUSR1 flag
 handler, before any other import: a stop request from then on is kept, not fatal (the
-interpreter's own start-up before it is the one unavoidable window; README). `import torch`
-stays out of the top level.
+interpreter's own start-up before it is the one unavoidable window; docs/training.md).
+`import torch` stays out of the top level.
 """
 
 # ruff: noqa: E402  (the SIGUSR1 handler goes in before the other imports)
