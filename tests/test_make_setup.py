@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 REPO = Path(__file__).resolve().parents[1]
 TORCH = "torch==2.13.0"  # the Makefile's default TORCH
 CONSTRAINTS = ".ci/constraints-cpu.txt"  # its default CONSTRAINTS
-PROJECT = f"-c {CONSTRAINTS} -e .[dev,nnunet]"
+PROJECT = f"-c {CONSTRAINTS} -e .[dev,nnunet,plot]"
 
 # <venv>/bin/python. FAKE_PROJECT: "ok" (an install makes the project import), "once" (a
 # plain install leaves it broken, --force-reinstall repairs it), "never" (nothing does).
