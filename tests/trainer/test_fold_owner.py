@@ -28,7 +28,9 @@ def _second(argv: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_second_trainer_is_refused_and_the_first_finishes_unharmed(demo_preprocessed, tmp_path):
-    argv = [*train_argv(demo_preprocessed, tmp_path), "--epochs", "50"]
+    # Epochs it cannot finish however slowly the second trainer starts on a loaded box (50
+    # were done once before the refusal came): only the stop below ends it.
+    argv = [*train_argv(demo_preprocessed, tmp_path), "--epochs", "100000"]
     first = start(argv, tmp_path / "first.log")
     folder = run_dir(tmp_path)
     try:
