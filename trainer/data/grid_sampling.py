@@ -64,15 +64,30 @@ def _fill_share(grid: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
     return (1 - inside).unsqueeze(1)
 
 
-def _resample_labels(
+def resample_labels(
     seg: torch.Tensor, grid: torch.Tensor, outside: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """seg (b, 1, *in) integer sampled at grid: each foreground label's indicator linearly
-    interpolated, background's score 1 - their sum, argmax (the lowest label on ties).
-    nnU-Net's segmentation mode: thin structures keep their shape under rotation instead
-    of nearest's jagged steps. `outside` (b, 1, *in) bool, nnU-Net's -1 label, is a label
-    of its own that the fill belongs to, first in the argmax (ties go to it); returns
-    where it won (None without it). Without it the fill counts as background."""
+    """seg (b, 1, *in) integer sampled at grid as nnU-Net's segmentation mode does: each
+    label's indicator linearly interpolated and the largest wins, so thin structures keep
+    their shape under rotation instead of nearest's jagged steps. With `outside` (b, 1, *in)
+    bool, nnU-Net's -1 label, that is a label of its own, and the zero fill beyond the input
+    belongs to it (else to background). Ties go to the lowest label, the outside label
+    first; returns the labels (the outside's as 0) and where the outside won (None without).
+
+    Two ways to the same labels, each the cheaper one on CPU for its dimensionality (the
+    tests hold them equal): 2D samples every indicator (grid_sample's 2D kernel is
+    vectorised), 3D looks labels up per block of corners (its 3D kernel is not)."""
+    if seg.ndim == 5:
+        return _labels_by_blocks(seg, grid, outside)
+    return _labels_by_indicators(seg, grid, outside)
+
+
+def _labels_by_indicators(
+    seg: torch.Tensor, grid: torch.Tensor, outside: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """resample_labels by grid_sample of each foreground label's indicator (background's
+    score 1 - their sum; the outside's indicator sampled minus 1 and 1 added back, so the
+    fill scores for it) and a running maximum."""
     # Labels present: a bincount of the (small, non-negative) label values is ~10x faster
     # on CPU than torch.unique's sort.
     counts = torch.bincount(seg.reshape(-1).to(torch.int64 if seg.is_cuda else seg.dtype))
@@ -125,6 +140,132 @@ def _resample_labels(
     return out, won_outside
 
 
+# Codes of the label map the segmentation is resampled from: the labels themselves (>= 0),
+# nnU-Net's -1 label ("outside the body") as -1, MIXED for a 2^d block of differing codes.
+OUTSIDE = -1
+MIXED = -2
+_PAD = 2  # fill voxels around the input: a block beyond it is all fill (see _block_codes)
+
+
+def _codes(seg: torch.Tensor, outside: torch.Tensor | None) -> torch.Tensor:
+    """(b, *(in + 4)) int16: seg's labels, OUTSIDE where `outside`, in a border of _PAD
+    voxels of the fill (bilinear sampling's zero padding): the outside label with an outside
+    mask, else background."""
+    fill = OUTSIDE if outside is not None else 0
+    spatial = seg.shape[2:]
+    codes = torch.full(
+        (seg.shape[0], *[n + 2 * _PAD for n in spatial]), fill, dtype=torch.int16,
+        device=seg.device,
+    )  # fmt: skip
+    inner = codes[(slice(None), *[slice(_PAD, _PAD + n) for n in spatial])]
+    inner.copy_(seg[:, 0])
+    if outside is not None:
+        inner.masked_fill_(outside[:, 0], OUTSIDE)
+    return codes
+
+
+def _block_codes(codes: torch.Tensor) -> torch.Tensor:
+    """(b, *(n - 1)) the code shared by the 2^d voxels of each block codes[k:k+2, ...] (k
+    per axis), MIXED where they differ: min and max over the block, axis by axis."""
+    lo = hi = codes
+    for axis in range(1, codes.ndim):
+        n = codes.shape[axis] - 1
+        lo = torch.minimum(lo.narrow(axis, 0, n), lo.narrow(axis, 1, n))
+        hi = torch.maximum(hi.narrow(axis, 0, n), hi.narrow(axis, 1, n))
+    return lo.masked_fill_(lo != hi, MIXED)
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return out[::-1]
+
+
+def _labels_by_blocks(
+    seg: torch.Tensor, grid: torch.Tensor, outside: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """resample_labels without sampling every label at every voxel (the indicators'
+    grid_sample cost a moved 3D sample more than its image): an output voxel whose 2^d
+    interpolation corners hold one code takes it, looked up in the map of 2^d blocks; only
+    voxels at a boundary (a few %) weigh their corners, with grid_sample's own arithmetic
+    (its unnormalisation, corners and weights)."""
+    b, spatial = seg.shape[0], tuple(seg.shape[2:])
+    ndim = len(spatial)
+    codes = _codes(seg, outside)
+    blocks = _block_codes(codes).to(grid.dtype).unsqueeze(1)
+    # Block k (per axis) covers voxels k - _PAD and k - _PAD + 1: the one a voxel coordinate
+    # u falls in is floor(u) + _PAD, which nearest sampling at u + _PAD - 0.5 gives, i.e. at
+    # the normalised grid scaled by n / (n + 2 _PAD - 1) per axis ('border': beyond the
+    # edge blocks all is fill). Where u is within rounding of an integer nearest may take
+    # the neighbouring block; that one holds the corner plane with all the weight, so a
+    # single code there is still the answer.
+    scale = torch.tensor(
+        [n / (n + 2 * _PAD - 1) for n in reversed(spatial)], dtype=grid.dtype, device=grid.device
+    )
+    picked = F.grid_sample(
+        blocks, grid * scale, mode="nearest", padding_mode="border", align_corners=False
+    ).to(torch.int16)[:, 0]
+    strides = _strides(tuple(codes.shape[1:]))
+    for i in range(b):
+        flat = picked[i].view(-1)
+        mixed = (flat == MIXED).nonzero().squeeze(1)
+        if len(mixed):
+            points = grid[i].reshape(-1, ndim)[mixed]
+            flat[mixed] = _weigh_corners(codes[i].reshape(-1), points, spatial, strides)
+    won = (picked == OUTSIDE).unsqueeze(1) if outside is not None else None
+    return picked.clamp_min_(0).to(seg.dtype).unsqueeze(1), won
+
+
+def _weigh_corners(
+    codes: torch.Tensor, points: torch.Tensor, spatial: tuple[int, ...], strides: list[int]
+) -> torch.Tensor:
+    """The winning code at M points (normalised grid coordinates, (M, ndim) in x, y, z
+    order) of the padded code map `codes` (flat, its strides): each code's summed corner
+    weights, the largest wins, ties to the lowest code (the order of the indicators in a
+    first-maximum argmax)."""
+    ndim = len(spatial)
+    coords, floors = [], []
+    base = None
+    for axis, n in enumerate(spatial):
+        # grid_sample's unnormalisation (align_corners=False): ((g + 1) n - 1) / 2
+        coord = points[:, ndim - 1 - axis].add(1).mul_(n).sub_(1).div_(2)
+        floor = coord.floor()
+        coords.append(coord)
+        floors.append(floor)
+        step = floor.add(_PAD).to(torch.int64).mul_(strides[axis])
+        base = step if base is None else base.add_(step)
+    assert base is not None  # spatial has axes
+    # per axis the weights of the low and the high corner, as grid_sample computes them
+    low = [f + 1 - c for f, c in zip(floors, coords, strict=True)]
+    high = [c - f for f, c in zip(floors, coords, strict=True)]
+    corner_codes, corner_weights = [], []
+    for corner in range(2**ndim):
+        ups = [(corner >> (ndim - 1 - axis)) & 1 for axis in range(ndim)]
+        offset = sum(u * s for u, s in zip(ups, strides, strict=True))
+        corner_codes.append(codes.take(base + offset))
+        # grid_sample multiplies the x factor first, then y, then z
+        factors = [(high if u else low)[axis] for axis, u in enumerate(ups)][::-1]
+        weight = factors[0]
+        for factor in factors[1:]:
+            weight = weight * factor
+        corner_weights.append(weight)
+    stacked, weights = torch.stack(corner_codes), torch.stack(corner_weights)
+    best = winner = None
+    # codes in ascending order (OUTSIDE, background, labels); one absent from these
+    # corners scores 0 everywhere and never ends up the winner (some code scores > 0)
+    for code in range(int(stacked.min()), int(stacked.max()) + 1):
+        score = (weights * (stacked == code)).sum(0)
+        if best is None or winner is None:
+            best, winner = score, torch.full_like(stacked[0], code)
+        else:
+            winner.masked_fill_(score > best, code)
+            best = torch.maximum(best, score)
+    assert winner is not None  # every point has corners
+    return winner
+
+
 def spatial_transform(
     data: torch.Tensor,
     seg: torch.Tensor,
@@ -171,7 +312,7 @@ def spatial_with_outside(
     read_size: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """spatial_transform, and with masked channels (use_mask_for_norm) where the outside
-    label (outside_body) won (see _resample_labels); None without.
+    label (outside_body) won (see resample_labels); None without.
 
     The input is first cut to the voxels the grid can touch: the labels' indicators, their
     resampling and the outside mask then cost what is sampled, not the whole read (the
@@ -202,7 +343,7 @@ def spatial_with_outside(
         if shift[axis] != 0:
             grid[..., k].add_(shift[axis] / half_in[axis].item())
     data = F.grid_sample(data, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-    return (data, *_resample_labels(seg, grid, outside))
+    return (data, *resample_labels(seg, grid, outside))
 
 
 def centre_crop(x: torch.Tensor, out_size: tuple[int, ...]) -> torch.Tensor:
