@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.data.grid_sampling import (
-    centre_crop,
+    centre_into,
     outside_body,
     spatial_with_outside,
     touched_box,
@@ -236,13 +236,15 @@ def _rotate_and_scale(
     out_size: tuple[int, ...],
     masked: list[int],
     read_size: tuple[int, ...] | None,
+    start: tuple[int, ...] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One sample (C, *read) resampled at its drawn rotation / zoom about the centre, cut
-    to out_size: (image, seg, outside mask or None without masked channels)."""
+    """One sample (C, *read) (or its part at start) resampled at its drawn rotation /
+    zoom about the centre, cut to out_size: (image, seg, outside mask or None without
+    masked channels)."""
     matrix = _matrix(u, config, data.ndim - 1)[None]
     # the outside (masked channels) is resampled as a label of its own
     image, label, outside = spatial_with_outside(
-        data[None], seg[None], matrix, out_size, masked, read_size
+        data[None], seg[None], matrix, out_size, masked, read_size, start
     )
     return image[0], label[0], None if outside is None else outside[0]
 
@@ -327,12 +329,14 @@ def augment_batch(
     noise_generator: torch.Generator | None = None,
     patch_size: tuple[int, ...] | None = None,
     read_size: tuple[int, ...] | None = None,
+    starts: Sequence[tuple[int, ...]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """data (b, C, *read) float, seg (b, 1, *read) integer; returns new tensors of
     patch_size (default: read), cut from the centre of the read (read_size(patch_size)).
     data and seg may also be b per-sample tensors, each the whole read or, with
-    read_size given, just its sample_windows window (the same voxels); the input is
-    never written to.
+    read_size and starts given, a part of it at starts[i] (a reader fetches what of its
+    sample_windows window lies inside the image), the rest of the read being the zero
+    fill; the input is never written to.
 
     `generator` is a CPU generator for the per-sample parameters; `noise_generator` lives
     on data.device for the noise field (defaults to one seeded from `generator`).
@@ -340,6 +344,7 @@ def augment_batch(
     samples, seg_samples = list(data), list(seg)
     b, first = len(samples), samples[0]
     out = tuple(patch_size) if patch_size is not None else tuple(first.shape[1:])
+    read = tuple(read_size) if read_size is not None else tuple(first.shape[1:])
     draws = _draw((b, first.shape[0], first.ndim - 1), first.device, generator, noise_generator)
     masked = [c for c, on in enumerate(config.mask_channels) if on and c < first.shape[0]]
     images = torch.empty((b, first.shape[0], *out), dtype=first.dtype, device=first.device)
@@ -347,15 +352,16 @@ def augment_batch(
     # Samples in order: the noise generator's stream is consumed sample by sample.
     for i in range(b):
         x, y, outside = images[i], labels[i], None
+        start = tuple(starts[i]) if starts is not None else (0,) * len(read)
         if _moves(draws.u[i], config):
             image, label, outside = _rotate_and_scale(
-                samples[i], seg_samples[i], draws.u[i], config, out, masked, read_size
+                samples[i], seg_samples[i], draws.u[i], config, out, masked, read, start
             )
             x.copy_(image)
             y.copy_(label)
         else:
-            x.copy_(centre_crop(samples[i], out))
-            y.copy_(centre_crop(seg_samples[i], out))
+            centre_into(x, samples[i], start, read)
+            centre_into(y, seg_samples[i], start, read)
             if masked:
                 outside = outside_body(x[None], y[None], masked)[0]
         _intensities_(x, draws, i, config)

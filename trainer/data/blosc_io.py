@@ -136,38 +136,23 @@ def _read_into(array, key: tuple[slice, ...], out: np.ndarray) -> None:
         out[...] = array[key]
 
 
-def _fill_outside(out: np.ndarray, inner: tuple[slice, ...], fill) -> None:
-    """Set out to fill outside the box `inner` of its trailing axes (the box left as is)."""
-    lead = out.ndim - len(inner)
-    for k, s in enumerate(inner):
-        done = (slice(None),) * lead + tuple(inner[:k])
-        out[(*done, slice(0, s.start))] = fill
-        out[(*done, slice(s.stop, None))] = fill
-
-
-def read_padded_into(
-    array, lower: tuple[int, ...], out: np.ndarray, buffers: ReadBuffers, fill: float = 0
-) -> np.ndarray:
-    """read_padded(array, lower, out.shape[trailing], fill) written into `out` (C-contiguous,
-    the array's leading axes then the box), reading blosc2 straight into it when the box
-    lies inside the array, else through buffers' "inside" slot."""
+def read_inside(
+    array, lower: tuple[int, ...], size: tuple[int, ...], buffers: ReadBuffers, slot: str
+) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The part of the box [lower, lower + size) of the trailing axes that lies inside the
+    array, read straight into buffers' slot (C-contiguous, the leading axes kept), and
+    where it starts in the box. No padding is written: whoever uses it knows the rest is
+    the zero fill. A box that misses the array gives one zero voxel at its start."""
     ndim = len(lower)
     lead = tuple(array.shape[: array.ndim - ndim])
-    size = out.shape[len(lead) :]
-    src, dst = [], []
+    src = []
     for lo, n, full in zip(lower, size, array.shape[array.ndim - ndim :], strict=True):
         start, stop = max(lo, 0), min(lo + n, full)
         if stop <= start:
-            out.fill(fill)
-            return out
+            empty = buffers.take(slot, lead + (1,) * ndim, array.dtype)
+            empty.fill(0)
+            return empty, (0,) * ndim
         src.append(slice(start, stop))
-        dst.append(slice(start - lo, stop - lo))
-    keep = (slice(None),) * len(lead)
-    if all(s.stop - s.start == n for s, n in zip(dst, size, strict=True)):
-        _read_into(array, keep + tuple(src), out)
-        return out
-    inside = buffers.take("inside", lead + tuple(s.stop - s.start for s in src), out.dtype)
-    _read_into(array, keep + tuple(src), inside)
-    _fill_outside(out, tuple(dst), fill)
-    out[keep + tuple(dst)] = inside
-    return out
+    out = buffers.take(slot, lead + tuple(s.stop - s.start for s in src), array.dtype)
+    _read_into(array, (slice(None),) * len(lead) + tuple(src), out)
+    return out, tuple(s.start - lo for s, lo in zip(src, lower, strict=True))

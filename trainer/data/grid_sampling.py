@@ -310,27 +310,24 @@ def spatial_with_outside(
     out_size: tuple[int, ...] | None,
     masked: list[int] | None = None,
     read_size: tuple[int, ...] | None = None,
+    start: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """spatial_transform, and with masked channels (use_mask_for_norm) where the outside
     label (outside_body) won (see resample_labels); None without.
 
-    The input is first cut to the voxels the grid can touch: the labels' indicators, their
-    resampling and the outside mask then cost what is sampled, not the whole read (the
-    read is sized for the largest rotation and zoom). With read_size (the read's size)
-    different from the input's, the input is that cut already (a reader fetched only it)."""
+    The input may be a part of the read (read_size) starting at `start` (a reader fetched
+    only what lies inside the image); the rest of the read is the zero fill, as a padded
+    read would hold it: image 0, background, the outside label with masked channels. It is
+    cut to the voxels the grid can touch first: the outside mask and the labels then cost
+    what is sampled, not the whole read (sized for the largest rotation and zoom)."""
     full = tuple(read_size) if read_size is not None else tuple(data.shape[2:])
     out = tuple(out_size) if out_size is not None else full
     ndim = len(full)
-    box = touched_box(matrices, full, out)
-    if tuple(data.shape[2:]) == full:
-        keep = (slice(None), slice(None), *box)
-        data, seg = data[keep], seg[keep]
-    elif tuple(data.shape[2:]) != tuple(b.stop - b.start for b in box):
-        raise ValueError(f"input {tuple(data.shape[2:])} is neither the read nor its cut")
+    data, seg, start = _cut(data, seg, start, touched_box(matrices, full, out))
     outside = outside_body(data, seg, masked) if masked else None
     spatial = tuple(data.shape[2:])
     # the full input's centre, in voxels from the cut's centre
-    shift = [n / 2 - b.start - k / 2 for n, b, k in zip(full, box, spatial, strict=True)]
+    shift = [n / 2 - s - k / 2 for n, s, k in zip(full, start, spatial, strict=True)]
     # grid_sample's normalised coordinates are per-axis scaled and in (x, y, z) order:
     # input voxel offset M @ (output offset) + shift, each axis in its own half-length.
     half_in = torch.tensor([n / 2.0 for n in spatial], dtype=matrices.dtype)
@@ -344,6 +341,51 @@ def spatial_with_outside(
             grid[..., k].add_(shift[axis] / half_in[axis].item())
     data = F.grid_sample(data, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
     return (data, *resample_labels(seg, grid, outside))
+
+
+def _cut(
+    data: torch.Tensor, seg: torch.Tensor, start: tuple[int, ...] | None, box: tuple[slice, ...]
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """(data, seg) (b, C, *part) at `start` (None: 0) cut to the box, and where the cut
+    starts; a part the box misses becomes one voxel of the fill."""
+    begin = tuple(start) if start is not None else (0,) * len(box)
+    spatial = tuple(data.shape[2:])
+    lo = [max(b.start, s) for b, s in zip(box, begin, strict=True)]
+    hi = [min(b.stop, s + k) for b, s, k in zip(box, begin, spatial, strict=True)]
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        one = (*data.shape[:2], *[1] * len(box))
+        return data.new_zeros(one), seg.new_zeros((seg.shape[0], 1, *one[2:])), tuple(lo)
+    keep = (slice(None), slice(None),
+            *(slice(low - s, h - s) for low, h, s in zip(lo, hi, begin, strict=True)))  # fmt: skip
+    return data[keep], seg[keep], tuple(lo)
+
+
+def centre_into(
+    out: torch.Tensor, part: torch.Tensor, start: tuple[int, ...], read: tuple[int, ...]
+) -> None:
+    """Write into out (..., *patch) the centre patch of a read (read, nnU-Net's crop of a
+    sample it does not rotate or scale: start floor(n / 2) - patch // 2) of which only
+    `part` (..., *k) at `start` is given; the rest is the zero fill."""
+    ndim = len(read)
+    patch = tuple(out.shape[-ndim:])
+    corner = [n // 2 - p // 2 for n, p in zip(read, patch, strict=True)]
+    lo = [max(c, s) for c, s in zip(corner, start, strict=True)]
+    hi = [min(c + p, s + k) for c, p, s, k in zip(corner, patch, start, part.shape[-ndim:],
+                                                    strict=True)]  # fmt: skip
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        out.zero_()
+        return
+    inner = tuple(slice(low - c, h - c) for low, h, c in zip(lo, hi, corner, strict=True))
+    for k, axis_slice in enumerate(inner):  # the fill around the part, slab by slab
+        tail = (slice(None),) * (ndim - k - 1)
+        below: tuple[EllipsisType | slice, ...] = (..., *inner[:k], slice(0, axis_slice.start))
+        above: tuple[EllipsisType | slice, ...] = (..., *inner[:k], slice(axis_slice.stop, None))
+        out[(*below, *tail)] = 0
+        out[(*above, *tail)] = 0
+    source = tuple(slice(low - s, h - s) for low, h, s in zip(lo, hi, start, strict=True))
+    into: tuple[EllipsisType | slice, ...] = (..., *inner)
+    taken: tuple[EllipsisType | slice, ...] = (..., *source)
+    out[into] = part[taken]
 
 
 def centre_crop(x: torch.Tensor, out_size: tuple[int, ...]) -> torch.Tensor:

@@ -34,6 +34,7 @@ from trainer.data.patches import (
     load_patches,
     load_patches_in_worker,
     load_samples,
+    worker_cases,
 )
 from trainer.data.sampling import STREAM_IDS, LocationRule, forced_slots
 
@@ -135,6 +136,47 @@ def _start_workers(
     return None
 
 
+@dataclass
+class Parts:
+    """What an augmented batch is made from (patches.load_samples): per sample the part
+    of its read that augmentation touches and the image holds, and where it starts."""
+
+    images: list[np.ndarray]
+    segs: list[np.ndarray]
+    starts: list[tuple[int, ...]]
+
+
+def augment_generator(spec: BatchSpec, iteration: int) -> torch.Generator:
+    """The generator of batch `iteration`'s augmentation draws (and of its windows)."""
+    generator = torch.Generator()
+    generator.manual_seed(augment_seed(spec.seed, spec.rank, spec.stream, iteration))
+    return generator
+
+
+def read_parts(
+    cases: PreprocessedCases,
+    spec: BatchSpec,
+    config: AugmentConfig,
+    iteration: int,
+    buffers: ReadBuffers | None = None,
+) -> Parts:
+    """Batch `iteration`'s parts: only the windows its augmentation draws touch, only what
+    of them lies inside the image (into `buffers`, else arrays of their own). The same
+    wherever it runs, so every worker mode and device augments the same voxels."""
+    read = spec.read_size or spec.patch_size
+    windows = sample_windows(
+        augment_generator(spec, iteration), spec.batch_size, config, read, spec.patch_size
+    )
+    images, segs, starts, _ = load_samples(
+        cases, spec, iteration, windows, buffers if buffers is not None else ReadBuffers()
+    )
+    return Parts(images, segs, starts)
+
+
+def read_parts_in_worker(spec: BatchSpec, config: AugmentConfig, iteration: int) -> Parts:
+    return read_parts(worker_cases(), spec, config, iteration)
+
+
 class PatchLoader:
     def __init__(
         self,
@@ -203,43 +245,37 @@ class PatchLoader:
         if self._executor is None:
             return None
         if isinstance(self._executor, ProcessPoolExecutor):
+            if self.augment:
+                return self._executor.submit(
+                    read_parts_in_worker, self.spec, self.augment_config, iteration
+                )
             return self._executor.submit(load_patches_in_worker, self.spec, iteration)
         return self._executor.submit(self._load, iteration)
 
     def _load(self, iteration: int):
-        if not self._augment_in_load:
+        """Batch `iteration` as far as this thread takes it: augmented (CPU augmentation),
+        the parts to augment on the device, or the un-augmented patches (numpy)."""
+        if not self.augment:
             data, seg, _ = load_patches(self.cases, self.spec, iteration)
             return data, seg
+        if not self._augment_in_load:  # the consumer holds them: arrays of their own
+            return read_parts(self.cases, self.spec, self.augment_config, iteration)
         buffers = getattr(self._local, "buffers", None)
         if buffers is None:
             buffers = self._local.buffers = ReadBuffers()
+        parts = read_parts(self.cases, self.spec, self.augment_config, iteration, buffers)
+        return self._augmented(parts, iteration)
+
+    def _augmented(self, parts: Parts, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec
-        read = spec.read_size or spec.patch_size
-        generator = self._generator(iteration)
-        windows = sample_windows(
-            generator, spec.batch_size, self.augment_config, read, spec.patch_size
-        )
-        images, segs, _ = load_samples(self.cases, spec, iteration, windows, buffers)
         return augment_batch(
-            [torch.from_numpy(x) for x in images],
-            [torch.from_numpy(y) for y in segs],
-            generator,
+            [torch.from_numpy(x).to(self.device, non_blocking=True) for x in parts.images],
+            [torch.from_numpy(y).to(self.device, non_blocking=True) for y in parts.segs],
+            augment_generator(spec, iteration),
             self.augment_config,
             patch_size=spec.patch_size,
-            read_size=read,
-        )
-
-    def _generator(self, iteration: int) -> torch.Generator:
-        generator = torch.Generator()
-        generator.manual_seed(
-            augment_seed(self.spec.seed, self.spec.rank, self.spec.stream, iteration)
-        )
-        return generator
-
-    def _augmented(self, data, seg, iteration: int):
-        generator = self._generator(iteration)
-        return augment_batch(
-            data, seg, generator, self.augment_config, patch_size=self.spec.patch_size
+            read_size=spec.read_size or spec.patch_size,
+            starts=parts.starts,
         )
 
     def __iter__(self) -> PatchLoader:
@@ -253,16 +289,18 @@ class PatchLoader:
             self._next_submit += 1
         iteration, future = self._pending.popleft()
         started = time.perf_counter()
-        data, seg = future.result() if future is not None else self._load(iteration)
+        loaded = future.result() if future is not None else self._load(iteration)
         self.wait_s += time.perf_counter() - started
-        if not self._augment_in_load:
-            data, seg = torch.from_numpy(data), torch.from_numpy(seg)
+        if self._augment_in_load:
+            data, seg = loaded
+        elif self.augment:  # on the training device, from the parts read
+            data, seg = self._augmented(loaded, iteration)
+        else:
+            data, seg = (torch.from_numpy(a) for a in loaded)
             if self.device.type == "cuda":
                 data, seg = data.pin_memory(), seg.pin_memory()
             data = data.to(self.device, non_blocking=True)
             seg = seg.to(self.device, non_blocking=True)
-            if self.augment:
-                data, seg = self._augmented(data, seg, iteration)
         self._iteration = iteration + 1
         return Batch(data, seg, iteration)
 

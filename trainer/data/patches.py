@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trainer import stop
-from trainer.data.blosc_io import ReadBuffers, read_padded, read_padded_into
+from trainer.data.blosc_io import ReadBuffers, read_inside, read_padded
 from trainer.data.dataset import PreprocessedCases
 from trainer.data.sampling import LocationRule, batch_seed, plan_batch
 
@@ -71,28 +71,30 @@ def load_samples(
     windows: Sequence[tuple[slice, ...]],
     buffers: ReadBuffers,
 ):
-    """load_patches' batch as per-sample arrays in `buffers` (overwritten by the next call
-    with them), each only the window (slices of the read box's patch axes) given for it:
-    sample i's (C, *window) image and (1, *window) seg. Augmentation tells the windows
-    (augment.sample_windows): the centre patch of a sample it neither rotates nor scales,
-    the box its rotation and zoom can touch otherwise; the rest is never read."""
+    """load_patches' batch as per-sample parts in `buffers` (overwritten by the next call
+    with them): of the window (slices of the read box's patch axes) given for sample i,
+    what lies inside its image, (C, *part) image and (1, *part) seg, and where the part
+    starts in the read box (patch axes); the rest of the read is the zero fill, never
+    written. Augmentation tells the windows (augment.sample_windows): the centre patch of
+    a sample it neither rotates nor scales, the box its rotation and zoom can touch
+    otherwise; the rest is never read."""
     boxes = _boxes(cases, spec, iteration)
     two_d = len(spec.patch_size) == 2
-    images, segs = [], []
+    images, segs, starts = [], [], []
     for i, box in enumerate(boxes):
         window = (slice(0, 1), *windows[i]) if two_d else tuple(windows[i])
         lower = tuple(lo + w.start for lo, w in zip(box.lower, window, strict=True))
         size = tuple(w.stop - w.start for w in window)
-        image_array, seg_array = cases.load_image(box.case_id), cases.load_seg(box.case_id)
-        image = buffers.take(f"image{i}", (image_array.shape[0], *size), image_array.dtype)
-        seg = buffers.take(f"seg{i}", (seg_array.shape[0], *size), seg_array.dtype)
-        read_padded_into(image_array, lower, image, buffers, 0.0)
-        read_padded_into(seg_array, lower, seg, buffers, 0)
+        image, offset = read_inside(cases.load_image(box.case_id), lower, size, buffers,
+                                    f"image{i}")  # fmt: skip
+        seg, _ = read_inside(cases.load_seg(box.case_id), lower, size, buffers, f"seg{i}")
+        start = tuple(w.start + o for w, o in zip(window, offset, strict=True))
         if two_d:  # one slice deep -> (C, Y, X)
-            image, seg = image[:, 0], seg[:, 0]
+            image, seg, start = image[:, 0], seg[:, 0], start[1:]
         images.append(image)
         segs.append(seg)
-    return images, segs, boxes
+        starts.append(start)
+    return images, segs, starts, boxes
 
 
 # ---- worker-process side -------------------------------------------------------------
@@ -107,7 +109,12 @@ def init_worker(folder: str) -> None:
     _WORKER_CASES = PreprocessedCases(folder)
 
 
-def load_patches_in_worker(spec: BatchSpec, iteration: int):
+def worker_cases() -> PreprocessedCases:
+    """The cases of this worker process (init_worker)."""
     assert _WORKER_CASES is not None, "init_worker did not run"
-    data, seg, _ = load_patches(_WORKER_CASES, spec, iteration)
+    return _WORKER_CASES
+
+
+def load_patches_in_worker(spec: BatchSpec, iteration: int):
+    data, seg, _ = load_patches(worker_cases(), spec, iteration)
     return data, seg

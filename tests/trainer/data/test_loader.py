@@ -22,7 +22,7 @@ from trainer.data.augment import AugmentConfig, augment_batch, read_size
 from trainer.data.blosc_io import choose_layout, read_padded
 from trainer.data.dataset import MissingCaseError, PreprocessedCases
 from trainer.data.grid_sampling import centre_crop, spatial_transform
-from trainer.data.loader import PatchLoader, default_augment_config
+from trainer.data.loader import PatchLoader, augment_seed, default_augment_config
 from trainer.data.patches import BatchSpec, load_patches
 from trainer.data.raw import DataError
 from trainer.data.sampling import batch_seed, forced_slots, plan_batch
@@ -160,9 +160,11 @@ def test_stream_is_resumable_and_worker_independent(demo_preprocessed):
 
 @pytest.mark.parametrize("config", ["3d_fullres", "2d"])
 def test_centre_only_reads_give_the_full_reads_batches(demo_preprocessed, config):
-    """CPU augmentation in the reading thread reads only the centre patch of the samples it
-    does not rotate or scale, into reused buffers; worker processes read the whole box and
-    augment in the consumer: the batches must be the same, moved samples included."""
+    """CPU augmentation in the reading thread reads only what augmentation touches of each
+    read and lies inside the image, into reused buffers; worker processes read the same
+    parts into arrays of their own and the consumer augments them (the GPU path); a
+    whole padded read augmented in one piece gives the same labels and images to float
+    rounding: moved samples included."""
     cases = PreprocessedCases(_folder(demo_preprocessed, config))
     patch = (16, 32, 32) if config == "3d_fullres" else (32, 32)
     moving = AugmentConfig(p_rotation=0.5, p_scale=0.5, mask_channels=(True,))
@@ -172,6 +174,15 @@ def test_centre_only_reads_give_the_full_reads_batches(demo_preprocessed, config
     for a, b in zip(inline, full, strict=True):
         assert a.data.shape == (3, 1, *patch) and a.data.dtype == torch.float32
         assert torch.equal(a.data, b.data) and torch.equal(a.target, b.target)
+    spec = BatchSpec(tuple(sorted(cases.case_ids)), patch, 3, 0.5, 3, 0, "train",
+                     read_size(patch, moving))  # fmt: skip
+    for k, batch in enumerate(inline):
+        data, seg, _ = load_patches(cases, spec, k)  # the whole read, zero-padded
+        generator = torch.Generator().manual_seed(augment_seed(3, 0, "train", k))
+        d, s = augment_batch(torch.from_numpy(data), torch.from_numpy(seg), generator, moving,
+                             patch_size=patch, read_size=spec.read_size)  # fmt: skip
+        assert torch.allclose(d, batch.data, atol=1e-5)
+        assert float((s != batch.target).float().mean()) < 1e-3
 
 
 def test_loader_counts_the_time_its_consumer_waited(demo_preprocessed):
