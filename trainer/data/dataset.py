@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,9 @@ from trainer.data.raw import DataError
 from trainer.schema import FINGERPRINT_FILE
 
 CASE_FILES = ("{}.b2nd", "{}_seg.b2nd", "{}.json")
+# Opened (memory-mapped) arrays a loader thread keeps: a dataset of thousands of cases
+# times several threads would otherwise near the kernel's limit on mappings per process.
+OPEN_ARRAYS_PER_THREAD = 512
 
 
 class MissingCaseError(DataError):
@@ -100,14 +104,18 @@ class PreprocessedCases:
             raise KeyError(f"case {case_id!r} is not in {self.folder}")
 
     def _handle(self, case_id: str, name: str):
-        cache = getattr(self._local, "arrays", None)
+        cache: OrderedDict | None = getattr(self._local, "arrays", None)
         if cache is None:
-            cache = self._local.arrays = {}
-        if name not in cache:
-            path = self.folder / name
-            if not path.is_file():
-                raise self.missing_error([case_id])
-            cache[name] = open_array(path)
+            cache = self._local.arrays = OrderedDict()
+        if name in cache:
+            cache.move_to_end(name)
+            return cache[name]
+        path = self.folder / name
+        if not path.is_file():
+            raise self.missing_error([case_id])
+        cache[name] = open_array(path)
+        if len(cache) > OPEN_ARRAYS_PER_THREAD:  # each holds a memory map: bound them
+            cache.popitem(last=False)
         return cache[name]
 
     def load_image(self, case_id: str):
