@@ -185,6 +185,44 @@ def test_centre_only_reads_give_the_full_reads_batches(demo_preprocessed, config
         assert float((s != batch.target).float().mean()) < 1e-3
 
 
+def _per_sample_statistics(batches) -> dict[str, np.ndarray]:
+    """Per sample: intensity mean and std, high-frequency energy (mean squared step along
+    x: noise raises it, blur and low resolution lower it), foreground share."""
+    data = torch.cat([b.data.float().cpu() for b in batches])
+    target = torch.cat([b.target.cpu() for b in batches])
+    flat = data.reshape(len(data), -1)
+    steps = (data[..., 1:] - data[..., :-1]).square().reshape(len(data), -1)
+    return {
+        "mean": flat.mean(1).numpy(),
+        "std": flat.std(1).numpy(),
+        "high_frequency": steps.mean(1).numpy(),
+        "foreground": (target > 0).reshape(len(data), -1).float().mean(1).numpy(),
+    }
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_device_side_augmentation_draws_from_the_cpu_paths_distributions(demo_preprocessed, device):
+    """The GPU path (worker processes read the parts, the consumer augments them on the
+    training device, its noise from a generator there) against the CPU path (augmented in
+    the reading thread), each with its own seed: per-sample statistics of 320 samples
+    from the same distributions (two-sample KS tests; fixed seeds, so no flakes)."""
+    stats = pytest.importorskip("scipy.stats")
+    cases = PreprocessedCases(_folder(demo_preprocessed, "3d_fullres"))
+    common = dict(patch_size=(16, 32, 32), batch_size=4, oversample_share=0.33, rank=0,
+                  augment=True, mask_channels=(True,))  # fmt: skip
+    runs = {}
+    for side, seed, kwargs in (
+        ("cpu", 1, dict(device=CPU, num_workers=0)),
+        ("device", 2, dict(device=torch.device(device), num_workers=1, worker_mode="process")),
+    ):
+        with PatchLoader(cases, cases.case_ids, seed=seed, **common, **kwargs) as loader:
+            assert loader._augment_in_load is (side == "cpu")  # the two paths under test
+            runs[side] = _per_sample_statistics([next(loader) for _ in range(80)])
+    for name in runs["cpu"]:
+        result = stats.ks_2samp(runs["cpu"][name], runs["device"][name])
+        assert result.pvalue > 1e-3, (name, result)
+
+
 def test_loader_counts_the_time_its_consumer_waited(demo_preprocessed):
     cases = PreprocessedCases(_folder(demo_preprocessed, "3d_fullres"))
     args = dict(patch_size=(16, 32, 32), batch_size=2, oversample_share=0.5, seed=3, rank=0,
