@@ -1,11 +1,12 @@
 """Batched data augmentation as torch ops on whatever device the batch lives on.
 
-nnU-Net v2's training transforms, in its order: rotation and scaling (a grid_sample per
-sample that needs it; image linear, segmentation by linear interpolation of each
-label's indicator and argmax), taking the network patch out of the centre of a larger
-read (read_size), so rotated or zoomed-out corners hold image, not fill; Gaussian noise, Gaussian
-blur, brightness, contrast, low-resolution simulation, gamma on the inverted image, gamma,
-mirroring (exact flips); then, for use_mask_for_norm channels, the outside of the body
+nnU-Net v2's training transforms: rotation and scaling (a grid_sample per sample that
+needs it; image linear, segmentation by linear interpolation of each label's indicator and
+argmax), taking the network patch out of the centre of a larger read (read_size), so
+rotated or zoomed-out corners hold image, not fill; mirroring (exact reversals, done with
+the spatial step where they cost no pass: nnU-Net mirrors last, see augment_batch);
+Gaussian noise, Gaussian blur, brightness, contrast, low-resolution simulation, gamma on
+the inverted image, gamma; then, for use_mask_for_norm channels, the outside of the body
 (nnU-Net's -1 label, resampled as a label of its own) set back to 0. Brightness, contrast
 and gamma are drawn per channel; "dummy 2D" (in_plane_only) rotates about axis 0 and
 scales y and x only. The ops live in grid_sampling (spatial) and intensity_ops.
@@ -237,11 +238,16 @@ def _rotate_and_scale(
     masked: list[int],
     read_size: tuple[int, ...] | None,
     start: tuple[int, ...] | None,
+    flips: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One sample (C, *read) (or its part at start) resampled at its drawn rotation /
-    zoom about the centre, cut to out_size: (image, seg, outside mask or None without
-    masked channels)."""
-    matrix = _matrix(u, config, data.ndim - 1)[None]
+    zoom about the centre, mirrored along `flips`, cut to out_size: (image, seg, outside
+    mask or None without masked channels). Mirrored by the map itself: an output axis
+    reversed is its column negated, the very same grid values in reverse order."""
+    matrix = _matrix(u, config, data.ndim - 1)
+    for axis in flips:
+        matrix[:, axis] = -matrix[:, axis]
+    matrix = matrix[None]
     # the outside (masked channels) is resampled as a label of its own
     image, label, outside = spatial_with_outside(
         data[None], seg[None], matrix, out_size, masked, read_size, start
@@ -314,13 +320,6 @@ def _intensities_(x: torch.Tensor, draws: _Draws, i: int, config: AugmentConfig)
         gamma_retain_stats_(x, _per_channel(factors["gamma"], x))
 
 
-def _flip_(x: torch.Tensor, dims: list[int]) -> None:
-    """x (C, *spatial) flipped along the spatial dims in place, a channel at a time (a
-    channel-sized temporary)."""
-    for c in range(x.shape[0]):
-        x[c] = x[c].flip(dims)
-
-
 def augment_batch(
     data: torch.Tensor | Sequence[torch.Tensor],
     seg: torch.Tensor | Sequence[torch.Tensor],
@@ -353,24 +352,26 @@ def augment_batch(
     for i in range(b):
         x, y, outside = images[i], labels[i], None
         start = tuple(starts[i]) if starts is not None else (0,) * len(read)
+        # Mirroring, nnU-Net's last transform, is done first, where it costs nothing: by
+        # the spatial map or the centre crop's copy. The intensity transforms commute with
+        # it (noise is i.i.d., the blur kernel symmetric and its padding reflecting, the
+        # rest per-channel statistics), except low resolution's nearest down-sampling,
+        # whose picks may shift by a voxel (its phase): docs/fidelity.md.
+        flips = [axis for axis in range(len(out)) if draws.u[i][6 + axis] < config.p_mirror]
         if _moves(draws.u[i], config):
             image, label, outside = _rotate_and_scale(
-                samples[i], seg_samples[i], draws.u[i], config, out, masked, read, start
-            )
+                samples[i], seg_samples[i], draws.u[i], config, out, masked, read, start,
+                flips,
+            )  # fmt: skip
             x.copy_(image)
             y.copy_(label)
         else:
-            centre_into(x, samples[i], start, read)
-            centre_into(y, seg_samples[i], start, read)
+            centre_into(x, samples[i], start, read, flips)
+            centre_into(y, seg_samples[i], start, read, flips)
             if masked:
                 outside = outside_body(x[None], y[None], masked)[0]
         _intensities_(x, draws, i, config)
         if outside is not None:  # nnU-Net's MaskImageTransform, after the intensities
             for c in masked:
                 x[c].masked_fill_(outside[0], 0.0)
-        # --- mirroring last (as nnU-Net): one exact flip per sample
-        flips = [axis for axis in range(len(out)) if draws.u[i][6 + axis] < config.p_mirror]
-        if flips:
-            _flip_(x, flips)
-            _flip_(y, flips)
     return images, labels

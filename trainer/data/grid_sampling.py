@@ -8,8 +8,10 @@ argmax, with nnU-Net's -1 label ("outside the body") optionally as a label of it
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from types import EllipsisType
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,10 @@ def affine_grid(m: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
     coords = []  # normalised voxel centres per axis in (x, y, z) order
     for i, n in enumerate(reversed(spatial)):
         c = (torch.arange(n, device=m.device, dtype=m.dtype) * 2 + 1) / n - 1
+        # exactly antisymmetric (the formula's rounding is not): an axis reversed by a
+        # negated column of m then gives the very same grid values, reversed (mirroring)
+        half = n // 2
+        c[n - half :] = -c[:half].flip(0)
         shape = [1] * (ndim + 1)
         shape[ndim - i] = n
         coords.append(c.view(shape))
@@ -365,11 +371,16 @@ def _cut(
 
 
 def centre_into(
-    out: torch.Tensor, part: torch.Tensor, start: tuple[int, ...], read: tuple[int, ...]
+    out: torch.Tensor,
+    part: torch.Tensor,
+    start: tuple[int, ...],
+    read: tuple[int, ...],
+    flips: Sequence[int] = (),
 ) -> None:
     """Write into out (..., *patch) the centre patch of a read (read, nnU-Net's crop of a
     sample it does not rotate or scale: start floor(n / 2) - patch // 2) of which only
-    `part` (..., *k) at `start` is given; the rest is the zero fill."""
+    `part` (..., *k) at `start` is given, the rest being the zero fill; reversed along the
+    patch axes `flips` (mirroring) in the same copy."""
     ndim = len(read)
     patch = tuple(out.shape[-ndim:])
     corner = [n // 2 - p // 2 for n, p in zip(read, patch, strict=True)]
@@ -379,7 +390,10 @@ def centre_into(
     if any(h <= low for low, h in zip(lo, hi, strict=True)):
         out.zero_()
         return
-    inner = tuple(slice(low - c, h - c) for low, h, c in zip(lo, hi, corner, strict=True))
+    inner = []
+    for axis, (low, h, c, p) in enumerate(zip(lo, hi, corner, patch, strict=True)):
+        a, b = low - c, h - c
+        inner.append(slice(p - b, p - a) if axis in flips else slice(a, b))
     for k, axis_slice in enumerate(inner):  # the fill around the part, slab by slab
         tail = (slice(None),) * (ndim - k - 1)
         below: tuple[EllipsisType | slice, ...] = (..., *inner[:k], slice(0, axis_slice.start))
@@ -389,7 +403,13 @@ def centre_into(
     source = tuple(slice(low - s, h - s) for low, h, s in zip(lo, hi, start, strict=True))
     into: tuple[EllipsisType | slice, ...] = (..., *inner)
     taken: tuple[EllipsisType | slice, ...] = (..., *source)
-    out[into] = part[taken]
+    if not flips:
+        out[into] = part[taken]
+    elif out.device.type == "cpu":  # numpy copies through reversed strides in one pass
+        axes = tuple(out.ndim - ndim + a for a in flips)
+        np.copyto(out.numpy()[into], np.flip(part.numpy()[taken], axes))
+    else:
+        out[into] = part[taken].flip([part.ndim - ndim + a for a in flips])
 
 
 def centre_crop(x: torch.Tensor, out_size: tuple[int, ...]) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.data.grid_sampling import affine_grid, resample_labels
+from trainer.data.grid_sampling import affine_grid, centre_into, resample_labels, spatial_transform
 
 
 def _rotation(angles: list[float], ndim: int) -> torch.Tensor:
@@ -112,3 +112,32 @@ def test_an_unmoved_grid_gives_back_the_labels():
     labels, won = resample_labels(seg, _grid(torch.eye(3, dtype=torch.float64), (24,) * 3,
                                              (24,) * 3), outside)  # fmt: skip
     assert torch.equal(labels, seg) and won is not None and torch.equal(won, outside)
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_mirroring_by_the_map_or_the_crop_is_an_exact_reversal(ndim):
+    """Augmentation mirrors where it costs nothing: a rotated sample by its map's column
+    negated, an unmoved one in the centre crop's copy. Both must be the reversed patch,
+    bit for bit (labels and image), as a flip after the transform would give."""
+    g = torch.Generator().manual_seed(5)
+    n, out = (30, (16, 20, 18)) if ndim == 3 else (60, (40, 36))
+    data = torch.randn((1, 2, *(n,) * ndim), generator=g)
+    seg = _labels(ndim, n, g)
+    matrix = _rotation([0.3, -0.5, 0.2], ndim) * 0.9
+    plain_data, plain_seg = spatial_transform(data, seg, matrix[None], out)
+    for axes in ([0], [ndim - 1], list(range(ndim))):
+        mirrored = matrix.clone()
+        mirrored[:, axes] = -mirrored[:, axes]
+        d, s = spatial_transform(data, seg, mirrored[None], out)
+        dims = [2 + a for a in axes]
+        assert torch.equal(d, plain_data.flip(dims)) and torch.equal(s, plain_seg.flip(dims))
+        # the centre crop of a part (the rest of the read is the fill), copied reversed
+        read = (n + 4,) * ndim
+        first = read[0] // 2 - out[0] // 2 + 2  # the part misses the patch's first 2 rows
+        part, start = data[0, :, first:], (first,) + (0,) * (ndim - 1)
+        crop = torch.empty((2, *out))
+        centre_into(crop, part, start, read)
+        flipped = torch.empty((2, *out))
+        centre_into(flipped, part, start, read, axes)
+        assert torch.equal(flipped, crop.flip([1 + a for a in axes]))
+        assert float(crop.abs().sum()) > 0 and bool((crop == 0).any())  # data and fill
