@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fake_trainer import cleanup_jobs, wait_until
+from nnui_cli import job_row, run_nnui
 
 ROOT = Path(__file__).resolve().parents[2]
 DATASET = "Dataset900_NnuiDemo"
@@ -101,18 +102,6 @@ def tree(tmp_path_factory):
         cleanup_jobs(base / "state")
 
 
-def _nnui(tree: dict, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "app.main", *args], env=tree["env"], cwd=ROOT,
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-
-
-def _job(tree: dict, job_id: str) -> dict:
-    rows = json.loads(_nnui(tree, "status", "--json", "--all").stdout)
-    return next(row for row in rows if row["id"] == job_id)
-
-
 def _events(folder: Path) -> list[dict]:
     try:
         lines = (folder / "events.jsonl").read_text().splitlines()
@@ -134,32 +123,33 @@ def test_a_region_cascade_waits_for_its_lowres_fold_stopped_and_resumed(tree) ->
     results = tree["base"] / "res"
     lowres = results / LOWRES / "fold_all"
     inputs = results / LOWRES / "predicted_next_stage" / "3d_cascade_fullres"
-    cascade_id = _launched(_nnui(tree, "launch", "900", "3d_cascade_fullres", "--cpu", "--folds",
-                                 "all", "--engine", "nnunet", "--after-lowres", "--",
-                                 "--epochs", "1", *TINY))  # fmt: skip
-    assert wait_until(lambda: _job(tree, cascade_id)["waiting_reason"]
+    cascade_id = _launched(run_nnui(tree["env"], "launch", "900", "3d_cascade_fullres",
+                                    "--cpu", "--folds", "all", "--engine", "nnunet",
+                                    "--after-lowres", "--", "--epochs", "1", *TINY))  # fmt: skip
+    assert wait_until(lambda: job_row(tree["env"], cascade_id)["waiting_reason"]
                       == "inputs: 3d_lowres fold(s) 0, 1, 2 not done")  # fmt: skip
 
-    lowres_id = _launched(_nnui(tree, "launch", "900", "3d_lowres", "--cpu", "--folds", "all",
-                                "--engine", "nnunet", "--", "--epochs", "12", *TINY))  # fmt: skip
+    lowres_id = _launched(run_nnui(tree["env"], "launch", "900", "3d_lowres", "--cpu",
+                                   "--folds", "all", "--engine", "nnunet", "--", "--epochs",
+                                   "12", *TINY))  # fmt: skip
     assert wait_until(lambda: "epoch_ended" in _kinds(lowres), 300)
     started = next(e for e in _events(lowres) if e["kind"] == "run_started")
     first = next(e for e in _events(lowres) if e["kind"] == "epoch_ended")
     assert started["class_names"] == NAMES and len(first["dice_per_class"]) == 3
     _region_curves_named(tree, lowres_id)
 
-    stop = _nnui(tree, "stop", lowres_id, "--yes")
+    stop = run_nnui(tree["env"], "stop", lowres_id, "--yes")
     assert stop.returncode == 0, stop.stdout + stop.stderr
-    assert wait_until(lambda: _job(tree, lowres_id)["exit_code"] is not None, 300)
-    row = _job(tree, lowres_id)
+    assert wait_until(lambda: job_row(tree["env"], lowres_id)["exit_code"] is not None, 300)
+    row = job_row(tree["env"], lowres_id)
     assert row["state"] == "stopped" and row["exit_code"] == 0, row
     assert (lowres / "checkpoint_latest.pth").is_file()
     assert not inputs.is_dir() or not any(inputs.iterdir())  # no validation after a stop
-    assert _job(tree, cascade_id)["state"] == "queued"
+    assert job_row(tree["env"], cascade_id)["state"] == "queued"
 
-    resumed_id = _launched(_nnui(tree, "resume", lowres_id))
-    assert wait_until(lambda: _job(tree, resumed_id)["exit_code"] is not None, 900)
-    row = _job(tree, resumed_id)
+    resumed_id = _launched(run_nnui(tree["env"], "resume", lowres_id))
+    assert wait_until(lambda: job_row(tree["env"], resumed_id)["exit_code"] is not None, 900)
+    row = job_row(tree["env"], resumed_id)
     assert row["state"] == "finished" and row["exit_code"] == 0, row
     kinds = _kinds(lowres)
     assert kinds.count("run_started") == 2 and kinds[-1] == "finished", kinds
@@ -169,8 +159,8 @@ def test_a_region_cascade_waits_for_its_lowres_fold_stopped_and_resumed(tree) ->
     assert sorted(p.stem for p in inputs.glob("*.b2nd")) == cases  # every case: fold 'all'
 
     # The cascade fold started by itself once the lowres fold's validation was written.
-    assert wait_until(lambda: _job(tree, cascade_id)["exit_code"] is not None, 900)
-    row = _job(tree, cascade_id)
+    assert wait_until(lambda: job_row(tree["env"], cascade_id)["exit_code"] is not None, 900)
+    row = job_row(tree["env"], cascade_id)
     assert row["state"] == "finished" and row["exit_code"] == 0, row
     assert _kinds(results / CASCADE)[-1] == "finished"
     assert (results / CASCADE / "validation" / "summary.json").is_file()

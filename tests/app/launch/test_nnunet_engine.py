@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import make_nnunet_tree
 from fake_trainer import wait_until
+from nnui_cli import job_row, run_nnui
 
 from app.services.launch import engines
 from app.services.launch.launcher import plan_launch
@@ -37,18 +36,6 @@ def nnunet_tree(tmp_path_factory) -> dict:
     return {"base": base, "env": make_nnunet_tree(base)}
 
 
-def _nnui(tree: dict, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "app.main", *args], env=tree["env"], cwd=ROOT,
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-
-
-def _job(tree: dict, job_id: str) -> dict:
-    rows = json.loads(_nnui(tree, "status", "--json", "--all").stdout)
-    return next(row for row in rows if row["id"] == job_id)
-
-
 def _kinds(folder: Path) -> list[str]:
     lines = (folder / "events.jsonl").read_text().splitlines()
     return [json.loads(line)["kind"] for line in lines if line.strip()]
@@ -60,19 +47,19 @@ def _kinds(folder: Path) -> list[str]:
 @pytest.mark.timeout(1800)
 def test_launch_stop_and_resume_a_real_nnunet_fold(nnunet_tree):
     tree, folder = nnunet_tree, nnunet_tree["base"] / "res" / FOLD_DIR
-    done = _nnui(tree, "launch", "900", "2d", "--cpu", "--folds", "0", "--engine", "nnunet",
-                 "--", *SCHEDULE)  # fmt: skip
+    done = run_nnui(tree["env"], "launch", "900", "2d", "--cpu", "--folds", "0",
+                    "--engine", "nnunet", "--", *SCHEDULE)  # fmt: skip
     assert done.returncode == 0, done.stderr
     job_id = done.stdout.split()[0]
     assert wait_until(lambda: (folder / "events.jsonl").is_file(), 300)
     assert wait_until(lambda: "epoch_ended" in _kinds(folder), 300)
-    row = _job(tree, job_id)
+    row = job_row(tree["env"], job_id)
     assert row["state"] == "running" and row["worker_pids"], row
 
-    stop = _nnui(tree, "stop", job_id, "--yes")
+    stop = run_nnui(tree["env"], "stop", job_id, "--yes")
     assert stop.returncode == 0, stop.stdout + stop.stderr
-    assert wait_until(lambda: _job(tree, job_id)["exit_code"] is not None, 300)
-    row = _job(tree, job_id)
+    assert wait_until(lambda: job_row(tree["env"], job_id)["exit_code"] is not None, 300)
+    row = job_row(tree["env"], job_id)
     assert row["state"] == "stopped" and row["exit_code"] == 0, row
     assert {"stop_requested", "stopped"} <= set(_kinds(folder))
     import torch
@@ -81,11 +68,11 @@ def test_launch_stop_and_resume_a_real_nnunet_fold(nnunet_tree):
     assert latest["trainer_name"] == "nnUNetTrainer" and 1 <= latest["current_epoch"] < 30
     assert not (folder / "checkpoint_final.pth").exists()
 
-    resumed = _nnui(tree, "resume", job_id)
+    resumed = run_nnui(tree["env"], "resume", job_id)
     assert resumed.returncode == 0, resumed.stderr
     new_id = resumed.stdout.split()[0]
-    assert wait_until(lambda: _job(tree, new_id)["exit_code"] is not None, 600)
-    row = _job(tree, new_id)
+    assert wait_until(lambda: job_row(tree["env"], new_id)["exit_code"] is not None, 600)
+    row = job_row(tree["env"], new_id)
     assert row["state"] == "finished" and row["exit_code"] == 0, row
     assert (folder / "checkpoint_final.pth").is_file()
     kinds = _kinds(folder)
