@@ -156,6 +156,7 @@ def losses(folder: Path) -> list[tuple]:
         ),
         ({"extra": ["-tr", "nnUNetTrainer_5epochs"]}, "available: nnuiTrainer"),
         ({"extra": ["--val"]}, "--val needs"),
+        ({"extra": ["--augment-on", "gpu"]}, "invalid choice: 'gpu'"),
         ({"extra": ["--val_best"]}, "--val_best only makes sense with --val"),
         ({"extra": ["-p", "otherPlans"]}, "no plans 'otherPlans'"),
     ],

@@ -15,6 +15,9 @@ from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
 
 DEVICE_TYPES = ("cuda", "cpu", "mps")
 RECOMPUTE_CHOICES = ("auto", "on", "off")
+# Where training augmentation runs: the training device, or CPU loader threads (nnU-Net's
+# way: the GPU only trains, the CPU cores augment).
+AUGMENT_CHOICES = ("device", "cpu")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class TrainConfig:
     # Compute format (trainer.network.precision): "auto" = autocast on CUDA and on AMX CPUs.
     precision: str = "auto"
     num_workers: int = 2
+    augment_on: str = "device"
     npz: bool = False
     continue_training: bool = False
     validation_only: bool = False
@@ -89,6 +93,10 @@ class TrainConfig:
         if self.device_type not in DEVICE_TYPES:
             raise ValueError(
                 f"-device must be one of {', '.join(DEVICE_TYPES)}, got {self.device_type!r}"
+            )
+        if self.augment_on not in AUGMENT_CHOICES:
+            raise ValueError(
+                f"--augment-on must be one of {', '.join(AUGMENT_CHOICES)}, got {self.augment_on!r}"
             )
         if self.recompute_norm not in RECOMPUTE_CHOICES:
             raise ValueError(

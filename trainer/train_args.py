@@ -9,7 +9,7 @@ import argparse
 
 from trainer import allocator, legacy
 from trainer.cli import OneLineParser
-from trainer.config import RECOMPUTE_CHOICES
+from trainer.config import AUGMENT_CHOICES, RECOMPUTE_CHOICES
 from trainer.network import precision
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER
 
@@ -135,6 +135,15 @@ def _add_execution_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=2,
         help="background data-loading workers per rank (default 2)",
+    )
+    p.add_argument(
+        "--augment-on",
+        choices=AUGMENT_CHOICES,
+        default="device",
+        help="where training augmentation runs: device (default) = the training device (a "
+        "GPU augments between its steps; CPU runs augment in the loader threads), cpu = the "
+        "loader threads on CPU for GPU runs too, nnU-Net's way (for cores to spare and a busy "
+        "GPU)",
     )
 
 

@@ -426,7 +426,7 @@ def _train(
                 cases, streams[stream], tuple(cplan.patch_size), rank_batch.batch_size,
                 rank_batch.oversample_share, config.seed, topology.global_rank, trainee.device,
                 augment=stream == "train", start_iteration=start_iteration,
-                num_workers=config.num_workers, stream=stream,
+                num_workers=config.num_workers, stream=stream, augment_on=config.augment_on,
                 mask_channels=tuple(cplan.use_mask_for_norm), rule=location_rule(spec),
             )  # fmt: skip
             batches = iter(exits.enter_context(loader))

@@ -150,6 +150,7 @@ BASE = dict(
         ({"num_workers": -1}, "--num-workers"),
         ({"val_best": True}, "--val_best"),
         ({"recompute_norm": "yes"}, "--recompute-norm"),
+        ({"augment_on": "gpu"}, "--augment-on must be one of device, cpu"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_flag(change: dict, message: str) -> None:

@@ -3,9 +3,11 @@
 Patch reading runs ahead in background workers (threads by default: blosc2 and numpy
 release the GIL and, measured on 2 cores, threads beat processes; see bench/loader.py)
 with at most `prefetch` batches in flight. Augmentation runs batched on the training
-device: for a GPU in the consuming thread, for the CPU inside the loader threads, each
-with one intra-op thread (two OpenMP threads cost twice the CPU for these small ops, and
-the training step keeps its own threads). Loader threads are named `nnui-loader` for the
+device (augment_on="device"): for a GPU in the consuming thread, for the CPU inside the
+loader threads; augment_on="cpu" keeps it in the loader threads for a GPU too and moves
+finished batches (nnU-Net's way). Loader threads augment with one intra-op thread each
+(two OpenMP threads cost twice the CPU for these small ops, and the training step keeps
+its own threads). Loader threads are named `nnui-loader` for the
 OS (`top -H`, bench/). Batch k depends only on (seed, rank, stream, k), so a loader
 started at start_iteration=k continues the exact stream of one that ran from 0.
 """
@@ -197,6 +199,7 @@ class PatchLoader:
         augment_config: AugmentConfig | None = None,
         mask_channels: tuple[bool, ...] = (),  # the plans' use_mask_for_norm
         rule: LocationRule | None = None,  # regions / ignore label (trainer.data.labels)
+        augment_on: str = "device",  # or "cpu": in the loader threads, also for a GPU
     ):
         _check_arguments(
             cases, case_ids, patch_size, batch_size, oversample_share, stream, worker_mode
@@ -226,7 +229,12 @@ class PatchLoader:
         self._iteration = int(start_iteration)
         self._pending: deque[tuple[int, Future | None]] = deque()
         self._executor: Executor | None = None
-        cpu_augment = augment and self.device.type == "cpu"
+        if augment_on not in ("device", "cpu"):
+            raise ValueError(f"augment_on must be 'device' or 'cpu', got {augment_on!r}")
+        cpu_augment = augment and (self.device.type == "cpu" or augment_on == "cpu")
+        # where the consumer augments parts (worker processes read them): the training
+        # device, or the CPU before the batch moves there
+        self._augment_device = torch.device("cpu") if cpu_augment else self.device
         self._augment_in_worker = cpu_augment and num_workers > 0 and worker_mode == "thread"
         # CPU augmentation in the thread that reads (loader threads, or inline): reads go
         # into that thread's reused buffers, unmoved samples read as their centre alone
@@ -269,8 +277,8 @@ class PatchLoader:
     def _augmented(self, parts: Parts, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec
         return augment_batch(
-            [torch.from_numpy(x).to(self.device, non_blocking=True) for x in parts.images],
-            [torch.from_numpy(y).to(self.device, non_blocking=True) for y in parts.segs],
+            [torch.from_numpy(x).to(self._augment_device) for x in parts.images],
+            [torch.from_numpy(y).to(self._augment_device) for y in parts.segs],
             augment_generator(spec, iteration),
             self.augment_config,
             patch_size=spec.patch_size,
@@ -293,10 +301,11 @@ class PatchLoader:
         self.wait_s += time.perf_counter() - started
         if self._augment_in_load:
             data, seg = loaded
-        elif self.augment:  # on the training device, from the parts read
+        elif self.augment:  # from the parts read, where augmentation runs
             data, seg = self._augmented(loaded, iteration)
         else:
             data, seg = (torch.from_numpy(a) for a in loaded)
+        if data.device != self.device:  # CPU batches for a GPU
             if self.device.type == "cuda":
                 data, seg = data.pin_memory(), seg.pin_memory()
             data = data.to(self.device, non_blocking=True)

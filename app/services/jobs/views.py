@@ -96,7 +96,7 @@ def data_wait_alert(history: tuple[EpochPoint, ...]) -> str | None:
         return None
     return (
         f"waiting for data {recent[-1]:.0%} of the step: more --num-workers, fewer parallel "
-        "jobs on this machine's cores"
+        "jobs on this machine's cores, or augmentation on the GPU (--augment-on device)"
     )
 
 

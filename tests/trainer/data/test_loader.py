@@ -223,6 +223,28 @@ def test_device_side_augmentation_draws_from_the_cpu_paths_distributions(demo_pr
         assert result.pvalue > 1e-3, (name, result)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("worker_mode", ["thread", "process"])
+def test_cpu_augmentation_for_a_device_gives_the_cpu_paths_batches_there(
+    demo_preprocessed, device, worker_mode
+):
+    """--augment-on cpu: augmented on CPU (loader threads, or the consumer for worker
+    processes) and moved to the training device: the very batches of a CPU run."""
+    cases = PreprocessedCases(_folder(demo_preprocessed, "3d_fullres"))
+    common = dict(patch_size=(16, 32, 32), batch_size=2, oversample_share=0.5, seed=4, rank=0,
+                  augment=True, mask_channels=(True,))  # fmt: skip
+    with PatchLoader(cases, cases.case_ids, device=CPU, num_workers=0, **common) as loader:
+        expected = [next(loader) for _ in range(3)]
+    with PatchLoader(cases, cases.case_ids, device=torch.device(device), num_workers=1,
+                     worker_mode=worker_mode, augment_on="cpu", **common) as loader:  # fmt: skip
+        got = [next(loader) for _ in range(3)]
+    for a, b in zip(expected, got, strict=True):
+        assert b.data.device.type == device and b.target.device.type == device
+        assert torch.equal(a.data, b.data.cpu()) and torch.equal(a.target, b.target.cpu())
+    with pytest.raises(ValueError, match="augment_on"):
+        PatchLoader(cases, cases.case_ids, device=CPU, augment_on="gpu", **common)
+
+
 def test_loader_counts_the_time_its_consumer_waited(demo_preprocessed):
     cases = PreprocessedCases(_folder(demo_preprocessed, "3d_fullres"))
     args = dict(patch_size=(16, 32, 32), batch_size=2, oversample_share=0.5, seed=3, rank=0,
