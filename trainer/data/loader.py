@@ -74,6 +74,7 @@ def _check_arguments(
     oversample_share: float,
     stream: str,
     worker_mode: str,
+    augment_on: str,
 ) -> None:
     """ValueError (or the cases' missing-file error) before any worker starts."""
     if not case_ids:
@@ -90,6 +91,8 @@ def _check_arguments(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if worker_mode not in ("thread", "process"):
         raise ValueError(f"worker_mode must be 'thread' or 'process', got {worker_mode!r}")
+    if augment_on not in ("device", "cpu"):
+        raise ValueError(f"augment_on must be 'device' or 'cpu', got {augment_on!r}")
     forced_slots(batch_size, oversample_share)  # validates the share
     if stream not in STREAM_IDS:
         raise ValueError(f"stream must be one of {sorted(STREAM_IDS)}, got {stream!r}")
@@ -179,6 +182,19 @@ def read_parts_in_worker(spec: BatchSpec, config: AugmentConfig, iteration: int)
     return read_parts(worker_cases(), spec, config, iteration)
 
 
+def _augment_placement(
+    augment: bool, device: torch.device, augment_on: str, num_workers: int, worker_mode: str
+) -> tuple[torch.device, bool, bool]:
+    """(where the consumer augments the parts worker processes read: the training device,
+    or the CPU before the batch moves there; whether loader threads augment; whether the
+    reading thread augments, loader thread or inline: its reads then go into that thread's
+    reused buffers)."""
+    cpu_augment = augment and (device.type == "cpu" or augment_on == "cpu")
+    in_threads = cpu_augment and num_workers > 0 and worker_mode == "thread"
+    in_load = cpu_augment and (num_workers == 0 or worker_mode == "thread")
+    return (torch.device("cpu") if cpu_augment else device), in_threads, in_load
+
+
 class PatchLoader:
     def __init__(
         self,
@@ -202,8 +218,9 @@ class PatchLoader:
         augment_on: str = "device",  # or "cpu": in the loader threads, also for a GPU
     ):
         _check_arguments(
-            cases, case_ids, patch_size, batch_size, oversample_share, stream, worker_mode
-        )
+            cases, case_ids, patch_size, batch_size, oversample_share, stream, worker_mode,
+            augment_on,
+        )  # fmt: skip
         self.cases = cases
         if augment_config is None:
             augment_config = default_augment_config(tuple(patch_size), mask_channels)
@@ -228,19 +245,13 @@ class PatchLoader:
         self._next_submit = int(start_iteration)
         self._iteration = int(start_iteration)
         self._pending: deque[tuple[int, Future | None]] = deque()
-        self._executor: Executor | None = None
-        if augment_on not in ("device", "cpu"):
-            raise ValueError(f"augment_on must be 'device' or 'cpu', got {augment_on!r}")
-        cpu_augment = augment and (self.device.type == "cpu" or augment_on == "cpu")
-        # where the consumer augments parts (worker processes read them): the training
-        # device, or the CPU before the batch moves there
-        self._augment_device = torch.device("cpu") if cpu_augment else self.device
-        self._augment_in_worker = cpu_augment and num_workers > 0 and worker_mode == "thread"
-        # CPU augmentation in the thread that reads (loader threads, or inline): reads go
-        # into that thread's reused buffers, unmoved samples read as their centre alone
-        self._augment_in_load = cpu_augment and (num_workers == 0 or worker_mode == "thread")
+        self._augment_device, self._augment_in_worker, self._augment_in_load = _augment_placement(
+            augment, self.device, augment_on, num_workers, worker_mode
+        )
         self._local = threading.local()
-        self._executor = _start_workers(cases, num_workers, worker_mode, self._augment_in_worker)
+        self._executor: Executor | None = _start_workers(
+            cases, num_workers, worker_mode, self._augment_in_worker
+        )
         self._closed = False
         self.wait_s = 0.0  # time __next__ spent blocked on a batch (data starving the step)
 
