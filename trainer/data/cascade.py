@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from trainer.data.blosc_io import OpenArrays
 from trainer.data.dataset import PreprocessedCases
 from trainer.data.labels import LabelSpec
 
@@ -113,17 +113,10 @@ class CascadeCases(PreprocessedCases):
         self.previous_folder = Path(previous_folder)
         self.factor = combine_factor(spec)
         self.labels = foreground_labels(spec)
-        self._previous = threading.local()
+        self._previous = OpenArrays()
 
     def load_previous(self, case_id: str):
-        from trainer.data.blosc_io import open_array
-
-        cache = getattr(self._previous, "arrays", None)
-        if cache is None:
-            cache = self._previous.arrays = {}
-        if case_id not in cache:
-            cache[case_id] = open_array(self.previous_folder / f"{case_id}.b2nd")
-        return cache[case_id]
+        return self._previous.get(self.previous_folder / f"{case_id}.b2nd")
 
     def load_seg(self, case_id: str):
         """seg + K * previous: patches read both in one box (see the module docstring)."""

@@ -10,21 +10,16 @@ says how to fix it, not a case silently left out of training.
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
 from trainer import legacy
-from trainer.data.blosc_io import open_array
+from trainer.data.blosc_io import OpenArrays
 from trainer.data.raw import DataError
 from trainer.schema import FINGERPRINT_FILE
 
 CASE_FILES = ("{}.b2nd", "{}_seg.b2nd", "{}.json")
-# Opened (memory-mapped) arrays a loader thread keeps: a dataset of thousands of cases
-# times several threads would otherwise near the kernel's limit on mappings per process.
-OPEN_ARRAYS_PER_THREAD = 512
 
 
 class MissingCaseError(DataError):
@@ -73,7 +68,7 @@ class PreprocessedCases:
             raise FileNotFoundError(f"{self.folder} holds no preprocessed cases")
         self._properties: dict[str, dict] = {}
         # blosc2 handles are opened once per thread: loader threads read concurrently.
-        self._local = threading.local()
+        self._arrays = OpenArrays()
 
     def _present(self) -> list[str]:
         return sorted(p.stem for p in self.folder.glob("*.json") if self._is_whole(p.stem))
@@ -104,19 +99,10 @@ class PreprocessedCases:
             raise KeyError(f"case {case_id!r} is not in {self.folder}")
 
     def _handle(self, case_id: str, name: str):
-        cache: OrderedDict | None = getattr(self._local, "arrays", None)
-        if cache is None:
-            cache = self._local.arrays = OrderedDict()
-        if name in cache:
-            cache.move_to_end(name)
-            return cache[name]
-        path = self.folder / name
-        if not path.is_file():
-            raise self.missing_error([case_id])
-        cache[name] = open_array(path)
-        if len(cache) > OPEN_ARRAYS_PER_THREAD:  # each holds a memory map: bound them
-            cache.popitem(last=False)
-        return cache[name]
+        try:
+            return self._arrays.get(self.folder / name)
+        except FileNotFoundError:
+            raise self.missing_error([case_id]) from None
 
     def load_image(self, case_id: str):
         """(C, Z, Y, X) float32 blosc2 array; slicing it decompresses only what it touches."""

@@ -172,7 +172,7 @@ def read_parts(
     windows = sample_windows(
         augment_generator(spec, iteration), spec.batch_size, config, read, spec.patch_size
     )
-    images, segs, starts, _ = load_samples(
+    images, segs, starts = load_samples(
         cases, spec, iteration, windows, buffers if buffers is not None else ReadBuffers()
     )
     return Parts(images, segs, starts)

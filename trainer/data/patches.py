@@ -94,7 +94,7 @@ def load_samples(
         images.append(image)
         segs.append(seg)
         starts.append(start)
-    return images, segs, starts, boxes
+    return images, segs, starts
 
 
 # ---- worker-process side -------------------------------------------------------------

@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from trainer.data.augment import _rotation_matrices
 from trainer.data.grid_sampling import affine_grid, centre_into, resample_labels, spatial_transform
 
 
 def _rotation(angles: list[float], ndim: int) -> torch.Tensor:
-    """A rotation about each axis in turn (one angle in 2D), float64."""
-    if ndim == 2:
-        c, s = math.cos(angles[0]), math.sin(angles[0])
-        return torch.tensor([[c, -s], [s, c]], dtype=torch.float64)
-    out = torch.eye(3, dtype=torch.float64)
-    for axis, angle in enumerate(angles):
-        i, j = [a for a in range(3) if a != axis]
-        rot = torch.eye(3, dtype=torch.float64)
-        rot[i, i], rot[i, j] = math.cos(angle), -math.sin(angle)
-        rot[j, i], rot[j, j] = math.sin(angle), math.cos(angle)
-        out = rot @ out
-    return out
+    """A rotation about each axis in turn (one angle in 2D), float64: augmentation's own."""
+    drawn = torch.tensor([angles[: 1 if ndim == 2 else 3]], dtype=torch.float64)
+    return _rotation_matrices(drawn, ndim)[0]
 
 
 def _grid(matrix: torch.Tensor, spatial: tuple[int, ...], out: tuple[int, ...]) -> torch.Tensor:
