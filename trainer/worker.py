@@ -478,7 +478,8 @@ def _final_validation(
     recorder.status(message=None)
     space = "raw geometry" if config.raw_dataset_dir else "preprocessed space"
     log.info("final validation (%s, mirroring %s): mean foreground Dice %s over %d cases",
-             space, "on" if config.val_mirror else "off", mean_fg_dice,
+             space, "on" if config.val_mirror else "off",
+             "undefined" if mean_fg_dice is None else f"{mean_fg_dice:.4f}",
              len(summary["metric_per_case"]))  # fmt: skip
 
 

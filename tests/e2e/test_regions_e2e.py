@@ -230,7 +230,7 @@ def test_ignore_label_dataset_trains_and_never_predicts_the_ignore_label(tmp_pat
 @pytest.mark.parametrize(
     ("labels", "order", "message"),
     [
-        ({"background": 0, "organ": [1, 2], "lesion": [2]}, [2, 1], "turns label 1 into 2"),
+        ({"background": 0, "organ": [1, 3], "lesion": [3]}, [1, 3], "2 missing from [0, 1, 3]"),
         ({"background": 0, "organ": 1, "lesion": 2, "ignore": 5}, None, "ignore label (5)"),
         ({"background": 0, "organ": [1, 2], "lesion": [2]}, None, "no regions_class_order"),
     ],
@@ -245,6 +245,56 @@ def test_bad_labels_stop_preprocessing_in_one_line(tmp_path, labels, order, mess
     assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
     assert message in done.stderr
     assert not (tmp_path / "pre").exists() or not any((tmp_path / "pre").rglob("*.b2nd"))
+
+
+BRATS5_LABELS = {"background": 0, "whole_tumour": [1, 2, 3, 4], "tumour_core": [1, 3, 4],
+                 "enhancing": [4]}  # fmt: skip
+BRATS5_ORDER = [2, 1, 4]
+
+
+def _brats5(label: np.ndarray) -> np.ndarray:
+    """Five labels as real BraTS: the organ becomes oedema (2), the lesion's low-x half the
+    necrosis (1) and non-enhancing core (3) in alternating rows, its other half enhancing (4)."""
+    nested = _nested(label)
+    out = np.where(label == 1, 2, 0).astype(np.uint8)
+    rows = (np.arange(label.shape[1]) % 2 == 0)[None, :, None]
+    out[(nested == 3) & rows] = 1
+    out[(nested == 3) & ~rows] = 3
+    out[nested == 2] = 4
+    return out
+
+
+def test_brats_five_labels_sharing_regions_train_predict_and_evaluate_as_nnunet(tmp_path):
+    """Labels 1 and 3 belong to the same regions: nnU-Net accepts it, so does nnui (one
+    note); predictions hold regions_class_order's values; Dice equals nnU-Net's."""
+    from trainer.planning.preprocess import preprocess_dataset
+    from trainer.planning.rules import CPU_PLANNER, Overrides, PlannerOptions
+    from trainer.schema import DEFAULT_PLANS
+
+    make_dataset(tmp_path / "raw", BRATS5_LABELS, _brats5, BRATS5_ORDER)
+    lines: list[str] = []
+    preprocess_dataset(
+        tmp_path / "raw", tmp_path / "pre", "900", configurations=("2d",), num_processes=1,
+        overrides=Overrides(patch_size={"2d": (32, 32)}, batch_size={"2d": 4}),
+        options=PlannerOptions(CPU_PLANNER, plans_name=DEFAULT_PLANS), progress=lines.append,
+    )  # fmt: skip
+    notes = [line for line in lines if "belong to the same regions" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: labels 1 and 3"), lines
+    code = train(tmp_path / "raw", tmp_path / "pre", tmp_path / "res", tmp_path / "train.log")
+    assert code == 0, (tmp_path / "train.log").read_text()[-3000:]
+    validation = schema.run_dir(tmp_path / "res", DEMO_DATASET, "2d", "0") / schema.VALIDATION_DIR
+    for path in validation.glob("*.nii.gz"):
+        assert set(np.unique(read_image(path)[0]).tolist()) <= {0, 1, 2, 4}
+    keys = [(1, 2, 3, 4), (1, 3, 4), (4,)]
+    summary = json.loads((validation / schema.SUMMARY_FILE).read_text())
+    assert sorted(summary["mean"]) == sorted(str(k) for k in keys)
+    labels = tmp_path / "raw" / DEMO_DATASET / "labelsTr"
+    _assert_same_dice(summary, _nnunet_summary(labels, validation, keys), keys)
+    from trainer.evaluation.evaluate import main as evaluate_main
+
+    out = tmp_path / "summary.json"
+    assert evaluate_main([str(labels), str(validation), "--chill", "-o", str(out)]) == 0
+    _assert_same_dice(json.loads(out.read_text()), _nnunet_summary(labels, validation, keys), keys)
 
 
 def test_region_ensemble_and_find_best_configuration(brats, tmp_path):

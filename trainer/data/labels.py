@@ -4,7 +4,9 @@ A label maps a name to one value; a region maps a name to a list of values (nnU-
 region-based training, e.g. BraTS: whole tumour [1, 2, 3], tumour core [2, 3], enhancing
 [3]). A dataset has regions when any entry lists more than one value; the network then
 has one sigmoid output per foreground region and `regions_class_order` says which value a
-voxel gets where region i is predicted (later regions overwrite earlier ones). `ignore`
+voxel gets where region i is predicted (later regions overwrite earlier ones), so labels
+that belong to exactly the same regions come back as one value (BraTS's five labels: nnU-Net
+accepts this, and so does nnui, with one note at preprocessing). `ignore`
 names a value whose voxels carry no annotation: no loss, no metric, never predicted; it
 must be the highest value, one above every other label (nnU-Net's rule).
 
@@ -72,7 +74,7 @@ class LabelSpec:
         """(name, key) per scored class: foreground labels by value, or the regions."""
         if self.has_regions:
             return [(n, k) for n, k in self.names.items() if not _is_background(k)]
-        by_value = {k: n for n, k in self.names.items() if isinstance(k, int)}
+        by_value = {_single(k): n for n, k in self.names.items() if _single(k) is not None}
         return [(by_value.get(v, str(v)), v) for v in self.all_labels if v != 0]
 
     @property
@@ -106,6 +108,13 @@ class LabelSpec:
     def class_names(self) -> list[str]:
         """Names of the scored classes, in metric order (events, summaries, the board)."""
         return [name for name, _ in self.foreground]
+
+
+def _single(key: Key) -> int | None:
+    """The value of a plain label (an int, or a list of one value); None for a region."""
+    if isinstance(key, int):
+        return key
+    return key[0] if len(key) == 1 else None
 
 
 def _is_background(key: Key) -> bool:
@@ -149,9 +158,7 @@ def parse_labels(labels: Any, regions_class_order: Any = None) -> LabelSpec:
     if not has_regions:
         return spec
     order = _checked_order(regions_class_order, spec)
-    spec = LabelSpec(names, ignore, order)
-    _check_round_trip(spec)
-    return spec
+    return LabelSpec(names, ignore, order)
 
 
 def _checked_order(order: Any, spec: LabelSpec) -> tuple[int, ...]:
@@ -165,22 +172,65 @@ def _checked_order(order: Any, spec: LabelSpec) -> tuple[int, ...]:
     return tuple(int(v) for v in order)
 
 
-def _check_round_trip(spec: LabelSpec) -> None:
-    """Every label must come back from its regions: where regions overlap, the one written
-    last (regions_class_order) decides, so an order that loses a label is refused."""
-    order = spec.regions_class_order or ()  # only called with regions
-    for value in spec.all_labels:
-        if value == 0:
+def _membership(spec: LabelSpec) -> dict[int, tuple[int, ...]]:
+    """label value -> the indices of the regions holding it (regions only)."""
+    keys = spec.foreground_keys
+    return {
+        v: tuple(i for i, k in enumerate(keys) if v in (k if isinstance(k, tuple) else (k,)))
+        for v in spec.all_labels
+        if v != 0
+    }
+
+
+def written_back(spec: LabelSpec, value: int) -> int:
+    """The value a prediction holds where the reference holds `value` and every region is
+    predicted right: the last region holding it in regions_class_order decides (0: none)."""
+    order = spec.regions_class_order or ()
+    back = 0
+    for key, written in zip(spec.foreground_keys, order, strict=True):
+        if value in (key if isinstance(key, tuple) else (key,)):
+            back = written
+    return back
+
+
+def region_note(spec: LabelSpec) -> str | None:
+    """One informational line where labels belong to exactly the same regions (BraTS's
+    five-label layout): nnU-Net accepts them, trains and scores the regions, and writes
+    one value for all of them (regions_class_order's); None where nothing is shared."""
+    if not spec.has_regions:
+        return None
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for value, regions in _membership(spec).items():
+        groups.setdefault(regions, []).append(value)
+    names = [name for name, _ in spec.foreground]
+    parts = []
+    for regions, values in groups.items():
+        if len(values) < 2:
             continue
-        back = 0
-        for (_, key), written in zip(spec.foreground, order, strict=True):
-            if value in (key if isinstance(key, tuple) else (key,)):
-                back = written
-        if back != value:
-            raise LabelError(
-                f"regions_class_order {list(order)} turns label {value} into "
-                f"{back}: overlapping regions must be ordered so every label comes back"
-            )
+        joined = ", ".join(map(str, values[:-1])) + f" and {values[-1]}"
+        where = ", ".join(names[i] for i in regions) or "none"
+        parts.append(
+            f"labels {joined} belong to the same regions ({where}): predictions write "
+            f"{written_back(spec, values[0])} for all of them"
+        )
+    if not parts:
+        return None
+    order = list(spec.regions_class_order or ())
+    return (
+        f"note: {'; '.join(parts)} (regions_class_order {order}); training and evaluation "
+        "use the regions, as nnU-Net does"
+    )
+
+
+def check_consecutive(spec: LabelSpec) -> None:
+    """nnU-Net's dataset integrity rule: the label values (and the ignore label) are
+    0, 1, 2, ... without gaps."""
+    missing = sorted(set(range(max(spec.raw_values) + 1)) - set(spec.raw_values))
+    if missing:
+        raise LabelError(
+            f"label values must be consecutive (0, 1, 2, ...): {describe_keys(missing)} "
+            f"missing from {list(spec.raw_values)}"
+        )
 
 
 def from_dataset_json(dataset_json: dict) -> LabelSpec:

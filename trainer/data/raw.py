@@ -24,7 +24,12 @@ from trainer.data.image_io import (
     read_case,
     read_image,
 )
-from trainer.data.labels import LabelError, from_dataset_json, label_values_for_checks
+from trainer.data.labels import (
+    LabelError,
+    check_consecutive,
+    from_dataset_json,
+    label_values_for_checks,
+)
 
 
 class DataError(ValueError):
@@ -77,7 +82,7 @@ def _read_dataset_json(folder: Path) -> dict:
     except ImageReadError as exc:
         raise DataError(f"{path}: {exc}") from None
     try:  # ints, regions (lists) with regions_class_order, the ignore label: trainer.data.labels
-        from_dataset_json(data)
+        check_consecutive(from_dataset_json(data))  # nnU-Net's integrity check
     except LabelError as exc:
         raise DataError(f"{path}: {exc}") from None
     return data

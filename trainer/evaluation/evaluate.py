@@ -79,7 +79,7 @@ def _mean(values: list[Any]) -> float | None:
 
 def summarize(per_case: list[dict[str, Any]], labels: Sequence[Key]) -> dict[str, Any]:
     """nnU-Net's summary.json content from per-case entries (`metrics` keyed by label)."""
-    keys = [metric_key(label) for label in labels]
+    keys = list(dict.fromkeys(metric_key(label) for label in labels))  # a region twice: once
     means = {
         key: {m: _mean([c["metrics"][key][m] for c in per_case]) for m in METRICS} for key in keys
     }
@@ -196,6 +196,10 @@ def _labels_to_score(args: Any) -> tuple[list[Key] | None, int | None]:
     return labels, ignore
 
 
+def _rounded(dice: float | None) -> str:
+    return "undefined" if dice is None else f"{dice:.4f}"
+
+
 def write_summary(summary: dict[str, Any], path: Path) -> None:
     # sort_keys as nnU-Net: foreground_mean comes first.
     atomic_write_text(path, json.dumps(summary, sort_keys=True, indent=4, allow_nan=False) + "\n")
@@ -241,9 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc.strerror or exc}: {exc.filename or ''}", file=sys.stderr)
         return 2
     fg = summary["foreground_mean"]
-    print(
-        f"{len(summary['metric_per_case'])} case(s): foreground mean Dice {fg['Dice']} -> {output}"
-    )
+    cases = len(summary["metric_per_case"])
+    print(f"{cases} case(s): foreground mean Dice {_rounded(fg['Dice'])} -> {output}")
     return 0
 
 

@@ -36,7 +36,7 @@ from trainer.data.case_ops import (
     resample_seg,
     resampled_shape,
 )
-from trainer.data.labels import ANNOTATED_KEY, IGNORE
+from trainer.data.labels import ANNOTATED_KEY, IGNORE, from_dataset_json, region_note
 from trainer.data.raw import DataError, RawCase, RawDataset, load_raw_case, open_raw_dataset
 from trainer.planning.fingerprint import fingerprint_dataset, run_all
 from trainer.planning.plans import (
@@ -185,6 +185,9 @@ def preprocess_dataset(
         return preprocess_preset(*run, options, overrides, progress, preprocess_dataset)
     name = find_dataset(Path(raw_root), dataset)
     raw = open_raw_dataset(Path(raw_root) / name)
+    note = region_note(from_dataset_json(raw.dataset_json))
+    if note:
+        progress(note)
     # One progress line per case: per case for --verify, per case of the writing pass else.
     fingerprint = fingerprint_dataset(raw, num_processes, progress, per_case=verify_only)
     if verify_only:

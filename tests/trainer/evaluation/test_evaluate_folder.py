@@ -66,6 +66,17 @@ def test_labels_default_to_dataset_json_next_to_the_references(tmp_path):
     assert summary["foreground_mean"]["Dice"] == 0.75
 
 
+def test_the_dice_line_is_rounded_and_a_region_listed_twice_counts_once(tmp_path, capsys):
+    ref, pred = _write(tmp_path)
+    assert main([str(ref), str(pred), "-l", "1", "2", "-o", str(tmp_path / "s.json")]) == 0
+    assert "foreground mean Dice 0.7750 -> " in capsys.readouterr().out
+    # nnU-Net keys its means by region: the same region twice is one entry, one mean.
+    twice = evaluate_folders(ref, pred, [(1, 2), (1, 2), 1])
+    once = evaluate_folders(ref, pred, [(1, 2), 1])
+    assert sorted(twice["mean"]) == ["(1, 2)", "1"]
+    assert twice["foreground_mean"] == once["foreground_mean"]
+
+
 def test_a_label_never_present_makes_the_foreground_mean_undefined(tmp_path):
     ref, pred = _write(tmp_path)
     summary = evaluate_folders(ref, pred, [1, 7])
