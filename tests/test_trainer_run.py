@@ -158,7 +158,8 @@ def losses(folder: Path) -> list[tuple]:
         ({"extra": ["--val"]}, "--val needs"),
         ({"extra": ["--augment-on", "gpu"]}, "invalid choice: 'gpu'"),
         ({"extra": ["--val_best"]}, "--val_best only makes sense with --val"),
-        ({"extra": ["-p", "otherPlans"]}, "no plans 'otherPlans'"),
+        # the plans that exist and the flag that picks them
+        ({"extra": ["-p", "otherPlans"]}, "it has nnuiPlans: pick one with -p nnuiPlans"),
     ],
 )
 def test_bad_input_is_one_error_line_and_exit_2(

@@ -139,7 +139,7 @@ def _read_file(
     except ImageReadError:
         raise
     except Exception as exc:  # the format libraries raise many types for broken files
-        raise ImageReadError(f"cannot read {path}: {_one_line(exc)}") from exc
+        raise ImageReadError(f"cannot read {path}: {_reason(path, exc)}") from exc
     if data.dtype == np.bool_:
         data = data.astype(np.uint8)
     return data, (float(spacing[0]), float(spacing[1]), float(spacing[2]))
@@ -149,6 +149,18 @@ def _one_line(exc: Exception) -> str:
     """SimpleITK's messages span lines; the CLIs print one."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[-1] if lines else repr(exc)
+
+
+def _reason(path: Path, exc: Exception) -> str:
+    """ITK ends a failed read of an existing but truncated file with a stale errno
+    ("No such file or directory"): say what is wrong with the file instead."""
+    text = _one_line(exc)
+    if "No such file or directory" in text and path.is_file():
+        return (
+            f"the file is truncated or corrupt ({path.stat().st_size} bytes): its voxel "
+            "data cannot be read (copy it again or export it anew)"
+        )
+    return text
 
 
 def read_case(

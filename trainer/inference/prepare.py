@@ -39,7 +39,7 @@ def read_channels(
 def target_spacing(cplan: ConfigurationPlan, spacing: tuple[float, ...]) -> tuple[float, ...]:
     target = tuple(float(s) for s in cplan.spacing)
     if cplan.name == "2d":  # 2d keeps each case's own slice spacing (as preprocessing)
-        target = (float(spacing[0]), target[1], target[2])
+        target = (float(spacing[0]), *target[-2:])
     return target
 
 

@@ -4,6 +4,7 @@ The demo, the tests and the CPU benchmarks ask for these by name; the default pl
 nnU-Net's (trainer.planning.rules). Rules, nnU-Net-like but CPU-sized:
 
 - target spacing: nnU-Net's (median, or the anisotropy rule), no transpose;
+- configurations: 2d and 3d_fullres; 2d only for 2D data (one slice), as nnU-Net;
 - patch size: the median image shape, shrunk uniformly to a voxel budget small enough
   to train on a CPU (3D 48x64x64, 2D 64x64), then rounded to the pooling divisor;
 - topology: pool an axis while its feature map stays >= 4 voxels and its spacing is
@@ -152,6 +153,23 @@ def _checked_patch(
     return patch, network
 
 
+def _cpu_configurations(
+    asked: tuple[str, ...] | None, median_shape: tuple[float, ...], dataset_name: str
+) -> tuple[str, ...]:
+    """The configurations to plan: 2d only for 2D data (one slice), as nnU-Net plans."""
+    for name in asked or ():
+        if name not in CPU_CONFIGURATIONS:
+            choices = ", ".join(CPU_CONFIGURATIONS)
+            raise PlanningError(f"unknown configuration {name!r} for {CPU_PLANNER}: {choices}")
+    flat = median_shape[0] == 1
+    if flat and asked and "3d_fullres" in asked:
+        raise PlanningError(
+            f"{dataset_name} holds 2D images (median shape {[round(v) for v in median_shape]}): "
+            "there is no 3d_fullres for 2D data; use -c 2d"
+        )
+    return ("2d",) if flat else asked or CPU_CONFIGURATIONS
+
+
 def plan_cpu(
     fingerprint: dict,
     dataset_json: dict,
@@ -163,17 +181,13 @@ def plan_cpu(
 ) -> Plans:
     """The CPU plans of `configurations` (None: 2d and 3d_fullres)."""
     overrides = overrides or Overrides()
-    configurations = configurations or CPU_CONFIGURATIONS
     geometry = _dataset_geometry(fingerprint, spacing_override)
     channel_names = [
         dataset_json["channel_names"][k] for k in sorted(dataset_json["channel_names"], key=int)
     ]
     schemes, use_mask = normalization(fingerprint, channel_names)
     planned = {}
-    for name in configurations:
-        if name not in CPU_CONFIGURATIONS:
-            choices = ", ".join(CPU_CONFIGURATIONS)
-            raise PlanningError(f"unknown configuration {name!r} for {CPU_PLANNER}: {choices}")
+    for name in _cpu_configurations(configurations, geometry.median_shape, dataset_name):
         ndim = 2 if name == "2d" else 3
         patch, network = _checked_patch(name, ndim, geometry, overrides)
         batch = overrides.batch_size.get(name) or _batch_size(ndim, patch, geometry.dataset_voxels)
@@ -182,11 +196,11 @@ def plan_cpu(
             data_identifier=f"{plans_name}_{name}",
             patch_size=tuple(int(p) for p in patch),
             batch_size=int(batch),
-            spacing=geometry.spacing,
+            spacing=geometry.spacing[-ndim:],
             normalization_schemes=schemes,
             use_mask_for_norm=use_mask,
             network=network,
-            median_image_size=tuple(round(v) for v in geometry.median_shape),
+            median_image_size=tuple(round(v) for v in geometry.median_shape[-ndim:]),
             # nnU-Net's estimate, for the launch form (nothing here is sized by it)
             gpu_memory_gb=round(
                 estimate_gb(network, patch, batch, len(dataset_json["labels"]), DEFAULT_NET), 3

@@ -53,11 +53,13 @@ class ConfigurationPlan:
     data_identifier: str  # folder under the dataset, e.g. "nnuiPlans_3d_fullres"
     patch_size: tuple[int, ...]  # 2 or 3 ints
     batch_size: int  # GLOBAL batch size G
-    spacing: tuple[float, ...]  # (z, y, x) target spacing of the stored data
+    # (z, y, x) target spacing of the stored data; 2d: (y, x) as nnU-Net (each case keeps
+    # its own slice spacing); plans written before hold three, the first unused
+    spacing: tuple[float, ...]
     normalization_schemes: tuple[str, ...]
     use_mask_for_norm: tuple[bool, ...]
     network: NetworkPlan
-    median_image_size: tuple[float, ...] = ()  # at `spacing`, (z, y, x) after the transpose
+    median_image_size: tuple[float, ...] = ()  # at `spacing`, after the transpose; 2d: (y, x)
     # The cases preprocessing wrote for this configuration: a deleted file is then noticed
     # (trainer.data.dataset). Not part of any identity: the splits decide what is trained on.
     case_ids: tuple[str, ...] = ()
@@ -210,8 +212,13 @@ def _checked(c: ConfigurationPlan) -> ConfigurationPlan:
         raise ValueError(f"{where}: patch_size {list(c.patch_size)} must be 2 or 3 sizes >= 1")
     if c.batch_size < 1:
         raise ValueError(f"{where}: batch_size {c.batch_size} must be >= 1")
-    if len(c.spacing) != 3 or not all(math.isfinite(v) and v > 0 for v in c.spacing):
-        raise ValueError(f"{where}: spacing {list(c.spacing)} must be 3 positive numbers")
+    # 2d: nnU-Net's two in-plane spacings (plans written before: three, slice axis first)
+    sizes = (2, 3) if c.name == "2d" else (3,)
+    if len(c.spacing) not in sizes or not all(math.isfinite(v) and v > 0 for v in c.spacing):
+        raise ValueError(
+            f"{where}: spacing {list(c.spacing)} must be {' or '.join(map(str, sizes))} "
+            "positive numbers"
+        )
     strides = c.network.strides
     if not strides or any(len(s) != len(c.patch_size) for s in strides):
         raise ValueError(f"{where}: the network's strides do not match a {c.ndim}d patch")
@@ -449,6 +456,16 @@ def plans_file(preprocessed_dataset_dir: Path, plans_name: str = DEFAULT_PLANS) 
     return Path(preprocessed_dataset_dir) / plans_file_name(plans_name)
 
 
+def existing_plans(preprocessed_dataset_dir: Path) -> list[str]:
+    """The nnui plans identifiers written in a preprocessed dataset folder, sorted."""
+    found = []
+    for path in sorted(preprocessed_dataset_dir.glob("*.json")):
+        data = read_plans_json(path) if not path.name.startswith("nnUNet") else None
+        if isinstance(data, dict) and isinstance(data.get("configurations"), dict):
+            found.append(str(data.get("plans_name") or path.stem))
+    return found
+
+
 def load_plans(preprocessed_dataset_dir: Path, plans_name: str = DEFAULT_PLANS) -> Plans:
     if plans_name.startswith("nnUNet") and not legacy.is_plans(plans_name):
         raise ValueError(
@@ -458,6 +475,11 @@ def load_plans(preprocessed_dataset_dir: Path, plans_name: str = DEFAULT_PLANS) 
         )
     path = plans_file(preprocessed_dataset_dir, plans_name)
     if not path.is_file():
+        found = existing_plans(Path(preprocessed_dataset_dir))
+        if found:
+            raise FileNotFoundError(
+                f"no plans at {path}; it has {', '.join(found)}: pick one with -p {found[0]}"
+            )
         raise FileNotFoundError(
             f"no plans at {path}; run `nnui-preprocess {Path(preprocessed_dataset_dir).name}` first"
         )

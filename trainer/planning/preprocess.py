@@ -130,7 +130,7 @@ def preprocess_case(job: CaseJob) -> dict:
     for config in job.configs:
         target = tuple(config["spacing"])
         if config["name"] == "2d":  # 2d keeps each case's own slice spacing
-            target = (spacing[0], target[1], target[2])
+            target = (spacing[0], *target[-2:])
         new_shape = resampled_shape(seg_c.shape, spacing, target)
         data = resample_image(normalized, new_shape, spacing, target)
         seg_r = resample_seg(seg_c, new_shape, spacing, target)

@@ -346,9 +346,7 @@ def plan_configurations(
 
 def _config_plan(name: str, planned: _Planned, geometry: Geometry, sized: Sized,
                  common: dict, lowres: bool) -> ConfigurationPlan:  # fmt: skip
-    spacing, median = planned.spacing, planned.median_shape
-    if name == "2d":  # nnui's plans keep 3 spacings and sizes; the first is the slice axis
-        spacing, median = geometry.spacing, geometry.median_shape
+    spacing, median = planned.spacing, planned.median_shape  # 2d: in-plane only, as nnU-Net
     batch_dice = name == "2d" or (name == "3d_fullres" and lowres)
     gpu = estimate_gb(sized.net, sized.top.patch_size, sized.batch, common["num_classes"],
                       common["spec"])  # fmt: skip

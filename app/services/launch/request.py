@@ -9,7 +9,6 @@ checks the folder once more under the claims lock. A resume uses the job's own r
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from app.services.launch.niceness import (
     inherited_warning,
     nice_problems,
 )
+from app.services.launch.plans_check import plans_problems
 from app.services.launch.schedule import Schedule, resumed_schedule
 from app.services.launch.trainer_flags import flag_value
 from app.services.machine.gpus import MachineSnapshot
@@ -169,18 +169,6 @@ def resume_request(job: Job) -> LaunchRequest:
     )
 
 
-def configuration_names(dataset_folder: Path, plans_file: str) -> list[str] | None:
-    """Configurations in the plans file (stock cascade ones included); None: no plans file."""
-    try:
-        data = json.loads((dataset_folder / plans_file).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, RecursionError):
-        return []
-    configurations = data.get("configurations") if isinstance(data, dict) else None
-    return sorted(configurations) if isinstance(configurations, dict) else []
-
-
 def check_arguments(request: LaunchRequest, roots: Roots) -> list[str]:
     """Usage errors: a fold, dataset or configuration that does not exist (exit 2)."""
     errors = []
@@ -209,23 +197,11 @@ def check_arguments(request: LaunchRequest, roots: Roots) -> list[str]:
             request.engine, dataset_name, request.configuration, flags
         )
         errors += [problem] if problem else []
-    plans = who.plans
-    names = configuration_names(roots.preprocessed / dataset_name, who.engine.plans_file(plans))
-    if names is None:
-        how = f"nnui-preprocess {dataset_name}"
-        if request.engine != NNUI:
-            how = f"nnUNetv2_plan_and_preprocess -d {dataset_name}"
-        errors.append(
-            f"{dataset_name} has no plans {who.engine.plans_file(plans)} in "
-            f"{roots.preprocessed / dataset_name}: preprocess it first ({how})"
-        )
-    elif request.configuration not in names:
-        known = ", ".join(names) or "none"
-        errors.append(
-            f"unknown configuration {request.configuration!r} for {dataset_name} "
-            f"(plans {plans} has: {known})"
-        )
-    return errors
+    how = f"nnui-preprocess {dataset_name}"
+    if request.engine != NNUI:
+        how = f"nnUNetv2_plan_and_preprocess -d {dataset_name}"
+    folder, plans_file = roots.preprocessed / dataset_name, who.engine.plans_file(who.plans)
+    return errors + plans_problems(folder, request.configuration, who.plans, plans_file, how)
 
 
 def fold_assignments(request: LaunchRequest) -> tuple[list[tuple[str, list[str]]], list[str]]:

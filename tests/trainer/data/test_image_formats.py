@@ -451,6 +451,9 @@ def _break(folder: Path, how: str) -> None:
         Image.open(label).convert("RGB").save(label)
     elif how == "3D TIFF without spacing file":
         (images / "case1.json").unlink()
+    elif how == "truncated mha":
+        image = images / "case1_0000.mha"
+        image.write_bytes(image.read_bytes()[: image.stat().st_size // 2])
     else:
         raise AssertionError(how)
     (folder / "dataset.json").write_text(json.dumps(meta))
@@ -468,6 +471,8 @@ BAD_DATASETS = {
     "RGBA png for RGB channels": ("rgb", ".png", "hold 4 channel(s) but dataset.json declares 3"),
     "RGB label png": ("rgb", ".png", "case1.png holds 3 channels where one is expected"),
     "3D TIFF without spacing file": ("3d", ".tif", "case1_0000.tif has no spacing file"),
+    # ITK's own message ends with a stale "No such file or directory"
+    "truncated mha": ("3d", ".mha", "case1_0000.mha: the file is truncated or corrupt"),
 }
 
 

@@ -43,7 +43,7 @@ def _ct_case(tmp_path):
     image_file, label_file = tmp_path / "ct_0000.nii.gz", tmp_path / "ct.nii.gz"
     write_nifti(image_file, image.astype(np.float32), SPACING)
     write_nifti(label_file, seg, SPACING)
-    props = intensity_properties(np.asarray(foreground_samples(image[None], seg)[0]))
+    props = intensity_properties(foreground_samples(image[None], seg, 10_000)[0])
     return RawCase("ct", (image_file,), label_file), props
 
 

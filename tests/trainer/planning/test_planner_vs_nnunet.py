@@ -185,9 +185,10 @@ def config_differences(
     net = ours.network
     blocks = arch.get("n_conv_per_stage", arch.get("n_blocks_per_stage"))
     pairs = {
-        "spacing": (theirs["spacing"], ours.spacing[-ndim:]),
+        # the whole field: a 2d entry holds nnU-Net's two in-plane values, not three
+        "spacing": (theirs["spacing"], ours.spacing),
         "median_image_size_in_voxels": (theirs["median_image_size_in_voxels"],
-                                        ours.median_image_size[-ndim:]),
+                                        ours.median_image_size),
         "patch_size": (theirs["patch_size"], ours.patch_size),
         "batch_size": ([theirs["batch_size"]], [ours.batch_size]),
         "strides": (arch["strides"], net.strides),

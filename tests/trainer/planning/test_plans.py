@@ -206,7 +206,8 @@ def test_load_plans_errors(tmp_path):
         ("3d_fullres", "patch_size", [16, 32], "strides do not match a 2d patch"),
         ("3d_fullres", "patch_size", [17, 32, 32], "not a multiple of the network's"),
         ("2d", "batch_size", 0, "batch_size 0 must be >= 1"),
-        ("2d", "spacing", [1.0, 0.0, 1.0], "must be 3 positive numbers"),
+        ("2d", "spacing", [1.0, 0.0, 1.0], "must be 2 or 3 positive numbers"),
+        ("3d_fullres", "spacing", [1.0, 1.0], "spacing [1.0, 1.0] must be 3 positive numbers"),
     ],
 )
 def test_hand_edited_plans_no_training_could_use_are_refused(tmp_path, config, key, value, message):
