@@ -188,3 +188,13 @@ def test_a_complete_venv_is_left_alone(box) -> None:
     assert rc == 0
     assert log == []
     assert stamp(box).exists()
+
+
+def test_the_license_is_an_spdx_string_setuptools_reads_without_a_warning() -> None:
+    """A TOML table is deprecated (setuptools warns twice at every install); the string
+    form needs setuptools >= 77, which the build requires."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "Apache-2.0"
+    assert project["build-system"]["requires"] == ["setuptools>=77"]

@@ -226,6 +226,36 @@ def config_differences(
     return out + [f for f, (a, b) in exact.items() if a != b]
 
 
+# Every field of nnU-Net's configuration block is compared above, or is one nnui's code has
+# fixed to nnU-Net's value (its preprocessor; the U-Net's operators, checked here).
+COMPARED = {"spacing", "median_image_size_in_voxels", "patch_size", "batch_size", "architecture",
+            "normalization_schemes", "use_mask_for_norm", "batch_dice", "next_stage",
+            "data_identifier"}  # fmt: skip
+FIXED = {"preprocessor_name": "DefaultPreprocessor"}
+FIXED_ARCH = {
+    "conv_op": "torch.nn.modules.conv.Conv{n}d", "conv_bias": True,
+    "norm_op": "torch.nn.modules.instancenorm.InstanceNorm{n}d",
+    "norm_op_kwargs": {"eps": 1e-05, "affine": True}, "dropout_op": None,
+    "dropout_op_kwargs": None, "nonlin": "torch.nn.LeakyReLU",
+    "nonlin_kwargs": {"inplace": True},
+}  # fmt: skip
+ARCH_COMPARED = {"n_stages", "features_per_stage", "kernel_sizes", "strides", "n_conv_per_stage",
+                 "n_blocks_per_stage", "n_conv_per_stage_decoder"}  # fmt: skip
+
+
+def unchecked_fields(block: dict) -> list[str]:
+    """Fields of nnU-Net's block neither compared nor equal to nnui's fixed values."""
+    known = COMPARED | set(FIXED)
+    out = [k for k in block if k not in known and not k.startswith("resampling_fn_")]
+    out += [k for k, v in FIXED.items() if block.get(k) != v]
+    arch = block["architecture"]["arch_kwargs"]
+    n = len(block["patch_size"])
+    fixed = {k: v.format(n=n) if isinstance(v, str) else v for k, v in FIXED_ARCH.items()}
+    out += [f"arch {k}" for k in arch if k not in ARCH_COMPARED | set(fixed)]
+    out += [f"arch {k}" for k, v in fixed.items() if arch.get(k) != v]
+    return out
+
+
 def plans_differences(theirs: dict, estimates: dict, ours: Plans, gb: float = 8.0) -> list[str]:
     out = []
     expected = set(theirs["configurations"])
@@ -244,7 +274,7 @@ def plans_differences(theirs: dict, estimates: dict, ours: Plans, gb: float = 8.
             continue
         fields = config_differences(block, ours.configurations[name], estimates[name],
                                     ours.num_classes, gb)  # fmt: skip
-        out += [f"{name}: {f}" for f in fields]
+        out += [f"{name}: {f}" for f in fields + unchecked_fields(block)]
     return out
 
 
