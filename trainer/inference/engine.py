@@ -115,8 +115,7 @@ def predict_cases(
                 probs = predict_probabilities(
                     models, prepared.data, cplan.patch_size, plans.num_classes, device,
                     settings.step_size, settings.mirror, autocast_dtype, spec.has_regions,
-                    settings.mirror_axes,
-                ).cpu()  # fmt: skip
+                    settings.mirror_axes).cpu()  # fmt: skip
                 if pending_write is not None:
                     pending_write.result()  # at most one case waits to be written
                 pending_write = writer.submit(

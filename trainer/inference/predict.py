@@ -337,16 +337,10 @@ def run(args: argparse.Namespace, progress: Callable[..., None] = print,  # prin
     resolved.out_dir.mkdir(parents=True, exist_ok=True)
     _write_info(resolved, args)
     settings = PredictSettings(
-        resolved.out_dir,
-        args.step_size,
-        not args.disable_tta,
-        args.save_probabilities,
-        resolved.fallback_spacing,
-        resolved.largest_component_labels,
-        args.precision,
-        resolved.previous_stage_dir,
-        args.mirror_axes,
-    )
+        resolved.out_dir, args.step_size, not args.disable_tta, args.save_probabilities,
+        resolved.fallback_spacing, resolved.largest_component_labels, args.precision,
+        resolved.previous_stage_dir, args.mirror_axes,
+    )  # fmt: skip
     started = time.perf_counter()
     num = predict_cases(
         resolved.cases,
