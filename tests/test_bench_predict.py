@@ -38,3 +38,31 @@ def test_real_setup_builds_every_input_from_an_empty_work_folder(tmp_path):
     assert [abs(a - b) <= 1 for a, b in zip(logits.shape[1:], expected, strict=True)] == [True] * 3
     again = predict_real.setup(tmp_path / "work", case_shape=(24, 48, 40))  # cached: same files
     assert again["logits"] == paths["logits"]
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_nnui_weights_under_nnunets_names_give_nnunets_network_the_same_output(ndim):
+    import torch
+    from dynamic_network_architectures.architectures.unet import PlainConvUNet as NnunetUNet
+    from nnunet_weights import to_nnunet
+
+    from trainer.network.unet import PlainConvUNet
+
+    features, kernels, strides = (4, 8, 16), [3, 3, 3], [1, 2, 2]
+    conv = torch.nn.Conv3d if ndim == 3 else torch.nn.Conv2d
+    norm = torch.nn.InstanceNorm3d if ndim == 3 else torch.nn.InstanceNorm2d
+    theirs = NnunetUNet(
+        2, 3, features, conv, kernels, strides, (2, 2, 2), 3, (2, 2), conv_bias=True,
+        norm_op=norm, norm_op_kwargs={"eps": 1e-5, "affine": True},
+        nonlin=torch.nn.LeakyReLU, nonlin_kwargs={"inplace": True, "negative_slope": 1e-2},
+        deep_supervision=True,
+    ).eval()  # fmt: skip
+    torch.manual_seed(3)
+    ours = PlainConvUNet(2, 3, features, kernels, strides, (2, 2, 2), (2, 2), ndim).eval()
+    for tensor in ours.parameters():  # norms too: trained weights are not their init
+        torch.nn.init.normal_(tensor, std=0.3)
+    theirs.load_state_dict(to_nnunet(ours.state_dict(), list(theirs.state_dict())), strict=True)
+    x = torch.randn(2, 2, *([16] * ndim))
+    with torch.no_grad():
+        for a, b in zip(ours(x), theirs(x), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
