@@ -162,7 +162,9 @@ def ensure_nnunet_venv(work: Path, trainer_src: Path) -> Path:
     """work/venv with nnunetv2 (created once, ~1 min from the local wheels) + our trainer."""
     venv = work / "venv"
     py = venv / "bin" / "python"
-    check = [str(py), "-c", "import importlib.metadata as m; print(m.version('nnunetv2'))"]
+    # safetensors: bench/nnunet_random_checkpoint.py reads nnui's checkpoints there.
+    probe = "import safetensors, importlib.metadata as m; print(m.version('nnunetv2'))"
+    check = [str(py), "-c", probe]
     ok = (
         py.exists()
         and subprocess.run(check, capture_output=True, text=True).stdout.strip() == NNUNET_VERSION
@@ -176,7 +178,8 @@ def ensure_nnunet_venv(work: Path, trainer_src: Path) -> Path:
         pip = [str(py), "-m", "pip", "install", "-c", str(constraints)]
         # fmt: off
         steps = [[sys.executable, "-m", "venv", "--clear", str(venv)],
-                 [*pip, "torch==2.13.0"], [*pip, f"nnunetv2=={NNUNET_VERSION}", "psutil"]]
+                 [*pip, "torch==2.13.0"],
+                 [*pip, f"nnunetv2=={NNUNET_VERSION}", "psutil", "safetensors"]]
         # fmt: on
         for step in steps:
             if run_logged(step, install_log) != 0:

@@ -1,6 +1,6 @@
 """Write an nnU-Net v2 model folder with an untrained checkpoint (runs in nnU-Net's venv).
 
-    python bench/nnunet_random_checkpoint.py DATASET CONFIGURATION FOLD
+    python bench/nnunet_random_checkpoint.py DATASET CONFIGURATION FOLD [NNUI_CHECKPOINT]
 
 bench/predict.py times `nnUNetv2_predict`, whose cost does not depend on the values of the
 weights, only on the network. Instead of training, this builds nnU-Net's own trainer for
@@ -8,6 +8,9 @@ the dataset's plans (nnUNet_preprocessed / nnUNet_results from the environment),
 choose its test-time mirroring axes as training would, and saves its freshly initialised
 network in the layout nnU-Net's trainer writes (`fold_F/checkpoint_final.pth`, plus the
 folder's `plans.json` and `dataset.json`). It prints the parameter count and mirror axes.
+With NNUI_CHECKPOINT (an nnui `checkpoint_*.safetensors` of the same plan's plain U-Net)
+the checkpoint holds those trained weights instead (bench/nnunet_weights.py maps the names),
+so both predictors run the same model and their segmentations can be compared.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from nnunetv2.utilities.label_handling.label_handling import determine_num_input
 
 def main() -> int:
     dataset, configuration, fold = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    nnui_checkpoint = sys.argv[4] if len(sys.argv) > 4 else None
     pre = Path(os.environ["nnUNet_preprocessed"]) / dataset  # noqa: SIM112 - nnU-Net's name
     plans = json.loads((pre / "nnUNetPlans.json").read_text())
     dataset_json = json.loads((pre / "dataset.json").read_text())
@@ -41,6 +45,8 @@ def main() -> int:
         trainer.label_manager.num_segmentation_heads,
         enable_deep_supervision=False,
     )
+    if nnui_checkpoint:
+        network.load_state_dict(nnui_weights(nnui_checkpoint, network), strict=True)
     model_dir = Path(trainer.output_folder_base)
     fold_dir = model_dir / f"fold_{fold}"
     fold_dir.mkdir(parents=True, exist_ok=True)
@@ -62,6 +68,15 @@ def main() -> int:
     axes = trainer.inference_allowed_mirroring_axes
     print(json.dumps({"parameters": parameters, "mirror_axes": list(axes or ())}))
     return 0
+
+
+def nnui_weights(path: str, network: torch.nn.Module) -> dict:
+    from nnunet_weights import to_nnunet
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    model = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+    return to_nnunet(model, list(network.state_dict()))
 
 
 if __name__ == "__main__":

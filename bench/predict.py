@@ -10,10 +10,12 @@ preprocess, network per window, resampling + export); see bench/predict_real.py.
 Same cases (the demo dataset's held-out imagesTs), same network (nnU-Net's plan written
 into nnui's plans by compare_nnunet's setup: 16.47 M parameters), same patch, step size
 and mirroring axes, one fold, -device cpu, the same torch threads. The prediction cost does
-not depend on the weights' values, so each side gets its own cheapest checkpoint: nnui one
-training iteration (ended once checkpoint_final is written), nnU-Net a freshly initialised
-network in its trainer's checkpoint layout (bench/nnunet_random_checkpoint.py). Runs
-alternate A B A B; figures and ratios are appended to bench/RESULTS.md.
+not depend on the weights' values, so the checkpoint is nnui's cheapest (one training
+iteration, ended once checkpoint_final is written), written for nnU-Net in its trainer's
+checkpoint layout with the same tensors (bench/nnunet_random_checkpoint.py,
+bench/nnunet_weights.py): both sides run the same model and their segmentations are
+compared voxel by voxel. Runs alternate A B A B; figures and ratios are appended to
+bench/RESULTS.md.
 
 --precision: nnui-predict's --precision values to run, each a side of its own ("nnui" is
 its default, auto: bf16 autocast on CPUs with AMX; "nnui fp32" computes in float32, as
@@ -152,21 +154,30 @@ def ensure_data(raw: Path, test_cases: int, shape_scale: float) -> Path:
     return inputs
 
 
-def nnunet_model(a: PredictArgs, venv: Path, roots: dict[str, str]) -> dict:
-    """nnU-Net's model folder with an untrained checkpoint_final.pth (cached)."""
+def nnunet_model(a: PredictArgs, venv: Path, roots: dict[str, str], nnui_results: Path) -> dict:
+    """nnU-Net's model folder whose checkpoint_final.pth holds nnui's trained weights under
+    nnU-Net's names (cached): both sides predict with the same model."""
+    from trainer import schema
+
     results = a.work / "nnunet_results"
     model = results / DATASET / f"nnUNetTrainer__nnUNetPlans__{a.configuration}"
     info_path = model / "bench_model.json"
+    weights = schema.run_dir(nnui_results, DATASET, a.configuration, FOLD)
+    weights = weights / schema.checkpoint_file("final")
     if (model / f"fold_{FOLD}" / "checkpoint_final.pth").is_file() and info_path.is_file():
-        return json.loads(info_path.read_text())
+        info = json.loads(info_path.read_text())
+        if info.get("weights") == str(weights):
+            return info
     argv = [str(venv / "bin" / "python"), str(BENCH_DIR / "nnunet_random_checkpoint.py")]
     env = dict(os.environ, **roots, nnUNet_results=str(results))
     done = subprocess.run(
-        [*argv, DATASET, a.configuration, FOLD], capture_output=True, text=True, env=env
-    )
+        [*argv, DATASET, a.configuration, FOLD, str(weights)],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"writing nnU-Net's checkpoint failed: {done.stderr.strip()[-400:]}")
     info = json.loads(done.stdout.strip().splitlines()[-1])
+    info["weights"] = str(weights)
     info_path.write_text(json.dumps(info))
     return info
 
@@ -332,7 +343,8 @@ def summarize(runs: list[PredictRun], tta: bool, nnui_sides: list[str]) -> list[
 
 
 def agreement(a: PredictArgs, tta: bool) -> list[str]:
-    """Voxels where each further nnui side's segmentation equals the first side's (run 0)."""
+    """Voxels where each nnui side's segmentation equals nnU-Net's (run 0: both sides run
+    the same trained weights) and each further nnui side's equals the first's."""
     import nibabel as nib
     import numpy as np
 
@@ -340,7 +352,9 @@ def agreement(a: PredictArgs, tta: bool) -> list[str]:
         return prediction_dir(a, side, tta, 0)
 
     first, lines = a.nnui_sides()[0], []
-    for other in a.nnui_sides()[1:]:
+    pairs = [("nnU-Net", side) for side in a.nnui_sides()]
+    pairs += [(first, other) for other in a.nnui_sides()[1:]]
+    for first, other in pairs:
         same = total = 0
         for path in sorted(folder(first).glob("*.nii.gz")):
             x = np.asarray(nib.load(str(path)).dataobj)
@@ -421,7 +435,7 @@ def setup(a: PredictArgs) -> tuple:
         nnui_preprocess(_bench_args(a), raw, nnui_pre, plan)
         share_splits(nnunet_pre, nnui_pre)
     nnui_results = nnui_model(a, nnui_pre)
-    info = nnunet_model(a, venv, roots)
+    info = nnunet_model(a, venv, roots, nnui_results)
     info["plan"] = plan
     return venv, roots, inputs, nnui_pre, nnui_results, info
 

@@ -81,10 +81,11 @@ def logits_from_image(hu, num_classes: int = 3):
 # ---- setup (this process) ----------------------------------------------------------------
 
 
-def setup(work: Path) -> dict:
-    """Raw case, nnU-Net's plans, nnui's plans (cached); the paths the stages need."""
+def setup(work: Path, case_shape: tuple[int, int, int] | None = None) -> dict:
+    """Raw case, nnU-Net's plans, nnui's plans (cached); the paths the stages need.
+    `case_shape`: a smaller case than the real-size 512x512x300 (the set-up's test)."""
     import numpy as np
-    from real_data import ct_like_case
+    from real_data import CT_SHAPE, ct_like_case
 
     from trainer.data.image_io import write_nifti
 
@@ -92,7 +93,7 @@ def setup(work: Path) -> dict:
     image = raw / "imagesTs" / f"{CASE}_0000.nii.gz"
     if not image.is_file():
         image.parent.mkdir(parents=True, exist_ok=True)
-        hu, spacing = ct_like_case(0)
+        hu, spacing = ct_like_case(0, case_shape or CT_SHAPE)
         write_nifti(image, hu, spacing)
         (raw / "dataset.json").write_text(json.dumps(dataset_json(), indent=1))
     nnunet_pre = work / "nnunet_pre" / DATASET
@@ -126,11 +127,13 @@ def setup(work: Path) -> dict:
         plans = load_plans(nnui_plans.parent)
         cplan = plans.configuration(CONFIG)
         prepared = prepare_case(InputCase(CASE, (image,), ".nii.gz"), plans, cplan)
-        hu, _ = read_image(image, None)  # anatomy at the network's shape: resample the HU
+        hu, spacing = read_image(image, None)  # anatomy at the network's shape: resample the HU
         from trainer.data.case_ops import resample_image
 
-        shape = prepared.data.shape[1:]
-        hu_net = resample_image(hu[None].astype(np.float32), tuple(shape), order=1)[0]
+        shape = tuple(prepared.data.shape[1:])
+        hu_net = resample_image(
+            hu[None].astype(np.float32), shape, tuple(spacing), tuple(cplan.spacing), order=1
+        )[0]
         np.save(logits, logits_from_image(hu_net))
     return {"image": image, "nnunet_plans": plans_path, "nnui_plans": nnui_plans,
             "logits": logits, "env": env}  # fmt: skip

@@ -54,6 +54,8 @@ class TrainConfig:
     # Mirroring test-time augmentation in the final validation, as nnU-Net's final
     # validation and nnui-predict's default (--val_disable_tta turns it off).
     val_mirror: bool = True
+    # --val_mirror_axes: the patch axes mirrored (None: all, nnU-Net's); fewer = a quick look.
+    val_mirror_axes: tuple[int, ...] | None = None
     disable_checkpointing: bool = False
     resume_checkpoint: str | None = None
     # The raw dataset folder (DatasetNNN_Name under nnUNet_raw): final validation writes
@@ -124,6 +126,8 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        if known.get("val_mirror_axes") is not None:  # a JSON list after config.json
+            known["val_mirror_axes"] = tuple(known["val_mirror_axes"])
         return cls(**known)
 
     def replace(self, **changes: Any) -> TrainConfig:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import allocator, openmp
+from trainer.inference import mirroring
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER
 from trainer.train_args import build_parser
 
@@ -93,6 +94,7 @@ def _load_configuration(dataset_dir: Path, dataset_name: str, args: argparse.Nam
         cplan = plans.configuration(args.configuration)
     except (KeyError, ValueError) as error:
         raise UsageError(f"{error}") from error
+    mirroring.check_axes(args.val_mirror_axes, len(cplan.patch_size), "--val_mirror_axes")
     data_dir = dataset_dir / cplan.data_identifier
     if not data_dir.is_dir() or not any(data_dir.iterdir()):
         raise UsageError(
@@ -133,6 +135,7 @@ def _make_config(args: argparse.Namespace, argv: list[str], dataset_name: str,
         validation_only=args.validation_only,
         val_best=args.val_best,
         val_mirror=args.val_mirror,
+        val_mirror_axes=args.val_mirror_axes,
         disable_checkpointing=args.disable_checkpointing,
         pretrained_weights=str(Path(pretrained).absolute()) if pretrained else None,
         argv=argv,

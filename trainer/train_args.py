@@ -10,6 +10,7 @@ import argparse
 from trainer import allocator, legacy
 from trainer.cli import OneLineParser
 from trainer.config import AUGMENT_CHOICES, RECOMPUTE_CHOICES
+from trainer.inference import mirroring
 from trainer.network import precision
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER
 
@@ -67,6 +68,14 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         dest="val_mirror",
         action="store_false",
         help="no mirroring in the final validation (on by default, as nnU-Net and nnui-predict)",
+    )
+    p.add_argument(
+        "--val_mirror_axes",
+        type=mirroring.parse_axes,
+        default=None,
+        metavar="AXES",
+        help="mirror only these patch axes in the final validation, e.g. 1,2 (3d: the "
+        "in-plane flips, 4 passes instead of 8); default: every axis, as nnU-Net",
     )
     # nnui <= 0.2 mirrored only with --val-mirror; it is the default now (kept for scripts).
     p.add_argument("--val-mirror", dest="val_mirror", action="store_true", help=argparse.SUPPRESS)

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from trainer import stop
 from trainer.checkpoint.format import CheckpointError
 from trainer.config import TrainConfig
 from trainer.events import RunRecorder
+from trainer.inference import mirroring
 from trainer.schema import (
     CONFIG_FILE,
     Kind,
@@ -451,14 +453,19 @@ def _final_validation(
 ) -> None:
     """Whole validation cases, split val_ids[rank::W], written and scored in the raw
     geometry by rank 0 (trainer.final_validation); `validation_finished` from its summary."""
-    from trainer.final_validation import evaluation_model, validate
+    from trainer.final_validation import evaluation_model, progress_line, validate
 
     recorder.status(State.RUNNING, message="final validation")
     model = evaluation_model(plans, cplan, trainee.raw_model, trainee.device)
     recorder.event(Kind.VALIDATION_STARTED, num_cases=len(val_ids))
 
-    def progress(num_done: int, num_cases: int) -> None:
-        recorder.event(Kind.VALIDATION_CASE, index=num_done, num_cases=num_cases)
+    began = time.perf_counter()
+
+    def progress(num_done: int, num_cases: int) -> None:  # rank 0, after each round of cases
+        elapsed_s = time.perf_counter() - began
+        log.info(progress_line(num_done, num_cases, elapsed_s))
+        recorder.event(Kind.VALIDATION_CASE, index=num_done, num_cases=num_cases,
+                       seconds_per_case=elapsed_s / max(num_done, 1))  # fmt: skip
 
     summary = validate(
         config, topology, model, cases, val_ids, plans, cplan, trainee.device,
@@ -478,7 +485,7 @@ def _final_validation(
     recorder.status(message=None)
     space = "raw geometry" if config.raw_dataset_dir else "preprocessed space"
     log.info("final validation (%s, mirroring %s): mean foreground Dice %s over %d cases",
-             space, "on" if config.val_mirror else "off",
+             space, mirroring.describe(config.val_mirror, config.val_mirror_axes),
              "undefined" if mean_fg_dice is None else f"{mean_fg_dice:.4f}",
              len(summary["metric_per_case"]))  # fmt: skip
 

@@ -190,6 +190,34 @@ def test_val_mirrors_by_default_and_the_flags_say_otherwise(demo_preprocessed, t
     assert build_parser().parse_args([*base, "--val-mirror"]).val_mirror is True  # old flag
 
 
+@pytest.mark.parametrize(
+    ("axes", "message"),
+    [("2", "--val_mirror_axes 2: the 2D patch has axes 0-1"),
+     ("x", "give patch axes as numbers"), ("3", "patch axes are 0, 1 or 2")],
+)  # fmt: skip
+def test_mirror_axes_outside_the_patch_are_refused_in_one_line(
+    demo_preprocessed, tmp_path, capsys, axes, message
+):
+    results = tmp_path / "results"
+    assert main(train_argv(demo_preprocessed, results, "--val_mirror_axes", axes)) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not results.exists()
+
+
+@pytest.mark.parametrize(
+    ("done", "total", "elapsed", "line"),
+    [(3, 20, 36.0, "case 3/20, 12.0 s/case, ETA 3 min 24 s"),
+     (1, 4, 5.0, "case 1/4, 5.0 s/case, ETA 15 s"),
+     (2, 900, 20.0, "case 2/900, 10.0 s/case, ETA 2 h 29 min"),
+     (4, 4, 8.0, "case 4/4, 2.0 s/case, ETA 0 s")],
+)  # fmt: skip
+def test_progress_line_says_case_rate_and_eta_in_whole_words(done, total, elapsed, line):
+    from trainer.final_validation import progress_line
+
+    assert progress_line(done, total, elapsed) == f"final validation: {line}"
+
+
 def test_sigusr1_during_final_validation_is_logged_once(caplog) -> None:
     import signal
 
@@ -393,6 +421,10 @@ def test_final_validation_writes_what_nnui_predict_writes_and_nnui_evaluate_agre
     assert finished["num_cases"] == len(cases)
     progress = [e for e in events(run_dir(results)) if e["kind"] == "validation_case"]
     assert [e["index"] for e in progress][-len(cases) :] == list(range(1, len(cases) + 1))
+    assert all(e["seconds_per_case"] > 0 for e in progress)
+    console = (tmp_path / "train.log").read_text()
+    for n in range(1, len(cases) + 1):  # the console follows it too, case by case with an ETA
+        assert f"final validation: case {n}/{len(cases)}, " in console
 
     # --val --val_best: checkpoint_best of a one-epoch run holds the final weights.
     (validation / schema.SUMMARY_FILE).unlink()

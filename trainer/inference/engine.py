@@ -42,6 +42,7 @@ class PredictSettings:
     largest_component_labels: tuple[Step, ...] = ()  # --postprocess
     precision: str = "auto"  # trainer.network.precision: autocast on CUDA and AMX CPUs
     previous_stage_dir: Path | None = None  # a cascade: the previous stage's segmentations
+    mirror_axes: tuple[int, ...] | None = None  # --mirror_axes (None: every patch axis)
 
 
 def build_models(
@@ -114,7 +115,7 @@ def predict_cases(
                 probs = predict_probabilities(
                     models, prepared.data, cplan.patch_size, plans.num_classes, device,
                     settings.step_size, settings.mirror, autocast_dtype, spec.has_regions,
-                ).cpu()  # fmt: skip
+                    settings.mirror_axes).cpu()  # fmt: skip
                 if pending_write is not None:
                     pending_write.result()  # at most one case waits to be written
                 pending_write = writer.submit(

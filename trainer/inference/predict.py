@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer import stop
 from trainer.cli import OneLineParser, one_line, use_caching_allocator
+from trainer.inference import mirroring
 from trainer.inference.events import PredictionEvents
 from trainer.network import precision
 from trainer.schema import CHECKPOINT_KINDS, DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS, Kind
@@ -64,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-step_size", type=float, default=0.5, help="window step, fraction of patch")
     p.add_argument("--disable_tta", action="store_true", help="no mirroring (8x faster in 3d)")
+    p.add_argument(
+        "--mirror_axes",
+        type=mirroring.parse_axes,
+        default=None,
+        metavar="AXES",
+        help="mirror only these patch axes, e.g. 1,2 (3d: 4 passes instead of 8); "
+        "default: every axis, as nnU-Net",
+    )
     p.add_argument("--save_probabilities", action="store_true", help="also write CASE.npz")
     p.add_argument(
         "--postprocess",
@@ -294,6 +303,7 @@ def _write_info(resolved: Resolved, args: argparse.Namespace) -> None:
         "checkpoint": checkpoint_kind(args.checkpoint),
         "step_size": args.step_size,
         "tta": not args.disable_tta,
+        "mirror_axes": list(args.mirror_axes) if args.mirror_axes else None,
         "precision": args.precision,
         **prediction_labels(resolved.plans.label_spec),  # labels (+ regions_class_order)
     }
@@ -307,6 +317,7 @@ def run(args: argparse.Namespace, progress: Callable[..., None] = print,  # prin
     events = events or PredictionEvents(None)
     precision.check(args.precision, args.device)
     resolved = resolve(args)
+    mirroring.check_axes(args.mirror_axes, len(resolved.cplan.patch_size), "--mirror_axes")
     _started(events, resolved, args)
     device = _device(args.device)
     if resolved.num_skipped:
@@ -326,15 +337,10 @@ def run(args: argparse.Namespace, progress: Callable[..., None] = print,  # prin
     resolved.out_dir.mkdir(parents=True, exist_ok=True)
     _write_info(resolved, args)
     settings = PredictSettings(
-        resolved.out_dir,
-        args.step_size,
-        not args.disable_tta,
-        args.save_probabilities,
-        resolved.fallback_spacing,
-        resolved.largest_component_labels,
-        args.precision,
-        resolved.previous_stage_dir,
-    )
+        resolved.out_dir, args.step_size, not args.disable_tta, args.save_probabilities,
+        resolved.fallback_spacing, resolved.largest_component_labels, args.precision,
+        resolved.previous_stage_dir, args.mirror_axes,
+    )  # fmt: skip
     started = time.perf_counter()
     num = predict_cases(
         resolved.cases,

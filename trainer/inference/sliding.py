@@ -51,9 +51,13 @@ def memory_format(device: torch.device, ndim: int) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def mirror_combinations(ndim: int, enabled: bool) -> list[tuple[int, ...]]:
-    """Flip axes of (N, C, *spatial) tensors: () first, then every non-empty combination."""
-    axes = [2 + a for a in range(ndim)] if enabled else []
+def mirror_combinations(
+    ndim: int, enabled: bool, spatial_axes: Sequence[int] | None = None
+) -> list[tuple[int, ...]]:
+    """Flip axes of (N, C, *spatial) tensors: () first, then every non-empty combination of
+    `spatial_axes` (0-based over the patch; None: all of them, nnU-Net's default)."""
+    chosen = range(ndim) if spatial_axes is None else sorted(set(spatial_axes))
+    axes = [2 + a for a in chosen] if enabled else []
     combos: list[tuple[int, ...]] = [()]
     for r in range(1, len(axes) + 1):
         combos += list(itertools.combinations(axes, r))
@@ -128,6 +132,7 @@ def sliding_window_probabilities(
     mirror: bool = True,
     autocast_dtype: torch.dtype | None = None,
     sigmoid: bool = False,
+    mirror_axes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Softmax (sigmoid: one independent probability per channel, region-based training) of
     the fold-averaged logits (N, K, *spatial) for images (N, C, *spatial); the networks run
@@ -138,7 +143,7 @@ def sliding_window_probabilities(
     norm = torch.zeros(tuple(images.shape[2:]), device=images.device)
     for w in windows:
         norm[w] += weights
-    combos = mirror_combinations(len(patch), mirror)
+    combos = mirror_combinations(len(patch), mirror, mirror_axes)
     batch = windows_per_batch(images.device, patch)
     autocast = _autocast_for(images.device, autocast_dtype)
     total = None
@@ -171,16 +176,25 @@ def predict_probabilities(
     mirror: bool = True,
     autocast_dtype: torch.dtype | None = None,
     sigmoid: bool = False,
+    mirror_axes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Softmax (sigmoid: regions) (K, z, y, x) for one preprocessed case (C, z, y, x); 2d
-    predicts slices."""
+    predicts slices. `mirror_axes`: the patch axes mirrored (None: all)."""
     volume = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(device)
     if len(patch) == 3:
         return sliding_window_probabilities(
-            models, volume[None], patch, num_classes, step_size, mirror, autocast_dtype, sigmoid
+            models,
+            volume[None],
+            patch,
+            num_classes,
+            step_size,
+            mirror,
+            autocast_dtype,
+            sigmoid,
+            mirror_axes,
         )[0]
     slices = volume.permute(1, 0, 2, 3)  # (z, C, y, x): the slices are a batch of images
     probs = sliding_window_probabilities(
-        models, slices, patch, num_classes, step_size, mirror, autocast_dtype, sigmoid
+        models, slices, patch, num_classes, step_size, mirror, autocast_dtype, sigmoid, mirror_axes
     )
     return probs.permute(1, 0, 2, 3)

@@ -175,6 +175,8 @@ def _bad_inputs(root: Path, env) -> dict[str, tuple[list[str], Path, str]]:
         "pickled checkpoint": (["-f", "0", "-chk", "checkpoint_final.pth"], good, "pickle"),
         "bad part id": (["-f", "0", "-num_parts", "2", "-part_id", "2"], good, "-part_id"),
         "bad step size": (["-f", "0", "-step_size", "0"], good, "-step_size"),
+        "bad mirror axes": (["-f", "0", "--mirror_axes", "a"], good, "--mirror_axes"),
+        "mirror axis off the patch": (["-f", "0", "--mirror_axes", "2"], good, "axes 0-1"),
         "unknown configuration": (["-f", "0", "-c", "3d_lowres"], good, "3d_lowres"),
         "bad postprocessing file": (["-f", "0", "--postprocess", str(root)], good, "--postprocess"),
     }

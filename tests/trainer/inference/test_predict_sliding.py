@@ -35,6 +35,24 @@ def test_mirror_combinations_are_every_subset_of_the_axes():
     assert mirror_combinations(3, True) == [(), (2,), (3,), (4,), (2, 3), (2, 4), (3, 4), (2, 3, 4)]
     assert mirror_combinations(2, True) == [(), (2,), (3,), (2, 3)]
     assert mirror_combinations(3, False) == [()]
+    assert mirror_combinations(3, True, (1, 2)) == [(), (3,), (4,), (3, 4)]  # --mirror_axes 1,2
+    assert mirror_combinations(2, True, (0,)) == [(), (2,)]
+
+
+def test_fewer_mirror_axes_average_only_their_flips():
+    torch.manual_seed(0)
+    model = Positional(3, 3).eval()
+    x = torch.randn(1, 1, 4, 6, 8)
+    with torch.inference_mode():
+        got = sliding_window_probabilities([model], x, (4, 6, 8), 3, mirror_axes=(2,))
+        flipped = torch.flip(model(torch.flip(x, (4,))), (4,))
+        expected = torch.softmax((model(x) + flipped) / 2, dim=1)
+        # The model is flip-equivariant but for its ramp along x: a z flip changes nothing.
+        z_only = sliding_window_probabilities([model], x, (4, 6, 8), 3, mirror_axes=(0,))
+        plain = sliding_window_probabilities([model], x, (4, 6, 8), 3, mirror=False)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(z_only, plain, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got, plain)
 
 
 def test_one_window_tta_equals_the_mean_of_the_unflipped_mirrored_predictions():
