@@ -291,6 +291,7 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=10.0)
     parser.add_argument("--generate-only", action="store_true")
     parser.add_argument("--only", default="status,cv,tui", help="what to measure (a list)")
+    parser.add_argument("--warm-only", action="store_true", help="keep the cache (no cold rounds)")
     parser.add_argument(
         "--code", type=Path, default=ROOT, help="the nnui checkout measured (e.g. an older one)"
     )
@@ -311,7 +312,8 @@ def main() -> None:
     live = start_live(args.work, args.live)
     try:
         for repeat in range(args.repeats):
-            one_round(args.work, env, args, f"cold{repeat + 1}")
+            if not args.warm_only:
+                one_round(args.work, env, args, f"cold{repeat + 1}")
             one_round(args.work, env, args, f"warm{repeat + 1}")
     finally:
         for proc in live:  # our own writers, by pid

@@ -54,6 +54,7 @@ class RunState:
     validation_t: float | None = None  # when the final validation began
     final_dice: float | None = None
     checkpoints: dict[str, int] = field(default_factory=dict)  # kind -> epochs completed
+    started_t: float | None = None  # this job's first start (run_started), in file order
     compact: bool = False  # keeps only the newest epochs and running points (an ended run)
 
     @property
@@ -98,6 +99,7 @@ class RunState:
             self.cases = CaseProgress()
             self.last_epoch_t, self.validation, self.final_dice = None, None, None
             self.checkpoints = {}
+            self.started_t = None
         for scope, record in batch.records:
             if scope is Scope.LATER:
                 continue  # a later run (a resume) in the same folder: that job's view shows it
@@ -138,6 +140,8 @@ class RunState:
             self.last_epoch_t = record["t"]
         if kind in START_KINDS:
             self.last_kind, self.stop_requested = None, False
+            if self.started_t is None:
+                self.started_t = record["t"]
             if kind == Kind.PREDICTION_STARTED:
                 self.cases = CaseProgress()
         elif kind in (Kind.STOP_REQUESTED, Kind.STOP_HEARD):
@@ -169,7 +173,7 @@ class RunState:
 # ---- the compact summary (summaries.py keeps it across nnui's starts) ------------------------
 
 _SCALARS = ("num_epochs", "last_kind", "stop_requested", "last_event_t", "nan_epoch",
-            "last_epoch_t", "validation_t", "final_dice")  # fmt: skip
+            "last_epoch_t", "validation_t", "final_dice", "started_t")  # fmt: skip
 
 
 def summary(run: RunState) -> dict[str, Any] | None:

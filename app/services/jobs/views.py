@@ -82,6 +82,7 @@ class JobView:
     # A run nnui did not launch (discovery.py); watch_only when it is another user's.
     adopted: AdoptedRun | None = None
     slurm_state: str | None = None  # the user's SLURM job: PENDING, RUNNING ... (squeue)
+    started_t: float | None = None  # the job's own first run_started (GPU-hours count from it)
 
 
 DATA_WAIT_ALERT_SHARE = 0.3  # of the step time, over each of the last DATA_WAIT_EPOCHS epochs
@@ -446,6 +447,7 @@ class JobTracker:
             checkpoints=tuple(run.checkpoints.items()),
             data_wait_share=_finite(last.data_wait_share) if last else None,
             class_names=run.class_names,
+            started_t=run.started_t,
         )
 
     def _eta_s(

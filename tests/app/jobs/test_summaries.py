@@ -91,6 +91,7 @@ def test_a_new_reader_reads_no_byte_of_an_unchanged_finished_run(tmp_path, monke
     assert count.events() == 0
     assert (view.state, view.epoch, view.final_dice) == ("finished", NUM_EPOCHS, 0.8125)
     assert again.epoch == NUM_EPOCHS and view.history[-1].epoch == NUM_EPOCHS - 1
+    assert view.started_t == T and view.checkpoints == again.checkpoints
 
 
 def test_an_appended_file_is_read_from_its_last_offset_only(tmp_path, monkeypatch) -> None:
