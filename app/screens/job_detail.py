@@ -117,6 +117,9 @@ class JobDetailScreen(Screen):
         if want is None or view is None:
             return
         want([self.job_id, *(v.job.job_id for v in fold_views(app.views, view.job, True).values())])
+        poll = getattr(app, "poll_jobs", None)
+        if poll is not None:
+            poll()  # now, not at the next tick
 
     def show_jobs(self, views: list[JobView], cv_eta_s: float | None) -> None:
         view = next((v for v in views if v.job.job_id == self.job_id), None)
@@ -138,6 +141,8 @@ class JobDetailScreen(Screen):
 
     def _show_curves(self, views: list[JobView], view: JobView) -> None:
         found = fold_views(views, view.job, self.overlay) or {f"fold {view.job.fold}": view}
+        if any(getattr(v, "partial_history", False) for v in found.values()):
+            return  # the whole curves come with the next views (want_curves)
         histories = {label: v.history for label, v in found.items()}
         running = {label: getattr(v, "running_loss", ()) for label, v in found.items()}
         curves = self.query_one(CurvesPanel)

@@ -83,6 +83,9 @@ class JobView:
     adopted: AdoptedRun | None = None
     slurm_state: str | None = None  # the user's SLURM job: PENDING, RUNNING ... (squeue)
     started_t: float | None = None  # the job's own first run_started (GPU-hours count from it)
+    # An ended run's view: `history` and `running_loss` hold only the newest points (the
+    # row's); JobTracker.want_curves() makes the next views whole.
+    partial_history: bool = False
 
 
 DATA_WAIT_ALERT_SHARE = 0.3  # of the step time, over each of the last DATA_WAIT_EPOCHS epochs
@@ -448,6 +451,7 @@ class JobTracker:
             data_wait_share=_finite(last.data_wait_share) if last else None,
             class_names=run.class_names,
             started_t=run.started_t,
+            partial_history=run.compact,
         )
 
     def _eta_s(
