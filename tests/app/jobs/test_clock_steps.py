@@ -61,6 +61,11 @@ def test_status_and_export_of_a_stepped_run(tmp_path, monkeypatch, capsys, step_
     assert main(["status", "--json", "--all", "--results", str(tmp_path / "none")]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert (row["state"], row["epoch"], row["num_epochs"]) == ("finished", 4, 4)
+    assert main(["cv", "--json", "--results", str(tmp_path / "none")]) == 0
+    (cv,) = json.loads(capsys.readouterr().out)
+    assert cv["folds"][0]["state"] == "finished" and cv["folds"][0]["dice"] == 0.75
+    queued = [q[q.index("--folds") + 1].split(",") for q in cv["queue"]]
+    assert queued and not any("0" in folds for folds in queued)  # fold 0 is never re-queued
     out = tmp_path / "out"
     assert main(["export", job.job_id, "-o", str(out)]) == 0
     (csv_file,) = out.glob("*.csv")
