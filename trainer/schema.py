@@ -278,8 +278,9 @@ def _valid_ranks(value: Any) -> bool:
 
 RANKS = Check("a non-empty list of rank objects, each with a positive integer pid", _valid_ranks)
 
-COMMON_REQUIRED: dict[str, Check] = {"t": NUMBER, "kind": TEXT}
-COMMON_OPTIONAL: dict[str, Check] = {"v": POSITIVE}
+# `v` (the schema version) is required: a line without it is not a record of this contract.
+COMMON_REQUIRED: dict[str, Check] = {"t": NUMBER, "kind": TEXT, "v": POSITIVE}
+COMMON_OPTIONAL: dict[str, Check] = {}
 # Required: the keys without which a reader could not use the record at all.
 REQUIRED_KEYS: dict[Kind, dict[str, Check]] = {
     Kind.RUN_STARTED: {"num_epochs": COUNT},

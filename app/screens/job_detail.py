@@ -96,6 +96,7 @@ class JobDetailScreen(Screen):
 
     def on_mount(self) -> None:
         self._ready = True
+        self._want_curves()
         self.query_one("#console-box").border_title = "console"
         self.query_one("#tree-box").border_title = "processes"
         self.show_jobs(app_of(self).views, app_of(self).cv_eta_s)
@@ -106,6 +107,19 @@ class JobDetailScreen(Screen):
             return  # not nnui's job: its processes are the run's, found by the watcher
         self.poll_processes()
         self.set_interval(app_of(self).config.procs_interval_s, self.poll_processes)
+
+    def _want_curves(self) -> None:
+        """An ended run's view holds its newest epochs only: ask the tracker for the whole
+        curves of this job and of the folds the overlay shows (from the next refresh on)."""
+        app = app_of(self)
+        want = getattr(getattr(app, "services", None) and app.services.tracker, "want_curves", None)
+        view = app.view_of(self.job_id)
+        if want is None or view is None:
+            return
+        want([self.job_id, *(v.job.job_id for v in fold_views(app.views, view.job, True).values())])
+        poll = getattr(app, "poll_jobs", None)
+        if poll is not None:
+            poll()  # now, not at the next tick
 
     def show_jobs(self, views: list[JobView], cv_eta_s: float | None) -> None:
         view = next((v for v in views if v.job.job_id == self.job_id), None)
@@ -127,6 +141,8 @@ class JobDetailScreen(Screen):
 
     def _show_curves(self, views: list[JobView], view: JobView) -> None:
         found = fold_views(views, view.job, self.overlay) or {f"fold {view.job.fold}": view}
+        if any(getattr(v, "partial_history", False) for v in found.values()):
+            return  # the whole curves come with the next views (want_curves)
         histories = {label: v.history for label, v in found.items()}
         running = {label: getattr(v, "running_loss", ()) for label, v in found.items()}
         curves = self.query_one(CurvesPanel)

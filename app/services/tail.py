@@ -88,6 +88,25 @@ class ByteTail:
             self._partial = b""
         return lines
 
+    def position(self) -> dict[str, Any] | None:
+        """Where this reader stands, to resume in another process (resume()); None when it
+        did not read the file to its end (nothing to resume from)."""
+        if self._read_to_end is None or self._inode is None:
+            return None
+        # A torn last line is read again from its start.
+        return {"offset": self.offset - len(self._partial), "file": list(self._read_to_end)}
+
+    def resume(self, position: dict[str, Any]) -> None:
+        """Continue from a position(): an unchanged file costs one stat(), a grown one is read
+        from the offset on, a truncated or replaced one again from its start."""
+        key = tuple(int(v) for v in position["file"])
+        offset = int(position["offset"])
+        if len(key) != 5 or not 0 <= offset <= key[2]:
+            raise ValueError("not a position")
+        self.offset, self._inode, self.exists = offset, (key[0], key[1]), True
+        self._partial = b""
+        self._read_to_end = key if offset == key[2] else None
+
     def _restart(self) -> None:
         self.offset = 0
         self._partial = b""

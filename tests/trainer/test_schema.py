@@ -134,15 +134,16 @@ def test_a_wrong_type_is_refused_with_its_reason(kind: schema.Kind, key: str, va
     "record",
     [[1, 2], "x", None, {"t": 1}, {"kind": "finished"}, {"t": "later", "kind": "finished"},
      {"t": True, "kind": "finished"}, {"t": math.inf, "kind": "x"}, {"t": 1, "kind": 3},
-     {"t": 1, "kind": "finished", "v": "1"}],
+     {"t": 1, "kind": "finished", "v": "1"}, {"t": 1, "kind": "finished"},
+     {"t": 1, "kind": "finished", "v": 0}],
 )  # fmt: skip
-def test_every_record_needs_a_time_and_a_kind(record) -> None:
+def test_every_record_needs_a_version_a_time_and_a_kind(record) -> None:
     assert schema.validate_event(record) is not None
 
 
 def test_unknown_kinds_and_keys_are_valid() -> None:
-    assert schema.validate_event({"t": 1, "kind": "running_loss", "loss": "x"}) is None
-    assert schema.validate_event({"t": 1, "kind": "finished", "future": [None]}) is None
+    assert schema.validate_event({"v": 1, "t": 1, "kind": "running_loss", "loss": "x"}) is None
+    assert schema.validate_event({"v": 1, "t": 1, "kind": "finished", "future": [None]}) is None
 
 
 def test_kinds_and_states_are_enums_that_read_as_their_strings() -> None:

@@ -25,11 +25,11 @@ from typing import Any
 from app.services.jobs.discovery import RUN_ID_PREFIX, AdoptedRun, TrainArgs, parse_args
 from app.services.jobs.events import CLOCK_SLACK_S
 from app.services.jobs.registry import Job, ProcessRecord
+from app.services.jobs.summaries import SummaryCache, folder_key
 from app.services.machine.gpus import MachineSnapshot, parse_visible_devices
 from app.services.machine.procs import ticks_to_wall_s
-from trainer.schema import CONFIG_FILE, CONSOLE_FILE, EVENTS_FILE, ROOT_ENVS, Kind, parse_event
-
-MAX_SCAN_BYTES = 64 << 20  # an events file larger than this is not scanned for history
+from app.services.tail import JsonlTail
+from trainer.schema import CONFIG_FILE, CONSOLE_FILE, EVENTS_FILE, ROOT_ENVS, Kind
 
 
 def _trainer_args(args: TrainArgs | None) -> list[str]:
@@ -110,33 +110,78 @@ class FolderRun:
     fold: str
 
 
+class FolderScan:
+    """The newest run of a folder's events.jsonl, read incrementally (file order: a clock
+    stepped back never makes an older run the newest). Invalid lines are skipped."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.tail = JsonlTail(Path(run_dir) / EVENTS_FILE, max_records=0)
+        self.start: dict[str, Any] | None = None  # the newest run_started
+        self.rank0: int | None = None
+        self.ended_t = 0.0  # the latest t since that start (the run's end, whatever the clock)
+
+    def poll(self) -> FolderScan:
+        while True:
+            records = self.tail.poll()
+            if self.tail.reset:
+                self.start, self.rank0, self.ended_t = None, None, 0.0
+            for record in records:
+                self._see(record)
+            if not self.tail.more:
+                return self
+
+    def _see(self, record: dict[str, Any]) -> None:
+        kind = record["kind"]
+        if kind == Kind.RUN_STARTED:
+            keys = ("t", "world_size", "launcher", "argv", "dataset", "configuration", "fold")
+            self.start = {k: record[k] for k in keys if k in record}
+            self.rank0, self.ended_t = None, record["t"]
+        elif self.start is None:
+            return
+        self.ended_t = max(self.ended_t, record["t"])
+        if kind == Kind.TOPOLOGY and self.rank0 is None:
+            ranks = record["ranks"]
+            self.rank0 = next((r["pid"] for r in ranks if r.get("global_rank", 0) == 0), None)
+
+    def state(self) -> dict[str, Any] | None:
+        position = self.tail.position()
+        if position is None:
+            return None
+        return {**position, "start": self.start, "rank0": self.rank0, "ended_t": self.ended_t}
+
+    def restore(self, state: dict[str, Any]) -> bool:
+        start, rank0 = state.get("start"), state.get("rank0")
+        if not isinstance(start, (dict, type(None))) or not isinstance(rank0, (int, type(None))):
+            return False
+        try:
+            self.tail.resume(state)
+            self.ended_t = float(state["ended_t"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        self.start, self.rank0 = start, rank0
+        return True
+
+    def run(self) -> FolderRun | None:
+        start, run_dir = self.start, self.run_dir
+        if start is None:
+            return None
+        argv = start.get("argv")
+        return FolderRun(
+            run_dir=run_dir, started_t=start["t"], ended_t=self.ended_t, rank0_pid=self.rank0,
+            world_size=int(start.get("world_size") or 1),
+            launcher=str(start.get("launcher") or "?"),
+            argv=tuple(argv) if isinstance(argv, list) else (),
+            dataset=str(start.get("dataset") or Path(run_dir).parent.parent.name),
+            configuration=str(start.get("configuration") or _named(run_dir)[0]),
+            fold=str(start.get("fold", _named(run_dir)[1])),
+        )  # fmt: skip
+
+
 def newest_run(run_dir: str) -> FolderRun | None:
     """The newest run_started of the folder's events.jsonl and what follows it; None when
-    there is none, the file is unreadable or too large. Invalid lines are skipped."""
-    path = Path(run_dir) / EVENTS_FILE
-    try:
-        if path.stat().st_size > MAX_SCAN_BYTES:
-            return None
-        data = path.read_bytes()
-    except OSError:
-        return None
-    records = [r for r in (parse_event(line)[0] for line in data.splitlines()) if r]
-    starts = [i for i, r in enumerate(records) if r["kind"] == Kind.RUN_STARTED]
-    if not starts:
-        return None
-    start, after = records[starts[-1]], records[starts[-1] :]
-    topology = next((r for r in after if r["kind"] == Kind.TOPOLOGY), None)
-    ranks = topology["ranks"] if topology else []
-    rank0 = next((r["pid"] for r in ranks if r.get("global_rank", 0) == 0), None)
-    argv = start.get("argv")
-    return FolderRun(
-        run_dir=run_dir, started_t=start["t"], ended_t=after[-1]["t"], rank0_pid=rank0,
-        world_size=int(start.get("world_size") or 1), launcher=str(start.get("launcher") or "?"),
-        argv=tuple(argv) if isinstance(argv, list) else (),
-        dataset=str(start.get("dataset") or Path(run_dir).parent.parent.name),
-        configuration=str(start.get("configuration") or _named(run_dir)[0]),
-        fold=str(start.get("fold", _named(run_dir)[1])),
-    )  # fmt: skip
+    there is none or the file is unreadable."""
+    return FolderScan(run_dir).poll().run()
 
 
 def _named(run_dir: str) -> tuple[str, str]:
@@ -199,10 +244,25 @@ def flag_in(argv: Sequence[str], name: str) -> str | None:
 
 
 class EndedScan:
-    """Runs that ended unseen, read again only when an events file changed."""
+    """Runs that ended unseen; each folder's file read only from where it was left (kept
+    across nnui's starts in the summary cache, when one is given)."""
 
-    def __init__(self) -> None:
-        self._cache: dict[str, tuple[tuple[int, float], FolderRun | None, Job | None]] = {}
+    def __init__(self, cache: SummaryCache | None = None) -> None:
+        self._cache = cache
+        self._scans: dict[str, FolderScan] = {}
+        self._jobs: dict[str, tuple[FolderRun, Job]] = {}  # the same Job while its run is
+
+    def _scan(self, folder: str) -> FolderScan:
+        scan = self._scans.get(folder)
+        if scan is None:
+            scan = FolderScan(folder)
+            held = self._cache.get(folder_key(folder)) if self._cache is not None else None
+            if held is not None and not scan.restore(held):
+                scan = FolderScan(folder)
+        scan.poll()
+        if self._cache is not None:
+            self._cache.put(folder_key(folder), scan.state())
+        return scan
 
     def runs(self, roots: Iterable[Path], jobs: Sequence[Job], live: set[str]) -> list[Job]:
         by_folder: dict[str, list[Job]] = {}
@@ -210,25 +270,18 @@ class EndedScan:
             by_folder.setdefault(os.path.realpath(known.run_dir), []).append(known)
         live = {os.path.realpath(f) for f in live}
         out: list[Job] = []
-        cache: dict[str, tuple[tuple[int, float], FolderRun | None, Job | None]] = {}
+        scans: dict[str, FolderScan] = {}
         for folder in run_folders(roots):
-            try:
-                stat = os.stat(os.path.join(folder, EVENTS_FILE))
-            except OSError:
+            scans[folder] = scan = self._scan(folder)
+            run = scan.run()
+            if run is None or folder in live or _claimed(run, by_folder.get(folder, ())):
                 continue
-            key = (stat.st_size, stat.st_mtime)
-            held = self._cache.get(folder)
-            if held is not None and held[0] == key:
-                run, job = held[1], held[2]
-            else:
-                run = newest_run(folder)
-                job = ended_job(run) if run is not None else None
-            cache[folder] = (key, run, job)
-            if run is None or job is None or folder in live:
-                continue
-            if not _claimed(run, by_folder.get(folder, ())):
-                out.append(job)
-        self._cache = cache
+            held = self._jobs.get(folder)
+            if held is None or held[0] != run:
+                held = self._jobs[folder] = (run, ended_job(run))
+            out.append(held[1])
+        self._scans = scans
+        self._jobs = {f: held for f, held in self._jobs.items() if f in scans}
         return out
 
 

@@ -320,6 +320,7 @@ class Registry:
         # (a long-lived reader such as the TUI shows these, not every one ever seen).
         self.list_problems: list[str] = []
         self._listed: dict[Path, tuple[tuple[int, int, int], Job]] = {}  # list()'s cache
+        self._paths: dict[str, Path] = {}  # _job_files()
 
     # ---- locking and files ---------------------------------------------------------------
 
@@ -371,7 +372,11 @@ class Registry:
                 names = [e.name for e in entries if e.name.endswith(".json")]
         except FileNotFoundError:
             return []
-        return [self.jobs_dir / name for name in sorted(names) if not name.startswith(".")]
+        # One Path per name for the registry's life: building 400 Paths each second cost
+        # more than the stat() calls (a lab's history on the board).
+        paths = self._paths
+        return [paths.get(n) or paths.setdefault(n, self.jobs_dir / n)
+                for n in sorted(names) if not n.startswith(".")]  # fmt: skip
 
     def _read_listed(
         self, path: Path, seen: dict[Path, tuple[tuple[int, int, int], Job]], copies: bool

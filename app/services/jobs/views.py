@@ -13,29 +13,31 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from app.services.jobs.adopted import EndedScan, adopted_job
-from app.services.jobs.case_progress import CaseProgress
-from app.services.jobs.curves import EpochPoint, RunningPoint, epoch_point, running_point
+from app.services.jobs.curves import EpochPoint, RunningPoint
 from app.services.jobs.discovery import AdoptedRun, discover, is_related
-from app.services.jobs.events import EventBatch, JobEvents, Scope
+from app.services.jobs.events import JobEvents
 from app.services.jobs.liveness import job_alive
 from app.services.jobs.registry import PREDICT, Job, ProcessRecord, Registry
+from app.services.jobs.run_state import CONSOLE_LINES, RunState, restored, summary
 from app.services.jobs.slurm_jobs import SLURM_ID_PREFIX, SlurmJob, SlurmWatcher
+from app.services.jobs.summaries import SummaryCache, job_key
 from app.services.machine.gpus import GpuMonitor, MachineSnapshot
 from app.services.machine.procs import ProcRow, proc_info, process_table
 from app.services.nnunet.log import STARTING_PHASE, EpochStats
 from app.services.nnunet.runs import NnunetRunWatcher, WatchOnlyRun, is_train_cmdline
 from app.services.tail import TextTail
-from trainer.schema import ACTIVE_STATES, START_KINDS, WORKING_STATES, Kind, State
+from trainer.schema import ACTIVE_STATES, ENDED_STATES, WORKING_STATES, Kind, State
 
 RECENT_EPOCHS = 5
-CONSOLE_LINES = 40
-MAX_HISTORY_EPOCHS = 20000
-MAX_RUNNING_POINTS = 20000  # a few train_loss_running points per epoch, the newest kept
+ENDED_RECHECK_S = 30.0  # an ended run's unchanged job: its view is made again this often
+# Ended in these, a job's console is not shown by a row or the CLI (failed ones show its
+# last lines): it is read when the job's detail opens.
+QUIET_CONSOLE_STATES = frozenset({State.FINISHED, State.STOPPED, State.KILLED})
 
 __all__ = ["JobTracker", "JobView"]
 
@@ -80,6 +82,10 @@ class JobView:
     # A run nnui did not launch (discovery.py); watch_only when it is another user's.
     adopted: AdoptedRun | None = None
     slurm_state: str | None = None  # the user's SLURM job: PENDING, RUNNING ... (squeue)
+    started_t: float | None = None  # the job's own first run_started (GPU-hours count from it)
+    # An ended run's view: `history` and `running_loss` hold only the newest points (the
+    # row's); JobTracker.want_curves() makes the next views whole.
+    partial_history: bool = False
 
 
 DATA_WAIT_ALERT_SHARE = 0.3  # of the step time, over each of the last DATA_WAIT_EPOCHS epochs
@@ -104,144 +110,7 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-@dataclass
-class _RunState:
-    """Everything parsed from one job's events.jsonl so far (bounded)."""
-
-    events: JobEvents
-    console: TextTail
-    history: dict[int, EpochPoint] = field(default_factory=dict)
-    # Keyed by (epoch, iteration): a resume that repeats an epoch replaces its points in place.
-    running: dict[tuple[int, int], RunningPoint] = field(default_factory=dict)
-    _running_tuple: tuple[RunningPoint, ...] | None = ()  # None: points came, build again
-    # The views' tuples, built again only after a change (not every second for every job:
-    # a long run has thousands of epochs, a console hundreds of lines).
-    _history_tuple: tuple[EpochPoint, ...] | None = ()  # None: an epoch came
-    _console_tuple: tuple[str, ...] | None = ()  # None: console lines came
-    num_epochs: int | None = None
-    class_names: tuple[str, ...] = ()  # from run_started (regions: their dataset.json names)
-    last_kind: str | None = None  # last lifecycle event of THIS job's run
-    stop_requested: bool = False
-    last_event_t: float | None = None
-    nan_epoch: int | None = None
-    cases: CaseProgress = field(default_factory=CaseProgress)  # a prediction's
-    last_epoch_t: float | None = None  # when this run's newest epoch_ended was written
-    validation: tuple[int, int] | None = None  # (cases done, of) while final validation runs
-    validation_t: float | None = None  # when the final validation began
-    final_dice: float | None = None
-    checkpoints: dict[str, int] = field(default_factory=dict)  # kind -> epochs completed
-
-    @property
-    def topology(self) -> dict | None:
-        return self.events.topology
-
-    def running_points(self) -> tuple[RunningPoint, ...]:
-        if self._running_tuple is None:
-            self._running_tuple = tuple(self.running.values())
-        return self._running_tuple
-
-    def history_points(self) -> tuple[EpochPoint, ...]:
-        """The epochs in epoch order."""
-        if self._history_tuple is None:
-            self._history_tuple = tuple(self.history[k] for k in sorted(self.history))
-        return self._history_tuple
-
-    def console_tail(self) -> tuple[str, ...]:
-        if self._console_tuple is None:
-            self._console_tuple = tuple(self.console.lines)[-CONSOLE_LINES:]
-        return self._console_tuple
-
-    def follow_console(self, path: Path) -> None:
-        """Read the console of a new attempt (a restart writes a new file)."""
-        self.console = TextTail(path)
-        self._console_tuple = None
-
-    def poll_console(self) -> None:
-        while True:
-            if self.console.poll():
-                self._console_tuple = None
-            if not self.console.more:
-                return
-
-    def absorb(self, batch: EventBatch) -> None:
-        if batch.reset:
-            self.history.clear()
-            self.running.clear()
-            self._running_tuple = self._history_tuple = ()
-            self.num_epochs, self.last_kind, self.stop_requested = None, None, False
-            self.nan_epoch, self.last_event_t = None, None
-            self.cases = CaseProgress()
-            self.last_epoch_t, self.validation, self.final_dice = None, None, None
-            self.checkpoints = {}
-        for scope, record in batch.records:
-            if scope is Scope.LATER:
-                continue  # a later run (a resume) in the same folder: that job's view shows it
-            # Earlier runs in the folder are history: their epochs still draw the curve.
-            self._absorb_history(scope, record)
-            if scope is Scope.MINE:
-                self._absorb_mine(record)
-
-    def _absorb_history(self, scope: Scope, record: dict[str, Any]) -> None:
-        kind = record["kind"]
-        if kind == Kind.RUN_STARTED:
-            self.num_epochs = record["num_epochs"]
-            names = record.get("class_names")
-            self.class_names = tuple(names) if isinstance(names, list) else ()
-        elif kind == Kind.TRAIN_LOSS_RUNNING:
-            running = running_point(record)
-            self.running[(running.epoch, running.iteration)] = running
-            if len(self.running) > MAX_RUNNING_POINTS:
-                self.running.pop(next(iter(self.running)))
-            self._running_tuple = None
-        elif kind == Kind.CHECKPOINT_SAVED and isinstance(record.get("epoch"), int):
-            self.checkpoints[record["checkpoint"]] = record["epoch"] + 1
-        elif kind == Kind.EPOCH_ENDED:
-            point = epoch_point(record)
-            self.history[point.epoch] = point
-            self._history_tuple = None
-            if len(self.history) > MAX_HISTORY_EPOCHS:
-                self.history.pop(min(self.history))
-            finite = math.isfinite(point.train_loss) and math.isfinite(point.val_loss)
-            if scope is Scope.MINE and not finite:
-                self.nan_epoch = point.epoch
-
-    def _absorb_mine(self, record: dict[str, Any]) -> None:
-        kind = record["kind"]
-        self.last_event_t = record["t"]
-        self._absorb_validation(record)
-        if kind == Kind.EPOCH_ENDED:
-            self.last_epoch_t = record["t"]
-        if kind in START_KINDS:
-            self.last_kind, self.stop_requested = None, False
-            if kind == Kind.PREDICTION_STARTED:
-                self.cases = CaseProgress()
-        elif kind in (Kind.STOP_REQUESTED, Kind.STOP_HEARD):
-            self.stop_requested = True
-        if kind in (Kind.PREDICTION_STARTED, Kind.CASE_PREDICTED):
-            self.cases.absorb(record)
-        if kind in (Kind.RUN_STARTED, Kind.STOPPED, Kind.FINISHED, Kind.FAILED):
-            self.last_kind = kind
-        elif kind == Kind.EPOCH_ENDED and self.last_kind is None:
-            self.last_kind = Kind.RUN_STARTED
-
-    def _absorb_validation(self, record: dict[str, Any]) -> None:
-        kind = record["kind"]
-        if kind == Kind.VALIDATION_STARTED:
-            self.validation = (0, int(record.get("num_cases") or 0))
-            self.validation_t = record["t"]
-        elif kind == Kind.VALIDATION_CASE:
-            self.validation = (record["index"], record["num_cases"])
-        elif kind == Kind.VALIDATION_FINISHED:
-            self.validation = None
-            dice = record.get("mean_fg_dice")
-            self.final_dice = dice if isinstance(dice, (int, float)) else None
-        elif kind in (*START_KINDS, Kind.STOPPED, Kind.FINISHED, Kind.FAILED):
-            self.validation = None
-            if kind in START_KINDS:
-                self.final_dice = None
-
-
-def _run_dir_gone(job: Job, run: _RunState) -> bool:
+def _run_dir_gone(job: Job, run: RunState) -> bool:
     """The results folder this job wrote its events into no longer exists (moved, deleted)."""
     started = run.last_event_t is not None or job.exit_code is not None
     started = started or job.process("trainer") is not None
@@ -270,7 +139,7 @@ _ENDING: dict[str, State] = {
 }
 
 
-def derive_state(job: Job, run: _RunState, alive: bool) -> State:
+def derive_state(job: Job, run: RunState, alive: bool) -> State:
     ending = _ENDING.get(run.last_kind) if run.last_kind else None
     if job.killed_at is not None and (job.exit_code is not None or not alive):
         return State.KILLED  # killed by the user, whatever exit code the kill caused
@@ -365,14 +234,18 @@ class JobTracker:
         # False: jobs marked by `nnui forget` are left out (and their files never read).
         self.include_forgotten = include_forgotten
         self.gpu_monitor = gpu_monitor
-        self._runs: dict[str, _RunState] = {}
+        self._runs: dict[str, RunState] = {}
         self.views: list[JobView] = []
         self._watcher = NnunetRunWatcher()
         self._watch_consoles: dict[str, TextTail] = {}
         self.watch_only: list[JobView] = []
         self.adopted: list[JobView] = []
         self._adopted: dict[str, tuple[Job, AdoptedRun]] = {}  # seen live: kept once ended
-        self._ended = EndedScan()
+        # What was read of each run, kept across nnui's starts (summaries.py).
+        self._summaries = SummaryCache(getattr(registry, "state_dir", None))
+        self._want_curves: set[str] = set()  # jobs whose whole curves a screen shows
+        self._ended_views: dict[str, tuple[Job, float, JobView]] = {}  # _ended_view()
+        self._ended = EndedScan(self._summaries)
         self._slurm = SlurmWatcher()
         self._slurm_seen: dict[str, float] = {}  # SLURM job id -> first seen (its row's age)
         self.problems: list[str] = []  # job files the newest refresh() could not read
@@ -428,7 +301,8 @@ class JobTracker:
         folders = {job.run_dir for job, _ in self._adopted.values() if job.run_dir}
         jobs = self.registry.list(copies=False)
         for job in self._ended.runs(results_roots, jobs, folders | set(active)):
-            views.append(self._view(job, self._run(job), False, snapshot))
+            views.append(self._ended_view(job) or self._live_view(job, snapshot, False))
+        self._summaries.save_if_due()
         return self._with_slurm(views)
 
     def _with_slurm(self, views: list[JobView]) -> list[JobView]:
@@ -467,16 +341,33 @@ class JobTracker:
         own = run.own
         return replace(view, adopted=run, watch_only=not own, watch=None if own else run)
 
-    def _run(self, job: Job) -> _RunState:
+    def want_curves(self, job_ids: Iterable[str]) -> None:
+        """These jobs' views carry their whole curves from the next refresh on (an ended
+        run's view otherwise holds only its newest epochs): a detail screen opened."""
+        self._want_curves.update(job_ids)
+
+    def _run(self, job: Job) -> RunState:
         run = self._runs.get(job.job_id)
-        if run is None:
-            run = _RunState(JobEvents(job.run_dir), TextTail(Path(job.console_path)))
-            self._runs[job.job_id] = run
+        if run is None or (run.compact and job.job_id in self._want_curves):
+            run = self._runs[job.job_id] = self._new_run(job)
         if run.console.path != Path(job.console_path):  # a restart: the new attempt's file
             run.follow_console(Path(job.console_path))
         run.absorb(run.events.poll(job))
-        run.poll_console()
+        if run.compact:
+            key = job_key(job.job_id, job.run_dir, job.created_at, job.ended_at)
+            self._summaries.put(key, summary(run))
         return run
+
+    def _new_run(self, job: Job) -> RunState:
+        """A compact state for a job that ended (from the cache when it holds one), else a
+        whole one (a live job, or one whose curves are shown)."""
+        console = TextTail(Path(job.console_path))
+        ended = job.ended_at is not None or job.exit_code is not None
+        if not ended or job.kind == PREDICT or job.job_id in self._want_curves:
+            return RunState(JobEvents(job.run_dir), console)
+        held = self._summaries.get(job_key(job.job_id, job.run_dir, job.created_at, job.ended_at))
+        run = restored(held, job.run_dir, console) if held is not None else None
+        return run or RunState(JobEvents(job.run_dir), console, compact=True)
 
     def refresh(self, snapshot: MachineSnapshot | None = None) -> list[JobView]:
         """Views of every job. Reads only: no registry write, no signal (DESIGN §4)."""
@@ -486,17 +377,40 @@ class JobTracker:
         for job in self.registry.list(copies=False):  # views only read their jobs
             if job.forgotten_at is not None and not self.include_forgotten:
                 continue
-            run = self._run(job)
-            alive = job.exit_code is None and job_alive(job, proc_info)
-            views.append(self._view(job, run, alive, snapshot))
+            views.append(self._ended_view(job) or self._live_view(job, snapshot))
         self.views = views
         self.problems = list(getattr(self.registry, "list_problems", ()))
+        self._summaries.save_if_due()
         return views
 
+    def _ended_view(self, job: Job) -> JobView | None:
+        """The view of an ended job whose record did not change, for ENDED_RECHECK_S after it
+        was made: a lab's hundreds of finished runs cost nothing per refresh (the view of a
+        job that ended takes nothing from the clock, and its events end with its run)."""
+        held = self._ended_views.get(job.job_id)
+        if held is None or held[0] is not job or job.job_id in self._want_curves:
+            return None
+        return held[2] if time.monotonic() < held[1] else None
+
+    def _live_view(
+        self, job: Job, snapshot: MachineSnapshot | None, alive: bool | None = None
+    ) -> JobView:
+        run = self._run(job)
+        if alive is None:
+            alive = job.exit_code is None and job_alive(job, proc_info)
+        view = self._view(job, run, alive, snapshot)
+        if run.compact and not alive and view.state in ENDED_STATES:
+            self._ended_views[job.job_id] = (job, time.monotonic() + ENDED_RECHECK_S, view)
+        else:
+            self._ended_views.pop(job.job_id, None)
+        return view
+
     def _view(
-        self, job: Job, run: _RunState, alive: bool, snapshot: MachineSnapshot | None
+        self, job: Job, run: RunState, alive: bool, snapshot: MachineSnapshot | None
     ) -> JobView:
         state = derive_state(job, run, alive)
+        if state not in QUIET_CONSOLE_STATES or job.job_id in self._want_curves:
+            run.poll_console()
         history = run.history_points()
         last = history[-1] if history else None
         recent = [p.epoch_time_s for p in history[-RECENT_EPOCHS:] if math.isfinite(p.epoch_time_s)]
@@ -536,10 +450,12 @@ class JobTracker:
             checkpoints=tuple(run.checkpoints.items()),
             data_wait_share=_finite(last.data_wait_share) if last else None,
             class_names=run.class_names,
+            started_t=run.started_t,
+            partial_history=run.compact,
         )
 
     def _eta_s(
-        self, job: Job, run: _RunState, state: State, epoch_s: float | None, done: int | None
+        self, job: Job, run: RunState, state: State, epoch_s: float | None, done: int | None
     ) -> float | None:
         if state not in ACTIVE_STATES:
             return None
@@ -559,7 +475,7 @@ class JobTracker:
     def _alerts(
         self,
         job: Job,
-        run: _RunState,
+        run: RunState,
         state: State,
         mean_epoch_s: float | None,
         snapshot: MachineSnapshot | None,

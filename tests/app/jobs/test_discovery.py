@@ -197,13 +197,13 @@ def _fold(results: Path, fold: str) -> Path:
 
 def _events(folder: Path, t: float, pids: list[int], extra: str = "") -> None:
     lines = [
-        {"t": t, "kind": "run_started", "num_epochs": 10, "world_size": len(pids),
+        {"v": 1, "t": t, "kind": "run_started", "num_epochs": 10, "world_size": len(pids),
          "launcher": "single", "argv": ["900", "2d", "0"]},
-        {"t": t + 0.1, "kind": "topology", "ranks": [
+        {"v": 1, "t": t + 0.1, "kind": "topology", "ranks": [
             {"pid": pid, "global_rank": i, "local_rank": i, "device": "cpu",
              "sigusr1_handler": True} for i, pid in enumerate(pids)]},
-        {"t": t + 0.2, "kind": "epoch_ended", "epoch": 0, "train_loss": 0.5, "val_loss": 0.4,
-         "mean_fg_dice": 0.3, "ema_fg_dice": 0.3, "epoch_time_s": 1.0},
+        {"v": 1, "t": t + 0.2, "kind": "epoch_ended", "epoch": 0, "train_loss": 0.5,
+         "val_loss": 0.4, "mean_fg_dice": 0.3, "ema_fg_dice": 0.3, "epoch_time_s": 1.0},
     ]  # fmt: skip
     text = "".join(json.dumps(r) + "\n" for r in lines) + extra
     (folder / EVENTS_FILE).write_text(text)
@@ -276,11 +276,11 @@ async def test_forged_and_stale_folders_never_lead_to_a_signal(started, tmp_path
             elif fold == "2":  # no valid topology among torn, binary and ill-typed lines
                 now = time.time()
                 (folder / EVENTS_FILE).write_text(
-                    json.dumps({"t": now, "kind": "run_started", "num_epochs": 5}) + "\n"
+                    json.dumps({"v": 1, "t": now, "kind": "run_started", "num_epochs": 5}) + "\n"
                     '{"t": "x", "kind": \n\x00garbage\n'
-                    + json.dumps({"t": now, "kind": "topology", "ranks": [{"pid": "12"}]})
+                    + json.dumps({"v": 1, "t": now, "kind": "topology", "ranks": [{"pid": "12"}]})
                     + "\n"
-                    + json.dumps({"t": now, "kind": "topology", "ranks": [{"pid": -1}]})
+                    + json.dumps({"v": 1, "t": now, "kind": "topology", "ranks": [{"pid": -1}]})
                     + "\n"
                 )
             else:
@@ -398,7 +398,7 @@ def test_runs_that_ended_unseen_are_listed_with_their_outcome(tmp_path) -> None:
         _events(folder, now, [4_000_000 + int(fold)])
         if end is not None:
             with open(folder / EVENTS_FILE, "a") as handle:
-                handle.write(json.dumps({"t": now + 5, "kind": end}) + "\n")
+                handle.write(json.dumps({"v": 1, "t": now + 5, "kind": end}) + "\n")
     (_fold(results, "all") / EVENTS_FILE).write_bytes(b"\xff\x00{not json\n")
     registry = Registry(tmp_path / "state")
     claimed = str(results / "Dataset900_NnuiDemo" / "nnuiTrainer__nnuiPlans__2d" / "fold_4")
@@ -472,7 +472,8 @@ async def test_r_on_a_run_that_ended_unseen_offers_its_own_command_with_c(tmp_pa
     folder = _fold(results, "0")
     _events(folder, time.time() - 100, [4_100_000])
     with open(folder / EVENTS_FILE, "a") as handle:
-        handle.write(json.dumps({"t": time.time() - 50, "kind": "stopped", "epoch": 0}) + "\n")
+        stopped = {"v": 1, "t": time.time() - 50, "kind": "stopped", "epoch": 0}
+        handle.write(json.dumps(stopped) + "\n")
     config = TuiConfig(roots=Roots(results, results, results), state_dir=tmp_path / "tui",
                        simulate_gpus=1, jobs_interval_s=0.25, procs_interval_s=0.25)  # fmt: skip
     app = make_app(config)

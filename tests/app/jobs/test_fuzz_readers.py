@@ -22,6 +22,7 @@ from app.services.machine.procs import ProcInfo, proc_info
 from app.services.signals.proctree import process_tree
 from app.services.signals.targets import plan_stop
 from app.services.supervisor.main import RunWatch
+from app.services.tail import JsonlTail
 from trainer.schema import (
     EVENTS_FILE,
     OPTIONAL_KEYS,
@@ -189,8 +190,12 @@ def test_readers_survive_random_and_mutated_events(tmp_path: Path, no_signals: l
                 offset += step
                 _read_everything(registry, tracker, watch, lookup)
         (view,) = tracker.refresh()
-        events = tracker._runs["J"].events.tail
-        assert {r["t"] for r in events.records} == valid_t, number
+        events = tracker._runs["J"].events.tail  # consumed as read: a fresh reader keeps them
+        whole = JsonlTail(folder / EVENTS_FILE)
+        whole.poll()
+        while whole.more:
+            whole.poll()
+        assert {r["t"] for r in whole.records} == valid_t, number
         assert view.num_invalid_events == num_invalid, (number, list(events.invalid_samples))
         assert latest_topology(view.job) == view.topology
         process_tree(view.job, None, proc_lookup=lookup, children=lambda pid: [])
