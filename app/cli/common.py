@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
+from app.services.jobs.identity import watched_roots
 from app.services.jobs.registry import Registry
 from app.services.jobs.simulated_load import simulated_gpu_load
 from app.services.machine.gpus import GpuMonitor, MachineSnapshot
@@ -25,6 +29,11 @@ def error(message: str, code: int) -> int:
 
 def roots_of(options: argparse.Namespace) -> Roots:
     return resolve_roots(options.raw, options.preprocessed, options.results)
+
+
+def looked_in(options: argparse.Namespace, jobs: Iterable[Any]) -> list[Path]:
+    """The results trees a command looks in: the default one, then those of the jobs."""
+    return watched_roots(roots_of(options).results, jobs)
 
 
 def confirm(question: str) -> bool:

@@ -80,6 +80,7 @@ class JobView:
     # A run nnui did not launch (discovery.py); watch_only when it is another user's.
     adopted: AdoptedRun | None = None
     slurm_state: str | None = None  # the user's SLURM job: PENDING, RUNNING ... (squeue)
+    stop_requested_at: float | None = None  # the run's first stop_requested (its own clock)
 
 
 DATA_WAIT_ALERT_SHARE = 0.3  # of the step time, over each of the last DATA_WAIT_EPOCHS epochs
@@ -122,6 +123,7 @@ class _RunState:
     class_names: tuple[str, ...] = ()  # from run_started (regions: their dataset.json names)
     last_kind: str | None = None  # last lifecycle event of THIS job's run
     stop_requested: bool = False
+    stop_requested_t: float | None = None  # the first stop_requested/stop_heard of this run
     last_event_t: float | None = None
     nan_epoch: int | None = None
     cases: CaseProgress = field(default_factory=CaseProgress)  # a prediction's
@@ -169,6 +171,7 @@ class _RunState:
             self.running.clear()
             self._running_tuple = self._history_tuple = ()
             self.num_epochs, self.last_kind, self.stop_requested = None, None, False
+            self.stop_requested_t = None
             self.nan_epoch, self.last_event_t = None, None
             self.cases = CaseProgress()
             self.last_epoch_t, self.validation, self.final_dice = None, None, None
@@ -212,11 +215,13 @@ class _RunState:
         if kind == Kind.EPOCH_ENDED:
             self.last_epoch_t = record["t"]
         if kind in START_KINDS:
-            self.last_kind, self.stop_requested = None, False
+            self.last_kind, self.stop_requested, self.stop_requested_t = None, False, None
             if kind == Kind.PREDICTION_STARTED:
                 self.cases = CaseProgress()
         elif kind in (Kind.STOP_REQUESTED, Kind.STOP_HEARD):
             self.stop_requested = True
+            if self.stop_requested_t is None:
+                self.stop_requested_t = record["t"]
         if kind in (Kind.PREDICTION_STARTED, Kind.CASE_PREDICTED):
             self.cases.absorb(record)
         if kind in (Kind.RUN_STARTED, Kind.STOPPED, Kind.FINISHED, Kind.FAILED):
@@ -536,6 +541,7 @@ class JobTracker:
             checkpoints=tuple(run.checkpoints.items()),
             data_wait_share=_finite(last.data_wait_share) if last else None,
             class_names=run.class_names,
+            stop_requested_at=run.stop_requested_t,
         )
 
     def _eta_s(
