@@ -16,6 +16,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,8 +110,11 @@ def plan_launch(
     plans_batch_size: int | None,
     snapshot: MachineSnapshot | None = None,
     registry: Registry | None = None,
+    job_ids: Callable[[str], str] = new_job_id,
 ) -> tuple[list[LaunchPlan], list[str]]:
-    """Plans for every job of the request, or no plans and the errors (warnings: check_request)."""
+    """Plans for every job of the request, or no plans and the errors (warnings: check_request).
+    `job_ids`: a fold's job id (the launch form keeps one per fold, so the id its preview
+    shows is the one the job gets however often it plans again)."""
     checks = check_request(request, roots, plans_batch_size, snapshot, registry)
     if checks.errors:
         return [], checks.errors
@@ -124,7 +128,7 @@ def plan_launch(
     last_on = _cpu_slot_chains(request, registry)
     slots = cpu_slots(request.threads).count if request.on_cpu_slots else 1
     for index, (fold, gpus) in enumerate(assignments):
-        job_id = new_job_id(fold)
+        job_id = job_ids(fold)
         folder = request_run_dir(request, roots, dataset_name, fold)
         argv = _argv(request, who, dataset_name, fold, device, job_mode, len(gpus))
         env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", JOB_ID_ENV: job_id}
