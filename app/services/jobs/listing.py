@@ -52,6 +52,14 @@ def _fold_order(fold: str) -> tuple[int, str]:
     return (int(fold), "") if fold.isdigit() else (1 << 30, fold)
 
 
+def _row_rank(view: JobView) -> tuple[bool, bool, float]:
+    """Which job of a folder its row shows: an active one, then one whose own run wrote
+    events (a record that only points at a live process, e.g. edited by hand, never hides
+    the run really training there), then the newest."""
+    own_events = getattr(view, "last_event_t", None) is not None
+    return (view.state in ACTIVE_STATES, own_events, view.job.created_at)
+
+
 def one_row_per_run_folder(
     views: Sequence[JobView],
 ) -> tuple[list[JobView], dict[str, list[str]]]:
@@ -65,7 +73,7 @@ def one_row_per_run_folder(
     rows, earlier = [], {}
     for members in folders.values():
         members.sort(key=lambda v: (v.job.created_at, v.job.job_id))
-        row = max(members, key=lambda v: (v.state in ACTIVE_STATES, v.job.created_at))
+        row = max(members, key=_row_rank)
         rows.append(row)
         earlier[row.job.job_id] = [v.job.job_id for v in members if v is not row]
     return rows, earlier
