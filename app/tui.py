@@ -304,7 +304,8 @@ class NnuiApp(App):
         )
         if due:
             self._watch_read_at = now
-            roots = watched_roots(self.config.roots.results, [v.job for v in views])
+            known = tracker.trees.trees() if hasattr(tracker, "trees") else []
+            roots = watched_roots(self.config.roots.results, [v.job for v in views], known)
             return list(refresh(roots, self.snapshot))
         return list(getattr(tracker, "watch_only", []))
 

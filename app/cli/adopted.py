@@ -37,7 +37,7 @@ def find(options: argparse.Namespace, registry: Registry, text: str) -> JobView 
     """The adopted (or ended-unseen) run `run:PID`, or the live one a bare pid belongs to."""
     tracker = JobTracker(registry)
     known = tracker.refresh()
-    roots = looked_in(options, [v.job for v in known])
+    roots = looked_in(options, [v.job for v in known], registry.state_dir)
     views = [v for v in tracker.refresh_watch_only(roots) if _is_adopted(v)]
     found = next((v for v in views if v.job.job_id == text), None)
     if found is None and text.isdigit():

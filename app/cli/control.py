@@ -54,7 +54,9 @@ def _watch_only_run(
         return None
     tracker = JobTracker(registry)
     known = tracker.refresh()
-    views = tracker.refresh_watch_only(looked_in(options, [v.job for v in known]))
+    views = tracker.refresh_watch_only(
+        looked_in(options, [v.job for v in known], registry.state_dir)
+    )
     runs = [cast(WatchOnlyRun, v.watch) for v in views if v.watch]  # nnU-Net's, not adopted
     return next((run for run in runs if run.pid == int(pid_text)), None)
 

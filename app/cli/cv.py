@@ -107,7 +107,8 @@ def cmd_cv(options: argparse.Namespace, registry: Registry) -> int:
     views = tracker.refresh()
     results = resolve_roots(options.raw, options.preprocessed, options.results).results
     # Runs started by hand count as launched ones (another user's stay out: watch-only).
-    views += [v for v in tracker.refresh_watch_only(watched_roots(results, [v.job for v in views]))
+    roots = watched_roots(results, [v.job for v in views], tracker.trees.trees())
+    views += [v for v in tracker.refresh_watch_only(roots)
               if v.watch is None and v.job.run_dir]  # fmt: skip
     rows = cv_rows(views, default_results=results)
     if options.json:

@@ -38,7 +38,7 @@ def cmd_export(options: argparse.Namespace, registry: Registry) -> int:
     if options.job.startswith(RUN_ID_PREFIX):  # an adopted run: found from /proc or its folder
         view = cli_adopted.find(options, registry, options.job)
         if view is None or not view.job.run_dir:
-            roots = roots_hint(looked_in(options, registry.list(copies=False)))
+            roots = roots_hint(looked_in(options, registry.list(copies=False), registry.state_dir))
             return error(f"no run {options.job!r} with a readable run folder; {roots}", EXIT_USAGE)
         job: Job | None = view.job
         code = EXIT_OK

@@ -290,7 +290,7 @@ def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
     views = tracker.refresh()
     if any(_on_real_gpus(v) for v in views):  # one NVML read: a lost or shared GPU is an alert
         views = tracker.refresh(machine_snapshot(options))
-    roots = looked_in(options, [v.job for v in views])
+    roots = looked_in(options, [v.job for v in views], registry.state_dir)
     default = roots_of(options).results
     if not options.all:
         cutoff = time.time() - RECENT_S

@@ -75,14 +75,16 @@ def run_identity(job: Any) -> RunIdentity:
                        job.configuration or configuration, job.fold)  # fmt: skip
 
 
-def watched_roots(default: str | Path, jobs: Iterable[Any] = ()) -> list[Path]:
+def watched_roots(
+    default: str | Path, jobs: Iterable[Any] = (), known: Iterable[str] = ()
+) -> list[Path]:
     """The results trees a command looks in: the default one (flags, `nnUNet_results`, else
-    ./nnui_data/results), then the trees of the jobs it knows (the registry's, adopted runs'
-    own), each once, the default first."""
+    ./nnui_data/results), then the trees of the jobs it knows (the registry's), then those
+    runs started by hand were seen in (`known`), each once, the default first."""
     roots = [Path(default)]
     seen = {os.path.realpath(default)}
-    for job in jobs:
-        tree = results_tree(str(getattr(job, "run_dir", "") or ""))
+    trees = [results_tree(str(getattr(job, "run_dir", "") or "")) for job in jobs]
+    for tree in [*trees, *known]:
         if tree and tree not in seen and os.path.isdir(tree):
             seen.add(tree)
             roots.append(Path(tree))

@@ -22,6 +22,7 @@ from app.services.jobs.case_progress import CaseProgress
 from app.services.jobs.curves import EpochPoint, RunningPoint, epoch_point, running_point
 from app.services.jobs.discovery import AdoptedRun, discover, is_related
 from app.services.jobs.events import EventBatch, JobEvents, Scope
+from app.services.jobs.known_trees import TreeMemory
 from app.services.jobs.liveness import job_alive
 from app.services.jobs.registry import PREDICT, Job, ProcessRecord, Registry
 from app.services.jobs.slurm_jobs import SLURM_ID_PREFIX, SlurmJob, SlurmWatcher
@@ -381,6 +382,8 @@ class JobTracker:
         self._slurm = SlurmWatcher()
         self._slurm_seen: dict[str, float] = {}  # SLURM job id -> first seen (its row's age)
         self.problems: list[str] = []  # job files the newest refresh() could not read
+        # The trees runs started by hand were seen in (found again once they ended).
+        self.trees = TreeMemory(getattr(registry, "state_dir", None))
 
     def refresh_watch_only(
         self,
@@ -422,6 +425,7 @@ class JobTracker:
         """Adopted runs: live ones, those seen live that ended since, and those that ended
         while nnui was not looking (their folder's newest run, claimed by no job)."""
         live = discover(results_roots, procs, exclude_dirs=active)
+        self.trees.note(run.run_dir for run in live if run.run_dir)  # found again once ended
         live_ids = {run.run_id for run in live}
         for run in live:
             self._adopted[run.run_id] = (adopted_job(run, snapshot), run)
