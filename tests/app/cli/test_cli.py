@@ -328,5 +328,5 @@ def test_only_a_bad_registry_file_is_not_no_jobs(env: dict) -> None:
     (registry.jobs_dir / "1130-120000-f1-bad.json").write_text('{"job_id": "1130-')
     result = nnui(env, "status")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "no readable jobs"
+    assert result.stdout.splitlines()[0] == "no readable jobs"
     assert "1130-120000-f1-bad.json" in result.stderr and "Traceback" not in result.stderr
