@@ -20,6 +20,7 @@ from app.screens.dashboard import DashboardScreen
 from app.services.cross_validation import cv_rows, queue_launches
 from app.services.jobs.registry import Registry
 from app.services.jobs.views import JobTracker
+from app.widgets.job_table import JobTable
 from trainer.schema import ROOT_ENVS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,7 +111,11 @@ async def test_the_cv_screen_labels_and_queues_the_other_tree(two_trees) -> None
     app = tui_app(roots, registry.state_dir)
     async with app.run_test(size=(190, 48)) as pilot:
         await wait_for(lambda: len(app.views) == 6 and app.snapshot is not None, pilot)
-        await screen_of(app, pilot, DashboardScreen)
+        dashboard = await screen_of(app, pilot, DashboardScreen)
+        jobs = dashboard.query_one(JobTable)
+        await wait_for(lambda: jobs.row_count == 6, pilot)
+        labelled = {j for j, cells in jobs._cells.items() if cells["dataset"].endswith("[projB]")}
+        assert labelled == {"20260101-000000-f0b", "20260101-000001-f1b"}  # tree B's rows only
         await pilot.press("v")
         screen = await screen_of(app, pilot, CrossValidationScreen)
         await wait_for(lambda: len(screen.rows) == 2, pilot)

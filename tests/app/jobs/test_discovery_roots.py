@@ -48,6 +48,11 @@ def test_a_hand_started_run_belongs_to_its_own_tree(started, tmp_path) -> None: 
     table = _nnui("status", env=env).stdout
     line = next(t for t in table.splitlines() if t.startswith(f"run:{run.pid}"))
     assert "Dataset900_NnuiDemo [lab_tree]" in line, table
+    out = tmp_path / "curves"
+    exported = _nnui("export", f"run:{run.pid}", "-o", str(out), env=env)  # 1: without the plot
+    assert exported.returncode in (0, 1), exported.stderr  # extra, the CSV alone
+    names = sorted(p.name for p in out.iterdir())
+    assert f"run-{run.pid}_curves.csv" in names and not any(":" in n for n in names), names
     # Once it has ended, its folder is found again from anywhere: the tree was remembered.
     os.killpg(run.pid, signal.SIGKILL)  # our own stand-in's session
     run.wait()

@@ -174,6 +174,23 @@ def test_eta_and_the_alerts_header_are_whole_at_80_columns() -> None:
     assert not IDENTITY & hidden and rows[0]["dataset"] == "004 3d_fullres"
 
 
+def test_identity_stays_and_decorations_go_first() -> None:
+    """No layout hides dataset/configuration or fold; at 120 columns a row in its final
+    validation (`validating 0/4 cases`) keeps them beside the watched columns."""
+    from app.widgets.job_cells import LAYOUTS
+
+    assert all(not IDENTITY & hidden for hidden, _ in LAYOUTS)
+    view = View(state="validating", epoch=1000, num_epochs=1000, eta_s=240)
+    view.validation_done, view.validation_cases = 0, 4  # type: ignore[attr-defined]
+    kinds = [[{k: getattr(v, "plain", v) for k, v in row_cells(view, False, **flags).items()}]
+             for flags in ({}, {"short": True}, {"compact": True})]  # fmt: skip
+    assert kinds[0][0]["state"] == "validating 0/4 cases"
+    level = choose_layout(kinds[0], kinds[1], 118, kinds[2])
+    hidden, cells = LAYOUTS[level]
+    assert kinds[cells][0]["dataset"] == "004_Hippocampus 3d_fullres"  # whole, not compact
+    assert not (WATCHED | IDENTITY) & hidden
+
+
 # ---- colour ------------------------------------------------------------------------------
 
 
