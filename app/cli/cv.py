@@ -10,7 +10,7 @@ from typing import Any
 from app.cli.common import EXIT_OK
 from app.services.class_dice import class_dice_text, fold_dirs, mean_class_dice
 from app.services.cross_validation import CvRow, cv_rows, queue_launches
-from app.services.jobs.identity import watched_roots
+from app.services.jobs.identity import roots_hint, watched_roots
 from app.services.jobs.registry import Registry
 from app.services.jobs.views import JobTracker
 from app.services.jobs.words import human_duration
@@ -116,6 +116,7 @@ def cmd_cv(options: argparse.Namespace, registry: Registry) -> int:
         return EXIT_OK
     if not rows:
         print("no cross-validation folds yet (nnui launch DATASET CONFIG --folds all ...)")
+        print(roots_hint(roots))
         return EXIT_OK
     print(cv_table(rows))
     for row in rows:
