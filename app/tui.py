@@ -24,6 +24,7 @@ from textual.message import Message
 from app.screens.palette import NnuiCommands
 from app.services.cross_validation import cross_validation_eta_s
 from app.services.jobs.bell import NO_BELL_ENV
+from app.services.jobs.identity import watched_roots
 from app.services.launch import catalog, launcher
 from trainer.schema import LIVE_STATES, Roots, resolve_roots
 
@@ -280,7 +281,7 @@ class NnuiApp(App):
             tracker = self.services.tracker
             views = tracker.refresh(self.snapshot)
             eta_s = cross_validation_eta_s(views)  # nnui's own cross-validation
-            views = [*views, *self._watch_only(tracker)]
+            views = [*views, *self._watch_only(tracker, views)]
             problems = tuple(getattr(tracker, "problems", ()))
             return JobsRead(views, eta_s, None if views else self._first_step(), problems)
 
@@ -291,7 +292,7 @@ class NnuiApp(App):
         roots = self.config.roots
         return None if catalog.list_datasets(roots) else catalog.first_step(roots)
 
-    def _watch_only(self, tracker: JobTracker) -> list[JobView]:
+    def _watch_only(self, tracker: JobTracker, views: list[JobView]) -> list[JobView]:
         """nnU-Net runs nnui did not start (rows marked watch-only). Finding them reads
         /proc, so it runs at the processes' pace (DESIGN §6: 2 s), in the jobs thread."""
         refresh = getattr(tracker, "refresh_watch_only", None)
@@ -303,7 +304,9 @@ class NnuiApp(App):
         )
         if due:
             self._watch_read_at = now
-            return list(refresh([self.config.roots.results], self.snapshot))
+            known = tracker.trees.trees() if hasattr(tracker, "trees") else []
+            roots = watched_roots(self.config.roots.results, [v.job for v in views], known)
+            return list(refresh(roots, self.snapshot))
         return list(getattr(tracker, "watch_only", []))
 
     @property

@@ -370,6 +370,7 @@ def _restore(
         return LoopState()
     tensors, metadata, resumed_from = loaded
     _apply(tensors, metadata, resumed_from, trainee, resume=True)
+    recorder.status(last_checkpoint=resumed_from)  # true even if it stops before an epoch
     if topology.is_main:
         log.info("continuing from %s at epoch %d", Path(resumed_from).name, metadata["epoch_next"])
     return LoopState(

@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
-from app.cli.common import EXIT_NOTHING, EXIT_OK, EXIT_REFUSED, error
+from app.cli.common import EXIT_NOTHING, EXIT_OK, EXIT_REFUSED, error, looked_in
 from app.cli.sending import not_confirmed, print_targets, send_and_report
 from app.services.jobs.discovery import RUN_ID_PREFIX
 from app.services.jobs.registry import Registry
 from app.services.jobs.slurm_jobs import SLURM_ID_PREFIX, cancel_pending
 from app.services.jobs.views import JobTracker, JobView
+from app.services.jobs.words import already_stopping
 from app.services.launch import launcher
 from app.services.launch.adopted_resume import resume_plan
 from app.services.launch.fold_claims import ClaimRefused
 from app.services.signals.send import kill as kill_job
 from app.services.signals.send import slurm_step_of
 from app.services.signals.targets import plan_stop
-from trainer.schema import ENDED_STATES, State, resolve_roots
+from trainer.schema import ENDED_STATES, State
 
 
 def is_adopted_id(text: str) -> bool:
@@ -33,10 +35,10 @@ def is_adopted_id(text: str) -> bool:
 
 def find(options: argparse.Namespace, registry: Registry, text: str) -> JobView | None:
     """The adopted (or ended-unseen) run `run:PID`, or the live one a bare pid belongs to."""
-    roots = resolve_roots(options.raw, options.preprocessed, options.results)
     tracker = JobTracker(registry)
-    tracker.refresh()
-    views = [v for v in tracker.refresh_watch_only([roots.results]) if _is_adopted(v)]
+    known = tracker.refresh()
+    roots = looked_in(options, [v.job for v in known], registry.state_dir)
+    views = [v for v in tracker.refresh_watch_only(roots) if _is_adopted(v)]
     found = next((v for v in views if v.job.job_id == text), None)
     if found is None and text.isdigit():
         pid = int(text)
@@ -81,6 +83,9 @@ def stop(options: argparse.Namespace, registry: Registry, view: JobView) -> int:
         return refused
     if view.state in ENDED_STATES:
         print(f"nothing to do: run {job.job_id} is {view.state}")
+        return EXIT_NOTHING
+    if view.state == State.STOPPING:
+        print(already_stopping(view, time.time()))
         return EXIT_NOTHING
     plan = plan_stop(job, view.topology, view.epoch)
     if not plan.ok:

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
+from app.services.jobs.identity import watched_roots
+from app.services.jobs.known_trees import known_trees
 from app.services.jobs.registry import Registry
 from app.services.jobs.simulated_load import simulated_gpu_load
 from app.services.machine.gpus import GpuMonitor, MachineSnapshot
@@ -25,6 +30,12 @@ def error(message: str, code: int) -> int:
 
 def roots_of(options: argparse.Namespace) -> Roots:
     return resolve_roots(options.raw, options.preprocessed, options.results)
+
+
+def looked_in(options: argparse.Namespace, jobs: Iterable[Any], state_dir: Path) -> list[Path]:
+    """The results trees a command looks in: the default one, those of the jobs, and those
+    runs started by hand were seen in (known_trees.py)."""
+    return watched_roots(roots_of(options).results, jobs, known_trees(state_dir))
 
 
 def confirm(question: str) -> bool:

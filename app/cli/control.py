@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import cast
 
@@ -15,6 +16,7 @@ from app.cli.common import (
     EXIT_REFUSED,
     EXIT_USAGE,
     error,
+    looked_in,
     machine_snapshot,
     roots_of,
 )
@@ -24,7 +26,7 @@ from app.services.jobs.liveness import between_attempts
 from app.services.jobs.registry import PREDICT, Job, Registry
 from app.services.jobs.slurm_jobs import SLURM_ID_PREFIX
 from app.services.jobs.views import JobTracker, JobView
-from app.services.jobs.words import resume_from
+from app.services.jobs.words import already_stopping, resume_from
 from app.services.launch import prediction
 from app.services.launch import request as launch_request
 from app.services.machine.procs import proc_info
@@ -51,8 +53,10 @@ def _watch_only_run(
     if not pid_text.isdigit():
         return None
     tracker = JobTracker(registry)
-    tracker.refresh()
-    views = tracker.refresh_watch_only([roots_of(options).results])
+    known = tracker.refresh()
+    views = tracker.refresh_watch_only(
+        looked_in(options, [v.job for v in known], registry.state_dir)
+    )
     runs = [cast(WatchOnlyRun, v.watch) for v in views if v.watch]  # nnU-Net's, not adopted
     return next((run for run in runs if run.pid == int(pid_text)), None)
 
@@ -115,6 +119,9 @@ def cmd_stop(options: argparse.Namespace, registry: Registry) -> int:
     job = view.job
     if view.state in ENDED_STATES:
         print(f"nothing to do: job {job.job_id} is {view.state}")
+        return EXIT_NOTHING
+    if view.state == State.STOPPING and not job.queued_stop:
+        print(already_stopping(view, time.time()))
         return EXIT_NOTHING
     waiting = view.state == State.QUEUED and between_attempts(job)  # for GPUs, or to restart
     plan = plan_stop(job, None if waiting else view.topology, view.epoch)

@@ -10,6 +10,7 @@ from typing import Any
 from app.cli.common import EXIT_OK
 from app.services.class_dice import class_dice_text, fold_dirs, mean_class_dice
 from app.services.cross_validation import CvRow, cv_rows, queue_launches
+from app.services.jobs.identity import roots_hint, watched_roots
 from app.services.jobs.registry import Registry
 from app.services.jobs.views import JobTracker
 from app.services.jobs.words import human_duration
@@ -25,12 +26,18 @@ def fold_text(cell: Any) -> str:
     return cell.state
 
 
+def row_name(row: CvRow) -> str:
+    """`Dataset004_Demo`, with its tree's short name for a row of another tree than the
+    default one: `Dataset004_Demo [projB]`."""
+    return f"{row.dataset} [{row.label}]" if row.label else row.dataset
+
+
 def row_cells(row: CvRow) -> list[str]:
     """The cells of one row: dataset, config, trainer, plans, folds 0-4, mean±std, GPU-h, ETA."""
     spread = DASH
     if row.mean_dice is not None:
         spread = f"{row.mean_dice:.4f} ± {row.std_dice or 0.0:.4f}"
-    return [row.dataset, row.configuration, row.trainer, row.plans,
+    return [row_name(row), row.configuration, row.trainer, row.plans,
             *(fold_text(c) for c in row.folds), spread, f"{row.gpu_hours:.2f}",
             (DASH if row.eta_s is None else human_duration(row.eta_s))]  # fmt: skip
 
@@ -52,6 +59,8 @@ def narrow_row_cells(row: CvRow) -> list[str]:
     run = f"{row.dataset.removeprefix('Dataset')[:3]} {row.configuration}"
     if (row.trainer, row.plans) != ("nnuiTrainer", "nnuiPlans"):
         run += f" {row.trainer}/{row.plans}"
+    if row.label:
+        run += f" [{row.label}]"
     folds = [f"{c.dice:.3f}" if c.state == State.FINISHED and c.dice is not None
              else SHORT_STATE.get(c.state, c.state) for c in row.folds]  # fmt: skip
     spread = DASH
@@ -83,7 +92,8 @@ def row_class_dice(row: CvRow) -> tuple[list, int]:
 def row_dict(row: CvRow) -> dict[str, Any]:
     per_class, _ = row_class_dice(row)
     return {
-        "dataset": row.dataset, "configuration": row.configuration, "trainer": row.trainer,
+        "results": row.results, "tree": row.label or None, "dataset": row.dataset,
+        "configuration": row.configuration, "trainer": row.trainer,
         "plans": row.plans, "folds": [asdict(c) for c in row.folds],
         "mean_dice": row.mean_dice, "std_dice": row.std_dice, "gpu_hours": row.gpu_hours,
         "eta_s": row.eta_s, "gpus": list(row.gpus),
@@ -97,21 +107,24 @@ def cmd_cv(options: argparse.Namespace, registry: Registry) -> int:
     views = tracker.refresh()
     results = resolve_roots(options.raw, options.preprocessed, options.results).results
     # Runs started by hand count as launched ones (another user's stay out: watch-only).
-    views += [v for v in tracker.refresh_watch_only([results]) if v.watch is None and v.job.run_dir]
-    rows = cv_rows(views)
+    roots = watched_roots(results, [v.job for v in views], tracker.trees.trees())
+    views += [v for v in tracker.refresh_watch_only(roots)
+              if v.watch is None and v.job.run_dir]  # fmt: skip
+    rows = cv_rows(views, default_results=results)
     if options.json:
         print(json.dumps([row_dict(r) for r in rows], indent=1))
         return EXIT_OK
     if not rows:
         print("no cross-validation folds yet (nnui launch DATASET CONFIG --folds all ...)")
+        print(roots_hint(roots))
         return EXIT_OK
     print(cv_table(rows))
     for row in rows:
         per_class, num_folds = row_class_dice(row)
         if per_class:  # labels or regions by name (region-based training: the regions)
-            print(f"  Dice per class ({row.dataset} {row.configuration}, mean of {num_folds} "
+            print(f"  Dice per class ({row_name(row)} {row.configuration}, mean of {num_folds} "
                   f"fold(s)): {class_dice_text(per_class)}")  # fmt: skip
     for row in rows:
         for launch in queue_launches(row, list(row.gpus)):
-            print(f"  to queue ({row.dataset} {row.configuration}): {launch.text()}")
+            print(f"  to queue ({row_name(row)} {row.configuration}): {launch.text()}")
     return EXIT_OK

@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 
 from app.cli import adopted as cli_adopted
-from app.cli.common import EXIT_NOTHING, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, error
+from app.cli.common import EXIT_NOTHING, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, error, looked_in
 from app.services.export import curves as curve_export
 from app.services.export import png as png_plot
 from app.services.jobs.discovery import RUN_ID_PREFIX
+from app.services.jobs.identity import roots_hint
 from app.services.jobs.registry import Job, Registry
 from app.services.jobs.views import JobTracker
 from trainer.schema import ENDED_STATES
@@ -37,7 +38,8 @@ def cmd_export(options: argparse.Namespace, registry: Registry) -> int:
     if options.job.startswith(RUN_ID_PREFIX):  # an adopted run: found from /proc or its folder
         view = cli_adopted.find(options, registry, options.job)
         if view is None or not view.job.run_dir:
-            return error(f"no run {options.job!r} with a readable run folder", EXIT_USAGE)
+            roots = roots_hint(looked_in(options, registry.list(copies=False), registry.state_dir))
+            return error(f"no run {options.job!r} with a readable run folder; {roots}", EXIT_USAGE)
         job: Job | None = view.job
         code = EXIT_OK
     else:

@@ -6,13 +6,15 @@ import argparse
 import json
 import math
 import time
+from pathlib import Path
 from typing import Any, cast
 
-from app.cli.common import EXIT_OK, machine_snapshot, roots_of
+from app.cli.common import EXIT_OK, looked_in, machine_snapshot, roots_of
 from app.cli.schedule import schedule_notes
 from app.services.cross_validation import cross_validation_eta_s
 from app.services.jobs import listing as job_list
 from app.services.jobs.discovery import RUN_ID_PREFIX as ADOPTED_PREFIX
+from app.services.jobs.identity import results_tree, roots_hint, tree_label
 from app.services.jobs.registry import PREDICT, Registry
 from app.services.jobs.slurm_jobs import SLURM_ID_PREFIX
 from app.services.jobs.views import JobTracker, JobView
@@ -195,7 +197,19 @@ def watch_only_table(views: list[JobView]) -> str:
     return "\n".join(lines)
 
 
-def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
+def _with_tree(row: dict[str, Any], view: JobView, default: Path) -> dict[str, Any]:
+    """The row's identity: its results tree, and the tree's short name when not the default."""
+    tree = results_tree(view.job.run_dir or "")
+    return {**row, "results": tree or None, "tree": tree_label(tree, default) or None}
+
+
+def dataset_cell(job: Any, default: Path | None) -> str:
+    """The dataset, with the short name of its tree when that is not the default one."""
+    label = tree_label(results_tree(job.run_dir or ""), default)
+    return f"{job.dataset} [{label}]" if label else job.dataset
+
+
+def status_table(views: list[JobView], cv_eta_s: float | None, default: Path | None = None) -> str:
     header = ("ID", "DATASET", "CONFIG", "FOLD", "MODE", "GPUS", "STATE", "EPOCH", "TRAIN",
               "VAL", "DICE(EMA)", "IT/S", "ETA", "EXIT")  # fmt: skip
     rows = [header]
@@ -207,7 +221,8 @@ def status_table(views: list[JobView], cv_eta_s: float | None) -> str:
         mode, epoch, speed = progress_cells(v)
         rows.append(
             (
-                job.job_id, job.dataset, job.configuration, job.fold, mode, gpus, state_label(v),
+                job.job_id, dataset_cell(job, default), job.configuration, job.fold, mode, gpus,
+                state_label(v),
                 epoch, _f(v.train_loss), _f(v.val_loss), _f(v.ema_dice, "{:.3f}"),
                 speed, human_duration(v.eta_s),
                 "" if v.exit_code is None else str(v.exit_code),
@@ -248,9 +263,11 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def _watch_only_views(options: argparse.Namespace, tracker: JobTracker) -> list[JobView]:
-    """nnU-Net runs nnui did not start, under the results root (after tracker.refresh())."""
-    roots = [roots_of(options).results]
+def _watch_only_views(
+    options: argparse.Namespace, tracker: JobTracker, roots: list[Path]
+) -> list[JobView]:
+    """Runs nnui did not start, found from /proc wherever they run and, once ended, under
+    the trees looked in (after tracker.refresh())."""
     views = tracker.refresh_watch_only(roots)
     unknown = [v for v in views if v.watch and not v.watch.gpus and v.job.device == "cuda"]
     if unknown and options.simulate_gpus is None:  # NVML's process lists say which GPU
@@ -273,10 +290,12 @@ def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
     views = tracker.refresh()
     if any(_on_real_gpus(v) for v in views):  # one NVML read: a lost or shared GPU is an alert
         views = tracker.refresh(machine_snapshot(options))
+    roots = looked_in(options, [v.job for v in views], registry.state_dir)
+    default = roots_of(options).results
     if not options.all:
         cutoff = time.time() - RECENT_S
         views = [v for v in views if v.job.ended_at is None or v.job.ended_at >= cutoff]
-    watched = _watch_only_views(options, tracker)
+    watched = _watch_only_views(options, tracker, roots)
     adopted = [v for v in watched if v.watch is None or v.adopted is not None]
     if not options.all:
         cutoff = time.time() - RECENT_S
@@ -284,17 +303,18 @@ def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
     views = [*views, *[v for v in adopted if not v.watch_only]]
     watched = [v for v in watched if v.watch_only and (v.adopted is None or v in adopted)]
     if options.json:
-        rows = [_row_dict(v) for v in [*views, *watched]]
+        rows = [_with_tree(_row_dict(v), v, default) for v in [*views, *watched]]
         print(json.dumps([_json_safe(row) for row in rows], indent=1))
         return EXIT_OK
     if not views and not watched:
         # An unreadable job file is not "no jobs": the warning below names it.
         print("no readable jobs" if registry.list_problems else "no jobs")
+        print(roots_hint(roots))
         return EXIT_OK
     if views:
         # One row per run folder (a resume continues its row); --all: every job, grouped.
         arranged = job_list.arrange(views, collapse=not options.all)
-        print(status_table(arranged, cross_validation_eta_s(views)))
+        print(status_table(arranged, cross_validation_eta_s(views), default))
     if watched:
         print(watch_only_table(watched))
     return EXIT_OK

@@ -8,6 +8,7 @@ sent; the other selected jobs go on through their usual flow after it is closed.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +135,11 @@ def stop_jobs(app: AppSeam, job_ids: Sequence[str]) -> None:
 
 
 def _stop(app: AppSeam, views: list[JobView]) -> None:
+    stopping = [v for v in views if v.state == State.STOPPING and not v.job.queued_stop]
+    if stopping and len(stopping) == len(views):  # nothing to send: say since when
+        lines = [job_text.already_stopping(v, time.time()) for v in stopping]
+        app.notify("\n".join(lines), title="stop", timeout=8)
+        return
 
     def confirmed(choices: list[StopChoice], ok: bool | None) -> None:
         if ok:

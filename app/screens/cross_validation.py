@@ -60,7 +60,7 @@ class CrossValidationScreen(Screen):
 
     def refresh_rows(self) -> None:
         app = app_of(self)
-        rows = cv_rows(app.views)
+        rows = cv_rows(app.views, default_results=app.config.roots.results)
         table = self.query_one(DataTable)
         cursor = table.cursor_row
         header, cells = self._layout(rows)
@@ -107,7 +107,7 @@ class CrossValidationScreen(Screen):
             plans: list[Any] = []
             problems: list[str] = []
             for launch in self.queued:  # the checks and plans of `nnui launch`
-                request = launch.request()
+                request = launch.request(roots)  # the row's own tree
                 checks = launch_request.check_request(request, roots, None, snapshot, registry)
                 problems += checks.errors
                 if not checks.errors:

@@ -25,6 +25,7 @@ from app.screens import actions, keys
 from app.screens.confirm import LaunchConfirmScreen
 from app.screens.predict_form import PredictScreen, form_defaults
 from app.screens.seam import app_of
+from app.services.jobs.registry import new_job_id
 from app.services.launch import catalog, engines, launcher, niceness
 from app.services.launch import request as launch_request
 from app.services.launch.schedule import Schedule
@@ -65,6 +66,7 @@ class LaunchScreen(Screen):
         self._go_pending = False  # g pressed while the checks were still running
         self.num_refused = 0  # g refused by the checks (tests wait for it)
         self._inputs: tuple | None = None  # what the newest plan was made from
+        self._job_ids: dict[str, str] = {}  # fold -> the id its preview shows and it gets
         self._ready = False  # data messages can arrive before the widgets are composed
         self._machine_key: tuple | None = None
         self._jobs_key: tuple | None = None
@@ -260,6 +262,11 @@ class LaunchScreen(Screen):
             )
         return catalog.first_step(app_of(self).config.roots)
 
+    def job_id_of(self, fold: str) -> str:
+        """One job id per fold for the life of the form: every preview shows it, the job
+        started gets it."""
+        return self._job_ids.setdefault(fold, new_job_id(fold))
+
     def recompute(self) -> None:
         if not self._ready:
             return
@@ -285,7 +292,9 @@ class LaunchScreen(Screen):
                 asks += [c for c in checks.confirmations if c not in asks]
                 resumable += checks.resumable_folds
                 if not checks.errors:
-                    got, why = launcher.plan_launch(request, roots, batch_size, snapshot, registry)
+                    got, why = launcher.plan_launch(
+                        request, roots, batch_size, snapshot, registry, self.job_id_of
+                    )
                     plans += got
                     errors += [e for e in why if e not in errors]
             return plans, errors, warnings, resumable, asks

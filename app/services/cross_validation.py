@@ -9,6 +9,7 @@ Aggregation only (no rendering): the CLI (`nnui cv`) and the TUI screen draw it.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import statistics
 import time
@@ -17,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from app.services.jobs.events import JobEvents, Scope
+from app.services.jobs.identity import RunIdentity, run_identity, tree_label
 from app.services.jobs.registry import TRAIN, Job
 from app.services.jobs.views import JobView
-from app.services.launch.request import LaunchRequest
+from app.services.launch.request import LaunchRequest, job_roots
 from app.services.launch.schedule import Schedule
 from trainer.schema import (
     ACTIVE_STATES,
@@ -28,6 +30,7 @@ from trainer.schema import (
     SUMMARY_FILE,
     VALIDATION_DIR,
     Kind,
+    Roots,
     State,
     checkpoint_file,
 )
@@ -57,6 +60,8 @@ class FoldCell:
 
 @dataclass(frozen=True)
 class CvRow:
+    results: str  # the results tree: a row never mixes folds of two trees
+    label: str  # '' in the default tree, else its short name (what the row shows)
     dataset: str
     configuration: str
     trainer: str
@@ -72,12 +77,6 @@ class CvRow:
     @property
     def to_queue(self) -> tuple[FoldCell, ...]:
         return tuple(c for c in self.folds if c.state in TO_QUEUE)
-
-
-def split_run_dir(run_dir: str) -> tuple[str, str, str]:
-    """(trainer, plans, configuration) from results/DatasetNNN_Name/T__P__C/fold_F."""
-    parts = Path(run_dir).parent.name.split("__")
-    return (parts[0], parts[1], "__".join(parts[2:])) if len(parts) >= 3 else ("?", "?", "?")
 
 
 _EVENTS_CACHE: dict[tuple[str, str], tuple[tuple[int, int, float | None], tuple[Any, Any]]] = {}
@@ -198,7 +197,7 @@ def cross_validation_eta_s(views: list[JobView]) -> float | None:
     return max(t for t in totals if t is not None)
 
 
-def _row(key: tuple[str, str, str, str], views: list[Any], now: float) -> CvRow:
+def _row(key: RunIdentity, label: str, views: list[Any], now: float) -> CvRow:
     newest = {}
     for view in sorted(views, key=lambda v: v.job.created_at):
         newest[view.job.fold] = view  # the newest job of each fold says its state
@@ -207,7 +206,8 @@ def _row(key: tuple[str, str, str, str], views: list[Any], now: float) -> CvRow:
     gpus = sorted({g for v in views for g in v.job.gpus}, key=lambda g: (len(g), g))
     template = max((v.job for v in views), key=lambda j: j.created_at)
     return CvRow(
-        dataset=key[0], configuration=key[1], trainer=key[2], plans=key[3], folds=cells,
+        results=key.results, label=label, dataset=key.dataset, configuration=key.configuration,
+        trainer=key.trainer, plans=key.plans, folds=cells,
         mean_dice=statistics.fmean(dices) if dices else None,
         std_dice=statistics.pstdev(dices) if dices else None,
         gpu_hours=sum(gpu_hours(v.job, now) for v in views),
@@ -215,18 +215,25 @@ def _row(key: tuple[str, str, str, str], views: list[Any], now: float) -> CvRow:
     )  # fmt: skip
 
 
-def cv_rows(views: list[Any], now: float | None = None) -> list[CvRow]:
-    """The rows of the view, from the job views (nnui's trainings; watch-only skipped)."""
+def cv_rows(
+    views: list[Any], now: float | None = None, default_results: str | Path | None = None
+) -> list[CvRow]:
+    """The rows of the view, from the job views (nnui's trainings; watch-only skipped): one
+    per results tree x dataset x configuration x trainer x plans, the default tree's first;
+    the others labelled with their tree's short name."""
     now = time.time() if now is None else now
-    groups: dict[tuple[str, str, str, str], list[Any]] = {}
+    groups: dict[RunIdentity, list[Any]] = {}
     for view in views:
         job = view.job
         if view.watch_only or job.kind != TRAIN or job.fold not in FOLDS:
             continue
-        trainer, plans, configuration = split_run_dir(job.run_dir)
-        key = (job.dataset, job.configuration or configuration, trainer, plans)
-        groups.setdefault(key, []).append(view)
-    return [_row(key, groups[key], now) for key in sorted(groups)]
+        key = run_identity(job)
+        groups.setdefault(RunIdentity(key.results, key.dataset, key.trainer, key.plans,
+                                      key.configuration, ""), []).append(view)  # fmt: skip
+    labels = {key: tree_label(key.results, default_results) for key in groups}
+    order = sorted(groups, key=lambda k: (labels[k] != "", labels[k], k.results, k.dataset,
+                                          k.configuration, k.trainer, k.plans))  # fmt: skip
+    return [_row(key, labels[key], groups[key], now) for key in order]
 
 
 # ---- queueing the missing folds -----------------------------------------------------------
@@ -251,8 +258,18 @@ class QueueLaunch:
     def schedule(self) -> Schedule:
         return Schedule(when_free=bool(self.gpus), after_previous_stage=self.after_inputs)
 
-    def request(self) -> LaunchRequest:
-        """What the launch confirm dialog plans and starts (the same as `command`)."""
+    def roots(self, caller: Roots | None = None) -> Roots | None:
+        """The row's own roots: its newest job's, else the caller's with the row's tree."""
+        own = job_roots(self.row.template)
+        if own is not None and os.path.realpath(own.results) == self.row.results:
+            return own
+        if caller is None or not self.row.results:
+            return own
+        return Roots(caller.raw, caller.preprocessed, Path(self.row.results))
+
+    def request(self, caller: Roots | None = None) -> LaunchRequest:
+        """What the launch confirm dialog plans and starts (the same as `command`), in the
+        row's own results tree."""
         job = self.row.template
         simulated = self.simulate_gpus is not None and bool(self.gpus)
         return LaunchRequest(
@@ -261,6 +278,7 @@ class QueueLaunch:
             device="cuda" if self.gpus and not simulated else "cpu",
             trainer_args=list(job.trainer_args), simulated=simulated,
             continue_training=self.continue_training, engine=job.engine, schedule=self.schedule,
+            roots=self.roots(caller),
         )  # fmt: skip
 
     def command(self) -> list[str]:
@@ -278,6 +296,11 @@ class QueueLaunch:
             argv.append("--c")
         if self.after_inputs:
             argv.append("--after-lowres")
+        if self.row.label:  # another tree than the default one: say which
+            argv += ["--results", self.row.results]
+            own = job_roots(job)
+            if own is not None:
+                argv += ["--preprocessed", str(own.preprocessed)]
         if job.trainer_args:
             argv += ["--", *job.trainer_args]
         return argv

@@ -41,11 +41,13 @@ FOLDS = {
 }
 
 
-def add_fold(registry: Registry, roots, fold: str) -> str:
-    state, code, gpus, took_s, summary, validated, ckpt = FOLDS[fold]
+def add_fold(registry: Registry, roots, fold: str, spec: tuple | None = None, tag: str = "",
+             trainer_args: tuple[str, ...] = ("--epochs", "10"), env: dict | None = None,
+             t0: float = T0) -> str:  # fmt: skip
+    state, code, gpus, took_s, summary, validated, ckpt = spec or FOLDS[fold]
     folder = run_dir(roots.results, DATASET, "3d_fullres", fold)
     folder.mkdir(parents=True)
-    t = T0 + int(fold)
+    t = t0 + int(fold)
     lines = [encode_event(Kind.RUN_STARTED, t=t, dataset=DATASET, configuration="3d_fullres",
                           fold=fold, num_epochs=10, iterations_per_epoch=250, world_size=1,
                           launcher="single", host="box", argv=["nnui-train"])]  # fmt: skip
@@ -66,13 +68,14 @@ def add_fold(registry: Registry, roots, fold: str) -> str:
         )
     if ckpt:
         (folder / checkpoint_file("latest")).write_bytes(b"")
-    job_id = f"20260101-00000{fold}-f{fold}"
+    job_id = f"20260101-00000{fold}-f{fold}{tag}"
     registry.add(Job(
         job_id=job_id, created_at=t, dataset=DATASET, configuration="3d_fullres", fold=fold,
         mode="single", device="cpu", gpus=gpus, simulated=True, argv=["nnui-train"],
-        env={"NNUI_JOB_ID": job_id}, run_dir=str(folder), console_path=str(folder / "c.log"),
+        env={"NNUI_JOB_ID": job_id, **(env or {})}, run_dir=str(folder),
+        console_path=str(folder / "c.log"),
         processes=[ProcessRecord(pid=3000 + int(fold), create_time=t, role="trainer")],
-        exit_code=code, ended_at=t + took_s, trainer_args=["--epochs", "10"],
+        exit_code=code, ended_at=t + took_s, trainer_args=list(trainer_args),
     ))  # fmt: skip
     return job_id
 

@@ -119,8 +119,15 @@ def panels(curves: JobCurves) -> list[png_plot.Panel]:
             _panel("learning rate", [("lr", series(history, "lr"))])]  # fmt: skip
 
 
+def file_stem(job: Job) -> str:
+    """The exported files' name: the job id, with no `:` (`run:4242` -> `run-4242_curves`),
+    which some file systems and tools refuse or read as a drive or host."""
+    safe = "".join(c if c.isalnum() or c in "-_.+" else "-" for c in job.job_id)
+    return f"{safe}_curves"
+
+
 def csv_path(job: Job, folder: Path) -> Path:
-    return folder / f"{job.job_id}_curves.csv"
+    return folder / f"{file_stem(job)}.csv"
 
 
 def export(job: Job, folder: Path, curves: JobCurves | None = None) -> tuple[list[Path], list[str]]:
@@ -128,7 +135,7 @@ def export(job: Job, folder: Path, curves: JobCurves | None = None) -> tuple[lis
     Without matplotlib the CSV is written and png_plot.PlotUnavailable raised (no PNG)."""
     curves = read_curves(job) if curves is None else curves
     folder.mkdir(parents=True, exist_ok=True)
-    png_path = folder / f"{job.job_id}_curves.png"
+    png_path = folder / f"{file_stem(job)}.png"
     atomic_write_text(csv_path(job, folder), csv_text(curves.epochs))
     image, lines = png_plot.render(panels(curves))
     atomic_write_bytes(png_path, image)

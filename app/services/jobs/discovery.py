@@ -504,7 +504,11 @@ def discover(
     runs = []
     for group in _groups(rows).values():
         run = _adopted(group, roots)
-        if run is None or (run.run_dir is not None and run.run_dir in excluded):
+        # The folder of an active job of nnui's hides a run only when the run could be that
+        # job's (its environment unreadable): one whose environment says it is no nnui job
+        # is listed even if a (hand-edited) record claims the folder.
+        unreadable = all(row.environ is None for row in group)
+        if run is None or (run.run_dir in excluded and unreadable):
             continue
         if scoped and not (run.run_dir and any(run.run_dir.startswith(w) for w in within)):
             continue

@@ -3,9 +3,10 @@
 - A run folder is one row: `nnui resume` starts a new job in the same folder, and that job
   continues the row (its curves already hold the earlier runs' epochs) instead of adding an
   unrelated one. The row shows the newest job, or the one still active.
-- Rows are grouped by dataset x configuration x trainer (the trainer is the first part of
-  the folder `Trainer__Plans__configuration`), and sorted inside each group.
-- A filter keeps the rows whose text holds every word typed (any order, any case).
+- Rows are grouped by results tree x dataset x configuration x trainer (the trainer is the
+  first part of the folder `Trainer__Plans__configuration`), and sorted inside each group.
+- A filter keeps the rows whose text holds every word typed (any order, any case); a job
+  id typed keeps its row after a resume (the earlier jobs' ids count as the row's).
 Works on JobView-like objects (`.job`, `.state`, `.ema_dice`, `.eta_s`); no textual.
 """
 
@@ -17,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.services.jobs.identity import results_tree
 from trainer.schema import ACTIVE_STATES, State
 
 if TYPE_CHECKING:  # jobs.py imports this module
@@ -40,12 +42,22 @@ def _trainer_of_folder(run_dir: str) -> str:
     return Path(run_dir).parent.name.split("__")[0] or "?"
 
 
-def group_key(job: Job) -> tuple[str, str, str]:
-    return (job.dataset, job.configuration, trainer_of(job))
+def group_key(job: Job) -> tuple[str, str, str, str]:
+    """Rows group by their run's identity: results tree, dataset, configuration, trainer
+    (rows of two trees never interleave)."""
+    return (results_tree(str(job.run_dir or "")), job.dataset, job.configuration, trainer_of(job))
 
 
 def _fold_order(fold: str) -> tuple[int, str]:
     return (int(fold), "") if fold.isdigit() else (1 << 30, fold)
+
+
+def _row_rank(view: JobView) -> tuple[bool, bool, float]:
+    """Which job of a folder its row shows: an active one, then one whose own run wrote
+    events (a record that only points at a live process, e.g. edited by hand, never hides
+    the run really training there), then the newest."""
+    own_events = getattr(view, "last_event_t", None) is not None
+    return (view.state in ACTIVE_STATES, own_events, view.job.created_at)
 
 
 def one_row_per_run_folder(
@@ -61,7 +73,7 @@ def one_row_per_run_folder(
     rows, earlier = [], {}
     for members in folders.values():
         members.sort(key=lambda v: (v.job.created_at, v.job.job_id))
-        row = max(members, key=lambda v: (v.state in ACTIVE_STATES, v.job.created_at))
+        row = max(members, key=_row_rank)
         rows.append(row)
         earlier[row.job.job_id] = [v.job.job_id for v in members if v is not row]
     return rows, earlier
@@ -78,8 +90,10 @@ def row_text(view: JobView) -> str:
     return " ".join(parts).lower()
 
 
-def matches(view: JobView, text: str) -> bool:
-    haystack = row_text(view)
+def matches(view: JobView, text: str, earlier_ids: Sequence[str] = ()) -> bool:
+    """Every word typed is in the row's text (`earlier_ids`: the ids of the earlier jobs of
+    its run folder, so a filter set on a job id keeps the fold after a resume)."""
+    haystack = " ".join([row_text(view), *earlier_ids]).lower()
     return all(word in haystack for word in text.lower().split())
 
 
@@ -105,8 +119,12 @@ def arrange(
     grouped, sorted in each group."""
     if sort not in _SORT_KEYS:
         raise ValueError(f"unknown sort {sort!r}; one of {', '.join(SORTS)}")
-    rows = one_row_per_run_folder(views)[0] if collapse else list(views)
-    rows = [v for v in rows if matches(v, text)]
+    if collapse:
+        rows, earlier = one_row_per_run_folder(views)
+    else:
+        rows, earlier = list(views), {}
+    # A filter on a job id follows its fold: a resume's new job continues the row.
+    rows = [v for v in rows if matches(v, text, earlier.get(v.job.job_id, ()))]
     by_sort = _SORT_KEYS[sort]
     return sorted(rows, key=lambda v: (group_key(v.job), by_sort(v)))
 

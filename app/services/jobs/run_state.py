@@ -46,6 +46,7 @@ class RunState:
     class_names: tuple[str, ...] = ()  # from run_started (regions: their dataset.json names)
     last_kind: str | None = None  # last lifecycle event of THIS job's run
     stop_requested: bool = False
+    stop_requested_t: float | None = None  # the first stop_requested/stop_heard of this run
     last_event_t: float | None = None
     nan_epoch: int | None = None
     cases: CaseProgress = field(default_factory=CaseProgress)  # a prediction's
@@ -95,6 +96,7 @@ class RunState:
             self.running.clear()
             self._running_tuple = self._history_tuple = ()
             self.num_epochs, self.last_kind, self.stop_requested = None, None, False
+            self.stop_requested_t = None
             self.nan_epoch, self.last_event_t = None, None
             self.cases = CaseProgress()
             self.last_epoch_t, self.validation, self.final_dice = None, None, None
@@ -139,13 +141,15 @@ class RunState:
         if kind == Kind.EPOCH_ENDED:
             self.last_epoch_t = record["t"]
         if kind in START_KINDS:
-            self.last_kind, self.stop_requested = None, False
+            self.last_kind, self.stop_requested, self.stop_requested_t = None, False, None
             if self.started_t is None:
                 self.started_t = record["t"]
             if kind == Kind.PREDICTION_STARTED:
                 self.cases = CaseProgress()
         elif kind in (Kind.STOP_REQUESTED, Kind.STOP_HEARD):
             self.stop_requested = True
+            if self.stop_requested_t is None:
+                self.stop_requested_t = record["t"]
         if kind in (Kind.PREDICTION_STARTED, Kind.CASE_PREDICTED):
             self.cases.absorb(record)
         if kind in (Kind.RUN_STARTED, Kind.STOPPED, Kind.FINISHED, Kind.FAILED):

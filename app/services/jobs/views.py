@@ -21,6 +21,7 @@ from app.services.jobs.adopted import EndedScan, adopted_job
 from app.services.jobs.curves import EpochPoint, RunningPoint
 from app.services.jobs.discovery import AdoptedRun, discover, is_related
 from app.services.jobs.events import JobEvents
+from app.services.jobs.known_trees import TreeMemory
 from app.services.jobs.liveness import job_alive
 from app.services.jobs.registry import PREDICT, Job, ProcessRecord, Registry
 from app.services.jobs.run_state import CONSOLE_LINES, RunState, restored, summary
@@ -86,6 +87,7 @@ class JobView:
     # An ended run's view: `history` and `running_loss` hold only the newest points (the
     # row's); JobTracker.want_curves() makes the next views whole.
     partial_history: bool = False
+    stop_requested_at: float | None = None  # the run's first stop_requested (its own clock)
 
 
 DATA_WAIT_ALERT_SHARE = 0.3  # of the step time, over each of the last DATA_WAIT_EPOCHS epochs
@@ -249,6 +251,8 @@ class JobTracker:
         self._slurm = SlurmWatcher()
         self._slurm_seen: dict[str, float] = {}  # SLURM job id -> first seen (its row's age)
         self.problems: list[str] = []  # job files the newest refresh() could not read
+        # The trees runs started by hand were seen in (found again once they ended).
+        self.trees = TreeMemory(getattr(registry, "state_dir", None))
 
     def refresh_watch_only(
         self,
@@ -290,6 +294,7 @@ class JobTracker:
         """Adopted runs: live ones, those seen live that ended since, and those that ended
         while nnui was not looking (their folder's newest run, claimed by no job)."""
         live = discover(results_roots, procs, exclude_dirs=active)
+        self.trees.note(run.run_dir for run in live if run.run_dir)  # found again once ended
         live_ids = {run.run_id for run in live}
         for run in live:
             self._adopted[run.run_id] = (adopted_job(run, snapshot), run)
@@ -452,6 +457,7 @@ class JobTracker:
             class_names=run.class_names,
             started_t=run.started_t,
             partial_history=run.compact,
+            stop_requested_at=run.stop_requested_t,
         )
 
     def _eta_s(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -77,3 +78,26 @@ def human_duration(seconds: float | None) -> str:
         return f"{minutes} min"
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+
+
+def stopping_since(view: JobView) -> float | None:
+    """When the stop of a stopping run was asked: the first SIGUSR1 nnui sent, else the
+    run's own first stop_requested event, whichever is earlier; None: not known."""
+    sent = [s.t for s in view.job.signals if s.signal == "SIGUSR1" and s.result == "sent"]
+    heard = getattr(view, "stop_requested_at", None)
+    times = [t for t in (*sent, heard) if isinstance(t, (int, float)) and math.isfinite(t)]
+    return min(times) if times else None
+
+
+def already_stopping(view: JobView, now: float) -> str:
+    """`nnui stop` of a run that is already stopping: what it says (exit 3)."""
+    since = stopping_since(view)
+    when = ""
+    if since is not None:
+        clock = time.strftime("%H:%M:%S", time.localtime(since))
+        when = f" since {clock} ({human_duration(now - since)} ago)"
+    unit = "case" if view.job.kind == "predict" else "epoch"
+    return (
+        f"nothing to do: {view.job.job_id} is already stopping{when}; it ends after its "
+        f"current {unit} (nnui kill {view.job.job_id} ends it now)"
+    )

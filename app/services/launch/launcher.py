@@ -16,6 +16,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,8 +110,10 @@ def plan_launch(
     plans_batch_size: int | None,
     snapshot: MachineSnapshot | None = None,
     registry: Registry | None = None,
+    job_ids: Callable[[str], str] = new_job_id,
 ) -> tuple[list[LaunchPlan], list[str]]:
-    """Plans for every job of the request, or no plans and the errors (warnings: check_request)."""
+    """Plans for every job of the request, or no plans and the errors (warnings: check_request);
+    `job_ids` names each fold's job (the launch form: the id its preview showed)."""
     checks = check_request(request, roots, plans_batch_size, snapshot, registry)
     if checks.errors:
         return [], checks.errors
@@ -124,17 +127,10 @@ def plan_launch(
     last_on = _cpu_slot_chains(request, registry)
     slots = cpu_slots(request.threads).count if request.on_cpu_slots else 1
     for index, (fold, gpus) in enumerate(assignments):
-        job_id = new_job_id(fold)
+        job_id = job_ids(fold)
         folder = request_run_dir(request, roots, dataset_name, fold)
         argv = _argv(request, who, dataset_name, fold, device, job_mode, len(gpus))
-        env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", JOB_ID_ENV: job_id}
-        env.update(job_env(request.nice, request.threads))  # --nice, --threads (niceness.py)
-        # The trainer finds the same roots as nnui, whichever way nnui was given them.
-        env.update({ROOT_ENVS[name]: str(getattr(roots, name)) for name in ROOT_ENVS})
-        if who.engine.name == NNUNET:
-            env[NNUNET_EXT_ENV] = with_nnunet_ext_dir(os.environ.get(NNUNET_EXT_ENV))
-        if device == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        env = _plan_env(request, roots, who.engine.name, job_id, gpus if device == "cuda" else None)
         key = tuple(gpus) if gpus else ("cpu", fold)
         after = last_on.get(key) if request.sequential else None
         if request.on_cpu_slots and not request.oversubscribe:
@@ -163,6 +159,21 @@ def plan_launch(
             )
         )
     return plans, []
+
+
+def _plan_env(
+    request: LaunchRequest, roots: Roots, engine: str, job_id: str, gpus: Sequence[str] | None
+) -> dict[str, str]:
+    """A job's environment additions (`gpus`: its CUDA_VISIBLE_DEVICES, None on a CPU)."""
+    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", JOB_ID_ENV: job_id}
+    env.update(job_env(request.nice, request.threads))  # --nice, --threads (niceness.py)
+    # The trainer finds the same roots as nnui, whichever way nnui was given them.
+    env.update({ROOT_ENVS[name]: str(getattr(roots, name)) for name in ROOT_ENVS})
+    if engine == NNUNET:
+        env[NNUNET_EXT_ENV] = with_nnunet_ext_dir(os.environ.get(NNUNET_EXT_ENV))
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    return env
 
 
 def _cpu_slot_chains(

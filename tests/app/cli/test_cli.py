@@ -68,6 +68,8 @@ def test_launch_status_stop_resume(env: dict) -> None:
     assert "rank 0" in stop.stdout and "device cpu" in stop.stdout and "pid " in stop.stdout
     second_stop = nnui(env, "stop", first, "--yes")
     assert second_stop.returncode == 3  # already stopping, or already stopped
+    assert "already stopping since" in second_stop.stdout or "stopped" in second_stop.stdout
+    assert "sent" not in second_stop.stdout.splitlines()[-1]
     assert wait_until(lambda: status(env)[first]["exit_code"] is not None, 15)
     assert (status(env)[first]["state"], status(env)[first]["exit_code"]) == ("stopped", 0)
     assert nnui(env, "stop", first, "--yes").returncode == 3
@@ -138,7 +140,12 @@ def test_dry_run_prints_the_exact_command(env: dict) -> None:
 
 
 def test_status_without_jobs(env: dict) -> None:
-    assert nnui(env, "status").stdout.strip() == "no jobs"
+    """Nothing found: it says so, names the results tree it looked in and how to look
+    elsewhere."""
+    lines = nnui(env, "status").stdout.splitlines()
+    assert lines[0] == "no jobs"
+    assert env["nnUNet_results"] in lines[1] and "--results" in lines[1], lines
+    assert "nnUNet_results" in lines[1]
     assert status(env) == {}
 
 
@@ -321,5 +328,5 @@ def test_only_a_bad_registry_file_is_not_no_jobs(env: dict) -> None:
     (registry.jobs_dir / "1130-120000-f1-bad.json").write_text('{"job_id": "1130-')
     result = nnui(env, "status")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "no readable jobs"
+    assert result.stdout.splitlines()[0] == "no readable jobs"
     assert "1130-120000-f1-bad.json" in result.stderr and "Traceback" not in result.stderr

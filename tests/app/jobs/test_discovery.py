@@ -347,7 +347,8 @@ def test_a_run_under_any_results_root_is_found_from_its_open_events_file(started
     row = rows[f"run:{proc.pid}"]
     assert (row["run_dir"], row["run_dir_source"]) == (str(elsewhere.resolve()), "fd")
     assert (row["epoch"], row["launcher"], row["num_ranks"]) == (1, "single", 1)
-    scoped = _nnui("status", "--json", "--results", str(watched), env=env)
+    fresh = {**env, "XDG_STATE_HOME": str(tmp_path / "fresh")}  # no tree remembered yet
+    scoped = _nnui("status", "--json", "--results", str(watched), env=fresh)
     assert f"run:{proc.pid}" not in scoped.stdout  # the suite's scope: watched roots only
 
 

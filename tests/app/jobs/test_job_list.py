@@ -79,6 +79,29 @@ def test_one_row_per_run_folder_grouped_sorted_and_filtered(tmp_path: Path) -> N
     assert job_list.next_sort(job_list.SORTS[-1]) == job_list.SORTS[0]
 
 
+def test_a_filter_on_a_job_id_follows_the_fold_when_it_is_resumed(tmp_path: Path) -> None:
+    """The filter typed the first job's id; the fold was resumed (a new job id): the row,
+    now showing the resumed job, still matches. Without collapsing, only the job typed."""
+    views = JobTracker(jobs_of_weeks(tmp_path)).refresh()
+    assert ids(job_list.arrange(views, "a-f0")) == ["a-f0-resumed"]
+    assert ids(job_list.arrange(views, "a-f0 0.7")) == []  # every word must match
+    assert ids(job_list.arrange(views, "a-f0", collapse=False)) == ["a-f0", "a-f0-resumed"]
+    assert ids(job_list.arrange(views, "a-f1")) == ["a-f1"]
+
+
+def test_rows_of_two_results_trees_never_share_a_group(tmp_path: Path) -> None:
+    """The same dataset, configuration, trainer and fold in two trees: two rows, each in
+    its own tree's group (not interleaved by fold)."""
+    registry = Registry(tmp_path / "state")
+    add_job(registry, tmp_path, "a-f0", "0")
+    add_job(registry, tmp_path, "a-f1", "1")
+    add_job(registry, tmp_path / "projB", "b-f0", "0")
+    views = JobTracker(registry).refresh()
+    assert ids(job_list.arrange(views)) in (["a-f0", "a-f1", "b-f0"], ["b-f0", "a-f0", "a-f1"])
+    groups = {job_list.group_key(v.job) for v in views}
+    assert len(groups) == 2
+
+
 def test_overlaid_folds_are_the_newest_of_the_same_trainer(tmp_path: Path) -> None:
     from app.screens.job_detail import fold_views
 

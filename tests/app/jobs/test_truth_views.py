@@ -20,7 +20,7 @@ from app.services.cross_validation import cross_validation_eta_s
 from app.services.jobs.registry import Registry
 from app.services.jobs.views import JobTracker, training_eta_s
 from app.services.jobs.words import alert_condition, resume_from, state_label
-from app.widgets.job_table import row_cells
+from app.widgets.job_cells import row_cells
 from trainer.schema import State, encode_event, validate_event
 
 

@@ -465,7 +465,7 @@ def test_status_lists_and_stop_refuses_a_hand_started_run(tmp_path: Path, handle
         process.wait(timeout=10)
     unknown = _nnui(env, "stop", f"nnunet:{process.pid}")
     assert unknown.returncode == 2 and "no watch-only nnU-Net run" in unknown.stderr
-    assert _nnui(env, "status").stdout.strip() == "no jobs"
+    assert _nnui(env, "status").stdout.splitlines()[0] == "no jobs"
 
 
 # ---- a real stock nnUNetv2_train (slow) --------------------------------------------------

@@ -326,3 +326,33 @@ async def test_launch_board_when_free_toggle_makes_folds_wait_for_their_gpu(
             ("1", None, True),
         ]
         assert "when a GPU of 0 is free" in screen.preview_text
+
+
+async def test_the_preview_shows_the_job_id_the_job_gets(tmp_path: Path, monkeypatch) -> None:
+    """The form plans again whenever jobs or GPUs change: the id in its preview stays, and
+    the job started gets exactly that id."""
+    import re
+
+    from fake_trainer import cleanup_jobs
+
+    roots = make_roots(tmp_path)
+    use_fake_trainer(monkeypatch, roots, tmp_path / "state")
+    app = tui_app(roots, tmp_path / "state")
+    try:
+        async with app.run_test(size=(150, 48)) as pilot:
+            screen = await open_board(app, pilot)
+            await pilot.press("space", "f", *"--epochs 1", "enter")
+            await wait_for(lambda: screen.query_one("#flags").value == "--epochs 1", pilot)
+            await settled(screen, pilot, {"0": ["0"]})
+            shown = re.findall(r"NNUI_JOB_ID=(\S+)", screen.preview_text)
+            assert len(shown) == 1
+            for _ in range(2):  # what a new reading of the jobs or GPUs does
+                screen.recompute()
+                await wait_for(screen.plan_is_current, pilot)
+                assert re.findall(r"NNUI_JOB_ID=(\S+)", screen.preview_text) == shown
+            await pilot.press("g")
+            await screen_of(app, pilot, DashboardScreen)
+            await wait_for(lambda: Registry(tmp_path / "state").list(), pilot)
+            assert [j.job_id for j in Registry(tmp_path / "state").list()] == shown
+    finally:
+        cleanup_jobs(tmp_path / "state")

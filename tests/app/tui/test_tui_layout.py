@@ -42,18 +42,19 @@ from app.widgets.gpu_panel import (
     host_title,
     sorted_processes,
 )
-from app.widgets.job_table import (
+from app.widgets.job_cells import (
     COLUMNS,
     DARK_STATE_STYLES,
     LAYOUTS,
     LIGHT_STATE_STYLES,
-    JobTable,
     choose_layout,
     row_cells,
 )
+from app.widgets.job_table import JobTable
 from trainer.schema import State
 
-WATCHED = {"job", "state", "epoch", "dice", "its", "eta", "alerts"}
+WATCHED = {"job", "state", "epoch", "dice", "eta", "alerts"}
+IDENTITY = {"dataset", "fold"}  # dataset and configuration share the dataset cell
 ALL_COLUMNS = {key for key, _ in COLUMNS}
 
 
@@ -108,13 +109,13 @@ async def test_every_size_keeps_the_watched_columns(tmp_path, size, num_gpus) ->
         screen = await drawn(app, pilot, num_gpus)
         table = screen.query_one(JobTable)
         shown = set(table.columns_shown)
-        assert shown >= WATCHED
+        assert shown >= WATCHED | IDENTITY  # decorations go first, identity never
         assert {str(c.key.value) for c in table.columns.values()} == shown
         assert table.fixed_columns == 2  # the selection mark and the job id stay put
         if size[0] >= 200:
             assert shown == ALL_COLUMNS
         if size[0] <= 80:
-            assert not {"dataset", "train", "val", "ema"} & shown
+            assert not {"train", "val", "ema", "wait"} & shown
         # GPU cards never wrap: every line fits the panel, an idle GPU takes one line.
         panel = screen.query_one(GpuPanel)
         for card in screen.query(GpuCard):
@@ -139,7 +140,7 @@ async def test_a_resize_switches_layout_and_keeps_the_cursor(tmp_path) -> None:
         await pilot.press("down")
         chosen = table.current_job_id
         await pilot.resize_terminal(80, 24)
-        await wait_for(lambda: "dataset" not in table.columns_shown, pilot)
+        await wait_for(lambda: "train" not in table.columns_shown, pilot)
         assert table.current_job_id == chosen
         await pilot.resize_terminal(200, 40)
         await wait_for(lambda: set(table.columns_shown) == ALL_COLUMNS, pilot)
@@ -160,16 +161,34 @@ def test_eta_and_the_alerts_header_are_whole_at_80_columns() -> None:
     """A running job with a long state, a 4-digit epoch, an ETA of hours and an alert: at 80
     columns (78 cells inside the border) every watched column up to ETA and the alerts header
     fit; only the alert's text may run past the edge."""
-    from app.widgets.job_table import LAYOUTS, layout_width
+    from app.widgets.job_cells import LAYOUTS, layout_width
 
     view = View(state="stopping", epoch=999, num_epochs=1000, eta_s=7800,
                 alerts=("no event for 12 min",))  # fmt: skip
-    full = [{k: getattr(v, "plain", v) for k, v in row_cells(view, False).items()}]
-    short = [{k: getattr(v, "plain", v) for k, v in row_cells(view, False, short=True).items()}]
-    level = choose_layout(full, short, 78)
-    hidden, abbreviated = LAYOUTS[level]
-    rows = [{**(short if abbreviated else full)[0], "alerts": "alerts"}]
+    kinds = [[{k: getattr(v, "plain", v) for k, v in row_cells(view, False, **flags).items()}]
+             for flags in ({}, {"short": True}, {"compact": True})]  # fmt: skip
+    level = choose_layout(kinds[0], kinds[1], 78, kinds[2])
+    hidden, cells = LAYOUTS[level]
+    rows = [{**kinds[cells][0], "alerts": "alerts"}]
     assert layout_width(rows, hidden) <= 78, (level, rows)
+    assert not IDENTITY & hidden and rows[0]["dataset"] == "004 3d_fullres"
+
+
+def test_identity_stays_and_decorations_go_first() -> None:
+    """No layout hides dataset/configuration or fold; at 120 columns a row in its final
+    validation (`validating 0/4 cases`) keeps them beside the watched columns."""
+    from app.widgets.job_cells import LAYOUTS
+
+    assert all(not IDENTITY & hidden for hidden, _ in LAYOUTS)
+    view = View(state="validating", epoch=1000, num_epochs=1000, eta_s=240)
+    view.validation_done, view.validation_cases = 0, 4  # type: ignore[attr-defined]
+    kinds = [[{k: getattr(v, "plain", v) for k, v in row_cells(view, False, **flags).items()}]
+             for flags in ({}, {"short": True}, {"compact": True})]  # fmt: skip
+    assert kinds[0][0]["state"] == "validating 0/4 cases"
+    level = choose_layout(kinds[0], kinds[1], 118, kinds[2])
+    hidden, cells = LAYOUTS[level]
+    assert kinds[cells][0]["dataset"] == "004_Hippocampus 3d_fullres"  # whole, not compact
+    assert not (WATCHED | IDENTITY) & hidden
 
 
 # ---- colour ------------------------------------------------------------------------------

@@ -50,7 +50,8 @@ from app.tui import Services, TuiConfig, make_app
 from app.widgets.curves import CurvesPanel
 from app.widgets.dataset_picker import DatasetPicker
 from app.widgets.fold_board import FoldBoard
-from app.widgets.job_table import JobTable, row_cells
+from app.widgets.job_cells import row_cells
+from app.widgets.job_table import JobTable
 from app.widgets.log_tail import LogTail
 from app.widgets.process_tree import ProcessTree
 from trainer.schema import EVENTS_FILE, Kind, Status, atomic_write_text, encode_event, run_dir

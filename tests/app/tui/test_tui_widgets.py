@@ -14,7 +14,7 @@ from app.services.signals.proctree import label_tree
 from app.widgets.curves import epoch_ticks
 from app.widgets.formatting import bar
 from app.widgets.gpu_panel import NO_DRIVER_BANNER, GpuPanel, gpu_lines, sparkline
-from app.widgets.job_table import row_cells
+from app.widgets.job_cells import row_cells
 from app.widgets.process_tree import tree_text
 
 

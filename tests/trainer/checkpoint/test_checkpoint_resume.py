@@ -242,3 +242,25 @@ def test_full_disk_fails_in_one_line_and_continue_uses_the_older_checkpoints(
     assert "removed 1 temporary file(s) of an interrupted write" in log and not stale.exists()
     assert schema.read_status(folder).state == "finished"
     assert store.load(folder / "checkpoint_final.safetensors")[1]["epoch_next"] == 3
+
+
+@pytest.mark.slow
+def test_a_stop_before_the_first_epoch_of_a_resume_keeps_the_last_checkpoint(
+    demo_preprocessed, tmp_path, monkeypatch
+):
+    """status.json names the checkpoint the run continued from even when a SIGUSR1 during
+    start-up stops it before its first epoch (nothing new was saved)."""
+    from trainer import stop
+
+    results = tmp_path / "results"
+    argv = train_argv(demo_preprocessed.preprocessed, results, "--save-every", "1")
+    assert main(argv) == 0
+    folder = schema.run_dir(results, DATASET, "2d", "0")
+    (folder / schema.checkpoint_file("final")).unlink()  # the run stopped after its latest
+    latest = folder / schema.checkpoint_file("latest")
+    assert latest.is_file()
+    monkeypatch.setattr(stop, "_requested", True)  # SIGUSR1 arrived during start-up
+    assert main([*argv, "--epochs", "4", "--c"]) == 0
+    status = schema.read_status(folder)
+    assert status.state == "stopped"
+    assert status.last_checkpoint == str(latest)
