@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.services.jobs.events import JobEvents, Scope
 from app.services.jobs.identity import RunIdentity, run_identity, tree_label
 from app.services.jobs.registry import TRAIN, Job
 from app.services.jobs.views import JobView
@@ -29,7 +28,6 @@ from trainer.schema import (
     STATUS_FILE,
     SUMMARY_FILE,
     VALIDATION_DIR,
-    Kind,
     Roots,
     State,
     checkpoint_file,
@@ -79,34 +77,6 @@ class CvRow:
         return tuple(c for c in self.folds if c.state in TO_QUEUE)
 
 
-_EVENTS_CACHE: dict[tuple[str, str], tuple[tuple[int, int, float | None], tuple[Any, Any]]] = {}
-
-
-def _run_facts(job: Job) -> tuple[float | None, float | None]:
-    """(first run_started t, last validation_finished Dice) of the job's own events; read
-    again only when the file or the job's end changed."""
-    path = Path(job.run_dir) / "events.jsonl"
-    try:
-        stat = path.stat()
-        key = (stat.st_size, stat.st_mtime_ns, job.ended_at)
-    except OSError:
-        return None, None
-    cached = _EVENTS_CACHE.get((job.job_id, job.run_dir))
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    started: float | None = None
-    dice: float | None = None
-    for scope, record in JobEvents(job.run_dir).poll(job).records:
-        if scope is not Scope.MINE:
-            continue
-        if record["kind"] == Kind.RUN_STARTED and started is None:
-            started = record["t"]
-        elif record["kind"] == Kind.VALIDATION_FINISHED:
-            dice = record.get("mean_fg_dice")
-    _EVENTS_CACHE[(job.job_id, job.run_dir)] = (key, (started, dice))
-    return started, dice
-
-
 def summary_dice(run_dir: str) -> float | None:
     """validation/summary.json's mean foreground Dice (nnU-Net's file), None: none."""
     try:
@@ -129,14 +99,13 @@ def uses_gpus(job: Job) -> bool:
     return bool(job.gpus) and (job.device == "cuda" or job.simulated)
 
 
-def gpu_hours(job: Job, now: float) -> float:
-    """Wall time of its attempts (first run_started to its end) x its (simulated) GPUs."""
-    if not uses_gpus(job):
+def gpu_hours(view: JobView, now: float) -> float:
+    """Wall time of its attempts (its own first run_started, kept by the view and by the
+    summary cache of ended runs: no events file is read here) x its (simulated) GPUs."""
+    job = view.job
+    if not uses_gpus(job) or view.started_t is None:
         return 0.0
-    started, _ = _run_facts(job)
-    if started is None:
-        return 0.0
-    return max(0.0, (job.ended_at or now) - started) * len(job.gpus) / 3600.0
+    return max(0.0, (job.ended_at or now) - view.started_t) * len(job.gpus) / 3600.0
 
 
 def fold_cell(fold: str, view: Any | None) -> FoldCell:
@@ -148,12 +117,11 @@ def fold_cell(fold: str, view: Any | None) -> FoldCell:
         state = UNKNOWN
     dice = None
     if state == State.FINISHED:
-        # The job's own validation_finished first: the number `nnui status` and the board
-        # show (a later run in the same folder is another job's); summary.json only when the
-        # events have none (runs whose events predate validation_finished).
+        # The job's own validation_finished first (the view read it from its own run's
+        # events, in file order): the number `nnui status` and the board show (a later run
+        # in the same folder is another job's); summary.json only when the events have none
+        # (runs whose events predate validation_finished, nnU-Net's runs).
         dice = getattr(view, "final_dice", None)
-        if dice is None:
-            dice = _run_facts(view.job)[1]
         if dice is None:
             dice = summary_dice(view.job.run_dir)
     return FoldCell(fold, state, dice, needs_continue(view.job.run_dir))
@@ -210,7 +178,7 @@ def _row(key: RunIdentity, label: str, views: list[Any], now: float) -> CvRow:
         trainer=key.trainer, plans=key.plans, folds=cells,
         mean_dice=statistics.fmean(dices) if dices else None,
         std_dice=statistics.pstdev(dices) if dices else None,
-        gpu_hours=sum(gpu_hours(v.job, now) for v in views),
+        gpu_hours=sum(gpu_hours(v, now) for v in views),
         eta_s=cross_validation_eta_s(list(newest.values())), gpus=tuple(gpus), template=template,
     )  # fmt: skip
 

@@ -202,3 +202,23 @@ def test_looking_writes_only_into_nnuis_state_folder(tmp_path, monkeypatch, caps
     capsys.readouterr()
     assert {**_tree(tmp_path / "runs"), **_tree(root)} == before
     assert (state / CACHE_DIR / CACHE_FILE).is_file()
+
+
+def test_nnui_cv_reads_no_byte_of_unchanged_finished_runs(tmp_path, monkeypatch, capsys) -> None:
+    import json
+
+    state = tmp_path / "state"
+    registry = Registry(state)
+    finished_run(registry, tmp_path / "runs")  # one GPU, run_started at T, ended at T + 500
+    monkeypatch.setenv("NNUI_STATE_DIR", str(state))
+    argv = ["cv", "--json", "--results", str(tmp_path / "results")]
+    assert main(argv) == 0  # the first look reads the file and keeps its summary
+    first = capsys.readouterr().out
+    count = ByteCount(monkeypatch)
+    assert main(argv) == 0
+    assert count.events() == 0
+    second = capsys.readouterr().out
+    assert second == first
+    (row_,) = json.loads(second)
+    assert row_["gpu_hours"] == pytest.approx(500 / 3600)  # from the kept start
+    assert [f["dice"] for f in row_["folds"] if f["fold"] == "0"] == [0.8125]
