@@ -23,9 +23,10 @@ schedule (epochs x
 iterations); each side keeps its own augmentation, sampling, loss and optimiser. Folds run
 alternated A B A B; --repeats R trains every fold R times per side, so a difference can be
 set against the run-to-run spread. nnU-Net takes no seed: every run draws fresh weights.
-nnui runs number k (in run order) get --seed 12345 + k: distinct weights in every run as
+nnui's run of fold f, repeat r gets --seed 12345 + 5 r + f: distinct weights in every run as
 nnU-Net's, yet reproducible (one seed for all runs would count one initialisation, lucky or
-not, once per fold: the plan fixes the network, so the seed fixes the weights).
+not, once per fold: the plan fixes the network, so the seed fixes the weights), and the same
+seed whether the folds run in one command or are split over several (--folds 0,1 and 2,3,4).
 Both sides train with torch's threads = cores
 (nnU-Net sets it on CPU, nnui per rank) and --num-workers data workers (nnU-Net:
 nnUNet_n_proc_DA; nnui: loader threads); nnU-Net's final-validation export pool gets the
@@ -73,7 +74,7 @@ from compare_nnunet import (
 
 log = logging.getLogger("bench")
 SIDES = ("nnU-Net", "nnui")
-NNUI_SEED = 12345  # nnui-train's default --seed; run k (of units()) uses NNUI_SEED + k
+NNUI_SEED = 12345  # nnui-train's default --seed; see nnui_seed()
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,11 @@ def learned_epoch(curves: list[list[float]], threshold: float = 0.5) -> dict[str
     return first
 
 
+def nnui_seed(fold: str, repeat: int) -> int:
+    """nnui's --seed of one (fold, repeat): fixed by the unit, not by its place in the run."""
+    return NNUI_SEED + 5 * repeat + int(fold)
+
+
 def _unit_name(fold: str, repeat: int) -> str:
     return f"fold{fold}" + (f"_r{repeat}" if repeat else "")
 
@@ -225,7 +231,7 @@ def run_nnui_fold(
     shutil.rmtree(results, ignore_errors=True)
     argv = nnui_train_argv(a.as_bench_args(), pre_root, results, fold, a.dataset)
     argv += ["--raw", str(raw), *([] if a.val_tta else ["--val_disable_tta"])]
-    seed = NNUI_SEED + a.units().index((fold, repeat))
+    seed = nnui_seed(fold, repeat)
     argv += [*a.nnui_args, "--seed", str(seed)]
     log_path = a.work / "logs" / f"nnui_{_unit_name(fold, repeat)}.log"
     load_before = os.getloadavg()[0]
@@ -359,7 +365,10 @@ def parse_args(argv: list[str]) -> AccuracyArgs:
     p.add_argument("--val-iterations", type=int, default=1, help="same for both sides")
     p.add_argument("--folds", default="0,1,2,3,4", help="comma-separated folds of the 5-fold split")
     p.add_argument(
-        "--repeats", type=int, default=1, help="runs per fold and side (nnui run k: seed 12345 + k)"
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per fold and side (nnui: seed 12345 + 5 repeat + fold)",
     )
     p.add_argument("--num-workers", type=int, default=2, help="data workers of each side")
     p.add_argument(

@@ -285,3 +285,13 @@ def test_bad_raw_arguments_exit_2_with_one_error_line(argv, message, capsys):
     assert accuracy.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+def test_nnui_seed_belongs_to_the_fold_and_repeat_not_the_run_order():
+    whole = _args(folds=["0", "1", "2", "3", "4"], repeats=2)
+    seeds = [accuracy.nnui_seed(f, r) for f, r in whole.units()]
+    assert len(set(seeds)) == len(seeds)  # every run its own weights
+    assert seeds[:5] == [12345, 12346, 12347, 12348, 12349]  # one repeat: as before
+    # the same folds split over two commands get the seeds of the single command
+    split = [_args(folds=["0", "1"], repeats=2), _args(folds=["2", "3", "4"], repeats=2)]
+    assert sorted(accuracy.nnui_seed(f, r) for a in split for f, r in a.units()) == sorted(seeds)
