@@ -46,7 +46,11 @@ from app.services.slurm.folds import (
 from app.services.slurm.script import render_script
 from trainer.schema import State, read_status
 
-_NOT_WITH_SLURM = ("gpus", "ddp", "sequential", "when_free", "simulate_gpus", "oversubscribe")
+# This machine's scheduling and manners: SLURM schedules a cluster fold (and --requeue
+# restarts it); each is refused with --slurm rather than silently dropped.
+_NOT_WITH_SLURM = ("gpus", "ddp", "sequential", "when_free", "simulate_gpus", "oversubscribe",
+                   "retries", "on_event", "priority", "min_free_gib", "max_util", "share",
+                   "nice", "threads")  # fmt: skip
 
 
 def limits_of(options: argparse.Namespace) -> ClusterLimits | str:
@@ -54,7 +58,8 @@ def limits_of(options: argparse.Namespace) -> ClusterLimits | str:
     clash = [name for name in _NOT_WITH_SLURM if getattr(options, name, None)]
     if clash:
         flag = "--" + clash[0].replace("_", "-")
-        return f"{flag} is for this machine's GPUs; with --slurm give --gpus-per-node/--nodes"
+        return (f"{flag} is for this machine's jobs; with --slurm SLURM schedules the folds "
+                "(--gpus-per-node, --nodes, --partition, --requeue)")  # fmt: skip
     if not options.slurm_time:
         return "--slurm needs --time, each job's limit (e.g. --time 24:00:00)"
     gpus = options.gpus_per_node

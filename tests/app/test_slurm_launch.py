@@ -161,7 +161,7 @@ def _launch(env, tmp_path: Path, *args: str):
     ("args", "message"),
     [
         (["--folds", "0", "--slurm"], "--slurm needs --time"),
-        (["--folds", "0", "--slurm", "--time", "1:00:00", "--gpus", "0"], "--gpus is for"),
+        (["--folds", "0", "--slurm", "--time", "1:00:00", "--gpus", "0"], "--gpus is for this machine"),
         (["--folds", "7", "--slurm", "--time", "1:00:00"], "fold '7' is not one of"),
         (["--folds", "0", "--slurm", "--time", "90"], "--time must look like"),
         (["--folds", "0", "--slurm", "--time", "1:00:00", "--cpu", "--gpus-per-node", "2"],
@@ -204,9 +204,16 @@ def test_launch_slurm_dry_run_previews_the_exact_script(fakes, tmp_path) -> None
 
 
 def test_lowres_dependency(monkeypatch, tmp_path) -> None:
-    spec = JobSpec(dataset="900", configuration="3d_cascade_fullres", fold="0", nodes=1,
-                   gpus_per_node=1, time_limit="01:00:00", procs_per_node=1,
-                   run_folder=tmp_path / "Dataset900_D" / "T__P__3d_cascade_fullres" / "fold_0")
+    spec = JobSpec(
+        dataset="900",
+        configuration="3d_cascade_fullres",
+        fold="0",
+        nodes=1,
+        gpus_per_node=1,
+        time_limit="01:00:00",
+        procs_per_node=1,
+        run_folder=tmp_path / "Dataset900_D" / "T__P__3d_cascade_fullres" / "fold_0",
+    )
     monkeypatch.setattr(folds, "missing_at", lambda *a: ("3d_lowres", [1, 3], None))
 
     def job(job_id: str, fold: str, configuration: str = "3d_lowres") -> SlurmJob:

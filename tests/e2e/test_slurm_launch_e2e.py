@@ -56,8 +56,12 @@ def _launch(env, demo, tmp_path: Path, folds: str, epochs: int, *flags: str) -> 
 
 
 def _folder(tmp_path: Path, fold: str) -> Path:
-    return tmp_path / "results" / "Dataset900_NnuiDemo" / "nnuiTrainer__nnuiPlans__2d" / (
-        f"fold_{fold}"
+    return (
+        tmp_path
+        / "results"
+        / "Dataset900_NnuiDemo"
+        / "nnuiTrainer__nnuiPlans__2d"
+        / (f"fold_{fold}")
     )
 
 
@@ -87,7 +91,7 @@ def _wait(what: str, predicate, tmp_path: Path):
 
 def test_two_folds_launched_followed_stopped_and_resumed(cluster, demo_preprocessed, tmp_path):
     env = _env(cluster, tmp_path)
-    jobs = _launch(env, demo_preprocessed, tmp_path, "0-1", 8, "--time", "00:30:00")
+    jobs = _launch(env, demo_preprocessed, tmp_path, "0-1", 6, "--time", "00:30:00")
     assert sorted(jobs) == ["0", "1"]
 
     def both_followed() -> list[dict] | None:
@@ -97,7 +101,7 @@ def test_two_folds_launched_followed_stopped_and_resumed(cluster, demo_preproces
 
     rows = _wait("both folds on the board with an epoch", both_followed, tmp_path)
     assert {r["slurm_state"] for r in rows} == {"RUNNING"}
-    assert {r["fold"] for r in rows} == {"0", "1"} and all(r["num_epochs"] == 8 for r in rows)
+    assert {r["fold"] for r in rows} == {"0", "1"} and all(r["num_epochs"] == 6 for r in rows)
 
     done = run_nnui(env, "stop", f"slurm:{jobs['0']}", "--yes")
     assert done.returncode == 0, done.stderr
@@ -107,7 +111,7 @@ def test_two_folds_launched_followed_stopped_and_resumed(cluster, demo_preproces
     folder = _folder(tmp_path, "0")
     assert (folder / schema.checkpoint_file("latest")).exists()
     (stopped,) = _kinds(folder, "stopped")
-    assert stopped["epoch"] < 7, "the fold ended before the stop could reach it"
+    assert stopped["epoch"] < 5, "the fold ended before the stop could reach it"
     row = next(r for r in _rows(env, tmp_path) if r["run_dir"] == str(folder))
     assert row["state"] == "stopped", row
 
@@ -119,7 +123,7 @@ def test_two_folds_launched_followed_stopped_and_resumed(cluster, demo_preproces
         assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), _logs(tmp_path)
     for fold in ("0", "1"):
         folder = _folder(tmp_path, fold)
-        assert [e["epoch"] for e in _kinds(folder, "epoch_ended")] == list(range(8))
+        assert [e["epoch"] for e in _kinds(folder, "epoch_ended")] == list(range(6))
         assert schema.read_status(folder).state == schema.State.FINISHED
     done = run_nnui(env, "resume", f"slurm:{again}")
     assert done.returncode == 3 and "finished" in done.stdout, done.stdout + done.stderr
@@ -133,7 +137,8 @@ def test_requeue_runs_through_the_time_limit(cluster, demo_preprocessed, tmp_pat
     jobs = _launch(env, demo_preprocessed, tmp_path, "0", 4, *flags)
     first, folder = int(jobs["0"]), _folder(tmp_path, "0")
     _wait("the first epoch", lambda: _kinds(folder, "epoch_ended"), tmp_path)
-    cluster.run("scancel", "--signal=USR1", "--batch", str(first))
+    # (check=False: on a slow machine SLURM's own lead may have come first and the job ended)
+    cluster.run("scancel", "--signal=USR1", "--batch", str(first), check=False)
     info = cluster.wait_job(first, timeout_s=SAFETY_NET_S)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), _logs(tmp_path)
     assert "requeued as job" in _logs(tmp_path)

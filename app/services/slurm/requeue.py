@@ -1,7 +1,7 @@
 """`--requeue` for nnui's SLURM job scripts: through time limits, losing no finished epoch.
 
 SLURM's USR1 lead (`--signal=B:USR1@LEAD`) stops the fold gracefully (checkpoint_latest,
-exit 0; slurm.py). With --requeue the batch shell then submits its own script again,
+exit 0; script.py). With --requeue the batch shell then submits its own script again,
 `--dependency=afterany:THIS_JOB`, and the next job continues with `--c`. It does so only when
 
 - the training step ended with exit code 0 (a crash is not retried forever),
