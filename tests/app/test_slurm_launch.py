@@ -80,8 +80,9 @@ def _after_step(tmp_path: Path, env: dict[str, str], heard_left: str, **extra: s
     folder = tmp_path / "fold_0"
     folder.mkdir(exist_ok=True)
     script = tmp_path / "out" / "job.sbatch"
-    final, latest = folder / "checkpoint_final.safetensors", folder / "checkpoint_latest.x"
-    _, prelude, after = requeue_parts(True, script, (final, latest), 120)
+    latest = folder / "checkpoint_latest.x"
+    names = ("checkpoint_final.safetensors", latest.name)
+    _, prelude, _, after = requeue_parts(True, script, folder, names, 120)
     wrote = "sleep 1.1; touch " + str(latest) if extra.pop("progress", "1") == "1" else ":"
     text = f"{prelude}\n{wrote}\nheard_left={heard_left}\nrc=0\n{after}"
     done = subprocess.run(["bash", "-c", text], capture_output=True, text=True, timeout=60,
@@ -124,6 +125,36 @@ def test_requeue_does_not_resubmit(tmp_path, fakes, heard_left, extra, why) -> N
     assert not [c for c in _calls(fakes) if c.startswith("sbatch")], why
 
 
+@pytest.mark.parametrize(
+    ("heard_left", "epochs", "time_left", "mark", "relayed"),
+    [
+        ("", 0, 1000, False, True),  # no lead heard: a user's stop, at once
+        ("400", 0, 1000, False, True),  # long before the limit: a user's stop
+        ("150", 0, 150, False, False),  # the lead during the start-up: wait for an epoch
+        ("150", 1, 150, False, True),  # an epoch trained in this job: now
+        ("150", 0, 50, False, True),  # less than half the lead left: now
+        ("150", 0, 150, True, True),  # nnui stop's mark: a stop, at once
+    ],
+)  # fmt: skip
+def test_a_lead_usr1_waits_for_the_jobs_first_epoch(
+    tmp_path, fakes, heard_left, epochs, time_left, mark, relayed
+) -> None:
+    folder = tmp_path / "fold_0"
+    folder.mkdir()
+    script = tmp_path / "job.sbatch"
+    _, prelude, may_stop, _ = requeue_parts(True, script, folder, ("f", "l"), 120)
+    end = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + time_left))
+    _answer(fakes, "scontrol", f"JobId=41 JobState=RUNNING EndTime={end} Partition=x\n")
+    if mark:
+        stop_mark(script, "41").write_text("1\n")
+    epoch = '{"v":1,"t":1,"kind":"epoch_ended","epoch":0}\n'
+    text = (f"{prelude}\n" + f"echo '{epoch.strip()}' >> {folder}/events.jsonl\n" * epochs
+            + f"heard_left={heard_left or chr(34) * 2}\ntrue{may_stop}")  # fmt: skip
+    done = subprocess.run(["bash", "-c", text], capture_output=True, text=True, timeout=60,
+                          env={**fakes, "SLURM_JOB_ID": "41"})  # fmt: skip
+    assert (done.returncode == 0) == relayed, done.stderr
+
+
 def test_requeue_script_is_valid_bash_and_plain_without_it(tmp_path) -> None:
     spec = JobSpec(dataset="900", configuration="2d", fold="0", nodes=1, gpus_per_node=0,
                    time_limit="00:30:00", procs_per_node=1, output_dir=tmp_path,
@@ -161,7 +192,7 @@ def _launch(env, tmp_path: Path, *args: str):
     ("args", "message"),
     [
         (["--folds", "0", "--slurm"], "--slurm needs --time"),
-        (["--folds", "0", "--slurm", "--time", "1:00:00", "--gpus", "0"], "--gpus is for this machine"),
+        (["--folds", "0", "--slurm", "--time", "1:00:00", "--gpus", "0"], "--gpus is for this"),
         (["--folds", "7", "--slurm", "--time", "1:00:00"], "fold '7' is not one of"),
         (["--folds", "0", "--slurm", "--time", "90"], "--time must look like"),
         (["--folds", "0", "--slurm", "--time", "1:00:00", "--cpu", "--gpus-per-node", "2"],

@@ -6,7 +6,9 @@ exit 0; script.py). With --requeue the batch shell then submits its own script a
 
 - the training step ended with exit code 0 (a crash is not retried forever),
 - the USR1 came within the lead window: at most LEAD + WINDOW_SLACK_S seconds before the
-  time limit (SLURM sends it up to ~30 s early). A USR1 earlier than that is a user's stop,
+  time limit (SLURM sends it up to ~30 s early); an earlier USR1 is a user's stop. Such a
+  lead USR1 is relayed to the workers only once this job trained an epoch (or half the lead
+  is left): a job whose lead comes during its start-up would requeue with nothing trained,
 - `nnui stop` left no stop mark for this job (it writes one before it signals: a user's stop
   in the last minutes is a stop, not a requeue), and
 - the fold has no final checkpoint (it may have finished in the same epoch), and
@@ -25,6 +27,7 @@ import shlex
 from pathlib import Path
 
 from app.services.jobs.slurm_jobs import RESTARTS_PREFIX
+from trainer.schema import EVENTS_FILE
 
 WINDOW_SLACK_S = 60
 MAX_IDLE_RESTARTS = 2  # jobs in a row that finished no epoch before the lead: then stop
@@ -39,6 +42,19 @@ nnui_time_left() {  # seconds until the job's time limit, when the USR1 is heard
   end=$(scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null | grep -o 'EndTime=[^ ]*' | cut -d= -f2)
   end=$(date -d "$end" +%s 2>/dev/null) || { echo 999999999; return; }
   echo $(( end - $(date +%s) ))
+}
+nnui_epochs() {  # epochs the fold has recorded so far
+  local n
+  n=$(grep -c '"kind":"epoch_ended"' __EVENTS__ 2>/dev/null)
+  echo "${n:-0}"
+}
+nnui_epochs0=$(nnui_epochs)
+nnui_may_stop() {  # a time-limit USR1 waits for this job's first epoch, while time allows
+  if [ -z "$heard_left" ] || [ "$heard_left" -gt __WINDOW__ ] \
+      || [ -e "$NNUI_SCRIPT.stop-$SLURM_JOB_ID" ]; then
+    return 0  # a user's stop: at once
+  fi
+  [ "$(nnui_epochs)" -gt "$nnui_epochs0" ] || [ "$(nnui_time_left)" -le __HALF_LEAD__ ]
 }
 echo "nnui: --requeue on; restart ${NNUI_RESTARTS:-0} of this fold" >&2
 """
@@ -69,7 +85,7 @@ if [ "$rc" = 0 ] && [ -n "$heard_left" ] && [ "$heard_left" -le __WINDOW__ ] \
       scontrol update JobId="$dep" Dependency="$moved" \
         && echo "nnui: job $dep now waits for $next ($moved)" >&2
     done
-  else
+  elif [ "$idle" -le __MAX_IDLE__ ]; then
     echo "nnui: requeue failed: submit $NNUI_SCRIPT again to continue (--c)" >&2
   fi
 fi
@@ -77,15 +93,20 @@ fi
 
 
 def requeue_parts(
-    requeue: bool, script: Path, checkpoints: tuple[Path, Path] | None, lead_s: int
-) -> tuple[str, str, str]:
-    """(what the USR1 trap adds, the prelude before the step, the block after it); empty
-    strings without --requeue (the script is then exactly the plain one). `checkpoints`:
-    the fold's (final, latest) checkpoint files."""
-    if not requeue or checkpoints is None:
-        return "", "", ""
-    final_checkpoint, latest = checkpoints
-    prelude = _PRELUDE.replace("__SCRIPT__", shlex.quote(str(script)))
+    requeue: bool, script: Path, run_folder: Path | None, names: tuple[str, str], lead_s: int
+) -> tuple[str, str, str, str]:
+    """(what the USR1 trap adds, the prelude before the step, what the relay waits for, the
+    block after the step); empty strings without --requeue (the script is then exactly
+    the plain one). `names`: the fold's final and latest checkpoint files."""
+    if not requeue or run_folder is None:
+        return "", "", "", ""
+    final_checkpoint, latest = run_folder / names[0], run_folder / names[1]
+    prelude = (
+        _PRELUDE.replace("__SCRIPT__", shlex.quote(str(script)))
+        .replace("__EVENTS__", shlex.quote(str(run_folder / EVENTS_FILE)))
+        .replace("__WINDOW__", str(lead_s + WINDOW_SLACK_S))
+        .replace("__HALF_LEAD__", str(lead_s // 2))
+    )
     after = (
         _AFTER_STEP.replace("__WINDOW__", str(lead_s + WINDOW_SLACK_S))
         .replace("__FINAL__", shlex.quote(str(final_checkpoint)))
@@ -93,7 +114,7 @@ def requeue_parts(
         .replace("__MAX_IDLE__", str(MAX_IDLE_RESTARTS))
         .replace("__PREFIX__", RESTARTS_PREFIX)
     )
-    return _ON_USR1, prelude, after
+    return _ON_USR1, prelude, " && nnui_may_stop", after
 
 
 def stop_mark(script: Path, job_id: str) -> Path:

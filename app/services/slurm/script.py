@@ -256,7 +256,7 @@ step_running() {
   scontrol -o show step "$SLURM_JOB_ID.0" 2>/dev/null | grep -q 'State=RUNNING'
 }
 while kill -0 "$srun_pid" 2>/dev/null; do
-  if [ "$stop" = 1 ] && step_running; then
+  if [ "$stop" = 1 ] && step_running__MAY_STOP__; then
     echo "nnui: USR1 -> srun $srun_pid (relayed to every node's wrapper)" >&2
     kill -USR1 "$srun_pid" 2>/dev/null
     stop=0
@@ -283,15 +283,13 @@ def render_script(spec: JobSpec) -> str:
     exports = [f"export {name}={shlex.quote(value)}" for name, value in sorted(spec.env.items())]
     port = str(spec.rdzv_port) if spec.rdzv_port else "$((20000 + SLURM_JOB_ID % 20000))"
     body = _BATCH_BODY.replace("__NODE_STEP__", node_step).replace("__PORT__", port)
-    checkpoints = None
-    if spec.run_folder is not None:
-        kinds = ("final", "latest")
-        names = [f"checkpoint_{k}.pth" if spec.engine == NNUNET else checkpoint_file(k)
-                 for k in kinds]  # fmt: skip
-        checkpoints = (spec.run_folder / names[0], spec.run_folder / names[1])
-    on_usr1, prelude, after_step = requeue_parts(
-        spec.requeue, spec.script_path.absolute(), checkpoints, spec.signal_lead_s
-    )
+    kinds = ("final", "latest")
+    names = [f"checkpoint_{k}.pth" if spec.engine == NNUNET else checkpoint_file(k) for k in kinds]
+    on_usr1, prelude, may_stop, after_step = requeue_parts(
+        spec.requeue, spec.script_path.absolute(), spec.run_folder, (names[0], names[1]),
+        spec.signal_lead_s,
+    )  # fmt: skip
+    body = body.replace("__MAY_STOP__", may_stop)
     body = body.replace("__ON_USR1__", on_usr1).replace("__PRELUDE__", prelude)
     body = body.replace("__AFTER_STEP__", after_step)
     header = [

@@ -12,6 +12,7 @@ from app.screens.cluster_form import ClusterScreen
 from app.screens.confirm import LaunchConfirmScreen
 from app.screens.dashboard import DashboardScreen
 from app.screens.launch import LaunchScreen
+from app.services.slurm.script import JobSpec, render_script
 
 
 async def test_x_submits_the_marked_folds_to_slurm(tmp_path: Path, monkeypatch) -> None:
@@ -60,3 +61,41 @@ async def test_x_submits_the_marked_folds_to_slurm(tmp_path: Path, monkeypatch) 
     assert [c.split()[-1] for c in calls] == [
         str(tmp_path / "nnui_slurm" / f"nnui_Dataset004_Demo_3d_fullres_{f}.sbatch") for f in "01"
     ]
+
+
+FAKE = """#!/bin/sh
+echo "$(basename "$0") $*" >> {log}
+case "$(basename "$0") $1" in
+  "squeue -h") echo "41|RUNNING|nnui_900_2d_0|None|n7|" ;;
+  "scontrol write") cat {script} ;;
+  "scontrol -o") echo "JobId=41 JobState=RUNNING Reason=None NodeList=n7 Command={script}" ;;
+esac
+"""
+
+
+async def test_s_on_a_cluster_fold_sends_usr1_to_its_batch_shell(tmp_path: Path, monkeypatch):
+    roots = make_roots(tmp_path)
+    state = tmp_path / "state"
+    use_fake_trainer(monkeypatch, roots, state)
+    fake_bin, log = tmp_path / "bin", tmp_path / "calls.log"
+    fake_bin.mkdir()
+    for tool in ("squeue", "scontrol", "scancel"):
+        text = FAKE.format(log=log, script=tmp_path / "job.sbatch")
+        (fake_bin / tool).write_text(text)
+        (fake_bin / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
+    spec = JobSpec(dataset="900", configuration="2d", fold="0", nodes=1, gpus_per_node=0,
+                   time_limit="01:00:00", procs_per_node=1)  # fmt: skip
+    (tmp_path / "job.sbatch").write_text(render_script(spec))
+    app = tui_app(roots, state, simulate_gpus=1)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await wait_for(lambda: app.view_of("slurm:41") is not None, pilot)
+        dashboard = await screen_of(app, pilot, DashboardScreen)
+        table = dashboard.query_one("#jobs")
+        table.move_cursor(row=table.get_row_index("slurm:41"))
+        await pilot.press("s")
+        confirm = await screen_of(app, pilot, LaunchConfirmScreen)
+        assert "scancel --signal=USR1 --batch" in str(confirm.title_text)
+        await pilot.press("y")
+        await wait_for(lambda: "scancel --signal=USR1 --batch 41" in log.read_text(), pilot)
+    assert (tmp_path / "job.sbatch.stop-41").exists()
