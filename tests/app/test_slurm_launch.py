@@ -66,7 +66,7 @@ def _calls(env: dict[str, str]) -> list[str]:
 
 def test_expand_folds() -> None:
     assert folds.expand_folds("0-4") == ["0", "1", "2", "3", "4"]
-    assert folds.expand_folds("1-2,4,1") == ["1", "2", "4"]
+    assert folds.expand_folds("1-2,4,1") == ["1", "2", "4", "1"]  # refused: fold 1 twice
     assert folds.expand_folds("all") == ["all"]
     assert folds.expand_folds("3-1") == ["3-1"]  # refused later as no fold
 
@@ -194,6 +194,7 @@ def _launch(env, tmp_path: Path, *args: str):
         (["--folds", "0", "--slurm"], "--slurm needs --time"),
         (["--folds", "0", "--slurm", "--time", "1:00:00", "--gpus", "0"], "--gpus is for this"),
         (["--folds", "7", "--slurm", "--time", "1:00:00"], "fold '7' is not one of"),
+        (["--folds", "0-1,1", "--slurm", "--time", "1:00:00"], "fold 1 is given twice"),
         (["--folds", "0", "--slurm", "--time", "90"], "--time must look like"),
         (["--folds", "0", "--slurm", "--time", "1:00:00", "--cpu", "--gpus-per-node", "2"],
          "--cpu and --gpus-per-node"),

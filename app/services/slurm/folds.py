@@ -51,7 +51,8 @@ class ClusterLimits:
 
 
 def expand_folds(text: str) -> list[str]:
-    """`0-4`, `0,2,3`, `1-2,4` or `all` as the list of folds (order kept, no repeats)."""
+    """`0-4`, `0,2,3`, `1-2,4` or `all` as the list of folds (order and repeats kept: the
+    launch checks refuse a fold given twice)."""
     folds: list[str] = []
     for part in (p.strip() for p in text.split(",")):
         low, dash, high = part.partition("-")
@@ -59,7 +60,7 @@ def expand_folds(text: str) -> list[str]:
             folds += [str(f) for f in range(int(low), int(high) + 1)]
         elif part:
             folds.append(part)
-    return list(dict.fromkeys(folds))
+    return folds
 
 
 def fold_specs(request: LaunchRequest, roots: Roots, limits: ClusterLimits) -> list[JobSpec]:
@@ -69,7 +70,9 @@ def fold_specs(request: LaunchRequest, roots: Roots, limits: ClusterLimits) -> l
     if request.engine == NNUNET:
         env[NNUNET_EXT_ENV] = str(NNUNET_EXT_DIR)
     specs = []
-    for fold in request.folds:
+    for index, fold in enumerate(request.folds):
+        if fold in request.folds[:index]:
+            raise UsageError(f"fold {fold} is given twice")
         if fold not in FOLDS:
             raise UsageError(f"fold {fold!r} is not one of {', '.join(FOLDS)}")
         spec = JobSpec(
