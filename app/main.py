@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["sbatch"]:
         try:
-            from app.services.slurm import sbatch_main
+            from app.cli.sbatch import sbatch_main
         except ImportError as error:
             print(f"error: nnui sbatch is not available ({error})", file=sys.stderr)
             return EXIT_USAGE

@@ -128,7 +128,21 @@ class Cluster:
                 raise TimeoutError(f"job {job_id} not running after {timeout_s} s")
             time.sleep(0.2)
 
+    def drain(self, timeout_s: float = 60) -> None:
+        """Cancel this cluster's jobs (all a test's own: the cluster is private) and wait until
+        none is left: a batch shell still running when slurmd stops outlives the test."""
+        ids = self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
+        if ids:
+            self.run("scancel", *ids, check=False)
+        deadline = time.monotonic() + timeout_s
+        while self.run("squeue", "-h", "-o", "%i", check=False).stdout.strip():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.5)
+
     def stop(self) -> None:
+        if "slurmctld" in self.pids and "slurmd" in self.pids:
+            self.drain()
         # Reverse start order; each daemon by its own PID, then SIGKILL if it lingers.
         for name in ("slurmd", "slurmctld", "munged"):
             pid = self.pids.pop(name, None)

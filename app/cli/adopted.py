@@ -40,6 +40,9 @@ def find(options: argparse.Namespace, registry: Registry, text: str) -> JobView 
     roots = looked_in(options, [v.job for v in known], registry.state_dir)
     views = [v for v in tracker.refresh_watch_only(roots) if _is_adopted(v)]
     found = next((v for v in views if v.job.job_id == text), None)
+    if found is None and text.startswith(SLURM_ID_PREFIX):  # a SLURM job whose run is here
+        job_id = text.removeprefix(SLURM_ID_PREFIX)
+        found = next((v for v in views if v.adopted and v.adopted.slurm_job == job_id), None)
     if found is None and text.isdigit():
         pid = int(text)
         found = next((v for v in views if v.adopted and pid in v.adopted.pids), None)

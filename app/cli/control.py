@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import cast
 
 from app.cli import adopted as cli_adopted
+from app.cli import cluster as cli_cluster
 from app.cli.common import (
     EXIT_NOTHING,
     EXIT_OK,
@@ -89,6 +90,9 @@ def _adopted(options: argparse.Namespace, registry: Registry, action: str) -> in
     text = options.job
     if not (cli_adopted.is_adopted_id(text) or text.isdigit() or text.startswith(SLURM_ID_PREFIX)):
         return None
+    code = cli_cluster.slurm_action(options, registry, action)  # nnui's SLURM scripts
+    if code is not None:
+        return code
     if text.isdigit():
         try:
             registry.resolve(text)
@@ -100,6 +104,10 @@ def _adopted(options: argparse.Namespace, registry: Registry, action: str) -> in
         if text.isdigit():
             return None
         return error(f"no run {text!r} on this machine (see nnui status)", EXIT_USAGE)
+    if action == "resume":  # a run nnui put on SLURM: its script again
+        code = cli_cluster.resume_run_folder(view)
+        if code is not None:
+            return code
     return getattr(cli_adopted, action)(options, registry, view)
 
 

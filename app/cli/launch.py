@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from app.cli.cluster import cmd_launch_slurm
 from app.cli.common import (
     EXIT_OK,
     EXIT_REFUSED,
@@ -21,6 +22,7 @@ from app.services.launch import busy_gpus, catalog, launcher, prediction
 from app.services.launch import request as launch_request
 from app.services.launch.fold_claims import ClaimRefused
 from app.services.machine.gpus import MachineSnapshot
+from app.services.slurm.folds import expand_folds
 from trainer.schema import DatasetNotFound, Roots, find_dataset
 
 
@@ -131,7 +133,9 @@ def chosen_gpus(options: argparse.Namespace) -> tuple[list[str], str | None]:
 
 
 def cmd_launch(options: argparse.Namespace, registry: Registry) -> int:
-    folds = [f.strip() for f in options.folds.split(",") if f.strip()]
+    if options.slurm:  # one nnui sbatch job per fold
+        return cmd_launch_slurm(options)
+    folds = expand_folds(options.folds)
     try:
         schedule = schedule_of(options)
     except ValueError as bad:

@@ -144,7 +144,7 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
     )
     launch.add_argument("dataset", help="id (4, 004) or DatasetNNN_Name")
     launch.add_argument("configuration", help="e.g. 3d_fullres, 2d")
-    launch.add_argument("--folds", required=True, help="comma list, e.g. 0,1 or all")
+    launch.add_argument("--folds", required=True, help="e.g. 0,1 or 0-4 or all")
     launch.add_argument("--gpus", default="", help="comma list of GPU indices, e.g. 0,1")
     launch.add_argument("--ddp", choices=("spawn", "torchrun"), help="one fold on all --gpus")
     launch.add_argument("--sequential", action="store_true", help="folds on a GPU in turn")
@@ -163,7 +163,36 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
     launch.add_argument("--dry-run", action="store_true", help="print the commands only")
     _schedule_flags(launch)
     _manners_flags(launch)
+    _cluster_flags(launch)
     _common(launch, top=False)
+
+
+def _cluster_flags(launch: argparse.ArgumentParser) -> None:
+    group = launch.add_argument_group("a SLURM cluster (one nnui sbatch job per fold)")
+    group.add_argument("--slurm", action="store_true", help="submit the folds to SLURM")
+    group.add_argument("--time", dest="slurm_time", metavar="T", help="[D-]HH:MM:SS per job")
+    group.add_argument("--partition", help="SLURM partition (default: the cluster's)")
+    group.add_argument("--account", help="SLURM account")
+    group.add_argument("--nodes", type=int, default=1, help="nodes per fold (multi-node DDP)")
+    group.add_argument(
+        "--gpus-per-node", type=int, metavar="G", help="GPUs per node (default 1; --cpu: 0)"
+    )
+    group.add_argument("--cpus-per-task", type=int, metavar="N", help="CPUs per node's task")
+    group.add_argument(
+        "--procs-per-node", type=int, default=1, metavar="N", help="--cpu: processes per node"
+    )
+    group.add_argument(
+        "--signal-lead", type=int, default=600, metavar="S",
+        help="SLURM's USR1 S seconds before --time: the fold stops gracefully (default 600)",
+    )  # fmt: skip
+    group.add_argument(
+        "--requeue", action="store_true",
+        help="at that USR1 the fold checkpoints and its job submits itself again (--c)",
+    )  # fmt: skip
+    group.add_argument(
+        "--slurm-output", metavar="DIR", default="nnui_slurm",
+        help="folder for the job scripts and SLURM logs (default ./nnui_slurm)",
+    )  # fmt: skip
 
 
 class _Parser(argparse.ArgumentParser):

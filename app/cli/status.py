@@ -83,6 +83,7 @@ def view_dict(view: JobView) -> dict[str, Any]:
         "run_dir_gone": view.run_dir_gone,
         "data_wait_share": view.data_wait_share,  # newest epoch's share of waiting for data
         "slurm_state": view.slurm_state,  # the user's SLURM job (squeue), else null
+        "slurm_job": view.job.env.get("SLURM_JOB_ID") if view.slurm_state else None,
     }
 
 

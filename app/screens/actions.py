@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.screens import cluster_actions
 from app.screens.confirm import (
     KillConfirmScreen,
     LaunchConfirmScreen,
@@ -126,8 +127,16 @@ def refuse_watch_only(
 # ---- stop ---------------------------------------------------------------------------
 
 
+def _on_slurm(app: AppSeam, views: list[JobView], action: str) -> list[JobView]:
+    """Cluster folds go to SLURM's commands (cluster_actions.py); the rest is returned."""
+    on_slurm, rest = cluster_actions.split(views, action)
+    if on_slurm:
+        cluster_actions.act(app, on_slurm, action)
+    return rest
+
+
 def stop_jobs(app: AppSeam, job_ids: Sequence[str]) -> None:
-    views = _views(app, job_ids)
+    views = _on_slurm(app, _views(app, job_ids), "stop")
     if views:
         refuse_watch_only(
             app, views, "Stop refused: watch-only nnU-Net run", lambda rest: _stop(app, rest)
@@ -177,7 +186,7 @@ def stops_sent(app: AppSeam, result: Any) -> None:
 
 
 def kill_jobs(app: AppSeam, job_ids: Sequence[str]) -> None:
-    views = _views(app, job_ids)
+    views = _on_slurm(app, _views(app, job_ids), "kill")
     if views:
         refuse_watch_only(
             app, views, "Kill refused: watch-only nnU-Net run", lambda rest: _kill(app, rest)
@@ -276,7 +285,7 @@ def start_plans(app: AppSeam, plans: Sequence[LaunchPlan]) -> None:
 
 
 def resume_jobs(app: AppSeam, job_ids: Sequence[str]) -> None:
-    views = _views(app, job_ids)
+    views = _on_slurm(app, _views(app, job_ids), "resume")
     if views:
         refuse_watch_only(
             app, views, "Resume refused: watch-only nnU-Net run", lambda rest: _resume(app, rest)

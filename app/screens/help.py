@@ -44,6 +44,7 @@ def help_text(readonly: bool) -> Text:
         ]
         _section(text, "Launch", board)
         _section(text, "Prediction form (p on the board)", keys.PREDICT)
+        _section(text, "Cluster form (x on the board)", keys.CLUSTER)
     text.append("\nNotes\n", style="bold underline")
     text.append(
         "  One fold on one GPU runs alone; several folds on one GPU run one after another;\n"

@@ -62,7 +62,15 @@ LAUNCH = [
     Binding("w", "toggle_when_free", "When free", id="launch-when-free"),
     Binding("f", "focus_flags", "Trainer flags", id="launch-flags", priority=True),
     Binding("p", "predict", "Predict on these GPUs", id="launch-predict"),
+    Binding("x", "cluster", "Cluster (SLURM)", id="launch-cluster"),
     Binding("enter", "leave_flags", "Done", id="launch-flags-done", priority=True),
+]
+
+# The cluster form (x on the board): enter reviews the exact scripts, then submits.
+CLUSTER = [
+    Binding("escape", "cancel", "Back", id="cluster-back", priority=True),
+    Binding("enter", "go", "Review the scripts", id="cluster-go"),
+    Binding("ctrl+r", "toggle_requeue", "Requeue on/off", id="cluster-requeue", priority=True),
 ]
 
 # The prediction form (opened with p on the board): its fields take every printable key, so

@@ -460,3 +460,9 @@ class LaunchScreen(Screen):
         defaults = form_defaults(app_of(self).config.roots, choice, assignments, choice.plans)
         simulated = bool(getattr(app_of(self).snapshot, "simulated", False))
         self.app.push_screen(PredictScreen(defaults, simulated))
+
+    def action_cluster(self) -> None:
+        """x: the cluster target, with the dataset and the folds marked on the board."""
+        from app.screens.cluster_form import open_cluster_form
+
+        open_cluster_form(self)

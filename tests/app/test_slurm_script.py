@@ -1,4 +1,4 @@
-"""app/services/slurm.py: the generated job script (syntax, content) and its signal logic.
+"""app/services/slurm/script.py: the generated job script (syntax, content) and its signal logic.
 
 The signal logic is exercised without SLURM: fake `srun`/`scontrol` on PATH and a fake
 torchrun whose two workers catch SIGUSR1 only after a delay (as real workers do after
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from app.services import slurm
+from app.cli import sbatch
+from app.services.slurm import script as slurm
 
 SPEC = slurm.JobSpec(
     dataset="Dataset900_NnuiDemo",
@@ -55,7 +56,8 @@ def _bash_n(text: str, tmp_path: Path) -> None:
                 "#SBATCH --chdir=/tmp", "#SBATCH --output=/tmp/nnui_slurm_out/",
                 "trap 'stop=1' USR1", "(trap '' USR1; exec /opt/venv/bin/python -m "
                 "torch.distributed.run", '"--nnodes=$SLURM_NNODES"', "--nproc_per_node=4",
-                "--rdzv_backend=c10d", '"--rdzv_endpoint=$NNUI_HEAD:29500"',
+                "--rdzv_backend=c10d", '"--rdzv_endpoint=$NNUI_HEAD:$NNUI_PORT"',
+                "NNUI_PORT=$((20000 + SLURM_JOB_ID % 20000))",
                 '"--rdzv_id=$SLURM_JOB_ID"',
                 "-m trainer Dataset900_NnuiDemo 3d_fullres 0 --c -device cuda --epochs 100",
                 'pgrep -P "$torchrun_pid"', 'kill -USR1 "$kid"', 'kill -USR1 "$srun_pid"',
@@ -68,8 +70,8 @@ def _bash_n(text: str, tmp_path: Path) -> None:
              "partition": "debug", "account": "lab", "cpus_per_task": 2, "rdzv_port": 29999},
             ["#SBATCH --signal=B:USR1@45", "--nproc_per_node=2", "-device cpu",
              "#SBATCH --partition=debug", "#SBATCH --account=lab", "#SBATCH --cpus-per-task=2",
-             '"--rdzv_endpoint=$NNUI_HEAD:29999"', '[ "$caught" -ge 2 ]'],
-            ["--gpus-per-node", "-device cuda"],
+             'NNUI_PORT=29999', "--standalone --nnodes=1", '[ "$caught" -ge 2 ]'],
+            ["--gpus-per-node", "-device cuda", "--rdzv_endpoint"],
         ),
         (
             {"trainer_args": ("--save-every", "1", "--results", "/r w/x")},
@@ -103,7 +105,7 @@ def test_render_script(changes, present, absent, tmp_path) -> None:
     ],
 )
 def test_bad_arguments_are_one_error_line(args, message, capsys, tmp_path) -> None:
-    assert slurm.sbatch_main([*args, "--output", str(tmp_path)]) == 2
+    assert sbatch.sbatch_main([*args, "--output", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert not list(tmp_path.iterdir())
@@ -119,7 +121,7 @@ def test_bad_arguments_are_one_error_line(args, message, capsys, tmp_path) -> No
     ],
 )
 def test_argparse_errors_are_one_line_with_a_hint(args, message, capsys, tmp_path) -> None:
-    assert slurm.sbatch_main([*args, "--output", str(tmp_path)]) == 2
+    assert sbatch.sbatch_main([*args, "--output", str(tmp_path)]) == 2
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
@@ -129,7 +131,7 @@ def test_argparse_errors_are_one_line_with_a_hint(args, message, capsys, tmp_pat
 
 def test_unwritable_output_is_one_error_line(capsys) -> None:
     argv = ["D", "2d", "0", "--time", "1:00:00", "--output", "/proc/nope", "--no-check"]
-    assert slurm.sbatch_main(argv) == 2
+    assert sbatch.sbatch_main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: cannot write the job script"), err
     assert "/proc/nope" in err[0] and "--output" in err[0]
@@ -173,15 +175,15 @@ def test_dataset_and_configuration_are_checked(
     out = tmp_path / "out"
     argv = [dataset, configuration, "0", "--time", "1:00:00", "--output", str(out), *rest]
     if message is None:
-        assert slurm.sbatch_main(argv) == 0, capsys.readouterr().err
+        assert sbatch.sbatch_main(argv) == 0, capsys.readouterr().err
         return
-    assert slurm.sbatch_main(argv) == 2
+    assert sbatch.sbatch_main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert err[0].endswith("pass --no-check if the data lives only on the cluster")
     assert not out.exists()
     cut = argv.index("--") if "--" in argv else len(argv)
-    assert slurm.sbatch_main([*argv[:cut], "--no-check", *argv[cut:]]) == 0  # skipped
+    assert sbatch.sbatch_main([*argv[:cut], "--no-check", *argv[cut:]]) == 0  # skipped
 
 
 def test_sbatch_main_writes_script_and_submits(tmp_path, capsys, monkeypatch) -> None:
@@ -193,11 +195,11 @@ def test_sbatch_main_writes_script_and_submits(tmp_path, capsys, monkeypatch) ->
     monkeypatch.setenv("nnUNet_preprocessed", "/data/pre")
     argv = ["Dataset900_NnuiDemo", "2d", "all", "--time", "01:30:00", "--gpus-per-node", "0",
             "--procs-per-node", "2", "--output", str(tmp_path / "out"), "--no-check"]  # fmt: skip
-    assert slurm.sbatch_main(argv) == 0
+    assert sbatch.sbatch_main(argv) == 0
     path = Path(capsys.readouterr().out.strip())
     assert path.parent == tmp_path / "out" and os.access(path, os.X_OK)
     assert "export nnUNet_preprocessed=/data/pre" in path.read_text()
-    assert slurm.sbatch_main([*argv, "--submit"]) == 0
+    assert sbatch.sbatch_main([*argv, "--submit"]) == 0
     assert capsys.readouterr().out.strip().splitlines() == [
         str(path),
         f"Submitted batch job 42 for {path}",

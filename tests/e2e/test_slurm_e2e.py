@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from app.services import slurm
+from app.services.slurm import script as slurm
 from trainer import schema
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

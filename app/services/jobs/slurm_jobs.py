@@ -12,15 +12,19 @@ a running one is stopped through its step's workers (signals/send.py).
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 from app.services.jobs.discovery import TrainArgs, launched_args, parse_args, trainer_index
 from app.services.machine.procs import user_name
+from trainer.schema import State
 
 SLURM_ID_PREFIX = "slurm:"
 _TIMEOUT_S = 5
@@ -50,10 +54,23 @@ class SlurmJob:
     reason: str  # squeue's %r: why it is pending (Priority, Resources, BeginTime ...)
     node: str
     args: TrainArgs  # the trainer's arguments in its script
+    comment: str = ""  # squeue's %k: `nnui-restarts=N` on a --requeue continuation
 
 
 def script_args(script: str) -> TrainArgs | None:
-    """The trainer arguments of the first command line of a batch script that runs it."""
+    """The trainer arguments of the first command line of a batch script that runs it (the
+    results root an nnui script exports stands for a --results it does not pass)."""
+    found = _command_args(script)
+    exported = _EXPORTED_RESULTS.search(script)
+    if found is not None and found.results is None and exported:
+        return replace(found, results=shlex.split(exported.group(1))[0])
+    return found
+
+
+_EXPORTED_RESULTS = re.compile(r"^export nnUNet_results=(.+)$", re.MULTILINE)
+
+
+def _command_args(script: str) -> TrainArgs | None:
     for raw in script.splitlines():
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -99,19 +116,20 @@ class SlurmWatcher:
         return found
 
     def _read(self) -> list[SlurmJob]:
-        out = self._run(["squeue", "-h", "-u", user_name(os.getuid()), "-o", "%i|%T|%j|%r|%N"])
+        out = self._run(["squeue", "-h", "-u", user_name(os.getuid()), "-o", "%i|%T|%j|%r|%N|%k"])
         self._ok = out is not None
         if not out:
             return []
         found = []
         for line in out.splitlines():
-            parts = line.split("|")
-            if len(parts) != 5 or not parts[0].strip():
+            parts = line.split("|", 5)
+            if len(parts) < 5 or not parts[0].strip():
                 continue
-            job_id, state, name, reason, node = (p.strip() for p in parts)
+            job_id, state, name, reason, node = (p.strip() for p in parts[:5])
             args = self._args(job_id)
             if args is not None:
-                found.append(SlurmJob(job_id, state, name, reason, node, args))
+                comment = parts[5].strip() if len(parts) > 5 else ""
+                found.append(SlurmJob(job_id, state, name, reason, node, args, comment))
         return found
 
     def _args(self, job_id: str) -> TrainArgs | None:
@@ -129,3 +147,64 @@ def cancel_pending(job_id: str) -> str:
     except (OSError, subprocess.SubprocessError) as error:
         return f"failed: scancel: {error}"
     return "sent" if done.returncode == 0 else f"failed: scancel: {done.stderr.strip()}"
+
+
+# ---- a SLURM job on the row of its run ------------------------------------------------------
+
+RESTARTS_PREFIX = "nnui-restarts="  # the comment of a --requeue continuation (slurm/requeue.py)
+_RESTARTS = re.compile(rf"{RESTARTS_PREFIX}(\d+)")
+
+
+def restarts_of(comment: str) -> int:
+    """N of the comment `nnui-restarts=N` (squeue %k), 0 for any other comment."""
+    found = _RESTARTS.search(comment or "")
+    return int(found.group(1)) if found else 0
+
+
+def trains_in(args: TrainArgs, run_dir: str) -> bool:
+    """Whether a job's trainer arguments name this run folder (results/D/T__P__C/fold_F)."""
+    if not run_dir:
+        return False
+    folder = Path(run_dir)
+    if folder.name != f"fold_{args.fold}" or len(folder.parents) < 3:
+        return False
+    trainer = folder.parent.name.split("__")[0]
+    if folder.parent.name.partition("__")[2] != f"{args.plans}__{args.configuration}" or (
+        trainer not in (args.trainer, args.trainer.removesuffix("_nnui"))
+    ):
+        return False
+    dataset = folder.parents[1].name
+    number = dataset.removeprefix("Dataset").split("_", 1)[0]
+    if args.dataset != dataset and not (
+        args.dataset.isdigit() and number.isdigit() and int(args.dataset) == int(number)
+    ):
+        return False
+    return args.results is None or os.path.realpath(args.results) == os.path.realpath(
+        folder.parents[2]
+    )
+
+
+def with_job(view: Any, entry: SlurmJob, remote: bool) -> Any:
+    """The run's row with its SLURM job: state and restarts; a run on another node (found by
+    its folder) also takes the job's id (`slurm:JOB`, what stop/kill/resume take)."""
+    job, restarts = view.job, restarts_of(entry.comment)
+    if restarts:
+        job = replace(job, restarts=["requeued at the time limit"] * restarts, retries=restarts)
+    if not remote:
+        return replace(view, job=job, slurm_state=entry.state)
+    where = f" on {entry.node}" if entry.node else ""
+    job = replace(
+        job, job_id=f"{SLURM_ID_PREFIX}{entry.job_id}", ended_at=None,
+        env={**job.env, "SLURM_JOB_ID": entry.job_id},
+        waiting_reason=f"SLURM {entry.state} ({entry.reason}){where}",
+        note=f"SLURM job {entry.job_id} ({entry.name}){where}",
+    )  # fmt: skip
+    state, eta = view.state, None
+    if entry.state == "PENDING":
+        state = State.QUEUED
+    elif view.state == State.LOST:  # no ending event and no process here: it runs there
+        state = State.RUNNING if view.epoch else State.STARTING
+        if view.num_epochs and view.epoch is not None and view.mean_epoch_time_s:
+            eta = max(0.0, (view.num_epochs - view.epoch) * view.mean_epoch_time_s)
+    return replace(view, job=job, state=state, eta_s=eta if eta is not None else view.eta_s,
+                   slurm_state=entry.state)  # fmt: skip

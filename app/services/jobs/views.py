@@ -25,7 +25,13 @@ from app.services.jobs.known_trees import TreeMemory
 from app.services.jobs.liveness import job_alive
 from app.services.jobs.registry import PREDICT, Job, ProcessRecord, Registry
 from app.services.jobs.run_state import CONSOLE_LINES, RunState, restored, summary
-from app.services.jobs.slurm_jobs import SLURM_ID_PREFIX, SlurmJob, SlurmWatcher
+from app.services.jobs.slurm_jobs import (
+    SLURM_ID_PREFIX,
+    SlurmJob,
+    SlurmWatcher,
+    trains_in,
+    with_job,
+)
 from app.services.jobs.summaries import SummaryCache, job_key
 from app.services.machine.gpus import GpuMonitor, MachineSnapshot
 from app.services.machine.procs import ProcRow, proc_info, process_table
@@ -322,7 +328,14 @@ class JobTracker:
         for entry in slurm:
             index = by_job.get(entry.job_id)
             if index is not None:
-                views[index] = replace(views[index], slurm_state=entry.state)
+                views[index] = with_job(views[index], entry, remote=False)
+                continue
+            # On another node: the row of its run folder (the shared results tree), if any.
+            index = next((i for i, v in enumerate(views) if v.adopted is None
+                          and v.slurm_state is None and trains_in(entry.args, v.job.run_dir)),
+                         None)  # fmt: skip
+            if index is not None:
+                views[index] = with_job(views[index], entry, remote=True)
                 continue
             seen = self._slurm_seen.setdefault(entry.job_id, time.time())
             views.append(slurm_view(entry, seen))

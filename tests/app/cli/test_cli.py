@@ -170,9 +170,9 @@ def test_sbatch_is_handed_over_untouched(monkeypatch: pytest.MonkeyPatch) -> Non
     from app.main import main
 
     seen = []
-    fake = types.ModuleType("app.services.slurm")
+    fake = types.ModuleType("app.cli.sbatch")
     fake.sbatch_main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "app.services.slurm", fake)
+    monkeypatch.setitem(sys.modules, "app.cli.sbatch", fake)
     assert main(["sbatch", "4", "3d_fullres", "--", "--epochs", "3"]) == 0
     assert seen == [["4", "3d_fullres", "--", "--epochs", "3"]]
 

@@ -429,8 +429,8 @@ def test_slurm_trainings_are_found_in_own_and_nnui_sbatch_scripts() -> None:
     """squeue's jobs whose batch script runs the trainer (a user's `srun ... -m trainer`, or
     what `nnui sbatch` writes); other jobs are not trainings. squeue is asked once per poll
     interval, each script once."""
-    from app.services import slurm
     from app.services.jobs.slurm_jobs import SlurmWatcher
+    from app.services.slurm import script as slurm
 
     spec = slurm.JobSpec(dataset="900", configuration="3d_fullres", fold="3", nodes=1,
                          gpus_per_node=2, time_limit="01:00:00", procs_per_node=1)  # fmt: skip

@@ -26,28 +26,24 @@ Signal path, and why (facts in shared/notes/slurm-local.md):
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import re
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
 
 from app.services.launch.engines import ENGINES, NNUI, NNUNET, engine
 from app.services.launch.trainer_flags import flag_value, without_flags
+from app.services.slurm.requeue import requeue_parts
 from trainer.schema import (
     FOLDS,
-    NNUNET_EXT_DIR,
-    NNUNET_EXT_ENV,
     ROOT_ENVS,
     atomic_write_text,
+    checkpoint_file,
     find_dataset,
     resolve_roots,
-    with_close_flag,
+    run_dir,
 )
 
 _TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
@@ -79,10 +75,20 @@ class JobSpec:
     output_dir: Path = Path("nnui_slurm")
     workdir: Path = Path(".")
     python: str = sys.executable
-    rdzv_port: int = 29500
+    # Multi-node rendezvous port; None: 20000 + job id mod 20000 (two jobs on one node never
+    # share one). A one-node job is --standalone (torchrun picks a free port itself).
+    rdzv_port: int | None = None
     trainer_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)  # exported at the top of the script
     engine: str = NNUI  # "nnunet": the real nnU-Net with nnui's extension, one node
+    # --requeue: at the time-limit lead the job checkpoints and submits itself again
+    # (slurm_requeue.py); run_folder tells it whether the fold finished meanwhile.
+    requeue: bool = False
+    run_folder: Path | None = None
+
+    @property
+    def script_path(self) -> Path:
+        return self.output_dir / f"{self.job_name}.sbatch"
 
     @property
     def nproc_per_node(self) -> int:
@@ -119,6 +125,11 @@ class JobSpec:
         if self.engine == NNUNET and self.nodes != 1:
             raise ValueError(
                 "nnU-Net trains on one node (-num_gpus): use --nodes 1 with --engine nnunet"
+            )
+        if self.requeue and self.run_folder is None:
+            raise ValueError(
+                "--requeue needs the fold's run folder: drop --no-check so nnui can find the "
+                "dataset here"
             )
         for flag in ("-num_gpus", "--c", "-device"):
             if flag in self.trainer_args:
@@ -157,14 +168,18 @@ def trainer_command(spec: JobSpec) -> list[str]:
         return nnunet_command(spec, device)
     return [
         spec.python, "-m", "torch.distributed.run",
-        "--nnodes=$SLURM_NNODES",
+        *_rendezvous(spec),
         f"--nproc_per_node={spec.nproc_per_node}",
-        "--rdzv_backend=c10d",
-        "--rdzv_endpoint=$NNUI_HEAD:" + str(spec.rdzv_port),
-        "--rdzv_id=$SLURM_JOB_ID",
         "-m", "trainer", spec.dataset, spec.configuration, spec.fold,
         "--c", "-device", device, *spec.trainer_args,
     ]  # fmt: skip
+
+
+def _rendezvous(spec: JobSpec) -> list[str]:
+    if spec.nodes == 1:
+        return ["--standalone", "--nnodes=1"]
+    return ["--nnodes=$SLURM_NNODES", "--rdzv_backend=c10d",
+            "--rdzv_endpoint=$NNUI_HEAD:$NNUI_PORT", "--rdzv_id=$SLURM_JOB_ID"]  # fmt: skip
 
 
 def nnunet_command(spec: JobSpec, device: str) -> list[str]:
@@ -227,10 +242,11 @@ wait "$torchrun_pid"
 
 _BATCH_BODY = r"""set -u
 stop=0
-trap 'stop=1' USR1
+__PRELUDE__trap 'stop=1__ON_USR1__' USR1
 NNUI_HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export NNUI_HEAD
-echo "nnui: job $SLURM_JOB_ID on $SLURM_NNODES node(s), rendezvous $NNUI_HEAD:__PORT__" >&2
+NNUI_PORT=__PORT__
+export NNUI_HEAD NNUI_PORT
+echo "nnui: job $SLURM_JOB_ID on $SLURM_NNODES node(s), rendezvous $NNUI_HEAD:$NNUI_PORT" >&2
 read -r -d '' NNUI_NODE_STEP <<'NNUI_NODE_STEP_END'
 __NODE_STEP__NNUI_NODE_STEP_END
 srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
@@ -240,7 +256,7 @@ step_running() {
   scontrol -o show step "$SLURM_JOB_ID.0" 2>/dev/null | grep -q 'State=RUNNING'
 }
 while kill -0 "$srun_pid" 2>/dev/null; do
-  if [ "$stop" = 1 ] && step_running; then
+  if [ "$stop" = 1 ] && step_running__MAY_STOP__; then
     echo "nnui: USR1 -> srun $srun_pid (relayed to every node's wrapper)" >&2
     kill -USR1 "$srun_pid" 2>/dev/null
     stop=0
@@ -250,7 +266,7 @@ done
 wait "$srun_pid"
 rc=$?
 echo "nnui: training step ended with exit code $rc" >&2
-exit "$rc"
+__AFTER_STEP__exit "$rc"
 """
 
 
@@ -265,7 +281,17 @@ def render_script(spec: JobSpec) -> str:
         .replace("__KIDS__", kids)
     )
     exports = [f"export {name}={shlex.quote(value)}" for name, value in sorted(spec.env.items())]
-    body = _BATCH_BODY.replace("__NODE_STEP__", node_step).replace("__PORT__", str(spec.rdzv_port))
+    port = str(spec.rdzv_port) if spec.rdzv_port else "$((20000 + SLURM_JOB_ID % 20000))"
+    body = _BATCH_BODY.replace("__NODE_STEP__", node_step).replace("__PORT__", port)
+    kinds = ("final", "latest")
+    names = [f"checkpoint_{k}.pth" if spec.engine == NNUNET else checkpoint_file(k) for k in kinds]
+    on_usr1, prelude, may_stop, after_step = requeue_parts(
+        spec.requeue, spec.script_path.absolute(), spec.run_folder, (names[0], names[1]),
+        spec.signal_lead_s,
+    )  # fmt: skip
+    body = body.replace("__MAY_STOP__", may_stop)
+    body = body.replace("__ON_USR1__", on_usr1).replace("__PRELUDE__", prelude)
+    body = body.replace("__AFTER_STEP__", after_step)
     header = [
         "#!/bin/bash",
         *_sbatch_header(spec),
@@ -279,25 +305,16 @@ class UsageError(ValueError):
     """A command-line mistake: printed as one `error:` line with a hint, exit 2."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of printing the whole usage block and exiting."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)  # `--node` is not `--nodes`
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        known = [o for action in self._actions for o in action.option_strings]
-        raise UsageError(f"{with_close_flag(message, known)} (see nnui sbatch --help)")
-
-
-def check_preprocessed(spec: JobSpec) -> None:
-    """ValueError unless the dataset and configuration are preprocessed where the job will
-    look (the trainer's --preprocessed, else $nnUNet_preprocessed, else ./nnui_data).
+def check_preprocessed(spec: JobSpec) -> str:
+    """The dataset's full name; UsageError unless the dataset and configuration are
+    preprocessed where the job will look (the trainer's --preprocessed, else
+    $nnUNet_preprocessed, else ./nnui_data).
 
     Reads the plans file as plain JSON: the app does not import the trainer's numpy code.
     """
-    preprocessed = flag_value(spec.trainer_args, "--preprocessed")
+    preprocessed = flag_value(spec.trainer_args, "--preprocessed") or spec.env.get(
+        ROOT_ENVS["preprocessed"]
+    )
     root = resolve_roots(preprocessed=preprocessed).preprocessed
     hint = "; pass --no-check if the data lives only on the cluster"
     try:
@@ -320,125 +337,23 @@ def check_preprocessed(spec: JobSpec) -> None:
             f"(plans have: {available}); run nnui-preprocess {name} -c {spec.configuration}"
             f"{hint}"
         )
+    return name
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="nnui sbatch",
-        description="Write a SLURM job script that trains one fold with torchrun on N nodes; "
-        "SLURM's USR1 before the time limit stops it gracefully, resubmitting resumes it.",
-        epilog="Arguments after -- go to the trainer, e.g. -- --epochs 100.",
-    )
-    p.add_argument("dataset")
-    p.add_argument("configuration")
-    p.add_argument("fold", help="0-4 or all")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=1, help="0 = CPU run (-device cpu)")
-    p.add_argument("--procs-per-node", type=int, default=1, help="processes per node when CPU")
-    p.add_argument("--time", required=True, dest="time_limit", help="HH:MM:SS or D-HH:MM:SS")
-    p.add_argument(
-        "--signal-lead",
-        type=int,
-        default=600,
-        dest="signal_lead_s",
-        help="seconds before the time limit that SLURM sends USR1 (default 600)",
-    )
-    p.add_argument("--partition")
-    p.add_argument("--account")
-    p.add_argument("--cpus-per-task", type=int)
-    p.add_argument("--rdzv-port", type=int, default=29500, help="torchrun rendezvous port")
-    p.add_argument("--output", default="nnui_slurm", help="folder for the script and job logs")
-    p.add_argument("--submit", action="store_true", help="also submit it with sbatch")
-    p.add_argument(
-        "--engine",
-        choices=ENGINES,
-        default=NNUI,
-        help="nnui (torchrun, N nodes) or nnunet (nnUNetv2_train -tr nnUNetTrainer_nnui, 1 node)",
-    )
-    p.add_argument(
-        "--no-check",
-        action="store_true",
-        help="do not check that the dataset and configuration are preprocessed here "
-        "(for a cluster whose data lives elsewhere)",
-    )
-    return p
-
-
-def spec_from_args(argv: list[str]) -> tuple[JobSpec, bool]:
-    if "--" in argv:
-        cut = argv.index("--")
-        ours, trainer_args = argv[:cut], tuple(argv[cut + 1 :])
-    else:
-        ours, trainer_args = argv, ()
-    args = _parser().parse_args(ours)
-    env = {name: os.environ[name] for name in ROOT_ENVS.values() if os.environ.get(name)}
-    if args.engine == NNUNET:
-        env[NNUNET_EXT_ENV] = str(NNUNET_EXT_DIR)
-    spec = JobSpec(
-        dataset=args.dataset,
-        configuration=args.configuration,
-        fold=args.fold,
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        time_limit=args.time_limit,
-        procs_per_node=args.procs_per_node,
-        signal_lead_s=args.signal_lead_s,
-        partition=args.partition,
-        account=args.account,
-        cpus_per_task=args.cpus_per_task,
-        output_dir=Path(args.output).absolute(),
-        workdir=Path.cwd(),
-        rdzv_port=args.rdzv_port,
-        trainer_args=trainer_args,
-        env=env,
-        engine=args.engine,
-    )
-    spec.validate()
-    if not args.no_check:
-        check_preprocessed(spec)
-    return spec, args.submit
+def fold_folder(spec: JobSpec, dataset_name: str) -> Path:
+    """The run folder the job trains in (its --results, else the roots it exports)."""
+    chosen = engine(spec.engine)
+    tr = chosen.trainer_arg(flag_value(spec.trainer_args, "-tr") or chosen.default_trainer)
+    plans = flag_value(spec.trainer_args, "-p") or chosen.default_plans
+    results = flag_value(spec.trainer_args, "--results") or spec.env.get(ROOT_ENVS["results"])
+    root = resolve_roots(results=results).results
+    return run_dir(root, dataset_name, spec.configuration, spec.fold, chosen.folder_trainer(tr),
+                   plans)  # fmt: skip
 
 
 def write_script(spec: JobSpec) -> Path:
     text = render_script(spec)
     spec.output_dir.mkdir(parents=True, exist_ok=True)
-    path = spec.output_dir / f"{spec.job_name}.sbatch"
+    path = spec.script_path
     atomic_write_text(path, text, mode=0o755)
     return path
-
-
-def sbatch_main(argv: list[str]) -> int:
-    try:
-        spec, submit = spec_from_args(argv)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    try:
-        path = write_script(spec)
-    except OSError as error:
-        where = error.filename or spec.output_dir
-        print(
-            f"error: cannot write the job script to {where}: {error.strerror or error}; "
-            "choose another --output",
-            file=sys.stderr,
-        )
-        return 2
-    print(path)
-    if not submit:
-        return 0
-    try:
-        done = subprocess.run(["sbatch", str(path)], capture_output=True, text=True, check=False)
-    except FileNotFoundError:
-        print("error: sbatch not found: is this a SLURM login node?", file=sys.stderr)
-        return 2
-    sys.stdout.write(done.stdout)
-    sys.stderr.write(done.stderr)
-    return done.returncode
-
-
-def main() -> int:
-    return sbatch_main(sys.argv[1:])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
