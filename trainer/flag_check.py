@@ -45,7 +45,7 @@ def check(engine: str, args: list[str]) -> None:
             _Parser().error(str(error))
         nnunet_parser().parse_args(rest)
         return
-    from trainer.train_args import build_parser
+    from trainer.training.train_args import build_parser
 
     build_parser().parse_args(args)
 

@@ -1,8 +1,8 @@
 """`nnui-train DATASET CONFIGURATION FOLD ...` (also `python -m trainer`, `torchrun -m trainer`).
 
 The CLI process checks every input once (a user mistake is one `error: ...` line and exit
-2), resolves a TrainConfig and hands it to trainer.launch.run_distributed, which runs
-trainer.worker.worker in this process, in spawned ranks, or under a launcher.
+2), resolves a TrainConfig and hands it to trainer.training.launch.run_distributed, which runs
+trainer.training.worker.worker in this process, in spawned ranks, or under a launcher.
 
 Every entry point runs this module's top first (the console script imports main from
 here, `python -m trainer` and torchrun's `-m trainer` via trainer/__main__.py, spawned ranks
@@ -26,9 +26,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer import allocator, openmp
+from trainer import allocator
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER
-from trainer.train_args import build_parser
+from trainer.training import openmp
+from trainer.training.train_args import build_parser
 
 __all__ = ["UsageError", "main", "resolve_config"]
 
@@ -41,7 +42,8 @@ class UsageError(ValueError):
 
 def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
     """Validate the inputs against the file system and return a TrainConfig (raises UsageError)."""
-    from trainer import launch, schema
+    from trainer import schema
+    from trainer.training import launch
 
     roots = schema.resolve_roots(raw=args.raw, preprocessed=args.preprocessed, results=args.results)
     dataset_name = schema.find_dataset(roots.preprocessed, args.dataset)
@@ -104,7 +106,7 @@ def _load_configuration(dataset_dir: Path, dataset_name: str, args: argparse.Nam
 
 def _make_config(args: argparse.Namespace, argv: list[str], dataset_name: str,
                  dataset_dir: Path, run_dir: Path, plans: Any) -> Any:  # fmt: skip
-    from trainer.config import TrainConfig
+    from trainer.training.config import TrainConfig
 
     pretrained = args.pretrained_weights
     return TrainConfig(
@@ -143,7 +145,7 @@ def _check_raw_data(config: Any, raw_dataset: Path, data_dir: Path) -> Any:
     """The raw files final validation needs (labelsTr and channel 0 of each validation case),
     checked now so that a long training does not fail at its end. A --val run refuses
     without them; a training run says once that it will score in the preprocessed space."""
-    from trainer.final_validation import RawDataMissing, check_raw_cases
+    from trainer.training.final_validation import RawDataMissing, check_raw_cases
 
     try:
         check_raw_cases(raw_dataset, data_dir, config.fold, config.npz)
@@ -283,7 +285,7 @@ def _check_previous_stage(config: Any, cplan: Any, data_dir: Path, dataset_dir: 
 
 
 def _check_device_and_batch(config: Any, global_batch: int) -> None:
-    from trainer import batch, launch
+    from trainer.training import batch, launch
 
     launcher = launch.detect_external_launcher()
     launch.check_num_gpus(config.num_gpus, launcher)
@@ -322,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # UsageError, DatasetNotFound, IdentityMismatch, config checks
         sys.stderr.write(f"error: {error}\n")
         return 2
-    from trainer import fold_lock, launch
-    from trainer.worker import worker
+    from trainer.training import fold_lock, launch
+    from trainer.training.worker import worker
 
     try:
         if launch.is_main_process():
@@ -350,7 +352,8 @@ class Refused(RuntimeError):
 def _own_fold(config: Any, retrain: bool) -> None:
     """Take the fold folder's lock (one trainer per folder), then, under it, refuse to start
     a finished fold afresh unless --retrain: the same rule and words as `nnui launch`."""
-    from trainer import fold_lock, schema
+    from trainer import schema
+    from trainer.training import fold_lock
 
     run_dir = Path(config.run_dir)
     try:

@@ -29,7 +29,9 @@ CONFIG_FILE = "config.json"
 CONSOLE_FILE = "console.log"
 VALIDATION_DIR = "validation"
 SUMMARY_FILE = "summary.json"
-OWNER_LOCK_FILE = "owner.lock"  # held by the trainer that writes the fold (trainer.fold_lock)
+OWNER_LOCK_FILE = (
+    "owner.lock"  # held by the trainer that writes the fold (trainer.training.fold_lock)
+)
 CHECKPOINT_KINDS = ("latest", "best", "final")
 FOLDS = ("0", "1", "2", "3", "4", "all")
 # The image files the trainer reads (trainer.data.image_io.SUPPORTED_ENDINGS, tested equal),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from trainer import schema
-from trainer.events import RunRecorder
+from trainer.training.events import RunRecorder
 
 RANK = {"global_rank": 0, "local_rank": 0, "host": "h", "pid": 4242, "device": "cuda:0",
         "batch_size": 2, "oversample_foreground_percent": 0.33,

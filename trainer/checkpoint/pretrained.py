@@ -12,7 +12,7 @@ one can run any code it holds.
 
 The CLI (rank 0's process) checks the file against a network built on the meta device
 (shapes, no memory); the worker's rank 0 loads it and every rank gets the same tensors
-(trainer.worker), before the DDP wrap.
+(trainer.training.worker), before the DDP wrap.
 """
 
 from __future__ import annotations

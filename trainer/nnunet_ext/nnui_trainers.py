@@ -36,8 +36,8 @@ import torch.distributed as dist
 from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
 
 from trainer import stop
-from trainer.events import RunRecorder
 from trainer.schema import NNUNET_WRAP_SUFFIX, Kind, State, nnunet_classes
+from trainer.training.events import RunRecorder
 
 stop.install()
 

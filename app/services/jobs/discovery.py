@@ -132,7 +132,7 @@ def is_related(cmdline: Sequence[str]) -> bool:
 
 @dataclass(frozen=True)
 class TrainArgs:
-    """The nnui-train arguments that name the run folder (trainer/train_args.py)."""
+    """The nnui-train arguments that name the run folder (trainer/training/train_args.py)."""
 
     dataset: str
     configuration: str

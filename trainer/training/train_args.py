@@ -9,9 +9,9 @@ import argparse
 
 from trainer import allocator, legacy
 from trainer.cli import OneLineParser
-from trainer.config import AUGMENT_CHOICES, RECOMPUTE_CHOICES
 from trainer.network import precision
 from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER
+from trainer.training.config import AUGMENT_CHOICES, RECOMPUTE_CHOICES
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,7 @@
 oversampling, and the loss weight that makes uneven shares average like one process.
 
 Pure arithmetic, no torch: the CLI checks the split before any rank starts (trainer.run),
-and every rank computes the same split from the plans' batch size (trainer.worker).
+and every rank computes the same split from the plans' batch size (trainer.training.worker).
 """
 
 from __future__ import annotations

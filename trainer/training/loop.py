@@ -1,7 +1,7 @@
 """The epoch loop: train iterations, validation iterations, metrics, checkpoints, stop.
 
 One code path for single-process, `-num_gpus` spawn and torchrun: every collective goes
-through trainer.distributed (no-ops at world size 1). Only global rank 0 writes.
+through trainer.training.distributed (no-ops at world size 1). Only global rank 0 writes.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
-from trainer import distributed, running_loss, stop
+from trainer import stop
 from trainer.checkpoint import store as checkpoint
-from trainer.config import TrainConfig
 from trainer.data.labels import is_plain
-from trainer.events import RunRecorder, finite_or_none
 from trainer.network.label_loss import validation_counts
 from trainer.schema import Kind, State, checkpoint_file
+from trainer.training import distributed, running_loss
+from trainer.training.config import TrainConfig
+from trainer.training.events import RunRecorder, finite_or_none
 
 log = logging.getLogger("trainer")
 
@@ -62,7 +63,7 @@ class LoopState:
 
 @dataclass
 class Trainee:
-    """The live objects the loop drives (built by trainer.worker)."""
+    """The live objects the loop drives (built by trainer.training.worker)."""
 
     model: torch.nn.Module  # what the loop calls (maybe DDP- and/or compile-wrapped)
     raw_model: torch.nn.Module  # what checkpoints hold

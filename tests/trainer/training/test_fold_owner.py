@@ -12,7 +12,8 @@ import sys
 import pytest
 from test_trainer_run import events, finish, run_dir, start, train_argv, wait_for
 
-from trainer import fold_lock, schema
+from trainer import schema
+from trainer.training import fold_lock
 
 
 def _md5(path) -> str:
@@ -104,7 +105,7 @@ def test_lock_refuses_in_process_and_names_the_holder(tmp_path):
     fold_lock.acquire(tmp_path, ["nnui-train", "900", "2d", "0"])
     try:
         code = (
-            "import sys; from trainer import fold_lock\n"
+            "import sys; from trainer.training import fold_lock\n"
             "try:\n    fold_lock.acquire(__import__('pathlib').Path(sys.argv[1]), [])\n"
             "except fold_lock.FoldBusy as e:\n    print(e); sys.exit(1)\n"
         )

@@ -1,6 +1,6 @@
 """How this process was started and where it sits (DESIGN §4-§5): launcher detection,
 topology from the environment, and the `-num_gpus` spawn parent (the global batch split
-is trainer.batch's).
+is trainer.training.batch's).
 
 Three ways to run, one code path for the worker function:
 
@@ -11,7 +11,7 @@ Three ways to run, one code path for the worker function:
   srun or mpirun without torchrun work too, but then MASTER_ADDR and MASTER_PORT must be
   exported by the user or the job script (SLURM/MPI define ranks, not a rendezvous).
 
-The process group itself and the collectives live in trainer.distributed.
+The process group itself and the collectives live in trainer.training.distributed.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def _run_rank(
     launcher: str,
     store: Any,
 ) -> int:
-    from trainer import distributed
+    from trainer.training import distributed
 
     rank, world = env_rank_and_size()
     local = env_local()
@@ -282,7 +282,7 @@ def _spawn_parent(
 ) -> int:
     import torch.multiprocessing as mp
 
-    from trainer import distributed
+    from trainer.training import distributed
 
     requested_port = _env_int(os.environ, "MASTER_PORT") or 0
     try:
@@ -391,7 +391,7 @@ def _spawn_entry(
         MASTER_PORT=str(port),
     )
     try:
-        from trainer import distributed
+        from trainer.training import distributed
 
         store = distributed.client_store(port)
         code = _run_rank(worker_fn, payload, device_type, "spawn", store)

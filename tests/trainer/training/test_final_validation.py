@@ -22,7 +22,7 @@ import pytest
 from trainer import schema
 from trainer.run import main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DATASET = "Dataset900_NnuiDemo"
 LAUNCH_ENVS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")  # fmt: skip
@@ -135,7 +135,7 @@ def test_val_without_the_raw_dataset_is_refused_in_one_line(demo_preprocessed, t
 
 def test_training_without_the_raw_dataset_says_so_at_start(demo_preprocessed, tmp_path, caplog):
     from trainer.run import resolve_config
-    from trainer.train_args import build_parser
+    from trainer.training.train_args import build_parser
 
     argv = train_argv(demo_preprocessed, tmp_path / "r", raw=tmp_path / "no_raw")
     with caplog.at_level(logging.WARNING, logger="trainer.run"):
@@ -182,7 +182,7 @@ def test_raw_data_that_does_not_fit_is_refused_before_training(
 
 
 def test_val_mirrors_by_default_and_the_flags_say_otherwise(demo_preprocessed, tmp_path):
-    from trainer.train_args import build_parser
+    from trainer.training.train_args import build_parser
 
     base = train_argv(demo_preprocessed, tmp_path)
     assert build_parser().parse_args(base).val_mirror is True
@@ -194,7 +194,7 @@ def test_sigusr1_during_final_validation_is_logged_once(caplog) -> None:
     import signal
 
     from trainer import stop
-    from trainer.worker import stop_notice
+    from trainer.training.worker import stop_notice
 
     on_case = stop_notice()
     previous = signal.getsignal(signal.SIGUSR1)
@@ -289,7 +289,7 @@ def test_matching_tensors_are_loaded_and_the_heads_of_another_label_count_skippe
 
     import torch
 
-    from trainer.worker import _load_pretrained
+    from trainer.training.worker import _load_pretrained
 
     path = tmp_path / "pre.safetensors"
     stored = plain_weights(demo_preprocessed, path, num_classes=5, prefix="module.")
