@@ -13,7 +13,7 @@ and mirroring axes, one fold, -device cpu, the same torch threads. The predictio
 not depend on the weights' values, so each side gets its own cheapest checkpoint: nnui one
 training iteration (ended once checkpoint_final is written), nnU-Net a freshly initialised
 network in its trainer's checkpoint layout (bench/nnunet_random_checkpoint.py). Runs
-alternate A B A B; figures and ratios are appended to bench/RESULTS.md.
+alternate A B A B; figures and ratios are appended to bench/history.md.
 
 --precision: nnui-predict's --precision values to run, each a side of its own ("nnui" is
 its default, auto: bf16 autocast on CPUs with AMX; "nnui fp32" computes in float32, as
@@ -363,7 +363,7 @@ def append_results(a: PredictArgs, argv: list[str], machine: str, config: list[s
     text += [f"- command: `{' '.join(['python bench/predict.py', *argv])}`", *config]
     text += ["", "```", *body[0], "```", "", "raw runs:", "", "```"]
     text += [json.dumps(asdict(r)) for r in body[1]] + ["```", ""]
-    with open(BENCH_DIR / "RESULTS.md", "a") as handle:
+    with open(BENCH_DIR / "history.md", "a") as handle:
         handle.write("\n".join(text))
 
 
@@ -427,7 +427,7 @@ def setup(a: PredictArgs) -> tuple:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)  # also echoed into RESULTS.md
+    argv = sys.argv[1:] if argv is None else list(argv)  # also echoed into history.md
     if "--real" in argv:  # one real-size case, stage by stage (bench/predict_real.py)
         from predict_real import real_main
 

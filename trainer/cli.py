@@ -45,7 +45,7 @@ def use_caching_allocator(device_type: str) -> None:
         # OpenMP threads that finish a parallel region first sleep instead of spinning for
         # their partner (libgomp reads this when torch loads it; the user's value wins).
         # On a shared box a spinning thread burns the core its partner waits for: -20 %
-        # CPU and wall per window at 2 threads on 2 loaded cores (bench/RESULTS.md); torch
+        # CPU and wall per window at 2 threads on 2 loaded cores (bench/history.md); torch
         # parallel regions are long (convs), so the wake-ups should cost little on an idle box
         # (not measured there).
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

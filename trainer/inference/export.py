@@ -11,7 +11,7 @@ Why log-probabilities: nnU-Net resamples the logits, and log p differs from the 
 one term per voxel shared by all classes, so the argmax is nnU-Net's. Resampling the
 probabilities themselves blurs a small structure's mass into its background neighbours:
 on the accuracy bench's 2d demo (lesions of ~50 voxels, in-plane resampling 0.87 -> 0.78 mm)
-it cost up to 0.07 lesion Dice per fold (bench/RESULTS.md, "the export to the raw geometry").
+it cost up to 0.07 lesion Dice per fold (bench/history.md, "the export to the raw geometry").
 """
 
 from __future__ import annotations

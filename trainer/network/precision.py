@@ -4,7 +4,7 @@ nnU-Net trains and predicts under autocast on CUDA and in float32 elsewhere. nnu
 same on CUDA (bf16 where the GPU has it, else fp16 with loss scaling) and adds bf16 on CPUs
 with AMX tile units (Intel Xeon 4th generation and later): there bf16 convolutions run
 2.5-4x faster than float32 ones (a 2d training step 2.0-2.9x, a 3D one 2.9x, a 3D
-convolution 3.8x; bench/RESULTS.md), and the results stay those of mixed-precision
+convolution 3.8x; bench/history.md), and the results stay those of mixed-precision
 training (weights, optimiser state, loss and softmax stay float32, as under nnU-Net's CUDA
 autocast). CPUs without AMX keep float32 (their bf16 convolutions were not measured here;
 `--precision bf16` asks for them).

@@ -12,7 +12,7 @@ conv outputs instead: each piece is norm -> activation -> conv, run under select
 checkpointing that keeps the conv's output and recomputes the cheap norm and activation
 during backward. One tensor per block is kept and no concat: less than half the
 activation memory, the same math (gradients equal up to float rounding), 6-11 % more
-time on CPU (bench/RESULTS.md). Evaluation and recompute_norm=False run the plain forward.
+time on CPU (bench/history.md). Evaluation and recompute_norm=False run the plain forward.
 """
 
 from __future__ import annotations
