@@ -45,7 +45,7 @@ class TuiConfig:
     bell: bool = True  # ring when a job finishes, fails or stalls (bell.py)
     roots: Roots = field(default_factory=resolve_roots)
     state_dir: Path | None = None  # None: the registry's default (NNUI_STATE_DIR, ~/.local/state)
-    gpu_interval_s: float = 1.0  # DESIGN §6 refresh budget
+    gpu_interval_s: float = 1.0  # the refresh budget (docs/tui.md)
     jobs_interval_s: float = 1.0  # logs 0.5-1 s
     procs_interval_s: float = 2.0
     # The host line (CPU %, RAM, load): the kernel's load average moves every 5 s, and each
@@ -293,7 +293,7 @@ class NnuiApp(App):
 
     def _watch_only(self, tracker: JobTracker) -> list[JobView]:
         """nnU-Net runs nnui did not start (rows marked watch-only). Finding them reads
-        /proc, so it runs at the processes' pace (DESIGN §6: 2 s), in the jobs thread."""
+        /proc, so it runs at the processes' pace (docs/tui.md: 2 s), in the jobs thread."""
         refresh = getattr(tracker, "refresh_watch_only", None)
         if refresh is None:
             return []

@@ -1,4 +1,4 @@
-"""A stand-in for `python -m trainer` that writes the DESIGN §3 files and obeys §4 signals.
+"""A stand-in for `python -m trainer`: writes the run files, obeys the signals (docs/contract.md).
 
 Stdlib only and fast, for the app's tests (launcher, stop safety, TUI Pilot tests):
     python tests/fake_trainer.py DATASET CONFIG FOLD [-device cpu] [--epochs N]

@@ -1,5 +1,5 @@
-"""DESIGN §1 import rules: the TUI never pulls in torch, the trainer never pulls in textual,
-and no import cycle inside app/ or trainer/ (module-level and function-level imports both:
+"""Import rules (docs/layout.md): the TUI never pulls in torch, the trainer never pulls in
+textual, and no import cycle inside app/ or trainer/ (module-level and function-level imports both:
 a cycle hidden in a function is the same tangle, only deferred)."""
 
 from __future__ import annotations

@@ -85,3 +85,17 @@ def test_the_readme_is_a_short_front_page_with_the_ci_test_command() -> None:
     assert len(readme.splitlines()) <= 150
     assert re.search(r"^make test\b", readme, flags=re.MULTILINE)  # .ci/run runs `make test`
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_code_points_to_docs_pages_not_to_design_sections() -> None:
+    """Comments name a page under docs/ (in the repository), never a section of a design
+    document outside it; a docs/ page a comment names exists."""
+    stale, missing = [], []
+    for folder in ("app", "trainer", "tests", "bench"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text()
+            where = path.relative_to(ROOT)
+            stale += [f"{where}" for _ in re.finditer("DESIGN" + r" \u00a7", text)]
+            missing += [f"{where}: {m}" for m in set(re.findall(r"docs/[\w-]+\.md", text))
+                        if not (ROOT / m).is_file()]  # fmt: skip
+    assert stale == [] and missing == []

@@ -1,6 +1,6 @@
 """`python -m trainer.nnunet_engine DATASET CONFIGURATION FOLD [nnUNetv2_train flags] [nnui flags]`
 
-How nnui starts the real nnU-Net (DESIGN §4): exactly nnU-Net's own `nnUNetv2_train`
+How nnui starts the real nnU-Net (docs/nnunet.md): exactly nnU-Net's own `nnUNetv2_train`
 entry with the arguments it is given, after four things nnU-Net's console script cannot do:
 - SIGUSR1 is caught from the first instruction (a stop during start-up is kept, not fatal);
 - nnui's schedule flags (`--epochs`, `--iterations-per-epoch`, `--val-iterations`,

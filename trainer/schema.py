@@ -1,4 +1,4 @@
-"""The files-and-signals contract between the trainer and the app (DESIGN §2-§3).
+"""The files-and-signals contract between the trainer and the app (docs/contract.md).
 
 Standard library only: this is the one trainer module `app/` may import, so importing it
 must stay cheap (no torch, no numpy).
@@ -39,7 +39,7 @@ FOLDS = ("0", "1", "2", "3", "4", "all")
 IMAGE_ENDINGS = (".nii.gz", ".nii", ".nrrd", ".mha", ".mhd", ".gipl", ".png", ".bmp", ".tif",
                  ".tiff", ".npy", ".npz")  # fmt: skip
 
-# ---- one tree, two tools (DESIGN §2) -------------------------------------------------------
+# ---- one tree, two tools (docs/nnunet.md) -------------------------------------------------------
 # nnui's own identifiers never collide with nnU-Net's, so both tools share one
 # nnUNet_raw/preprocessed/results tree: nnuiPlans_3d_fullres/, nnuiTrainer__nnuiPlans__2d/.
 DEFAULT_TRAINER = "nnuiTrainer"
@@ -76,7 +76,7 @@ def refuse_nnunet_output(folder: Path, flag: str = "-o") -> None:
         )
 
 
-# The nnU-Net engine (DESIGN §4): nnU-Net finds nnui's trainer classes in this folder.
+# The nnU-Net engine (docs/nnunet.md): nnU-Net finds nnui's trainer classes in this folder.
 NNUNET_EXT_DIR = Path(__file__).resolve().parent / "nnunet_ext"
 NNUNET_EXT_ENV = "nnUNet_extTrainer"
 NNUI_NNUNET_TRAINER = "nnUNetTrainer_nnui"  # nnU-Net's trainer + nnui's stop and events

@@ -1,4 +1,4 @@
-"""`nnui sbatch`: write (and optionally submit) a SLURM job script for one fold (DESIGN §6).
+"""`nnui sbatch`: write (optionally submit) a SLURM script for one fold (docs/shared-box.md).
 
 Standard library only. The script asks SLURM for a USR1 some minutes before the time limit
 (`--signal=B:USR1@LEAD`) and turns it into a graceful stop of the trainer workers, so the

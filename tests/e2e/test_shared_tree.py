@@ -1,5 +1,5 @@
 """One tree, two tools: nnui shares nnUNet_raw/preprocessed/results with a real nnU-Net 2.8.1
-and never changes a byte of what nnU-Net made (DESIGN §2).
+and never changes a byte of what nnU-Net made (docs/nnunet.md).
 
 The preprocessed folder is made by nnU-Net itself (nnUNetv2_plan_and_preprocess, installed in
 the test venv by `make setup`); nnU-Net's results folder holds the files its trainer writes.

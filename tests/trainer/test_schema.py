@@ -14,7 +14,7 @@ from trainer.training.events import RunRecorder
 RANK = {"global_rank": 0, "local_rank": 0, "host": "h", "pid": 4242, "device": "cuda:0",
         "batch_size": 2, "oversample_foreground_percent": 0.33,
         "sigusr1_handler": True}  # fmt: skip
-# One complete record per kind, with every key the trainer writes (DESIGN §3).
+# One complete record per kind, with every key the trainer writes (docs/contract.md).
 EXAMPLES: dict[schema.Kind, dict] = {
     schema.Kind.RUN_STARTED: dict(
         dataset="Dataset004_Demo",

@@ -208,7 +208,7 @@ def test_sliding_window_reproduces_a_pointwise_model_exactly() -> None:
 
 
 def test_cli_modules_do_not_import_torch_at_module_level() -> None:
-    """The SIGUSR1 handler must be installed before torch is imported (DESIGN §4)."""
+    """The SIGUSR1 handler must be installed before torch is imported (docs/contract.md)."""
     import subprocess
     import sys
 

@@ -1,4 +1,4 @@
-"""nnU-Net trainer classes with nnui's stop protocol and event contract (DESIGN §3-§4).
+"""nnU-Net trainer classes with nnui's stop protocol and event contract (docs/contract.md).
 
 nnU-Net 2.8 finds trainer classes in the folders named by `nnUNet_extTrainer`; this module
 is the only one in such a folder (trainer/nnunet_ext/). Everything is added through

@@ -1,4 +1,4 @@
-"""The process group and its collectives (DESIGN §5): the one module that calls
+"""The process group and its collectives (docs/multi-gpu.md): the one module that calls
 torch.distributed. Launch modes and topology live in trainer.training.launch.
 
 Object collectives exchange JSON over byte tensors (never pickle) on a gloo group, so they

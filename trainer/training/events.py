@@ -1,4 +1,4 @@
-"""The structured record of a run (DESIGN §3): events.jsonl and status.json.
+"""The structured record of a run (docs/contract.md): events.jsonl and status.json.
 
 Only global rank 0 writes (`enabled=False` elsewhere makes every call a no-op). Each event
 is one `write()` of one complete line followed by a flush, so a tailing reader sees whole

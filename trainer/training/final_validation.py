@@ -1,4 +1,4 @@
-"""Final validation in the raw geometry (DESIGN §5, §7): what nnui-predict would write for
+"""Final validation in the raw geometry (docs/training.md): what nnui-predict would write for
 each validation case, scored against the raw dataset's labelsTr.
 
 Each rank predicts its share of the validation cases (val_ids[rank::W]) from the

@@ -1,4 +1,4 @@
-"""One owner per fold folder (DESIGN §3): the trainer that writes a fold holds a lock on it.
+"""One owner per fold folder (docs/training.md): the trainer that writes a fold holds a lock on it.
 
 The lock is `flock(LOCK_EX)` on `<fold>/owner.lock`, taken by the process that writes the
 folder (the single process, the `-num_gpus` parent, global rank 0 under a launcher) before it

@@ -1,4 +1,4 @@
-"""How this process was started and where it sits (DESIGN §4-§5): launcher detection,
+"""How this process was started and where it sits (docs/multi-gpu.md): launcher detection,
 topology from the environment, and the `-num_gpus` spawn parent (the global batch split
 is trainer.training.batch's).
 

@@ -3,7 +3,7 @@
 `JobTracker.refresh()` keeps one reader per job file, so a refresh reads only appended
 bytes. `JobTracker.refresh_watch_only()` adds the nnU-Net runs nnui did not start
 (nnunet/runs.py) as views with `watch_only=True`: never stopped, resumed or killed.
-It only reads: it never writes the registry and never signals (DESIGN §4) — the
+It only reads: it never writes the registry and never signals (docs/contract.md) — the
 job's supervisor records the workers and delivers a stop queued before they were up.
 """
 
@@ -479,7 +479,7 @@ class JobTracker:
         return run
 
     def refresh(self, snapshot: MachineSnapshot | None = None) -> list[JobView]:
-        """Views of every job. Reads only: no registry write, no signal (DESIGN §4)."""
+        """Views of every job. Reads only: no registry write, no signal (docs/contract.md)."""
         if snapshot is None and self.gpu_monitor is not None:
             snapshot = self.gpu_monitor.snapshot()
         views = []

@@ -1,5 +1,5 @@
 """Which trainer a job runs: nnui's own, or the real nnU-Net through nnui's extension
-trainer (DESIGN §4). The one place that knows how the two differ for a launch: default
+trainer (docs/nnunet.md). The one place that knows how the two differ for a launch: default
 identifiers, plans file names, the run folder's trainer name, the entry and the modes.
 """
 

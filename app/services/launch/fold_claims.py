@@ -1,5 +1,5 @@
 """Who trains in a run folder: one claim per fold folder, taken atomically across processes
-and users (DESIGN §2).
+and users (docs/contract.md).
 
 Checking that a fold is free and then registering its job are two steps; two `nnui launch`
 of the same fold released at the same moment both passed the check. Here check-and-register

@@ -1,4 +1,4 @@
-"""Starting trainings: the Popen of each job's supervisor (DESIGN §4), which then starts the
+"""Starting trainings: the Popen of each job's supervisor (docs/contract.md), which then starts the
 trainer; this module and supervisor/main.py are the only Popen users.
 
 A launch request (request.py: the request, its checks, its roots) becomes one plan

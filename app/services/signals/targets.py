@@ -1,4 +1,4 @@
-"""Who may receive a stop or a kill — the planning half of DESIGN §4 (read-only, never signals).
+"""Who may receive a stop or a kill — the planning half of a signal (docs/contract.md; read-only).
 
 A graceful stop reaches exactly the job's worker processes, or nothing. Targets come from
 the trainer's `topology` event (never torchrun, never the -num_gpus parent, never a process

@@ -123,7 +123,7 @@ def wait_for_inputs(registry: Registry, job_id: str) -> bool:
 
 
 class RunWatch:
-    """The supervisor's eye on its job's run, for the job's whole life (DESIGN §4).
+    """The supervisor's eye on its job's run, for the job's whole life (docs/contract.md).
 
     Each step reads what the trainer appended to events.jsonl (the validated reader, this
     job's events only). When a topology appears it records each local worker's pid with

@@ -1,4 +1,4 @@
-"""Looking never acts (DESIGN §4): a refresh or `nnui status` of a job with a queued stop
+"""Looking never acts (docs/contract.md): a refresh or `nnui status` of a job with a queued stop
 and a topology reads only — no signal, the registry byte-identical — and the job's
 supervisor (RunWatch) is the one that records the workers and delivers the stop. Also: one
 bad record in a job's events costs nothing but itself, in every command."""

@@ -1,4 +1,4 @@
-"""Stop safety (DESIGN §4): which pids get SIGUSR1, all or none — a table with a fake process
+"""Stop safety (docs/contract.md): which pids get SIGUSR1, all or none — a table with a fake process
 table, then the same promise against real processes (the fake trainer)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One trainer per fold folder (DESIGN §3): a second trainer is refused at once, a finished
+"""One trainer per fold folder (docs/training.md): a second trainer is refused at once, a finished
 fold is not retrained unless asked, and the lock dies with its holder (kill -9 included)."""
 
 from __future__ import annotations
