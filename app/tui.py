@@ -25,7 +25,8 @@ from app.screens.palette import NnuiCommands
 from app.services.cross_validation import cross_validation_eta_s
 from app.services.jobs.bell import NO_BELL_ENV
 from app.services.launch import catalog, launcher
-from trainer.schema import LIVE_STATES, Roots, resolve_roots
+from trainer.schema.status import LIVE_STATES
+from trainer.schema.tree import Roots, resolve_roots
 
 if TYPE_CHECKING:  # imported where used (the app starts before it reads anything)
     from app.services.jobs.registry import Registry

@@ -110,7 +110,7 @@ def measure(args: argparse.Namespace) -> FloorFigures:
     from trainer.data.dataset import PreprocessedCases
     from trainer.network.loss import DeepSupervisionLoss
     from trainer.planning.plans import load_plans
-    from trainer.schema import find_dataset, resolve_roots
+    from trainer.schema.tree import find_dataset, resolve_roots
     from trainer.training.loop import Trainee, train_iterations
 
     roots = resolve_roots(preprocessed=args.preprocessed)

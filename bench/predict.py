@@ -174,11 +174,11 @@ def nnunet_model(a: PredictArgs, venv: Path, roots: dict[str, str]) -> dict:
 def nnui_model(a: PredictArgs, pre_root: Path) -> Path:
     """nnui's checkpoint_final of one training iteration (the run is ended before its final
     validation, which is not part of the compared work)."""
-    from trainer import schema
+    from trainer.schema.tree import checkpoint_file, run_dir
 
     results = a.work / "nnui_results"
-    fold_dir = schema.run_dir(results, DATASET, a.configuration, FOLD)
-    if (fold_dir / schema.checkpoint_file("final")).is_file():
+    fold_dir = run_dir(results, DATASET, a.configuration, FOLD)
+    if (fold_dir / checkpoint_file("final")).is_file():
         return results
     shutil.rmtree(results, ignore_errors=True)
     # fmt: off
@@ -192,7 +192,7 @@ def nnui_model(a: PredictArgs, pre_root: Path) -> Path:
             rc = _wait_for_training(proc, fold_dir / "events.jsonl")
         finally:
             terminate_tree(proc.pid)
-    if rc != 0 or not (fold_dir / schema.checkpoint_file("final")).is_file():
+    if rc != 0 or not (fold_dir / checkpoint_file("final")).is_file():
         raise RuntimeError(f"nnui's short training failed (exit {rc}); see {a.work}/logs")
     return results
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from app.tui import TuiConfig, make_app  # noqa: E402
-from trainer.schema import Roots  # noqa: E402
+from trainer.schema.tree import Roots  # noqa: E402
 
 OUT = ROOT / "screenshots"
 SIZE = (160, 48)

@@ -37,18 +37,10 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-from trainer.schema import (  # noqa: E402
-    EVENTS_FILE,
-    Kind,
-    State,
-    Status,
-    atomic_write_text,
-    encode_event,
-    find_dataset,
-    read_status,
-    resolve_roots,
-    run_dir,
-)
+from trainer.schema.atomic import atomic_write_text  # noqa: E402
+from trainer.schema.events import Kind, encode_event  # noqa: E402
+from trainer.schema.status import State, Status, read_status  # noqa: E402
+from trainer.schema.tree import EVENTS_FILE, find_dataset, resolve_roots, run_dir  # noqa: E402
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

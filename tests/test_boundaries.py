@@ -59,7 +59,22 @@ def test_app_imports_only_the_schema_from_the_trainer() -> None:
     used = set()
     for path in (ROOT / "app").rglob("*.py"):
         used |= trainer_modules_imported_by_app(path)
-    assert used <= {"trainer.schema"}, used
+    outside = {m for m in used if m != "trainer.schema" and not m.startswith("trainer.schema.")}
+    assert outside == set(), outside
+
+
+def test_the_schema_is_one_small_module_per_topic() -> None:
+    """trainer.schema is a package of topic modules, each of them short, none of them a
+    facade: its __init__ holds a docstring only."""
+    folder = ROOT / "trainer" / "schema"
+    topics = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    assert {"events", "status", "tree", "atomic", "flags", "exits"} <= topics
+    init = ast.parse((folder / "__init__.py").read_text())
+    assert all(isinstance(n, ast.Expr) for n in init.body), (
+        "trainer/schema/__init__.py: docstring only"
+    )
+    sizes = {p.name: len(p.read_text().splitlines()) for p in folder.glob("*.py")}
+    assert max(sizes.values()) <= 300, sizes
 
 
 def test_trainer_package_init_is_empty() -> None:
@@ -70,7 +85,10 @@ def test_trainer_package_init_is_empty() -> None:
     ("module", "absent"),
     [
         ("app.main", ["torch", "numpy", "blosc2", "safetensors"]),
-        ("trainer.schema", ["torch", "numpy"]),
+        *(
+            (f"trainer.schema.{p.stem}", ["torch", "numpy"])
+            for p in sorted((ROOT / "trainer" / "schema").glob("*.py"))
+        ),
     ],
 )
 def test_importing_does_not_pull_heavy_modules(module: str, absent: list[str]) -> None:

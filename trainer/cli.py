@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from trainer.schema import with_close_flag
+from trainer.schema.flags import with_close_flag
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -16,7 +16,7 @@ import numpy as np
 
 from trainer.cli import OneLineParser
 from trainer.data.image_io import write_nifti
-from trainer.schema import resolve_roots
+from trainer.schema.tree import resolve_roots
 
 DEMO_DATASET = "Dataset900_NnuiDemo"
 DEFAULT_NUM_CASES = 20

@@ -23,12 +23,8 @@ import argparse  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from trainer.schema import (  # noqa: E402
-    NNUNET_EXT_ENV,
-    NNUNET_WRAP_SUFFIX,
-    ROOT_ENVS,
-    with_nnunet_ext_dir,
-)
+from trainer.schema.nnunet import NNUNET_EXT_ENV, NNUNET_WRAP_SUFFIX, with_nnunet_ext_dir  # noqa: E402
+from trainer.schema.tree import ROOT_ENVS  # noqa: E402
 
 SCHEDULE_FLAGS = {
     "--epochs": "NNUI_EPOCHS",
@@ -73,7 +69,7 @@ def _cascade_fold(rest: list[str]) -> tuple | None:
     from pathlib import Path
 
     from trainer.planning.plans import resolve_inheritance
-    from trainer.schema import DatasetNotFound, find_dataset
+    from trainer.schema.tree import DatasetNotFound, find_dataset
 
     parser = _QuietParser(add_help=False)
     for name in ("dataset", "configuration", "fold"):

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import allocator
-from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER
+from trainer.schema.tree import DEFAULT_PLANS, DEFAULT_TRAINER
 from trainer.training import openmp
 from trainer.training.train_args import build_parser
 
@@ -42,13 +42,14 @@ class UsageError(ValueError):
 
 def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
     """Validate the inputs against the file system and return a TrainConfig (raises UsageError)."""
-    from trainer import schema
+    from trainer.schema.tree import find_dataset, resolve_roots
+    from trainer.schema.tree import run_dir as schema_run_dir
     from trainer.training import launch
 
-    roots = schema.resolve_roots(raw=args.raw, preprocessed=args.preprocessed, results=args.results)
-    dataset_name = schema.find_dataset(roots.preprocessed, args.dataset)
+    roots = resolve_roots(raw=args.raw, preprocessed=args.preprocessed, results=args.results)
+    dataset_name = find_dataset(roots.preprocessed, args.dataset)
     dataset_dir = roots.preprocessed / dataset_name
-    run_dir = schema.run_dir(
+    run_dir = schema_run_dir(
         roots.results, dataset_name, args.configuration, args.fold, args.trainer, args.plans
     )
     continuing = args.continue_training or args.validation_only
@@ -159,12 +160,12 @@ def _check_raw_data(config: Any, raw_dataset: Path, data_dir: Path) -> Any:
 
 
 def _check_validation_checkpoint(config: Any) -> None:
-    from trainer import schema
     from trainer.checkpoint import store
     from trainer.checkpoint.format import CheckpointError
+    from trainer.schema.tree import checkpoint_file
 
     kind = "best" if config.val_best else "final"
-    path = Path(config.run_dir) / schema.checkpoint_file(kind)
+    path = Path(config.run_dir) / checkpoint_file(kind)
     if not path.exists():
         hint = " (or drop --val_best)" if config.val_best else ""
         raise UsageError(f"--val needs {path}; train first{hint}")
@@ -191,9 +192,10 @@ def _find_resume_checkpoint(config: Any) -> Any:
 def _check_shared_tree(run_dir: Path, trainer: str, plans: str, continuing: bool) -> None:
     """One tree, two tools: never write into nnU-Net's run folders, never start anything
     new under nnU-Net's names (nnui 0.1's run folders are only continued)."""
-    from trainer import legacy, schema
+    from trainer import legacy
+    from trainer.schema.nnunet import nnunet_files
 
-    theirs = schema.nnunet_files(run_dir)
+    theirs = nnunet_files(run_dir)
     if theirs:
         raise UsageError(
             f"{run_dir} is an nnU-Net run folder ({', '.join(theirs)}); nnui will not write "
@@ -352,7 +354,8 @@ class Refused(RuntimeError):
 def _own_fold(config: Any, retrain: bool) -> None:
     """Take the fold folder's lock (one trainer per folder), then, under it, refuse to start
     a finished fold afresh unless --retrain: the same rule and words as `nnui launch`."""
-    from trainer import schema
+    from trainer.schema.status import State, read_status
+    from trainer.schema.tree import checkpoint_file
     from trainer.training import fold_lock
 
     run_dir = Path(config.run_dir)
@@ -362,9 +365,9 @@ def _own_fold(config: Any, retrain: bool) -> None:
         raise Refused(str(error)) from None
     if config.continue_training or config.validation_only or retrain:
         return
-    status = schema.read_status(run_dir)
-    finished = (status is not None and status.state == schema.State.FINISHED) or (
-        run_dir / schema.checkpoint_file("final")
+    status = read_status(run_dir)
+    finished = (status is not None and status.state == State.FINISHED) or (
+        run_dir / checkpoint_file("final")
     ).is_file()
     if finished:
         raise Refused(

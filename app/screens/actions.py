@@ -28,7 +28,8 @@ from app.services.nnunet import runs as nnunet_runs
 from app.services.signals import send as signals
 from app.services.signals import targets
 from app.services.signals.targets import StopPlan, is_adopted
-from trainer.schema import ACTIVE_STATES, ENDED_STATES, DatasetNotFound, Roots, State, find_dataset
+from trainer.schema.status import ACTIVE_STATES, ENDED_STATES, State
+from trainer.schema.tree import DatasetNotFound, Roots, find_dataset
 
 if TYPE_CHECKING:
     from app.screens.seam import AppSeam

@@ -17,7 +17,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Static
 
 from app.widgets.formatting import readable_style
-from trainer.schema import State
+from trainer.schema.status import State
 
 if TYPE_CHECKING:  # actions.py imports this module
     from app.screens.actions import KillChoice, StopChoice

@@ -39,16 +39,10 @@ from typing import Any, NoReturn
 
 from app.services.launch.engines import ENGINES, NNUI, NNUNET, engine
 from app.services.launch.trainer_flags import flag_value, without_flags
-from trainer.schema import (
-    FOLDS,
-    NNUNET_EXT_DIR,
-    NNUNET_EXT_ENV,
-    ROOT_ENVS,
-    atomic_write_text,
-    find_dataset,
-    resolve_roots,
-    with_close_flag,
-)
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.flags import with_close_flag
+from trainer.schema.nnunet import NNUNET_EXT_DIR, NNUNET_EXT_ENV
+from trainer.schema.tree import FOLDS, ROOT_ENVS, find_dataset, resolve_roots
 
 _TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
 _NAME = re.compile(r"[^A-Za-z0-9_.-]+")

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 from conftest import make_nnunet_tree
 
-from trainer.schema import (
+from trainer.schema.nnunet import nnunet_files
+from trainer.schema.tree import (
     DEFAULT_PLANS,
     DEFAULT_TRAINER,
     EVENTS_FILE,
     FINGERPRINT_FILE,
     LEGACY_PLANS,
     LEGACY_TRAINER,
-    nnunet_files,
     plans_file_name,
 )
 

@@ -31,7 +31,7 @@ from app.services.jobs.registry import Registry
 from app.services.machine.procs import proc_info
 from app.tui import TuiConfig, make_app
 from app.widgets.process_tree import ProcessTree
-from trainer.schema import EVENTS_FILE, Roots
+from trainer.schema.tree import EVENTS_FILE, Roots
 
 pytestmark = pytest.mark.slow
 

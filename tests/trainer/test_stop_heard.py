@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import torch
 
 from trainer import stop
-from trainer.schema import Kind, State
+from trainer.schema.events import Kind
+from trainer.schema.status import State
 from trainer.training.loop import StopNotice, Trainee, train_iterations
 
 

@@ -41,7 +41,7 @@ from trainer.checkpoint.format import (
     verify_file,
     warn_unchecked,
 )
-from trainer.schema import checkpoint_file
+from trainer.schema.tree import checkpoint_file
 
 log = logging.getLogger(__name__)
 

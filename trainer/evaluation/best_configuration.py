@@ -27,11 +27,11 @@ from trainer.data.image_io import ImageReadError, read_image
 from trainer.data.labels import LabelSpec, from_dataset_json
 from trainer.evaluation.evaluate import case_metrics, summarize
 from trainer.inference.postprocess import POSTPROCESSING_KEY, Step, keep_largest_component
-from trainer.schema import (
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.tree import (
     DEFAULT_PLANS,
     DEFAULT_TRAINER,
     VALIDATION_DIR,
-    atomic_write_text,
     find_dataset,
     resolve_roots,
     run_dir,

@@ -29,7 +29,8 @@ from trainer.inference.export import (
 from trainer.inference.postprocess import Step, keep_largest_component, read_postprocessing
 from trainer.inference.predict import PREDICTION_INFO_FILE
 from trainer.planning.plans import plans_labels
-from trainer.schema import atomic_write_text, refuse_nnunet_output
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.nnunet import refuse_nnunet_output
 
 
 class EnsembleError(ValueError):

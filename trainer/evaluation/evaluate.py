@@ -23,7 +23,8 @@ import numpy as np
 from trainer.cli import OneLineParser, one_line
 from trainer.data.image_io import SUPPORTED_ENDINGS, ImageReadError, file_ending, read_labels
 from trainer.data.labels import Key, LabelError, LabelSpec, from_dataset_json, key_mask, metric_key
-from trainer.schema import SUMMARY_FILE, atomic_write_text
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.tree import SUMMARY_FILE
 
 METRICS = ("Dice", "FN", "FP", "IoU", "TN", "TP", "n_pred", "n_ref")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import stop
-from trainer.schema import Kind, encode_event
+from trainer.schema.events import Kind, encode_event
 
 log = logging.getLogger("trainer.inference.predict")
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from trainer.data.case_ops import nearest_indices, separate_z_axis
 from trainer.data.image_io import encode_like
-from trainer.schema import atomic_write_bytes
+from trainer.schema.atomic import atomic_write_bytes
 
 PROBABILITIES_KEY = "probabilities"
 TINY = float(np.finfo(np.float32).tiny)  # log(0) guard: a class the network rules out stays ~0

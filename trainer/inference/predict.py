@@ -31,7 +31,8 @@ from trainer import stop
 from trainer.cli import OneLineParser, one_line, use_caching_allocator
 from trainer.inference.events import PredictionEvents
 from trainer.network import precision
-from trainer.schema import CHECKPOINT_KINDS, DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS, Kind
+from trainer.schema.events import Kind
+from trainer.schema.tree import CHECKPOINT_KINDS, DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
 
 if TYPE_CHECKING:
     from trainer.inference.postprocess import Step
@@ -126,18 +127,19 @@ def checkpoint_kind(name: str) -> str:
 
 def resolve(args: argparse.Namespace) -> Resolved:
     """Every check that needs no voxel data; ValueError with a one-line message."""
-    from trainer import schema
     from trainer.inference.cases import check_headers, list_input_cases, select_part
     from trainer.planning.plans import load_plans
+    from trainer.schema.nnunet import refuse_nnunet_output
+    from trainer.schema.tree import find_dataset, resolve_roots
 
     in_dir, out_dir = Path(args.input).absolute(), Path(args.output).absolute()
     if in_dir.resolve() == out_dir.resolve():
         raise ValueError(f"-o {args.output} is the input folder: choose another output folder")
-    schema.refuse_nnunet_output(out_dir)
+    refuse_nnunet_output(out_dir)
     if not 0 < args.step_size <= 1:
         raise ValueError(f"-step_size must be within (0, 1], got {args.step_size}")
-    roots = schema.resolve_roots(preprocessed=args.preprocessed, results=args.results)
-    name = schema.find_dataset(roots.preprocessed, args.dataset)
+    roots = resolve_roots(preprocessed=args.preprocessed, results=args.results)
+    name = find_dataset(roots.preprocessed, args.dataset)
     try:
         plans = load_plans(roots.preprocessed / name, args.plans)
     except FileNotFoundError as exc:
@@ -216,9 +218,9 @@ def _fallback_spacing(dataset_dir: Path) -> tuple[float, ...] | None:
 
 def _checkpoints(args: argparse.Namespace, results: Path, name: str, plans: Any) -> dict:
     """fold -> checkpoint path, each complete and trained with these very plans."""
-    from trainer import schema
     from trainer.checkpoint import store as checkpoint
     from trainer.checkpoint.format import CheckpointError
+    from trainer.schema.tree import checkpoint_file, run_dir
 
     kind = checkpoint_kind(args.checkpoint)
     folds = list(dict.fromkeys(args.folds))
@@ -233,8 +235,8 @@ def _checkpoints(args: argparse.Namespace, results: Path, name: str, plans: Any)
     }
     found = {}
     for fold in folds:
-        run = schema.run_dir(results, name, args.configuration, fold, args.trainer, args.plans)
-        path = run / schema.checkpoint_file(kind)
+        run = run_dir(results, name, args.configuration, fold, args.trainer, args.plans)
+        path = run / checkpoint_file(kind)
         if not path.is_file():
             raise ValueError(
                 f"fold {fold} has no {path.name} in {run}: train it first "
@@ -283,7 +285,7 @@ def _load_weights(checkpoints: dict[str, Path]) -> list[dict]:
 
 def _write_info(resolved: Resolved, args: argparse.Namespace) -> None:
     from trainer.data.labels import prediction_labels
-    from trainer.schema import atomic_write_text
+    from trainer.schema.atomic import atomic_write_text
 
     info = {
         "dataset": resolved.dataset_name,

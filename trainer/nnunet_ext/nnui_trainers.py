@@ -36,7 +36,9 @@ import torch.distributed as dist
 from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
 
 from trainer import stop
-from trainer.schema import NNUNET_WRAP_SUFFIX, Kind, State, nnunet_classes
+from trainer.schema.events import Kind
+from trainer.schema.nnunet import NNUNET_WRAP_SUFFIX, nnunet_classes
+from trainer.schema.status import State
 from trainer.training.events import RunRecorder
 
 stop.install()

@@ -15,7 +15,7 @@ from typing import Any
 
 from trainer import legacy
 from trainer.data.labels import LabelSpec, parse_labels
-from trainer.schema import DEFAULT_PLANS, plans_file_name
+from trainer.schema.tree import DEFAULT_PLANS, plans_file_name
 
 PLANS_FORMAT_VERSION = 1
 PLAIN = "PlainConvUNet"

@@ -58,14 +58,9 @@ from trainer.planning.rules import (
     parse_overrides,
 )
 from trainer.planning.splits import NUM_FOLDS, load_or_create_splits
-from trainer.schema import (
-    FINGERPRINT_FILE,
-    DatasetNotFound,
-    atomic_write_text,
-    find_dataset,
-    nnunet_files,
-    resolve_roots,
-)
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.nnunet import nnunet_files
+from trainer.schema.tree import FINGERPRINT_FILE, DatasetNotFound, find_dataset, resolve_roots
 
 # nnU-Net's rule for the stored foreground locations of a class: all of them up to
 # MIN_CLASS_LOCATIONS, beyond that MIN_CLASS_LOCATIONS or 1 % of them, whichever is more.

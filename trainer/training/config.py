@@ -11,7 +11,7 @@ from typing import Any
 
 from trainer import legacy
 from trainer.network import precision
-from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
+from trainer.schema.tree import DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
 
 DEVICE_TYPES = ("cuda", "cpu", "mps")
 RECOMPUTE_CHOICES = ("auto", "on", "off")

@@ -13,15 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.schema import (
-    EVENTS_FILE,
-    STATUS_FILE,
-    Kind,
-    State,
-    Status,
-    atomic_write_text,
-    encode_event,
-)
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.events import Kind, encode_event
+from trainer.schema.status import State, Status
+from trainer.schema.tree import EVENTS_FILE, STATUS_FILE
 
 log = logging.getLogger("trainer")
 

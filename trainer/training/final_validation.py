@@ -121,7 +121,7 @@ def make_target(config: TrainConfig, plans: Plans, preprocessed_dir: Path, is_ma
     """Only rank 0 reads the raw dataset (other nodes may not have it)."""
     from trainer.data.labels import is_plain
     from trainer.evaluation.evaluate import default_labels
-    from trainer.schema import VALIDATION_DIR
+    from trainer.schema.tree import VALIDATION_DIR
     from trainer.training import distributed
 
     spec = plans.label_spec
@@ -213,7 +213,7 @@ class Collector:
         from trainer.data.image_io import read_image
         from trainer.evaluation.evaluate import case_metrics
         from trainer.inference.export import probabilities_bytes, write_prediction
-        from trainer.schema import atomic_write_bytes
+        from trainer.schema.atomic import atomic_write_bytes
 
         target = self.target
         if target.raw_dataset is None:  # scored where it was predicted; probabilities only
@@ -309,7 +309,7 @@ def validate(config: TrainConfig, topology: Topology, model: Any, cases: Any, va
     Returns the summary on rank 0, None elsewhere. `autocast_dtype`: the training's (None:
     float32), which is also nnui-predict's default for the same --precision."""
     from trainer.evaluation.evaluate import summarize, write_summary
-    from trainer.schema import SUMMARY_FILE
+    from trainer.schema.tree import SUMMARY_FILE
     from trainer.training import distributed
 
     target = make_target(config, plans, cases.folder, topology.is_main)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.schema import JOB_ID_ENV, OWNER_LOCK_FILE
+from trainer.schema.tree import JOB_ID_ENV, OWNER_LOCK_FILE
 
 _held: list[int] = []  # the fd(s) this process holds; closed again in forked children
 _created: list[Path] = []  # lock files this process made (removed again by discard_created)

@@ -20,7 +20,9 @@ from trainer import stop
 from trainer.checkpoint import store as checkpoint
 from trainer.data.labels import is_plain
 from trainer.network.label_loss import validation_counts
-from trainer.schema import Kind, State, checkpoint_file
+from trainer.schema.events import Kind
+from trainer.schema.status import State
+from trainer.schema.tree import checkpoint_file
 from trainer.training import distributed, running_loss
 from trainer.training.config import TrainConfig
 from trainer.training.events import RunRecorder, finite_or_none

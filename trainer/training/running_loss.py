@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.schema import Kind
+from trainer.schema.events import Kind
 from trainer.training.events import RunRecorder
 
 POINTS_PER_EPOCH = 4

@@ -10,7 +10,7 @@ import argparse
 from trainer import allocator, legacy
 from trainer.cli import OneLineParser
 from trainer.network import precision
-from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER
+from trainer.schema.tree import DEFAULT_PLANS, DEFAULT_TRAINER
 from trainer.training.config import AUGMENT_CHOICES, RECOMPUTE_CHOICES
 
 

@@ -19,13 +19,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 from trainer import stop
 from trainer.checkpoint.format import CheckpointError
-from trainer.schema import (
-    CONFIG_FILE,
-    Kind,
-    State,
-    atomic_write_text,
-    checkpoint_file,
-)
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.events import Kind
+from trainer.schema.status import State
+from trainer.schema.tree import CONFIG_FILE, checkpoint_file
 from trainer.training.config import TrainConfig
 from trainer.training.events import RunRecorder
 

@@ -27,7 +27,8 @@ from app.services.jobs.events import CLOCK_SLACK_S
 from app.services.jobs.registry import Job, ProcessRecord
 from app.services.machine.gpus import MachineSnapshot, parse_visible_devices
 from app.services.machine.procs import ticks_to_wall_s
-from trainer.schema import CONFIG_FILE, CONSOLE_FILE, EVENTS_FILE, ROOT_ENVS, Kind, parse_event
+from trainer.schema.events import Kind, parse_event
+from trainer.schema.tree import CONFIG_FILE, CONSOLE_FILE, EVENTS_FILE, ROOT_ENVS
 
 MAX_SCAN_BYTES = 64 << 20  # an events file larger than this is not scanned for history
 

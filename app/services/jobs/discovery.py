@@ -35,7 +35,7 @@ from app.services.machine.procs import (
     read_comm,
     user_name,
 )
-from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, EVENTS_FILE, JOB_ID_ENV, ROOT_ENVS
+from trainer.schema.tree import DEFAULT_PLANS, DEFAULT_TRAINER, EVENTS_FILE, JOB_ID_ENV, ROOT_ENVS
 
 SCOPE_ENV = "NNUI_ADOPT_SCOPE"  # test hook: "roots" = only runs under the watched roots
 RUN_ID_PREFIX = "run:"  # an adopted run's id: "run:<pid of its topmost process>"

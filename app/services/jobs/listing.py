@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.schema import ACTIVE_STATES, State
+from trainer.schema.status import ACTIVE_STATES, State
 
 if TYPE_CHECKING:  # jobs.py imports this module
     from app.services.jobs.registry import Job

@@ -30,7 +30,8 @@ from app.services.machine.procs import ProcRow, proc_info, process_table
 from app.services.nnunet.log import STARTING_PHASE, EpochStats
 from app.services.nnunet.runs import NnunetRunWatcher, WatchOnlyRun, is_train_cmdline
 from app.services.tail import TextTail
-from trainer.schema import ACTIVE_STATES, START_KINDS, WORKING_STATES, Kind, State
+from trainer.schema.events import START_KINDS, Kind
+from trainer.schema.status import ACTIVE_STATES, WORKING_STATES, State
 
 RECENT_EPOCHS = 5
 CONSOLE_LINES = 40

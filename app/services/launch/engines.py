@@ -9,13 +9,8 @@ import functools
 import importlib.util
 from dataclasses import dataclass
 
-from trainer.schema import (
-    DEFAULT_PLANS,
-    DEFAULT_TRAINER,
-    NNUI_NNUNET_TRAINER,
-    NNUNET_WRAP_SUFFIX,
-    plans_file_name,
-)
+from trainer.schema.nnunet import NNUI_NNUNET_TRAINER, NNUNET_WRAP_SUFFIX
+from trainer.schema.tree import DEFAULT_PLANS, DEFAULT_TRAINER, plans_file_name
 
 NNUI, NNUNET = "nnui", "nnunet"
 ENGINES = (NNUI, NNUNET)

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from app.services.machine.procs import is_same_process, process_identity, valid_pid
-from trainer.schema import atomic_write_text
+from trainer.schema.atomic import atomic_write_text
 
 CLAIM_FILE = ".nnui_claim"
 LOCK_FILE = ".nnui_claims.lock"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from app.services.machine.gpus import MachineSnapshot
 from app.services.machine.host import HostSnapshot, ProcLoad
-from trainer.schema import atomic_write_text
+from trainer.schema.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 

@@ -56,14 +56,14 @@ from app.services.nnunet.log import (
     read_schedule,
     sorted_logs,
 )
-from trainer.schema import (
-    JOB_ID_ENV,
+from trainer.schema.nnunet import (
     NNUI_NNUNET_TRAINER,
     NNUNET_EXT_DIR,
     NNUNET_EXT_ENV,
     NNUNET_WRAP_SUFFIX,
     nnunet_classes,
 )
+from trainer.schema.tree import JOB_ID_ENV
 
 RUN_ID_PREFIX = "nnunet:"  # a watch-only run's id: "nnunet:<pid of its nnUNetv2_train>"
 START_TOLERANCE_S = 2.0  # process start (boot clock) vs file mtime (wall clock)

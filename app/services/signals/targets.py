@@ -31,7 +31,7 @@ from app.services.machine.procs import (
     same_identity,
     valid_pid,
 )
-from trainer.schema import JOB_ID_ENV
+from trainer.schema.tree import JOB_ID_ENV
 
 # The job's create time comes from nnui's clock before Popen; processes start after it.
 # Both are wall-clock readings, which clock adjustments move by up to about a second.

@@ -51,7 +51,7 @@ from app.services.supervisor.retries import (
 )
 from app.services.supervisor.stall_watch import StallWatch
 from app.services.supervisor.waiting import machine_monitor, wait_for_gpus
-from trainer.schema import Kind
+from trainer.schema.events import Kind
 
 log = logging.getLogger("nnui.supervisor")
 

@@ -21,7 +21,8 @@ from app.services.jobs.registry import Registry
 from app.services.jobs.views import JobTracker, training_eta_s
 from app.services.jobs.words import alert_condition, resume_from, state_label
 from app.widgets.job_table import row_cells
-from trainer.schema import State, encode_event, validate_event
+from trainer.schema.events import encode_event, validate_event
+from trainer.schema.status import State
 
 
 def _one(registry: Registry):

@@ -31,7 +31,7 @@ from app.services.machine.procs import (
 from app.services.signals.proctree import process_tree
 from app.services.signals.send import kill, remember_workers, send_stop
 from app.services.signals.targets import is_launcher_cmdline, plan_kill, plan_stop
-from trainer.schema import resolve_roots
+from trainer.schema.tree import resolve_roots
 
 ME = os.getuid()
 HOST = socket.gethostname()

@@ -28,7 +28,7 @@ from app.services.signals.targets import plan_stop
 from app.tui import Services, TuiConfig, make_app
 from app.widgets.fold_board import FoldBoard
 from app.widgets.gpu_panel import GpuCard, GpuPanel
-from trainer.schema import resolve_roots
+from trainer.schema.tree import resolve_roots
 
 ROOT = Path(__file__).resolve().parents[3]
 

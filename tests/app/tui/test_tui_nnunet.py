@@ -53,7 +53,10 @@ from app.widgets.fold_board import FoldBoard
 from app.widgets.job_table import JobTable, row_cells
 from app.widgets.log_tail import LogTail
 from app.widgets.process_tree import ProcessTree
-from trainer.schema import EVENTS_FILE, Kind, Status, atomic_write_text, encode_event, run_dir
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.events import Kind, encode_event
+from trainer.schema.status import Status
+from trainer.schema.tree import EVENTS_FILE, run_dir
 
 
 def write_plans(folder: Path, name: str, batch_2d: int, batch_3d: int) -> None:

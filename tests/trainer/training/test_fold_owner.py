@@ -12,7 +12,8 @@ import sys
 import pytest
 from test_trainer_run import events, finish, run_dir, start, train_argv, wait_for
 
-from trainer import schema
+from trainer.schema.status import read_status
+from trainer.schema.tree import SUMMARY_FILE, checkpoint_file
 from trainer.training import fold_lock
 
 
@@ -63,8 +64,8 @@ def test_finished_fold_is_refused_unless_retrain(demo_preprocessed, tmp_path):
     argv = [*train_argv(demo_preprocessed, tmp_path), "--epochs", "1"]
     assert finish(start(argv, tmp_path / "a.log")) == 0, (tmp_path / "a.log").read_text()
     folder = run_dir(tmp_path)
-    final = folder / schema.checkpoint_file("final")
-    before = {p.name: _md5(p) for p in (final, folder / "validation" / schema.SUMMARY_FILE)}
+    final = folder / checkpoint_file("final")
+    before = {p.name: _md5(p) for p in (final, folder / "validation" / SUMMARY_FILE)}
 
     again = _second(argv)
     assert again.returncode == 1
@@ -72,7 +73,7 @@ def test_finished_fold_is_refused_unless_retrain(demo_preprocessed, tmp_path):
         f"error: fold 0 already finished training in {folder}; move that folder to train it "
         "again, or pass --retrain"
     )
-    after = {p.name: _md5(p) for p in (final, folder / "validation" / schema.SUMMARY_FILE)}
+    after = {p.name: _md5(p) for p in (final, folder / "validation" / SUMMARY_FILE)}
     assert after == before
     assert not fold_lock.is_locked(folder)
 
@@ -98,7 +99,7 @@ def test_lock_is_released_when_the_owner_is_killed(demo_preprocessed, tmp_path):
     assert not fold_lock.is_locked(folder)
     fresh = start([*argv[:-2], "--epochs", "2", "--c"], tmp_path / "fresh.log")
     assert finish(fresh) == 0, (tmp_path / "fresh.log").read_text()
-    assert schema.read_status(folder).state == "finished"
+    assert read_status(folder).state == "finished"
 
 
 def test_lock_refuses_in_process_and_names_the_holder(tmp_path):
