@@ -23,6 +23,8 @@ import argparse  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
+from trainer.cli import usage_error  # noqa: E402
+from trainer.schema.exits import EXIT_OK  # noqa: E402
 from trainer.schema.nnunet import NNUNET_EXT_ENV, NNUNET_WRAP_SUFFIX, with_nnunet_ext_dir  # noqa: E402
 from trainer.schema.tree import ROOT_ENVS  # noqa: E402
 
@@ -161,23 +163,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rest, env = split_schedule_flags(list(sys.argv[1:] if argv is None else argv))
     except UsageError as error:
-        sys.stderr.write(f"error: {error}\n")
-        return 2
+        return usage_error(error)
     problem = cascade_problem(rest)
     if problem is not None:
-        sys.stderr.write(f"error: {problem}\n")
-        return 2
+        return usage_error(problem)
     os.environ.update(env)
     os.environ[NNUNET_EXT_ENV] = with_nnunet_ext_dir(os.environ.get(NNUNET_EXT_ENV))
     try:
         from nnunetv2.run.run_training import run_training_entry
     except ImportError:
-        sys.stderr.write("error: nnunetv2 is not installed here (pip install 'nnui[nnunet]')\n")
-        return 2
+        return usage_error("nnunetv2 is not installed here (pip install 'nnui[nnunet]')")
     let_trainer_search_pass()
     sys.argv = ["nnUNetv2_train", *rest]
     run_training_entry()
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer import allocator
+from trainer.cli import usage_error
+from trainer.schema.exits import EXIT_REFUSED
 from trainer.schema.tree import DEFAULT_PLANS, DEFAULT_TRAINER
 from trainer.training import openmp
 from trainer.training.train_args import build_parser
@@ -324,8 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = resolve_config(args, argv)
     except ValueError as error:  # UsageError, DatasetNotFound, IdentityMismatch, config checks
-        sys.stderr.write(f"error: {error}\n")
-        return 2
+        return usage_error(str(error))
     from trainer.training import fold_lock, launch
     from trainer.training.worker import worker
 
@@ -337,12 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         fold_lock.discard_created()
         _remove_created_if_empty()
         sys.stderr.write(f"error: {error}\n")
-        return 1
+        return EXIT_REFUSED
     except ValueError as error:  # raised before any rank starts: a user mistake
         fold_lock.discard_created()
         _remove_created_if_empty()
-        sys.stderr.write(f"error: {error}\n")
-        return 2
+        return usage_error(str(error))
     finally:
         fold_lock.release()  # only matters in-process (tests): an exit releases it anyway
 

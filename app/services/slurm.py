@@ -40,6 +40,7 @@ from typing import Any, NoReturn
 from app.services.launch.engines import ENGINES, NNUI, NNUNET, engine
 from app.services.launch.trainer_flags import flag_value, without_flags
 from trainer.schema.atomic import atomic_write_text
+from trainer.schema.exits import EXIT_OK, EXIT_USAGE
 from trainer.schema.flags import with_close_flag
 from trainer.schema.nnunet import NNUNET_EXT_DIR, NNUNET_EXT_ENV
 from trainer.schema.tree import FOLDS, ROOT_ENVS, find_dataset, resolve_roots
@@ -406,7 +407,7 @@ def sbatch_main(argv: list[str]) -> int:
         spec, submit = spec_from_args(argv)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
         path = write_script(spec)
     except OSError as error:
@@ -416,15 +417,15 @@ def sbatch_main(argv: list[str]) -> int:
             "choose another --output",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_USAGE
     print(path)
     if not submit:
-        return 0
+        return EXIT_OK
     try:
         done = subprocess.run(["sbatch", str(path)], capture_output=True, text=True, check=False)
     except FileNotFoundError:
         print("error: sbatch not found: is this a SLURM login node?", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     sys.stdout.write(done.stdout)
     sys.stderr.write(done.stderr)
     return done.returncode

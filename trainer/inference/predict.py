@@ -28,10 +28,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer import stop
-from trainer.cli import OneLineParser, one_line, use_caching_allocator
+from trainer.cli import OneLineParser, error_text, one_line, usage_error, use_caching_allocator
 from trainer.inference.events import PredictionEvents
 from trainer.network import precision
 from trainer.schema.events import Kind
+from trainer.schema.exits import EXIT_INTERRUPTED, EXIT_OK
 from trainer.schema.tree import CHECKPOINT_KINDS, DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
 
 if TYPE_CHECKING:
@@ -316,7 +317,7 @@ def run(args: argparse.Namespace, progress: Callable[..., None] = print,  # prin
     if not resolved.cases:
         progress("nothing to predict")
         events.event(Kind.FINISHED, num_done=0, num_cases=0)
-        return 0
+        return EXIT_OK
     if resolved.cplan.previous_stage and not args.prev_stage_predictions:
         _predict_previous_stage(args, resolved, progress)
     weights = _load_weights(resolved.checkpoints)
@@ -360,7 +361,7 @@ def run(args: argparse.Namespace, progress: Callable[..., None] = print,  # prin
         events.event(Kind.STOPPED, reason="SIGUSR1", num_done=num, num_cases=total)
     else:
         events.event(Kind.FINISHED, num_done=num, num_cases=total)
-    return 0
+    return EXIT_OK
 
 
 def _predict_previous_stage(
@@ -407,8 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         events = PredictionEvents(args.events)
     except OSError as exc:
-        sys.stderr.write(f"error: --events {args.events}: {exc.strerror or exc}\n")
-        return 2
+        return usage_error(f"--events {args.events}: {exc.strerror or exc}")
     try:
         return _run_recorded(args, events)
     finally:
@@ -419,18 +419,12 @@ def _run_recorded(args: argparse.Namespace, events: PredictionEvents) -> int:
     """run(), with every failure also recorded as a `failed` event."""
     try:
         return run(args, events=events)
-    except ValueError as exc:  # InputError, DatasetNotFound, plans and checkpoint checks
-        sys.stderr.write(f"error: {one_line(exc)}\n")
-        events.failed(one_line(exc))
-        return 2
-    except OSError as exc:  # a full or read-only output disk
-        message = f"{exc.strerror or exc}: {exc.filename or ''}"
-        sys.stderr.write(f"error: {message}\n")
-        events.failed(message)
-        return 2
+    except (ValueError, OSError) as exc:  # input and plans checks; a full or read-only disk
+        events.failed(error_text(exc))
+        return usage_error(exc)
     except KeyboardInterrupt:
         events.failed("interrupted (SIGINT)")
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as exc:
         events.failed(f"{type(exc).__name__}: {one_line(exc)}", traceback.format_exc())
         raise

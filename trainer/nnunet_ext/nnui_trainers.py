@@ -37,6 +37,7 @@ from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
 
 from trainer import stop
 from trainer.schema.events import Kind
+from trainer.schema.exits import EXIT_OK
 from trainer.schema.nnunet import NNUNET_WRAP_SUFFIX, nnunet_classes
 from trainer.schema.status import State
 from trainer.training.events import RunRecorder
@@ -262,7 +263,7 @@ class NnuiHooks(_Mixin):
             dist.destroy_process_group()
         self.print_to_log_file("Stopped gracefully (SIGUSR1): checkpoint_latest.pth written.")
         sys.stdout.flush()
-        sys.exit(0)  # skips nnU-Net's final validation; a spawned rank exits 0 too
+        sys.exit(EXIT_OK)  # skips nnU-Net's final validation; a spawned rank exits 0 too
 
 
 def trainer_classes(trainer) -> list[tuple[str, str]]:

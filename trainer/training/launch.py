@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer import stop
+from trainer.schema.exits import EXIT_FAILED, EXIT_OK, exit_for_signal
 
 log = logging.getLogger(__name__)
 
@@ -366,8 +367,8 @@ def _wait_ranks(
         if proc.exitcode != 0:
             log.error("rank %d (pid %d) exited with %s", rank, proc.pid, proc.exitcode)
     if received:
-        return 128 + received[0]
-    return 0 if all(p.exitcode == 0 for p in procs) else 1
+        return exit_for_signal(received[0])
+    return EXIT_OK if all(p.exitcode == 0 for p in procs) else EXIT_FAILED
 
 
 def _spawn_entry(

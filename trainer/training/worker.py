@@ -21,6 +21,7 @@ from trainer import stop
 from trainer.checkpoint.format import CheckpointError
 from trainer.schema.atomic import atomic_write_text
 from trainer.schema.events import Kind
+from trainer.schema.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, exit_for_signal
 from trainer.schema.status import State
 from trainer.schema.tree import CONFIG_FILE, checkpoint_file
 from trainer.training.config import TrainConfig
@@ -62,10 +63,10 @@ def worker(topology: Topology, payload: dict[str, Any]) -> int:
         log.error("failed: %s", message)
         recorder.failed(message, traceback.format_exc())
         if isinstance(error, KeyboardInterrupt):
-            return 130
+            return EXIT_INTERRUPTED
         if isinstance(error, stop.Terminated):
-            return 128 + error.signum
-        return 1
+            return exit_for_signal(error.signum)
+        return EXIT_FAILED
     finally:
         recorder.close()
         # Past this point a stop has nothing left to do. Python's shutdown puts the default
@@ -119,13 +120,13 @@ def _train_and_validate(topology: Topology, config: TrainConfig, recorder: RunRe
             already_latest = state.resumed_kind == "latest"
             write_latest = state.epoch_next > 0 and not already_latest
             record_stop(state, state.epoch_next - 1, recorder, checkpointer, write_latest)
-            return 0
+            return EXIT_OK
         trains = state.epoch_next < config.num_epochs
         if trains:
             streams = {"train": train_ids, "val": val_ids}
             if not _train(config, topology, trainee, state, cases, streams, cplan, rank_batch,
                           recorder, checkpointer):  # fmt: skip
-                return 0  # graceful stop
+                return EXIT_OK  # graceful stop
         if trains or state.resumed_kind != "final":
             checkpointer.save("final", state)
         recorder.status(epoch=state.epoch_next)
@@ -134,7 +135,7 @@ def _train_and_validate(topology: Topology, config: TrainConfig, recorder: RunRe
     recorder.event(Kind.FINISHED, epoch=state.epoch_next - 1)
     recorder.status(State.FINISHED, epoch=state.epoch_next)
     log.info("finished")
-    return 0
+    return EXIT_OK
 
 
 def _stage_cases(
