@@ -209,7 +209,8 @@ def main() -> int:
         print("error: --seconds and --epoch-s must be > 0, --jobs between 1 and 10",
               file=sys.stderr)  # fmt: skip
         return 2
-    from app.tui import TuiConfig, make_app
+    from app.screens.seam import TuiConfig
+    from app.tui import make_app
     from trainer.schema.tree import Roots
 
     work = Path(tempfile.mkdtemp(prefix="nnui_bench_"))

@@ -23,7 +23,8 @@ from textual import events
 from textual.css.query import NoMatches
 from textual.keys import _character_to_key
 
-from app.tui import NnuiApp, TuiConfig, make_app
+from app.screens.seam import TuiConfig
+from app.tui import NnuiApp, make_app
 from trainer.schema.atomic import atomic_write_text
 from trainer.schema.events import Kind, encode_event
 from trainer.schema.status import Status

@@ -19,8 +19,8 @@ from textual.widgets import Button, Input, Static
 from app.widgets.formatting import readable_style
 from trainer.schema.status import State
 
-if TYPE_CHECKING:  # actions.py imports this module
-    from app.screens.actions import KillChoice, StopChoice
+if TYPE_CHECKING:
+    from app.screens.choices import KillChoice, StopChoice
     from app.services.jobs.views import JobView
     from app.services.nnunet.runs import StopRefusal
 

@@ -359,7 +359,8 @@ async def _board(results: Path, tmp_path: Path, own: list[str], others: list[str
     from app.screens.confirm import RefusalScreen
     from app.screens.dashboard import DashboardScreen
     from app.screens.job_detail import JobDetailScreen
-    from app.tui import TuiConfig, make_app
+    from app.screens.seam import TuiConfig
+    from app.tui import make_app
     from trainer.schema.tree import Roots
 
     config = TuiConfig(roots=Roots(results, results, results), state_dir=tmp_path / "tui",
@@ -465,7 +466,8 @@ async def test_r_on_a_run_that_ended_unseen_offers_its_own_command_with_c(tmp_pa
 
     from app.screens.confirm import LaunchConfirmScreen
     from app.screens.dashboard import DashboardScreen
-    from app.tui import TuiConfig, make_app
+    from app.screens.seam import TuiConfig
+    from app.tui import make_app
     from trainer.schema.tree import Roots
 
     results = tmp_path / "results"

@@ -14,7 +14,7 @@ import pytest
 from test_jobs import ME_ALIVE, add_job, epoch, run_started, topology, write_events
 
 from app.cli.status import status_table, view_dict
-from app.screens.actions import StopChoice
+from app.screens.choices import StopChoice
 from app.screens.confirm import stop_text
 from app.services.cross_validation import cross_validation_eta_s
 from app.services.jobs.registry import Registry

@@ -179,7 +179,8 @@ async def test_the_board_asks_before_starting_beside_another_users_process(
 
     from app.screens.confirm import LaunchConfirmScreen
     from app.screens.launch import LaunchScreen
-    from app.tui import Services, TuiConfig, make_app
+    from app.screens.seam import Services, TuiConfig
+    from app.tui import make_app
 
     roots, state = make_roots(tmp_path), tmp_path / "state"
     use_fake_trainer(monkeypatch, roots, state)

@@ -20,10 +20,11 @@ from tui_fixtures import (
 
 from app.screens.dashboard import DashboardScreen
 from app.screens.launch import LaunchScreen
+from app.screens.seam import Services, TuiConfig
 from app.services.jobs.registry import Job, ProcessRecord, Registry
 from app.services.jobs.views import JobTracker
 from app.services.machine.procs import proc_info
-from app.tui import Services, TuiConfig, make_app
+from app.tui import make_app
 from app.widgets.fold_board import BoardModel, FoldBoard, RequestSpec
 from trainer.schema.atomic import atomic_write_text
 from trainer.schema.status import Status

@@ -34,6 +34,7 @@ from app.screens.dashboard import DashboardScreen
 from app.screens.job_detail import JobDetailScreen
 from app.screens.launch import LaunchScreen
 from app.screens.palette import NnuiCommands
+from app.screens.seam import Services, TuiConfig
 from app.services.jobs.registry import Job, ProcessRecord, Registry
 from app.services.jobs.views import JobTracker, watch_only_view
 from app.services.jobs.words import human_duration
@@ -46,7 +47,7 @@ from app.services.nnunet.log import EpochStats
 from app.services.nnunet.runs import TrainArgs, WatchOnlyRun
 from app.services.signals import send as signals
 from app.services.signals import targets
-from app.tui import Services, TuiConfig, make_app
+from app.tui import make_app
 from app.widgets.curves import CurvesPanel
 from app.widgets.dataset_picker import DatasetPicker
 from app.widgets.fold_board import FoldBoard
