@@ -80,7 +80,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TrainArgs:
-    """nnUNetv2_train's arguments (nnunetv2/run/run_training.py), as given."""
+    """The arguments of a training command line found running, as given: nnUNetv2_train's
+    (nnunetv2/run/run_training.py; parse_train_argv here) or nnui-train's (an adopted run;
+    trainer/training/train_args.py, parsed by jobs.discovery.parse_args)."""
 
     dataset: str  # id or DatasetXXX_Name, as typed
     configuration: str
@@ -91,6 +93,8 @@ class TrainArgs:
     device: str = "cuda"
     npz: bool = False
     continue_training: bool = False
+    results: str | None = None  # nnui-train's --results
+    rest: tuple[str, ...] = ()  # nnui-train: everything after the three positionals, as given
 
 
 def _entry_index(cmdline: Sequence[str]) -> int | None:
