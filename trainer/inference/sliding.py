@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.inference.windows import gaussian_importance, window_starts
+from trainer.network import precision
 
 # Voxels of input per forward pass on a GPU: several windows per batch keep it busy; the
 # cap bounds activations. On CPU one 3D window per pass: activations grow with the batch
@@ -155,9 +156,7 @@ def sliding_window_probabilities(
 def _autocast_for(
     device: torch.device, dtype: torch.dtype | None
 ) -> Callable[[], AbstractContextManager]:
-    if dtype is None:
-        return lambda: torch.autocast(device.type, enabled=False)
-    return lambda: torch.autocast(device.type, dtype=dtype)
+    return lambda: precision.autocast(device.type, dtype)
 
 
 @torch.inference_mode()

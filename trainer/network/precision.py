@@ -64,6 +64,16 @@ def autocast_dtype(choice: str, device_type: str) -> Any:
     return None
 
 
+def autocast(device_type: str, dtype: Any) -> Any:
+    """The one autocast context of training and inference: to `dtype` (autocast_dtype's
+    answer) on `device_type`, or switched off (float32) when dtype is None."""
+    import torch
+
+    if dtype is None:
+        return torch.autocast(device_type, enabled=False)
+    return torch.autocast(device_type, dtype=dtype)
+
+
 def describe(dtype: Any) -> str:
     """For the console log: "bf16 autocast", "fp16 autocast" or "float32"."""
     if dtype is None:

@@ -19,6 +19,7 @@ import torch
 from trainer import stop
 from trainer.checkpoint import store as checkpoint
 from trainer.data.labels import is_plain
+from trainer.network import precision
 from trainer.network.label_loss import validation_counts
 from trainer.schema.events import Kind
 from trainer.schema.status import State
@@ -139,9 +140,7 @@ class Checkpointer:
 
 
 def _autocast(trainee: Trainee):
-    if trainee.autocast_dtype is None:
-        return torch.autocast(trainee.device.type, enabled=False)
-    return torch.autocast(trainee.device.type, dtype=trainee.autocast_dtype)
+    return precision.autocast(trainee.device.type, trainee.autocast_dtype)
 
 
 def train_iterations(
