@@ -202,7 +202,8 @@ def _build(norm: str, cplan, plans, recompute: bool):
     """The trainer's network; norm="group" swaps in GroupNorm(C, C) during construction."""
     from torch import nn
 
-    from trainer.network import unet as model_module
+    from trainer.network import build as model_module
+    from trainer.network import unet
 
     if norm == "instance":
         return model_module.build_network(
@@ -214,15 +215,15 @@ def _build(norm: str, cplan, plans, recompute: bool):
         # One group per channel: the same statistics as instance norm, another kernel.
         return nn.GroupNorm(channels, channels, eps=eps, affine=affine)
 
-    saved = dict(model_module._NORM)
-    model_module._NORM.update({2: group_norm, 3: group_norm})
+    saved = dict(unet.NORM)
+    unet.NORM.update({2: group_norm, 3: group_norm})
     try:
         return model_module.build_network(
             cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim,
             recompute_norm=recompute,
         )  # fmt: skip
     finally:
-        model_module._NORM.update(saved)
+        unet.NORM.update(saved)
 
 
 def _compiled(model, mode: str):

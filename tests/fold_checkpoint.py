@@ -14,7 +14,7 @@ def write_checkpoint(demo, results: Path, configuration: str, fold: str, seed: i
     import torch
 
     from trainer.checkpoint import store
-    from trainer.network.unet import build_network
+    from trainer.network.build import build_network
     from trainer.planning.plans import load_plans
 
     plans = load_plans(demo.preprocessed / demo.dataset_name)

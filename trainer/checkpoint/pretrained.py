@@ -154,7 +154,7 @@ def network_shapes(plans: Any, cplan: Any) -> dict[str, tuple[int, ...]]:
     import torch
 
     from trainer.data.cascade import input_channels
-    from trainer.network.unet import build_network
+    from trainer.network.build import build_network
 
     with torch.device("meta"):  # a cascade's input: the image and the previous stage's one-hot
         net = build_network(cplan.network, input_channels(plans, cplan), plans.num_classes,

@@ -218,8 +218,8 @@ def _build_trainee(
 
     from trainer.data.cascade import input_channels
     from trainer.network import precision
+    from trainer.network.build import build_network
     from trainer.network.label_loss import make_loss
-    from trainer.network.unet import build_network
     from trainer.training import distributed
     from trainer.training.loop import Trainee
 

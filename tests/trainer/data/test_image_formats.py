@@ -145,7 +145,7 @@ def write_checkpoint(pre_root: Path, results: Path, configuration: str, fold: st
     import torch
 
     from trainer.checkpoint import store
-    from trainer.network.unet import build_network
+    from trainer.network.build import build_network
     from trainer.planning.plans import load_plans
 
     plans = load_plans(pre_root / DEMO_DATASET)

@@ -87,7 +87,7 @@ def validation_cases(demo) -> list[str]:
 def network(demo, num_classes: int | None = None, seed: int = 0):
     import torch
 
-    from trainer.network.unet import build_network
+    from trainer.network.build import build_network
     from trainer.planning.plans import load_plans
 
     plans = load_plans(demo.preprocessed / DATASET)
