@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.schema.status import ACTIVE_STATES, State
 
-if TYPE_CHECKING:  # jobs.py imports this module
+if TYPE_CHECKING:  # types only: the listing reads the views it is handed
     from app.services.jobs.registry import Job
     from app.services.jobs.views import JobView
 
