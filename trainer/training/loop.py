@@ -267,7 +267,7 @@ def _set_lr(trainee: Trainee, lr: float) -> None:
         group["lr"] = lr
 
 
-def _train_and_validate(
+def _run_epoch(
     config: TrainConfig,
     trainee: Trainee,
     epoch: int,
@@ -394,7 +394,7 @@ def run_epochs(
         trainee.stop_notice.epoch = epoch
         started = time.perf_counter()
         trainee.step_hook = running_loss.epoch_hook(recorder, epoch, config.iterations_per_epoch)
-        metrics = _train_and_validate(
+        metrics = _run_epoch(
             config, trainee, epoch, train_batches, val_batches, started, world_size
         )
         _update_ema(state, metrics.mean_dice)

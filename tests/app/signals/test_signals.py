@@ -555,7 +555,7 @@ def test_real_kill_refuses_a_forged_record(tmp_path: Path, carries: str | None) 
 
 
 def test_real_kill_in_the_supervisors_first_second_ends_killed(env: dict) -> None:
-    from app.services.jobs.views import derive_state
+    from app.services.jobs.job_state import derive_state
     from app.services.machine.procs import pids_with_job_id
 
     registry = Registry()
