@@ -35,7 +35,7 @@ import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 from app.services.machine.gpus import MachineSnapshot, parse_visible_devices
 from app.services.machine.procs import (
@@ -74,8 +74,11 @@ _ENTRY_SCRIPTS = ("nnUNetv2_train", "run_training.py")
 _ENTRY_MODULE = "nnunetv2.run.run_training"
 _VALUE_OPTIONS = {"-tr", "-p", "-pretrained_weights", "-num_gpus", "-device"}
 
-if TYPE_CHECKING:
-    from app.services.jobs.discovery import AdoptedRun
+
+class RefusedRun(Protocol):
+    """An adopted run (jobs.discovery.AdoptedRun, a layer above) as stop_refusal reads it."""
+
+    def refusal_line(self, action: str = "stop") -> str: ...
 
 
 @dataclass(frozen=True)
@@ -485,11 +488,11 @@ class StopRefusal:
 _USR1_BIT = 1 << (signal.SIGUSR1 - 1)
 
 
-def stop_refusal(run: WatchOnlyRun | AdoptedRun, sigcgt_mask: int | None = None) -> StopRefusal:
+def stop_refusal(run: WatchOnlyRun | RefusedRun, sigcgt_mask: int | None = None) -> StopRefusal:
     """Why nnui does not stop this run (it is never signalled); SigCgt is read fresh.
     Another user's adopted nnui-train run (discovery.py) says whose it is, in one line."""
     if getattr(run, "adopted", False):
-        line = cast("AdoptedRun", run).refusal_line()
+        line = cast("RefusedRun", run).refusal_line()
         return StopRefusal(line.removeprefix("refused to stop ").partition(": ")[2], ())
     run = cast(WatchOnlyRun, run)  # the other kind of watched run
     mask = read_sigcgt_mask(run.pid) if sigcgt_mask is None else sigcgt_mask
