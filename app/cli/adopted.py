@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from app.cli.common import EXIT_NOTHING, EXIT_OK, EXIT_REFUSED, error
+from app.cli.common import error
 from app.cli.sending import not_confirmed, print_targets, send_and_report
 from app.services.jobs.discovery import RUN_ID_PREFIX
 from app.services.jobs.registry import Registry
@@ -24,7 +24,9 @@ from app.services.launch.fold_claims import ClaimRefused
 from app.services.signals.send import kill as kill_job
 from app.services.signals.send import slurm_step_of
 from app.services.signals.targets import plan_stop
-from trainer.schema import ENDED_STATES, State, resolve_roots
+from trainer.schema.exits import EXIT_NOTHING, EXIT_OK, EXIT_REFUSED
+from trainer.schema.status import ENDED_STATES, State
+from trainer.schema.tree import resolve_roots
 
 
 def is_adopted_id(text: str) -> bool:

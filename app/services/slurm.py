@@ -1,4 +1,4 @@
-"""`nnui sbatch`: write (and optionally submit) a SLURM job script for one fold (DESIGN §6).
+"""`nnui sbatch`: write (optionally submit) a SLURM script for one fold (docs/shared-box.md).
 
 Standard library only. The script asks SLURM for a USR1 some minutes before the time limit
 (`--signal=B:USR1@LEAD`) and turns it into a graceful stop of the trainer workers, so the
@@ -39,16 +39,11 @@ from typing import Any, NoReturn
 
 from app.services.launch.engines import ENGINES, NNUI, NNUNET, engine
 from app.services.launch.trainer_flags import flag_value, without_flags
-from trainer.schema import (
-    FOLDS,
-    NNUNET_EXT_DIR,
-    NNUNET_EXT_ENV,
-    ROOT_ENVS,
-    atomic_write_text,
-    find_dataset,
-    resolve_roots,
-    with_close_flag,
-)
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.exits import EXIT_OK, EXIT_USAGE
+from trainer.schema.flags import with_close_flag
+from trainer.schema.nnunet import NNUNET_EXT_DIR, NNUNET_EXT_ENV
+from trainer.schema.tree import FOLDS, ROOT_ENVS, find_dataset, resolve_roots
 
 _TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
 _NAME = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -412,7 +407,7 @@ def sbatch_main(argv: list[str]) -> int:
         spec, submit = spec_from_args(argv)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
         path = write_script(spec)
     except OSError as error:
@@ -422,15 +417,15 @@ def sbatch_main(argv: list[str]) -> int:
             "choose another --output",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_USAGE
     print(path)
     if not submit:
-        return 0
+        return EXIT_OK
     try:
         done = subprocess.run(["sbatch", str(path)], capture_output=True, text=True, check=False)
     except FileNotFoundError:
         print("error: sbatch not found: is this a SLURM login node?", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     sys.stdout.write(done.stdout)
     sys.stderr.write(done.stderr)
     return done.returncode

@@ -17,9 +17,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.schema import ACTIVE_STATES, State
+from trainer.schema.status import ACTIVE_STATES, State
 
-if TYPE_CHECKING:  # jobs.py imports this module
+if TYPE_CHECKING:  # types only: the listing reads the views it is handed
     from app.services.jobs.registry import Job
     from app.services.jobs.views import JobView
 

@@ -19,8 +19,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.services.jobs.discovery import TrainArgs, launched_args, parse_args, trainer_index
+from app.services.jobs.discovery import launched_args, parse_args, trainer_index
 from app.services.machine.procs import user_name
+from app.services.nnunet.runs import TrainArgs
 
 SLURM_ID_PREFIX = "slurm:"
 _TIMEOUT_S = 5

@@ -51,7 +51,7 @@ from app.widgets.job_table import (
     choose_layout,
     row_cells,
 )
-from trainer.schema import State
+from trainer.schema.status import State
 
 WATCHED = {"job", "state", "epoch", "dice", "its", "eta", "alerts"}
 ALL_COLUMNS = {key for key, _ in COLUMNS}
