@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.schema import LEGACY_PLANS, LEGACY_PLANS_FILE, is_legacy_identifier
+from trainer.schema.tree import LEGACY_PLANS, LEGACY_PLANS_FILE, is_legacy_identifier
 
 # Records written before start_ticks existed are compared by wall-clock start time, which
 # drifts with clock adjustments: a tolerance of ~1 s (a reused pid needs a full pid-space

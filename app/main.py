@@ -18,8 +18,8 @@ import argparse
 import logging
 import sys
 
-from app.cli.common import EXIT_OK, EXIT_USAGE
 from app.cli.parser import build_parser
+from trainer.schema.exits import EXIT_OK, EXIT_USAGE
 
 
 def main(argv: list[str] | None = None) -> int:

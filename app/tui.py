@@ -13,7 +13,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -22,49 +21,20 @@ from textual.app import App
 from textual.message import Message
 
 from app.screens.palette import NnuiCommands
+from app.screens.seam import Services, TuiConfig
 from app.services.cross_validation import cross_validation_eta_s
 from app.services.jobs.bell import NO_BELL_ENV
 from app.services.jobs.identity import watched_roots
 from app.services.launch import catalog, launcher
-from trainer.schema import LIVE_STATES, Roots, resolve_roots
+from trainer.schema.status import LIVE_STATES
+from trainer.schema.tree import resolve_roots
 
 if TYPE_CHECKING:  # imported where used (the app starts before it reads anything)
-    from app.services.jobs.registry import Registry
     from app.services.jobs.views import JobTracker, JobView
     from app.services.machine.gpu_history import PanelReadings
-    from app.services.machine.gpus import GpuMonitor, MachineSnapshot
-    from app.services.machine.host import LoadSampler
+    from app.services.machine.gpus import MachineSnapshot
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TuiConfig:
-    simulate_gpus: int | None = None
-    readonly: bool = False
-    no_mouse: bool = False
-    bell: bool = True  # ring when a job finishes, fails or stalls (bell.py)
-    roots: Roots = field(default_factory=resolve_roots)
-    state_dir: Path | None = None  # None: the registry's default (NNUI_STATE_DIR, ~/.local/state)
-    gpu_interval_s: float = 1.0  # DESIGN §6 refresh budget
-    jobs_interval_s: float = 1.0  # logs 0.5-1 s
-    procs_interval_s: float = 2.0
-    # The host line (CPU %, RAM, load): the kernel's load average moves every 5 s, and each
-    # change costs a frame, so the line follows the load average's pace.
-    host_interval_s: float = 5.0
-    cpu_slots: int = 1
-    theme: str = "dark"  # dark | light (THEMES); the palette can switch it at any time
-    cache_dir: Path | None = None  # GPU history cache; None: $XDG_CACHE_HOME/nnui
-
-
-@dataclass
-class Services:
-    """What the app talks to; tests may pass their own."""
-
-    monitor: GpuMonitor
-    registry: Registry
-    tracker: JobTracker
-    sampler: LoadSampler | None = None  # host line and GPU processes' load; None: a new one
 
 
 def default_services(config: TuiConfig) -> Services:
@@ -294,7 +264,7 @@ class NnuiApp(App):
 
     def _watch_only(self, tracker: JobTracker, views: list[JobView]) -> list[JobView]:
         """nnU-Net runs nnui did not start (rows marked watch-only). Finding them reads
-        /proc, so it runs at the processes' pace (DESIGN §6: 2 s), in the jobs thread."""
+        /proc, so it runs at the processes' pace (docs/tui.md: 2 s), in the jobs thread."""
         refresh = getattr(tracker, "refresh_watch_only", None)
         if refresh is None:
             return []

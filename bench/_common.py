@@ -398,12 +398,12 @@ def run_sampled(
     return SampledRun(rc, started, wall_s, sampler.tree_cpu_s(0.0, float("inf")), sampler)
 
 
-RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
+HISTORY_MD = Path(__file__).resolve().parent / "history.md"  # dated runs; RESULTS.md: the latest
 
 
-def append_results_md(lines: list[str]) -> None:
-    """Append a section (lines joined by newlines) to bench/RESULTS.md."""
-    with open(RESULTS_MD, "a") as handle:
+def append_history_md(lines: list[str]) -> None:
+    """Append a dated section (lines joined by newlines) to bench/history.md."""
+    with open(HISTORY_MD, "a") as handle:
         handle.write("\n".join(lines))
 
 

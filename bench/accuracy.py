@@ -32,7 +32,7 @@ Both sides train with torch's threads = cores
 nnUNet_n_proc_DA; nnui: loader threads); nnU-Net's final-validation export pool gets the
 same count (nnUNet_def_n_proc).
 The 1-minute load average before and after each run is kept (a shared box's load
-inflates wall time, not CPU-s). Figures are appended to bench/RESULTS.md.
+inflates wall time, not CPU-s). Figures are appended to bench/history.md.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # compare_nnunet adds the repo
 
 import accuracy_raw as rawmode
-from _common import append_results_md, machine_line, parsed_or_exit_code, ratio, run_sampled
+from _common import append_history_md, machine_line, parsed_or_exit_code, ratio, run_sampled
 from accuracy_raw import RawDataset, stage_s
 from compare_nnunet import (
     BENCH_DIR,
@@ -349,13 +349,13 @@ def append_results(argv: list[str], machine: str, config: str, lines: list[str],
         "```",
         "",
     ]
-    append_results_md(text)
+    append_history_md(text)
 
 
 def parse_args(argv: list[str]) -> AccuracyArgs:
     p = argparse.ArgumentParser(prog="accuracy", description=__doc__.splitlines()[0])
     p.add_argument("--work", default="/tmp/acc-bench", help="venv, data, runs (reused)")
-    # The defaults are the verdict's work (bench/RESULTS.md, ~50 min on 2 cores): long enough
+    # The defaults are the verdict's work (bench/history.md, ~50 min on 2 cores): long enough
     # that both sides learn the demo's small lesion, all five folds against the spread.
     p.add_argument("--cases", type=int, default=15)
     p.add_argument("--shape-scale", type=float, default=0.5, help="demo case size factor")
@@ -454,7 +454,7 @@ def train_all(a: AccuracyArgs, venv: Path, roots: dict[str, str]) -> list[FoldRu
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)  # the command line in RESULTS.md
+    argv = list(sys.argv[1:] if argv is None else argv)  # the command line in history.md
     a = parsed_or_exit_code(parse_args, argv)
     if isinstance(a, int):
         return a

@@ -7,7 +7,7 @@ Steps: a separate venv with nnunetv2==2.8.1 (reused when present; a constraints 
 the CPU torch), the demo dataset, nnU-Net's planning and preprocessing, nnui's
 preprocessing with nnU-Net's patch, batch and network written into nnui's plans, one
 splits_final.json for both, then short trainings alternated A B A B so drift cancels.
-Figures are appended to bench/RESULTS.md. Method: bench/RESULTS.md.
+Figures are appended to bench/history.md. Method: bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from _common import (  # noqa: E402
     TreeSampler,
-    append_results_md,
+    append_history_md,
     machine_line,
     median_or_nan,
     parsed_or_exit_code,
@@ -475,7 +475,7 @@ def append_results(
         )
     text += ["", "```", *lines, "```", "", "raw runs:", "", "```"]
     text += [json.dumps(asdict(r)) for r in runs] + ["```", ""]
-    append_results_md(text)
+    append_history_md(text)
 
 
 def parse_args(argv: list[str]) -> BenchArgs:
@@ -513,7 +513,7 @@ def parse_args(argv: list[str]) -> BenchArgs:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)  # the command line in RESULTS.md
+    argv = list(sys.argv[1:] if argv is None else argv)  # the command line in history.md
     a = parsed_or_exit_code(parse_args, argv)
     if isinstance(a, int):
         return a

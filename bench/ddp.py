@@ -27,10 +27,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainer import schema  # noqa: E402
 from trainer.demo import DEMO_DATASET, make_demo_dataset  # noqa: E402
 from trainer.planning.preprocess import preprocess_dataset  # noqa: E402
 from trainer.planning.rules import CPU_PLANNER, Overrides, PlannerOptions  # noqa: E402
+from trainer.schema.events import decode_event  # noqa: E402
+from trainer.schema.tree import DEFAULT_PLANS, EVENTS_FILE, run_dir  # noqa: E402
 
 PATCH = {"3d_fullres": (16, 32, 32), "2d": (32, 32)}
 
@@ -43,7 +44,7 @@ def _prepare(work: Path, configuration: str, batch: int, num_cases: int) -> Path
         overrides=Overrides(patch_size={configuration: PATCH[configuration]},
                             batch_size={configuration: batch}),
         # CPU-sized plans by name, under the default identifier the trainer reads
-        options=PlannerOptions(CPU_PLANNER, schema.DEFAULT_PLANS),
+        options=PlannerOptions(CPU_PLANNER, DEFAULT_PLANS),
     )  # fmt: skip
     return pre
 
@@ -63,9 +64,9 @@ def _run(pre: Path, results: Path, args: argparse.Namespace, num_gpus: int) -> d
     wall_s = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"error: run with -num_gpus {num_gpus} failed:\n{done.stdout[-3000:]}")
-    folder = schema.run_dir(results, DEMO_DATASET, args.configuration, "0")
-    lines = (folder / schema.EVENTS_FILE).read_text().splitlines()
-    epochs = [e for e in map(schema.decode_event, lines) if e and e["kind"] == "epoch_ended"]
+    folder = run_dir(results, DEMO_DATASET, args.configuration, "0")
+    lines = (folder / EVENTS_FILE).read_text().splitlines()
+    epochs = [e for e in map(decode_event, lines) if e and e["kind"] == "epoch_ended"]
     steady = epochs[1:] or epochs
     step_s = statistics.median(1 / e["iterations_per_s"] for e in steady)
     return {"num_procs": num_gpus, "step_s": step_s, "wall_s": wall_s}

@@ -8,7 +8,7 @@
                           [--profile] [--json FILE]
 
 Same network (trainer.network.unet from the plans), loss, optimiser and step code
-(trainer.loop.train_iterations) as nnui-train, but no data loading: the trainer's
+(trainer.training.loop.train_iterations) as nnui-train, but no data loading: the trainer's
 s/iteration divided by this is its overhead over pure compute. It also measures the data
 side alone: CPU seconds per sample of patch reading and of augmentation, in the loader
 threads as nnui-train runs them on CPU (`time.process_time()` of this process counts them).
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from trainer.allocator import MALLOC_CHOICES  # noqa: E402 - stdlib only, after the path
-from trainer.config import recomputes_norm  # noqa: E402
+from trainer.training.config import recomputes_norm  # noqa: E402
 
 
 @dataclass
@@ -99,7 +99,7 @@ def _fixed_batch_and_data_cost(cases, cplan, rank_batch, num_batches: int):
 
 def _one_rank_batch(global_batch: int):
     """The trainer's batch split for one process."""
-    from trainer.batch import split_global_batch
+    from trainer.training.batch import split_global_batch
 
     return split_global_batch(global_batch, 1)[0]
 
@@ -108,10 +108,10 @@ def measure(args: argparse.Namespace) -> FloorFigures:
     import torch
 
     from trainer.data.dataset import PreprocessedCases
-    from trainer.loop import Trainee, train_iterations
     from trainer.network.loss import DeepSupervisionLoss
     from trainer.planning.plans import load_plans
-    from trainer.schema import find_dataset, resolve_roots
+    from trainer.schema.tree import find_dataset, resolve_roots
+    from trainer.training.loop import Trainee, train_iterations
 
     roots = resolve_roots(preprocessed=args.preprocessed)
     dataset_dir = roots.preprocessed / find_dataset(roots.preprocessed, args.dataset)
@@ -137,7 +137,7 @@ def measure(args: argparse.Namespace) -> FloorFigures:
         fmt = torch.channels_last_3d if cplan.ndim == 3 else torch.channels_last
         model = model.to(memory_format=fmt)
         batch.data = batch.data.contiguous(memory_format=fmt)
-    # The same optimiser settings as trainer.worker (nnU-Net defaults).
+    # The same optimiser settings as trainer.training.worker (nnU-Net defaults).
     optimizer = torch.optim.SGD(
         model.parameters(), lr=1e-2, momentum=0.99, weight_decay=3e-5, nesterov=True
     )
@@ -202,7 +202,8 @@ def _build(norm: str, cplan, plans, recompute: bool):
     """The trainer's network; norm="group" swaps in GroupNorm(C, C) during construction."""
     from torch import nn
 
-    from trainer.network import unet as model_module
+    from trainer.network import build as model_module
+    from trainer.network import unet
 
     if norm == "instance":
         return model_module.build_network(
@@ -214,15 +215,15 @@ def _build(norm: str, cplan, plans, recompute: bool):
         # One group per channel: the same statistics as instance norm, another kernel.
         return nn.GroupNorm(channels, channels, eps=eps, affine=affine)
 
-    saved = dict(model_module._NORM)
-    model_module._NORM.update({2: group_norm, 3: group_norm})
+    saved = dict(unet.NORM)
+    unet.NORM.update({2: group_norm, 3: group_norm})
     try:
         return model_module.build_network(
             cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim,
             recompute_norm=recompute,
         )  # fmt: skip
     finally:
-        model_module._NORM.update(saved)
+        unet.NORM.update(saved)
 
 
 def _compiled(model, mode: str):
@@ -235,7 +236,7 @@ def _profile(trainee, batches) -> None:
     """Where one step's time goes, by operator (self CPU time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from trainer.loop import train_iterations
+    from trainer.training.loop import train_iterations
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         train_iterations(trainee, batches, 2, 12.0)
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--omp-default-spin",
         action="store_true",
-        help="libgomp's default spinning (nnui-train limits it on CPU: trainer/openmp.py)",
+        help="libgomp's default spinning (nnui-train limits it on CPU: trainer/training/openmp.py)",
     )
     p.add_argument("--data-batches", type=int, default=40, help="batches timed for data cost")
     p.add_argument("--profile", action="store_true", help="print a torch profiler table")
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
 
         allocator.reexec_with_caching_allocator("cpu", args.malloc)
     if argv is None and not args.omp_default_spin:  # and its OpenMP wait, as nnui-train
-        from trainer import openmp
+        from trainer.training import openmp
 
         openmp.limit_spinning("cpu")
     if args.iterations < 1 or args.data_batches < 1:

@@ -14,7 +14,7 @@ Runs, in this order, each with a time limit so that the whole stays under 8 minu
 and prints one table: it/s (median over the epochs after the first), GPU busy % (mean NVML
 utilisation of the run's GPUs while training iterations run), data wait % (share of the
 training time the step loop waited for a batch), peak GPU memory of the run's processes
-(NVML), wall time and pass/fail per check; the table is appended to bench/RESULTS.md
+(NVML), wall time and pass/fail per check; the table is appended to bench/history.md
 (not with --no-results). Exit 0 when nothing failed. Without a GPU it says so in one line
 and exits 2. `--device cpu` runs the same checks on the CPU (gloo, no NVML figures, no
 gpu-marked tests) to check the script itself.
@@ -288,7 +288,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iterations", type=int, default=40, help="iterations per epoch")
     p.add_argument("--configuration", default="3d_fullres", choices=("2d", "3d_fullres"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
+    p.add_argument("--no-results", action="store_true", help="do not append to history.md")
     args = p.parse_args(argv)
     args.work = Path(args.work).absolute()
     return args
@@ -335,7 +335,7 @@ def _record(lines: list[str], argv: list[str] | None) -> None:
     command = " ".join(argv if argv is not None else sys.argv[1:])
     text = [f"\n## gpu check {stamp}\n", f"- command: `python bench/gpu.py {command}`", "",
             "```", *lines, "```", ""]  # fmt: skip
-    with open(BENCH_DIR / "RESULTS.md", "a") as handle:
+    with open(BENCH_DIR / "history.md", "a") as handle:
         handle.write("\n".join(text))
 
 

@@ -44,11 +44,11 @@ sys.path.insert(0, str(REPO))
 
 from trainer.data.dataset import PreprocessedCases  # noqa: E402
 from trainer.data.loader import PatchLoader  # noqa: E402
-from trainer.loop import poly_lr  # noqa: E402
 from trainer.network import loss as loss_module  # noqa: E402
-from trainer.network.unet import build_network  # noqa: E402
+from trainer.network.build import build_network  # noqa: E402
 from trainer.planning.plans import load_plans  # noqa: E402
 from trainer.planning.splits import fold_cases, load_or_create_splits  # noqa: E402
+from trainer.training.loop import poly_lr  # noqa: E402
 
 DATASET_ID, DATASET = 900, "Dataset900_NnuiDemo"
 VAL_BATCHES, VAL_SEED = 8, 999

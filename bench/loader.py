@@ -40,7 +40,7 @@ from trainer.demo import DEMO_DATASET, make_demo_dataset
 from trainer.planning.plans import load_plans
 from trainer.planning.preprocess import preprocess_dataset
 from trainer.planning.rules import CPU_PLANNER, PlannerOptions
-from trainer.schema import DEFAULT_PLANS
+from trainer.schema.tree import DEFAULT_PLANS
 
 
 def _cpu_seconds(proc: psutil.Process) -> float:

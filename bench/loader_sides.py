@@ -8,7 +8,7 @@ nnU-Net: its own trainer's pieces, as its get_dataloaders() builds the training 
 (configure_rotation_dummyDA_mirroring_and_inital_patch_size, get_training_transforms with
 deep supervision, nnUNetDataLoader on fold 0's training cases, SingleThreadedAugmenter for
 0 workers else NonDetMultiThreadedAugmenter with N processes); no network is built. nnui:
-PatchLoader(augment=True) as trainer/worker.py builds it (same fold-0 training cases,
+PatchLoader(augment=True) as trainer/training/worker.py builds it (same fold-0 training cases,
 oversampling 0.33, use_mask_for_norm), N loader threads (its default worker mode). Both
 with one torch thread in this process. CPU seconds count this process and its children.
 """

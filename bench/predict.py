@@ -15,7 +15,7 @@ iteration, ended once checkpoint_final is written), written for nnU-Net in its t
 checkpoint layout with the same tensors (bench/nnunet_random_checkpoint.py,
 bench/nnunet_weights.py): both sides run the same model and their segmentations are
 compared voxel by voxel. Runs alternate A B A B; figures and ratios are appended to
-bench/RESULTS.md.
+bench/history.md.
 
 --precision: nnui-predict's --precision values to run, each a side of its own ("nnui" is
 its default, auto: bf16 autocast on CPUs with AMX; "nnui fp32" computes in float32, as
@@ -157,13 +157,14 @@ def ensure_data(raw: Path, test_cases: int, shape_scale: float) -> Path:
 def nnunet_model(a: PredictArgs, venv: Path, roots: dict[str, str], nnui_results: Path) -> dict:
     """nnU-Net's model folder whose checkpoint_final.pth holds nnui's trained weights under
     nnU-Net's names (cached): both sides predict with the same model."""
-    from trainer import schema
+    from trainer.schema.tree import checkpoint_file as schema_checkpoint_file
+    from trainer.schema.tree import run_dir as schema_run_dir
 
     results = a.work / "nnunet_results"
     model = results / DATASET / f"nnUNetTrainer__nnUNetPlans__{a.configuration}"
     info_path = model / "bench_model.json"
-    weights = schema.run_dir(nnui_results, DATASET, a.configuration, FOLD)
-    weights = weights / schema.checkpoint_file("final")
+    weights = schema_run_dir(nnui_results, DATASET, a.configuration, FOLD)
+    weights = weights / schema_checkpoint_file("final")
     if (model / f"fold_{FOLD}" / "checkpoint_final.pth").is_file() and info_path.is_file():
         info = json.loads(info_path.read_text())
         if info.get("weights") == str(weights):
@@ -185,11 +186,11 @@ def nnunet_model(a: PredictArgs, venv: Path, roots: dict[str, str], nnui_results
 def nnui_model(a: PredictArgs, pre_root: Path) -> Path:
     """nnui's checkpoint_final of one training iteration (the run is ended before its final
     validation, which is not part of the compared work)."""
-    from trainer import schema
+    from trainer.schema.tree import checkpoint_file, run_dir
 
     results = a.work / "nnui_results"
-    fold_dir = schema.run_dir(results, DATASET, a.configuration, FOLD)
-    if (fold_dir / schema.checkpoint_file("final")).is_file():
+    fold_dir = run_dir(results, DATASET, a.configuration, FOLD)
+    if (fold_dir / checkpoint_file("final")).is_file():
         return results
     shutil.rmtree(results, ignore_errors=True)
     # fmt: off
@@ -203,7 +204,7 @@ def nnui_model(a: PredictArgs, pre_root: Path) -> Path:
             rc = _wait_for_training(proc, fold_dir / "events.jsonl")
         finally:
             terminate_tree(proc.pid)
-    if rc != 0 or not (fold_dir / schema.checkpoint_file("final")).is_file():
+    if rc != 0 or not (fold_dir / checkpoint_file("final")).is_file():
         raise RuntimeError(f"nnui's short training failed (exit {rc}); see {a.work}/logs")
     return results
 
@@ -377,7 +378,7 @@ def append_results(a: PredictArgs, argv: list[str], machine: str, config: list[s
     text += [f"- command: `{' '.join(['python bench/predict.py', *argv])}`", *config]
     text += ["", "```", *body[0], "```", "", "raw runs:", "", "```"]
     text += [json.dumps(asdict(r)) for r in body[1]] + ["```", ""]
-    with open(BENCH_DIR / "RESULTS.md", "a") as handle:
+    with open(BENCH_DIR / "history.md", "a") as handle:
         handle.write("\n".join(text))
 
 
@@ -441,7 +442,7 @@ def setup(a: PredictArgs) -> tuple:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)  # also echoed into RESULTS.md
+    argv = sys.argv[1:] if argv is None else list(argv)  # also echoed into history.md
     if "--real" in argv:  # one real-size case, stage by stage (bench/predict_real.py)
         from predict_real import real_main
 

@@ -233,7 +233,7 @@ def nnui_stage(stage: str, paths: dict, work: Path, windows: int) -> dict:
         (work / "nnui_props.json").write_text(json.dumps(prepared.properties, default=_plain))
         return out
     if stage == "net":
-        from trainer.network.unet import build_network
+        from trainer.network.build import build_network
 
         net = build_network(
             cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim,

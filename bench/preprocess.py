@@ -9,7 +9,7 @@ each into a fresh temporary preprocessed folder under --work (never a user's tre
 alternated A B A B. nnU-Net runs with --verify_dataset_integrity by default because nnui
 always reads and checks every case before planning (--no-nnunet-verify leaves it out).
 Figures: wall time, CPU-s of the whole process tree (wait4's rusage: every descendant that
-was reaped), peak memory (RSS and PSS summed over the tree). Appended to bench/RESULTS.md.
+was reaped), peak memory (RSS and PSS summed over the tree). Appended to bench/history.md.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def append_results(a: PrepArgs, argv: list[str], machine: str, runs, lines) -> N
         "```",
         "",
     ]
-    with open(BENCH_DIR / "RESULTS.md", "a") as handle:
+    with open(BENCH_DIR / "history.md", "a") as handle:
         handle.write("\n".join(text))
 
 
@@ -183,7 +183,7 @@ def parse_args(argv: list[str]) -> PrepArgs:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)  # the command line in RESULTS.md
+    argv = list(sys.argv[1:] if argv is None else argv)  # the command line in history.md
     a = parsed_or_exit_code(parse_args, argv)
     if isinstance(a, int):
         return a

@@ -25,18 +25,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainer import schema  # noqa: E402
 from trainer.demo import DEMO_DATASET, make_demo_dataset  # noqa: E402
 from trainer.planning.plans import load_plans  # noqa: E402
 from trainer.planning.preprocess import preprocess_dataset  # noqa: E402
 from trainer.planning.rules import CPU_PLANNER, PlannerOptions  # noqa: E402
+from trainer.schema.events import decode_event  # noqa: E402
+from trainer.schema.tree import DEFAULT_PLANS, EVENTS_FILE, run_dir  # noqa: E402
 
 
 def _events(run: Path) -> list[dict]:
-    path = run / schema.EVENTS_FILE
+    path = run / EVENTS_FILE
     if not path.exists():
         return []
-    return [e for e in map(schema.decode_event, path.read_text().splitlines()) if e]
+    return [e for e in map(decode_event, path.read_text().splitlines()) if e]
 
 
 def _trainer(args: list[str], log: Path) -> subprocess.Popen:
@@ -60,7 +61,7 @@ def throughput(pre: Path, results: Path, config: str, batch: int, opts: argparse
     wall_s = time.perf_counter() - started
     if rc != 0:
         raise SystemExit(f"{config} run failed (exit {rc}); see {results / f'{config}.log'}")
-    records = _events(schema.run_dir(results, DEMO_DATASET, config, "0"))
+    records = _events(run_dir(results, DEMO_DATASET, config, "0"))
     epochs = [e for e in records if e["kind"] == "epoch_ended"]
     its = epochs[-1]["iterations_per_s"]
     writes = [e["write_time_s"] for e in records if e["kind"] == "checkpoint_saved"]
@@ -78,7 +79,7 @@ def stop_latency(pre: Path, results: Path, config: str, opts: argparse.Namespace
         "--num-workers", str(opts.num_workers), "--preprocessed", str(pre),
         "--results", str(results / "stop"),
     ]  # fmt: skip
-    run = schema.run_dir(results / "stop", DEMO_DATASET, config, "0")
+    run = run_dir(results / "stop", DEMO_DATASET, config, "0")
     proc = _trainer(args, results / "stop.log")
     try:
         # After epoch 0 the trainer writes checkpoint_best; once that is recorded it is
@@ -126,7 +127,7 @@ def main() -> int:
         # CPU-sized plans by name, under the default identifier the trainer reads
         preprocess_dataset(work / "raw", pre, "900", configurations=tuple(opts.configurations),
                            num_processes=2,
-                           options=PlannerOptions(CPU_PLANNER, schema.DEFAULT_PLANS))  # fmt: skip
+                           options=PlannerOptions(CPU_PLANNER, DEFAULT_PLANS))  # fmt: skip
     plans = load_plans(pre / DEMO_DATASET)
     print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; device {opts.device}")
     rows = []

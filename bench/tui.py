@@ -104,7 +104,7 @@ def add_probe_job(roots, state: Path) -> Path:
             processes=[ProcessRecord(os.getpid(), created, "trainer", None, ticks)],
         )
     )  # fmt: skip
-    from trainer.schema import Kind, encode_event
+    from trainer.schema.events import Kind, encode_event
 
     events = folder / "events.jsonl"
     events.write_text(encode_event(Kind.RUN_STARTED, num_epochs=100, fold="0", world_size=1))
@@ -137,7 +137,7 @@ def end_job_processes(state_dir: Path) -> None:
 
 
 async def measure(app, probe_events: Path, seconds: float, num_jobs: int, epoch_s: float) -> dict:
-    from trainer.schema import Kind, encode_event
+    from trainer.schema.events import Kind, encode_event
 
     figures: dict = {}
     async with app.run_test(size=(160, 48)) as pilot:
@@ -209,8 +209,9 @@ def main() -> int:
         print("error: --seconds and --epoch-s must be > 0, --jobs between 1 and 10",
               file=sys.stderr)  # fmt: skip
         return 2
-    from app.tui import TuiConfig, make_app
-    from trainer.schema import Roots
+    from app.screens.seam import TuiConfig
+    from app.tui import make_app
+    from trainer.schema.tree import Roots
 
     work = Path(tempfile.mkdtemp(prefix="nnui_bench_"))
     roots = Roots(work / "raw", work / "preprocessed", work / "results")

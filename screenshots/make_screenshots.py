@@ -30,8 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app.tui import TuiConfig, make_app  # noqa: E402
-from trainer.schema import Roots  # noqa: E402
+from app.screens.seam import TuiConfig  # noqa: E402
+from app.tui import make_app  # noqa: E402
+from trainer.schema.tree import Roots  # noqa: E402
 
 OUT = ROOT / "screenshots"
 SIZE = (160, 48)

@@ -46,7 +46,7 @@ def demo_preprocessed(demo_raw, tmp_path_factory) -> DemoPreprocessed:
     from trainer.demo import DEMO_DATASET
     from trainer.planning.preprocess import preprocess_dataset
     from trainer.planning.rules import CPU_PLANNER, Overrides, PlannerOptions
-    from trainer.schema import DEFAULT_PLANS
+    from trainer.schema.tree import DEFAULT_PLANS
 
     preprocessed = tmp_path_factory.mktemp("preprocessed")
     results = tmp_path_factory.mktemp("results")

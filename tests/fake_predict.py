@@ -15,7 +15,7 @@ from trainer import stop
 stop.install_at_start()
 
 from trainer.inference.events import PredictionEvents  # noqa: E402 (after the handler)
-from trainer.schema import Kind  # noqa: E402
+from trainer.schema.events import Kind  # noqa: E402
 
 parser = argparse.ArgumentParser(allow_abbrev=False)
 parser.add_argument("--events", required=True)

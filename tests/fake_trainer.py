@@ -1,4 +1,4 @@
-"""A stand-in for `python -m trainer` that writes the DESIGN §3 files and obeys §4 signals.
+"""A stand-in for `python -m trainer`: writes the run files, obeys the signals (docs/contract.md).
 
 Stdlib only and fast, for the app's tests (launcher, stop safety, TUI Pilot tests):
     python tests/fake_trainer.py DATASET CONFIG FOLD [-device cpu] [--epochs N]
@@ -37,18 +37,10 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-from trainer.schema import (  # noqa: E402
-    EVENTS_FILE,
-    Kind,
-    State,
-    Status,
-    atomic_write_text,
-    encode_event,
-    find_dataset,
-    read_status,
-    resolve_roots,
-    run_dir,
-)
+from trainer.schema.atomic import atomic_write_text  # noqa: E402
+from trainer.schema.events import Kind, encode_event  # noqa: E402
+from trainer.schema.status import State, Status, read_status  # noqa: E402
+from trainer.schema.tree import EVENTS_FILE, find_dataset, resolve_roots, run_dir  # noqa: E402
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

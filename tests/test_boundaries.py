@@ -1,5 +1,5 @@
-"""DESIGN §1 import rules: the TUI never pulls in torch, the trainer never pulls in textual,
-and no import cycle inside app/ or trainer/ (module-level and function-level imports both:
+"""Import rules (docs/layout.md): the TUI never pulls in torch, the trainer never pulls in
+textual, and no import cycle inside app/ or trainer/ (module-level and function-level imports both:
 a cycle hidden in a function is the same tangle, only deferred)."""
 
 from __future__ import annotations
@@ -59,7 +59,22 @@ def test_app_imports_only_the_schema_from_the_trainer() -> None:
     used = set()
     for path in (ROOT / "app").rglob("*.py"):
         used |= trainer_modules_imported_by_app(path)
-    assert used <= {"trainer.schema"}, used
+    outside = {m for m in used if m != "trainer.schema" and not m.startswith("trainer.schema.")}
+    assert outside == set(), outside
+
+
+def test_the_schema_is_one_small_module_per_topic() -> None:
+    """trainer.schema is a package of topic modules, each of them short, none of them a
+    facade: its __init__ holds a docstring only."""
+    folder = ROOT / "trainer" / "schema"
+    topics = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    assert {"events", "status", "tree", "atomic", "flags", "exits"} <= topics
+    init = ast.parse((folder / "__init__.py").read_text())
+    assert all(isinstance(n, ast.Expr) for n in init.body), (
+        "trainer/schema/__init__.py: docstring only"
+    )
+    sizes = {p.name: len(p.read_text().splitlines()) for p in folder.glob("*.py")}
+    assert max(sizes.values()) <= 300, sizes
 
 
 def test_trainer_package_init_is_empty() -> None:
@@ -70,7 +85,10 @@ def test_trainer_package_init_is_empty() -> None:
     ("module", "absent"),
     [
         ("app.main", ["torch", "numpy", "blosc2", "safetensors"]),
-        ("trainer.schema", ["torch", "numpy"]),
+        *(
+            (f"trainer.schema.{p.stem}", ["torch", "numpy"])
+            for p in sorted((ROOT / "trainer" / "schema").glob("*.py"))
+        ),
     ],
 )
 def test_importing_does_not_pull_heavy_modules(module: str, absent: list[str]) -> None:
@@ -108,13 +126,16 @@ def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
             stack.append(child)
 
 
-def imported_modules(path: Path, known: set[str], root: Path = ROOT) -> set[str]:
+def imported_modules(
+    path: Path, known: set[str], root: Path = ROOT, with_types: bool = False
+) -> set[str]:
     """The project modules `path` imports anywhere (top level or inside a function).
     `from pkg import name` counts as `pkg.name` when that is a module, else as `pkg`."""
     here = module_name(path, root)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
     found: set[str] = set()
-    for node in _runtime_nodes(ast.parse(path.read_text(), filename=str(path))):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree) if with_types else _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -129,11 +150,13 @@ def imported_modules(path: Path, known: set[str], root: Path = ROOT) -> set[str]
 
 
 def import_graph(
-    root: Path = ROOT, packages: tuple[str, ...] = CYCLE_PACKAGES
+    root: Path = ROOT, packages: tuple[str, ...] = CYCLE_PACKAGES, with_types: bool = False
 ) -> dict[str, set[str]]:
+    """Module -> the project modules it imports; `with_types` counts the imports under
+    `if TYPE_CHECKING:` too (a circle of types is the same tangle for a reader)."""
     paths = [p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))]
     known = {module_name(p, root) for p in paths}
-    return {module_name(p, root): imported_modules(p, known, root) for p in paths}
+    return {module_name(p, root): imported_modules(p, known, root, with_types) for p in paths}
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
@@ -213,6 +236,7 @@ def test_graph_counts_function_level_and_relative_imports_not_type_checking(
     assert graph["pkg.sub.x"] == {"pkg.c", "pkg.d"}
     assert graph["pkg.d"] == set()  # TYPE_CHECKING imports never run
     assert import_cycles(graph) == [frozenset({"pkg.a", "pkg.b"})]
+    assert import_graph(tmp_path, ("pkg",), with_types=True)["pkg.d"] == {"pkg.e"}
 
 
 def test_no_import_cycles_in_app_and_trainer() -> None:
@@ -482,3 +506,26 @@ def test_no_function_is_longer_than_the_limit() -> None:
             if long:
                 offenders[relative] = long
     assert offenders == {}, f"split these into helpers of <= {MAX_FUNCTION_LINES} lines"
+
+
+def test_no_import_circle_in_the_app_even_through_type_only_imports() -> None:
+    """The screens share their types through leaf modules (screens/seam.py: the app's config,
+    services and seam; screens/choices.py: the dialogs' rows), so no screen imports app.tui
+    or another screen for a type, and the app's graph has no circle even with the
+    `if TYPE_CHECKING:` imports counted."""
+    cycles = import_cycles(import_graph(packages=("app",), with_types=True))
+    assert cycles == [], "import circles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
+
+
+def test_a_type_only_circle_is_caught(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import x\n"
+    )
+    assert import_cycles(import_graph(tmp_path, ("pkg",))) == []
+    assert import_cycles(import_graph(tmp_path, ("pkg",), with_types=True)) == [
+        frozenset({"pkg.a", "pkg.b"})
+    ]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NNUI_SUBCOMMANDS = ("status", "stop", "resume", "kill", "launch", "predict", "watch", "cv",
@@ -85,3 +87,48 @@ def test_the_readme_is_a_short_front_page_with_the_ci_test_command() -> None:
     assert len(readme.splitlines()) <= 150
     assert re.search(r"^make test\b", readme, flags=re.MULTILINE)  # .ci/run runs `make test`
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_code_points_to_docs_pages_not_to_design_sections() -> None:
+    """Comments name a page under docs/ (in the repository), never a section of a design
+    document outside it; a docs/ page a comment names exists."""
+    stale, missing = [], []
+    for folder in ("app", "trainer", "tests", "bench"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text()
+            where = path.relative_to(ROOT)
+            stale += [f"{where}" for _ in re.finditer("DESIGN" + r" \u00a7", text)]
+            missing += [f"{where}: {m}" for m in set(re.findall(r"docs/[\w-]+\.md", text))
+                        if not (ROOT / m).is_file()]  # fmt: skip
+    assert stale == [] and missing == []
+
+
+def mapped_paths(page: Path) -> set[str]:
+    """The files a module map names: its code blocks drawn as trees (`app/`, then indented
+    `screens/`, then `seam.py`), each name joined to the folders above it."""
+    found: set[str] = set()
+    for block in re.findall(r"```\n(.*?)```", page.read_text(), re.S):
+        stack: list[tuple[int, str]] = []
+        for line in block.splitlines():
+            match = re.match(r"( *)([\w.]+/|[\w.]+\.py)(\s|$)", line)
+            if not match:
+                continue
+            indent, name = len(match.group(1)), match.group(2)
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            if name.endswith("/"):
+                stack.append((indent, name))
+            else:
+                found.add("".join(folder for _, folder in stack) + name)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("package", "page"), [("app", "layout-app.md"), ("trainer", "layout-trainer.md")]
+)
+def test_the_module_maps_list_every_module(package: str, page: str) -> None:
+    listed = mapped_paths(ROOT / "docs" / page)
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / package).rglob("*.py")
+               if p.name != "__init__.py"}  # fmt: skip
+    assert sorted(modules - listed) == []
+    assert sorted(m for m in listed - modules if m.startswith(package + "/")) == []

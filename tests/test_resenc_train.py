@@ -17,9 +17,10 @@ import pytest
 from test_ddp_e2e import Procs, assert_clean_finish, torchrun
 from test_trainer_run import events, finish, losses, model_tensors, start, wait_for
 
-from trainer import schema
 from trainer.demo import make_demo_dataset
 from trainer.planning import preprocess
+from trainer.schema.status import read_status
+from trainer.schema.tree import Roots, run_dir
 
 DATASET = "Dataset900_NnuiDemo"
 PRESET = "nnuiResEncUNetMPlans"
@@ -70,7 +71,7 @@ def test_preset_writes_only_its_plans_on_the_default_data(resenc):
 def test_board_lists_every_nnui_plans_identifier_and_not_nnunets(resenc, tmp_path):
     from app.services.launch import catalog, engines
 
-    roots = schema.Roots(resenc["raw"], resenc["pre"], tmp_path)
+    roots = Roots(resenc["raw"], resenc["pre"], tmp_path)
     listed = {(d.plans, c.name, c.batch_size)
               for d in catalog.list_engine_datasets(roots, engines.engine("nnui"))
               for c in d.configurations}  # fmt: skip
@@ -176,7 +177,7 @@ def _argv(resenc: dict, results: Path, *extra: str) -> list[str]:
 
 
 def _run_dir(results: Path) -> Path:
-    return schema.run_dir(results, DATASET, "3d_fullres", "0", plans=PRESET)
+    return run_dir(results, DATASET, "3d_fullres", "0", plans=PRESET)
 
 
 @pytest.mark.slow
@@ -186,7 +187,7 @@ def test_resenc_stop_and_continue_equal_an_uninterrupted_run(resenc, tmp_path):
     b = start(_argv(resenc, split), tmp_path / "b.log")
     folder = _run_dir(split)
     try:
-        wait_for(lambda: (s := schema.read_status(folder)) is not None and s.state == "running", b)
+        wait_for(lambda: (s := read_status(folder)) is not None and s.state == "running", b)
         b.send_signal(signal.SIGUSR1)
         assert finish(b) == 0, (tmp_path / "b.log").read_text()
         assert finish(a) == 0, (tmp_path / "a.log").read_text()

@@ -21,7 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer import schema, stop
+from trainer import stop
+from trainer.schema.events import decode_event
+from trainer.schema.status import read_status
+from trainer.schema.tree import EVENTS_FILE, run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSOLE_SCRIPT = str(Path(sys.executable).parent / "nnui-train")
@@ -111,19 +114,19 @@ def _train_argv(demo, results: Path, *extra: str) -> list[str]:
 
 
 def _run_dir(results: Path) -> Path:
-    return schema.run_dir(results, "Dataset900_NnuiDemo", "2d", "0")
+    return run_dir(results, "Dataset900_NnuiDemo", "2d", "0")
 
 
 def _kinds(results: Path) -> list[str]:
-    lines = (_run_dir(results) / schema.EVENTS_FILE).read_text().splitlines()
-    return [schema.decode_event(line)["kind"] for line in lines]
+    lines = (_run_dir(results) / EVENTS_FILE).read_text().splitlines()
+    return [decode_event(line)["kind"] for line in lines]
 
 
 def _assert_stopped_before_training(results: Path, log: str) -> None:
     kinds = _kinds(results)
     assert kinds[-2:] == ["stop_requested", "stopped"], log
     assert "epoch_ended" not in kinds
-    assert schema.read_status(_run_dir(results)).state == "stopped"
+    assert read_status(_run_dir(results)).state == "stopped"
 
 
 @pytest.mark.slow

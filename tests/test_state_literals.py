@@ -1,4 +1,4 @@
-"""Job states come from trainer.schema.State and its named sets, never spelled as strings.
+"""Job states come from trainer.schema.status.State and its named sets, never spelled as strings.
 
 A string that equals a state and is compared (`state == "running"`, `state in ("queued",
 "starting")`, `case "failed":`) or grouped into a tuple/set/list of states is a second
@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from trainer.schema import State
+from trainer.schema.status import State
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_WORDS = frozenset(state.value for state in State)
@@ -70,4 +70,6 @@ def test_no_job_state_is_spelled_as_a_string_in_app_or_trainer() -> None:
             tree = ast.parse(path.read_text(), filename=str(path))
             rel = path.relative_to(ROOT)
             offenders += [f"{rel}:{line}: {word!r}" for line, word in state_literals(tree)]
-    assert not offenders, "use trainer.schema.State or its named sets:\n" + "\n".join(offenders)
+    assert not offenders, "use trainer.schema.status.State or its named sets:\n" + "\n".join(
+        offenders
+    )

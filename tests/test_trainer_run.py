@@ -14,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer import schema
 from trainer.run import main
+from trainer.schema.events import decode_event
+from trainer.schema.status import read_status
+from trainer.schema.tree import EVENTS_FILE
+from trainer.schema.tree import run_dir as schema_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,12 +105,12 @@ def finish(proc: subprocess.Popen, timeout_s: float = 240) -> int:
 
 
 def run_dir(results: Path, configuration: str = "2d") -> Path:
-    return schema.run_dir(results, "Dataset900_NnuiDemo", configuration, "0")
+    return schema_run_dir(results, "Dataset900_NnuiDemo", configuration, "0")
 
 
 def events(folder: Path) -> list[dict]:
-    lines = (folder / schema.EVENTS_FILE).read_text().splitlines()
-    return [schema.decode_event(line) for line in lines]
+    lines = (folder / EVENTS_FILE).read_text().splitlines()
+    return [decode_event(line) for line in lines]
 
 
 def wait_for(predicate, proc: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -297,7 +300,7 @@ def test_full_run_writes_every_file_and_event_and_lines_stay_whole(demo_preproce
     def tail() -> None:  # a reader polling by offset must only ever see complete lines
         offset, pending = 0, b""
         while not done.is_set():
-            path = folder / schema.EVENTS_FILE
+            path = folder / EVENTS_FILE
             if path.exists():
                 with open(path, "rb") as handle:
                     handle.seek(offset)
@@ -307,7 +310,7 @@ def test_full_run_writes_every_file_and_event_and_lines_stay_whole(demo_preproce
                 *complete, pending = pending.split(b"\n")
                 for line in complete:
                     seen_lines.append(line.decode())
-                    if schema.decode_event(line) is None:
+                    if decode_event(line) is None:
                         torn.append(line.decode())
             time.sleep(0.005)
 
@@ -350,7 +353,7 @@ def test_full_run_writes_every_file_and_event_and_lines_stay_whole(demo_preproce
         assert EVENT_FIELDS[record["kind"]] <= set(record), record
     topology = next(e for e in records if e["kind"] == "topology")
     assert len(topology["ranks"]) == 1 and set(topology["ranks"][0]) >= RANK_FIELDS
-    status = schema.read_status(folder)
+    status = read_status(folder)
     assert status.state == "finished" and status.epoch == 2 and status.pids == [proc.pid]
     summary = json.loads((folder / "validation" / "summary.json").read_text())
     assert len(summary["metric_per_case"]) == 2 and set(summary["mean"]) == {"1", "2"}
@@ -398,7 +401,7 @@ def test_sigusr1_stops_after_the_epoch_and_continue_is_exact(demo_preprocessed, 
     b = start([*train_argv(demo_preprocessed, split), *base], tmp_path / "b.log")
     try:
         folder = run_dir(split)
-        wait_for(lambda: (s := schema.read_status(folder)) is not None and s.state == "running", b)
+        wait_for(lambda: (s := read_status(folder)) is not None and s.state == "running", b)
         b.send_signal(signal.SIGUSR1)
         b.send_signal(signal.SIGUSR1)  # a second request changes nothing
         assert finish(b) == 0, (tmp_path / "b.log").read_text()
@@ -412,7 +415,7 @@ def test_sigusr1_stops_after_the_epoch_and_continue_is_exact(demo_preprocessed, 
     stop_event = next(e for e in events(folder) if e["kind"] == "stop_requested")
     assert stop_event["ranks"] == [0] and stop_event["epoch"] == 0
     assert next(e for e in events(folder) if e["kind"] == "stopped")["reason"] == "SIGUSR1"
-    assert schema.read_status(folder).state == "stopped"
+    assert read_status(folder).state == "stopped"
     from trainer.checkpoint import store
 
     tensors, meta = store.load(folder / "checkpoint_latest.safetensors")
@@ -461,12 +464,12 @@ def test_sigusr1_during_start_up_exits_0_and_continue_starts_fresh(demo_preproce
             proc.kill()
     folder = run_dir(tmp_path)
     assert [e["kind"] for e in events(folder)][-2:] == ["stop_requested", "stopped"]
-    assert schema.read_status(folder).state == "stopped"
+    assert read_status(folder).state == "stopped"
     assert not list(folder.glob("*.safetensors"))  # nothing trained, nothing to save
     again = start([*train_argv(demo_preprocessed, tmp_path), "--c"], tmp_path / "b.log")
     assert finish(again) == 0
     assert "no valid checkpoint" in (tmp_path / "b.log").read_text()
-    assert schema.read_status(folder).state == "finished"
+    assert read_status(folder).state == "finished"
 
 
 @pytest.mark.slow
@@ -474,9 +477,7 @@ def test_sigterm_records_failed_and_exits_nonzero(demo_preprocessed, tmp_path):
     proc = start([*train_argv(demo_preprocessed, tmp_path), "--epochs", "50"], tmp_path / "a.log")
     try:
         folder = run_dir(tmp_path)
-        wait_for(
-            lambda: (s := schema.read_status(folder)) is not None and s.state == "running", proc
-        )
+        wait_for(lambda: (s := read_status(folder)) is not None and s.state == "running", proc)
         proc.terminate()
         assert finish(proc) == 128 + signal.SIGTERM
     finally:
@@ -484,7 +485,7 @@ def test_sigterm_records_failed_and_exits_nonzero(demo_preprocessed, tmp_path):
             proc.kill()
     failed = events(folder)[-1]
     assert failed["kind"] == "failed" and "SIGTERM" in failed["message"] and failed["traceback"]
-    status = schema.read_status(folder)
+    status = read_status(folder)
     assert status.state == "failed" and "SIGTERM" in status.message
 
 

@@ -23,16 +23,12 @@ from textual import events
 from textual.css.query import NoMatches
 from textual.keys import _character_to_key
 
-from app.tui import NnuiApp, TuiConfig, make_app
-from trainer.schema import (
-    EVENTS_FILE,
-    Kind,
-    Roots,
-    Status,
-    atomic_write_text,
-    encode_event,
-    run_dir,
-)
+from app.screens.seam import TuiConfig
+from app.tui import NnuiApp, make_app
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.events import Kind, encode_event
+from trainer.schema.status import Status
+from trainer.schema.tree import EVENTS_FILE, Roots, run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_TRAINER = ROOT / "tests" / "fake_trainer.py"

@@ -5,7 +5,7 @@ large freed block back to the kernel and the next step faults in fresh zeroed pa
 of a 3D U-Net step here); told to keep them, its heap fragments (~0.6 GiB above the live
 peak at 64x80x80, batch 2). A caching allocator does both well: tcmalloc ran the same step
 as fast as the tuned glibc at the live peak (1.85 vs 2.5 GiB; jemalloc 1.94 GiB;
-bench/RESULTS.md). So on CPU, `nnui-train` re-executes itself once, with the same pid,
+bench/history.md). So on CPU, `nnui-train` re-executes itself once, with the same pid,
 argv and environment plus LD_PRELOAD, when one of them is installed (Debian:
 libtcmalloc-minimal4 or libjemalloc2), and otherwise tunes glibc after the first step.
 `--malloc glibc` keeps glibc. Intel's CPU launcher for PyTorch preloads them the same way.
@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 from trainer import stop
 
-# Preference order: what measured best first (bench/RESULTS.md).
+# Preference order: what measured best first (bench/history.md).
 CACHING_ALLOCATORS = ("tcmalloc_minimal", "tcmalloc", "jemalloc")
 MALLOC_CHOICES = ("auto", "glibc")
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from trainer.cli import OneLineParser
+from trainer.cli import OneLineParser, usage_error
 from trainer.data.image_io import write_nifti
-from trainer.schema import resolve_roots
+from trainer.schema.exits import EXIT_OK
+from trainer.schema.tree import resolve_roots
 
 DEMO_DATASET = "Dataset900_NnuiDemo"
 DEFAULT_NUM_CASES = 20
@@ -139,21 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape-scale", type=float, default=1.0, help="scale case shapes (tests)")
     args = parser.parse_args(argv)
     if args.cases < 1:
-        print("error: --cases must be >= 1", file=sys.stderr)
-        return 2
+        return usage_error("--cases must be >= 1")
     if args.test_cases < 0:
-        print("error: --test-cases must be >= 0", file=sys.stderr)
-        return 2
+        return usage_error("--test-cases must be >= 0")
     if not 0.05 <= args.shape_scale <= 4.0:
-        print("error: --shape-scale must be within 0.05-4", file=sys.stderr)
-        return 2
+        return usage_error("--shape-scale must be within 0.05-4")
     out_root = resolve_roots(raw=args.out).raw
     dataset_dir = make_demo_dataset(
         out_root, args.cases, args.seed, args.shape_scale, args.test_cases
     )
     print(f"wrote {args.cases} training and {args.test_cases} test cases to {dataset_dir}")
     print(f"next: nnui-preprocess 900 -pl nnuiCPUPlanner --raw {out_root}  (CPU-sized plans)")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -15,11 +15,13 @@ import argparse
 import sys
 from typing import NoReturn
 
+from trainer.cli import usage_error
+from trainer.schema.exits import EXIT_OK
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"error: {message}\n")
-        raise SystemExit(2)
+        raise SystemExit(usage_error(message))
 
 
 def nnunet_parser() -> argparse.ArgumentParser:
@@ -45,7 +47,7 @@ def check(engine: str, args: list[str]) -> None:
             _Parser().error(str(error))
         nnunet_parser().parse_args(rest)
         return
-    from trainer.train_args import build_parser
+    from trainer.training.train_args import build_parser
 
     build_parser().parse_args(args)
 
@@ -53,10 +55,9 @@ def check(engine: str, args: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     if not words:
-        sys.stderr.write("error: give ENGINE DATASET CONFIGURATION FOLD [flags]\n")
-        return 2
+        return usage_error("give ENGINE DATASET CONFIGURATION FOLD [flags]")
     check(words[0], words[1:])
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

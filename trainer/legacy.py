@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.schema import (
+from trainer.schema.tree import (
     DEFAULT_PLANS,
     DEFAULT_TRAINER,
     EVENTS_FILE,

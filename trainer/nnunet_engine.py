@@ -1,6 +1,6 @@
 """`python -m trainer.nnunet_engine DATASET CONFIGURATION FOLD [nnUNetv2_train flags] [nnui flags]`
 
-How nnui starts the real nnU-Net (DESIGN §4): exactly nnU-Net's own `nnUNetv2_train`
+How nnui starts the real nnU-Net (docs/nnunet.md): exactly nnU-Net's own `nnUNetv2_train`
 entry with the arguments it is given, after four things nnU-Net's console script cannot do:
 - SIGUSR1 is caught from the first instruction (a stop during start-up is kept, not fatal);
 - nnui's schedule flags (`--epochs`, `--iterations-per-epoch`, `--val-iterations`,
@@ -23,12 +23,10 @@ import argparse  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from trainer.schema import (  # noqa: E402
-    NNUNET_EXT_ENV,
-    NNUNET_WRAP_SUFFIX,
-    ROOT_ENVS,
-    with_nnunet_ext_dir,
-)
+from trainer.cli import usage_error  # noqa: E402
+from trainer.schema.exits import EXIT_OK  # noqa: E402
+from trainer.schema.nnunet import NNUNET_EXT_ENV, NNUNET_WRAP_SUFFIX, with_nnunet_ext_dir  # noqa: E402
+from trainer.schema.tree import ROOT_ENVS  # noqa: E402
 
 SCHEDULE_FLAGS = {
     "--epochs": "NNUI_EPOCHS",
@@ -73,7 +71,7 @@ def _cascade_fold(rest: list[str]) -> tuple | None:
     from pathlib import Path
 
     from trainer.planning.plans import resolve_inheritance
-    from trainer.schema import DatasetNotFound, find_dataset
+    from trainer.schema.tree import DatasetNotFound, find_dataset
 
     parser = _QuietParser(add_help=False)
     for name in ("dataset", "configuration", "fold"):
@@ -165,23 +163,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rest, env = split_schedule_flags(list(sys.argv[1:] if argv is None else argv))
     except UsageError as error:
-        sys.stderr.write(f"error: {error}\n")
-        return 2
+        return usage_error(error)
     problem = cascade_problem(rest)
     if problem is not None:
-        sys.stderr.write(f"error: {problem}\n")
-        return 2
+        return usage_error(problem)
     os.environ.update(env)
     os.environ[NNUNET_EXT_ENV] = with_nnunet_ext_dir(os.environ.get(NNUNET_EXT_ENV))
     try:
         from nnunetv2.run.run_training import run_training_entry
     except ImportError:
-        sys.stderr.write("error: nnunetv2 is not installed here (pip install 'nnui[nnunet]')\n")
-        return 2
+        return usage_error("nnunetv2 is not installed here (pip install 'nnui[nnunet]')")
     let_trainer_search_pass()
     sys.argv = ["nnUNetv2_train", *rest]
     run_training_entry()
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

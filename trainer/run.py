@@ -1,8 +1,8 @@
 """`nnui-train DATASET CONFIGURATION FOLD ...` (also `python -m trainer`, `torchrun -m trainer`).
 
 The CLI process checks every input once (a user mistake is one `error: ...` line and exit
-2), resolves a TrainConfig and hands it to trainer.launch.run_distributed, which runs
-trainer.worker.worker in this process, in spawned ranks, or under a launcher.
+2), resolves a TrainConfig and hands it to trainer.training.launch.run_distributed, which runs
+trainer.training.worker.worker in this process, in spawned ranks, or under a launcher.
 
 Every entry point runs this module's top first (the console script imports main from
 here, `python -m trainer` and torchrun's `-m trainer` via trainer/__main__.py, spawned ranks
@@ -26,10 +26,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer import allocator, openmp
+from trainer import allocator
+from trainer.cli import usage_error
 from trainer.inference import mirroring
-from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER
-from trainer.train_args import build_parser
+from trainer.schema.exits import EXIT_REFUSED
+from trainer.schema.tree import DEFAULT_PLANS, DEFAULT_TRAINER
+from trainer.training import openmp
+from trainer.training.train_args import build_parser
 
 __all__ = ["UsageError", "main", "resolve_config"]
 
@@ -42,12 +45,14 @@ class UsageError(ValueError):
 
 def resolve_config(args: argparse.Namespace, argv: list[str]) -> Any:
     """Validate the inputs against the file system and return a TrainConfig (raises UsageError)."""
-    from trainer import launch, schema
+    from trainer.schema.tree import find_dataset, resolve_roots
+    from trainer.schema.tree import run_dir as schema_run_dir
+    from trainer.training import launch
 
-    roots = schema.resolve_roots(raw=args.raw, preprocessed=args.preprocessed, results=args.results)
-    dataset_name = schema.find_dataset(roots.preprocessed, args.dataset)
+    roots = resolve_roots(raw=args.raw, preprocessed=args.preprocessed, results=args.results)
+    dataset_name = find_dataset(roots.preprocessed, args.dataset)
     dataset_dir = roots.preprocessed / dataset_name
-    run_dir = schema.run_dir(
+    run_dir = schema_run_dir(
         roots.results, dataset_name, args.configuration, args.fold, args.trainer, args.plans
     )
     continuing = args.continue_training or args.validation_only
@@ -106,7 +111,7 @@ def _load_configuration(dataset_dir: Path, dataset_name: str, args: argparse.Nam
 
 def _make_config(args: argparse.Namespace, argv: list[str], dataset_name: str,
                  dataset_dir: Path, run_dir: Path, plans: Any) -> Any:  # fmt: skip
-    from trainer.config import TrainConfig
+    from trainer.training.config import TrainConfig
 
     pretrained = args.pretrained_weights
     return TrainConfig(
@@ -146,7 +151,7 @@ def _check_raw_data(config: Any, raw_dataset: Path, data_dir: Path) -> Any:
     """The raw files final validation needs (labelsTr and channel 0 of each validation case),
     checked now so that a long training does not fail at its end. A --val run refuses
     without them; a training run says once that it will score in the preprocessed space."""
-    from trainer.final_validation import RawDataMissing, check_raw_cases
+    from trainer.training.final_validation import RawDataMissing, check_raw_cases
 
     try:
         check_raw_cases(raw_dataset, data_dir, config.fold, config.npz)
@@ -160,12 +165,12 @@ def _check_raw_data(config: Any, raw_dataset: Path, data_dir: Path) -> Any:
 
 
 def _check_validation_checkpoint(config: Any) -> None:
-    from trainer import schema
     from trainer.checkpoint import store
     from trainer.checkpoint.format import CheckpointError
+    from trainer.schema.tree import checkpoint_file
 
     kind = "best" if config.val_best else "final"
-    path = Path(config.run_dir) / schema.checkpoint_file(kind)
+    path = Path(config.run_dir) / checkpoint_file(kind)
     if not path.exists():
         hint = " (or drop --val_best)" if config.val_best else ""
         raise UsageError(f"--val needs {path}; train first{hint}")
@@ -192,9 +197,10 @@ def _find_resume_checkpoint(config: Any) -> Any:
 def _check_shared_tree(run_dir: Path, trainer: str, plans: str, continuing: bool) -> None:
     """One tree, two tools: never write into nnU-Net's run folders, never start anything
     new under nnU-Net's names (nnui 0.1's run folders are only continued)."""
-    from trainer import legacy, schema
+    from trainer import legacy
+    from trainer.schema.nnunet import nnunet_files
 
-    theirs = schema.nnunet_files(run_dir)
+    theirs = nnunet_files(run_dir)
     if theirs:
         raise UsageError(
             f"{run_dir} is an nnU-Net run folder ({', '.join(theirs)}); nnui will not write "
@@ -286,7 +292,7 @@ def _check_previous_stage(config: Any, cplan: Any, data_dir: Path, dataset_dir: 
 
 
 def _check_device_and_batch(config: Any, global_batch: int) -> None:
-    from trainer import batch, launch
+    from trainer.training import batch, launch
 
     launcher = launch.detect_external_launcher()
     launch.check_num_gpus(config.num_gpus, launcher)
@@ -323,10 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = resolve_config(args, argv)
     except ValueError as error:  # UsageError, DatasetNotFound, IdentityMismatch, config checks
-        sys.stderr.write(f"error: {error}\n")
-        return 2
-    from trainer import fold_lock, launch
-    from trainer.worker import worker
+        return usage_error(str(error))
+    from trainer.training import fold_lock, launch
+    from trainer.training.worker import worker
 
     try:
         if launch.is_main_process():
@@ -336,12 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         fold_lock.discard_created()
         _remove_created_if_empty()
         sys.stderr.write(f"error: {error}\n")
-        return 1
+        return EXIT_REFUSED
     except ValueError as error:  # raised before any rank starts: a user mistake
         fold_lock.discard_created()
         _remove_created_if_empty()
-        sys.stderr.write(f"error: {error}\n")
-        return 2
+        return usage_error(str(error))
     finally:
         fold_lock.release()  # only matters in-process (tests): an exit releases it anyway
 
@@ -353,7 +357,9 @@ class Refused(RuntimeError):
 def _own_fold(config: Any, retrain: bool) -> None:
     """Take the fold folder's lock (one trainer per folder), then, under it, refuse to start
     a finished fold afresh unless --retrain: the same rule and words as `nnui launch`."""
-    from trainer import fold_lock, schema
+    from trainer.schema.status import State, read_status
+    from trainer.schema.tree import checkpoint_file
+    from trainer.training import fold_lock
 
     run_dir = Path(config.run_dir)
     try:
@@ -362,9 +368,9 @@ def _own_fold(config: Any, retrain: bool) -> None:
         raise Refused(str(error)) from None
     if config.continue_training or config.validation_only or retrain:
         return
-    status = schema.read_status(run_dir)
-    finished = (status is not None and status.state == schema.State.FINISHED) or (
-        run_dir / schema.checkpoint_file("final")
+    status = read_status(run_dir)
+    finished = (status is not None and status.state == State.FINISHED) or (
+        run_dir / checkpoint_file("final")
     ).is_file()
     if finished:
         raise Refused(

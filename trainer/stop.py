@@ -1,4 +1,4 @@
-"""Graceful stop (DESIGN §4): SIGUSR1 only sets a flag; the loop acts on it between epochs.
+"""Graceful stop (docs/contract.md): SIGUSR1 only sets a flag; the loop acts on it between epochs.
 
 The one module that sets SIGUSR1's disposition and mask. Standard library only, so the
 first statement of every entry point (trainer.run's top) installs the handler before any

@@ -13,7 +13,7 @@ import argparse
 import sys
 import time
 
-from app.cli.common import EXIT_NOTHING, EXIT_OK, EXIT_REFUSED, error, looked_in
+from app.cli.common import error, looked_in
 from app.cli.sending import not_confirmed, print_targets, send_and_report
 from app.services.jobs.discovery import RUN_ID_PREFIX
 from app.services.jobs.registry import Registry
@@ -26,7 +26,8 @@ from app.services.launch.fold_claims import ClaimRefused
 from app.services.signals.send import kill as kill_job
 from app.services.signals.send import slurm_step_of
 from app.services.signals.targets import plan_stop
-from trainer.schema import ENDED_STATES, State
+from trainer.schema.exits import EXIT_NOTHING, EXIT_OK, EXIT_REFUSED
+from trainer.schema.status import ENDED_STATES, State
 
 
 def is_adopted_id(text: str) -> bool:

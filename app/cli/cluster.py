@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from app.cli import adopted as cli_adopted
-from app.cli.common import EXIT_NOTHING, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, error, roots_of
+from app.cli.common import error, roots_of
 from app.cli.sending import not_confirmed
 from app.services.jobs.registry import Registry
 from app.services.jobs.slurm_jobs import SLURM_ID_PREFIX
@@ -44,7 +44,8 @@ from app.services.slurm.folds import (
     submit_fold,
 )
 from app.services.slurm.script import render_script
-from trainer.schema import State, read_status
+from trainer.schema.exits import EXIT_NOTHING, EXIT_OK, EXIT_REFUSED, EXIT_USAGE
+from trainer.schema.status import State, read_status
 
 # This machine's scheduling and manners: SLURM schedules a cluster fold (and --requeue
 # restarts it); each is refused with --slurm rather than silently dropped.

@@ -1,8 +1,6 @@
-"""What every nnui subcommand shares: exit codes, the one-line error, the roots, a y/N
-question and one reading of the machine.
-
-Exit codes: 0 ok, 1 refused by a safety check (reason printed), 2 usage error or unknown
-job, 3 nothing to do (already stopped or finished).
+"""What every nnui subcommand shares: the one-line error, the roots, a y/N question and one
+reading of the machine. The exit codes are every command's one table, trainer.schema.exits
+(0 ok, 1 refused by a safety check, 2 usage error or unknown job, 3 nothing to do).
 """
 
 from __future__ import annotations
@@ -18,9 +16,7 @@ from app.services.jobs.known_trees import known_trees
 from app.services.jobs.registry import Registry
 from app.services.jobs.simulated_load import simulated_gpu_load
 from app.services.machine.gpus import GpuMonitor, MachineSnapshot
-from trainer.schema import Roots, resolve_roots
-
-EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_NOTHING = 0, 1, 2, 3
+from trainer.schema.tree import Roots, resolve_roots
 
 
 def error(message: str, code: int) -> int:

@@ -11,16 +11,7 @@ from typing import cast
 
 from app.cli import adopted as cli_adopted
 from app.cli import cluster as cli_cluster
-from app.cli.common import (
-    EXIT_NOTHING,
-    EXIT_OK,
-    EXIT_REFUSED,
-    EXIT_USAGE,
-    error,
-    looked_in,
-    machine_snapshot,
-    roots_of,
-)
+from app.cli.common import error, looked_in, machine_snapshot, roots_of
 from app.cli.launch import launch_plans, start_predictions
 from app.cli.sending import not_confirmed, print_targets, send_and_report
 from app.services.jobs.liveness import between_attempts
@@ -35,7 +26,8 @@ from app.services.nnunet.runs import RUN_ID_PREFIX, WatchOnlyRun, is_train_cmdli
 from app.services.signals.send import kill as kill_job
 from app.services.signals.send import send_stop
 from app.services.signals.targets import kill_plan, plan_stop
-from trainer.schema import ENDED_STATES, State
+from trainer.schema.exits import EXIT_NOTHING, EXIT_OK, EXIT_REFUSED, EXIT_USAGE
+from trainer.schema.status import ENDED_STATES, State
 
 
 def _view_of(registry: Registry, text: str) -> tuple[JobView | None, str | None]:

@@ -7,14 +7,15 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from app.cli.common import EXIT_OK
 from app.services.class_dice import class_dice_text, fold_dirs, mean_class_dice
 from app.services.cross_validation import CvRow, cv_rows, queue_launches
 from app.services.jobs.identity import roots_hint, watched_roots
 from app.services.jobs.registry import Registry
 from app.services.jobs.views import JobTracker
 from app.services.jobs.words import human_duration
-from trainer.schema import State, resolve_roots
+from trainer.schema.exits import EXIT_OK
+from trainer.schema.status import State
+from trainer.schema.tree import resolve_roots
 
 DASH = "–"
 

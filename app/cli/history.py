@@ -17,14 +17,15 @@ import time
 from pathlib import Path
 
 from app.cli import adopted as cli_adopted
-from app.cli.common import EXIT_NOTHING, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, error, looked_in
+from app.cli.common import error, looked_in
 from app.services.export import curves as curve_export
 from app.services.export import png as png_plot
 from app.services.jobs.discovery import RUN_ID_PREFIX
 from app.services.jobs.identity import roots_hint
 from app.services.jobs.registry import Job, Registry
 from app.services.jobs.views import JobTracker
-from trainer.schema import ENDED_STATES
+from trainer.schema.exits import EXIT_NOTHING, EXIT_OK, EXIT_REFUSED, EXIT_USAGE
+from trainer.schema.status import ENDED_STATES
 
 
 def _resolve(registry: Registry, text: str) -> tuple[Job | None, int]:

@@ -7,15 +7,7 @@ import argparse
 import sys
 
 from app.cli.cluster import cmd_launch_slurm
-from app.cli.common import (
-    EXIT_OK,
-    EXIT_REFUSED,
-    EXIT_USAGE,
-    confirm,
-    error,
-    machine_snapshot,
-    roots_of,
-)
+from app.cli.common import confirm, error, machine_snapshot, roots_of
 from app.cli.schedule import schedule_of
 from app.services.jobs.registry import Registry
 from app.services.launch import busy_gpus, catalog, launcher, prediction
@@ -23,7 +15,8 @@ from app.services.launch import request as launch_request
 from app.services.launch.fold_claims import ClaimRefused
 from app.services.machine.gpus import MachineSnapshot
 from app.services.slurm.folds import expand_folds
-from trainer.schema import DatasetNotFound, Roots, find_dataset
+from trainer.schema.exits import EXIT_OK, EXIT_REFUSED, EXIT_USAGE
+from trainer.schema.tree import DatasetNotFound, Roots, find_dataset
 
 
 def report_checks(checks: launch_request.LaunchChecks) -> int | None:

@@ -6,9 +6,9 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
-from app.cli.common import EXIT_USAGE
 from app.services.launch.engines import ENGINES, NNUI
-from trainer.schema import with_close_flag
+from trainer.schema.exits import EXIT_USAGE
+from trainer.schema.flags import with_close_flag
 
 EPILOG = """exit codes: 0 ok, 1 refused by a safety check (reason printed),
 2 usage error or unknown job, 3 nothing to do (already stopped/finished).

@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from app.cli.common import EXIT_OK, EXIT_USAGE, confirm, error, machine_snapshot, roots_of
+from app.cli.common import confirm, error, machine_snapshot, roots_of
 from app.cli.launch import chosen_gpus, report_checks, start_predictions
 from app.services.jobs.registry import Registry
 from app.services.launch import launcher, prediction
 from app.services.launch.trainer_flags import flag_value
+from trainer.schema.exits import EXIT_OK, EXIT_USAGE
 
 
 def predict_args(options: argparse.Namespace) -> list[str]:

@@ -19,7 +19,10 @@ from app.services.slurm.script import (
     fold_folder,
     write_script,
 )
-from trainer.schema import NNUNET_EXT_DIR, NNUNET_EXT_ENV, ROOT_ENVS, with_close_flag
+from trainer.schema.exits import EXIT_OK, EXIT_USAGE
+from trainer.schema.flags import with_close_flag
+from trainer.schema.nnunet import NNUNET_EXT_DIR, NNUNET_EXT_ENV
+from trainer.schema.tree import ROOT_ENVS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -129,7 +132,7 @@ def sbatch_main(argv: list[str]) -> int:
         spec, submit = spec_from_args(argv)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
         path = write_script(spec)
     except OSError as error:
@@ -139,15 +142,15 @@ def sbatch_main(argv: list[str]) -> int:
             "choose another --output",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_USAGE
     print(path)
     if not submit:
-        return 0
+        return EXIT_OK
     try:
         done = subprocess.run(["sbatch", str(path)], capture_output=True, text=True, check=False)
     except FileNotFoundError:
         print("error: sbatch not found: is this a SLURM login node?", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     sys.stdout.write(done.stdout)
     sys.stderr.write(done.stderr)
     return done.returncode

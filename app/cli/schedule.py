@@ -9,13 +9,13 @@ import sys
 import time
 from typing import Any
 
-from app.cli.common import EXIT_NOTHING, EXIT_OK, EXIT_USAGE
 from app.services.jobs.liveness import waiting
 from app.services.jobs.registry import Registry
 from app.services.launch.schedule import Schedule
 from app.services.supervisor import job_log
 from app.services.supervisor.hooks import parse_hook
-from trainer.schema import RUNNING_STATES, WAITING_STATES, State
+from trainer.schema.exits import EXIT_NOTHING, EXIT_OK, EXIT_USAGE
+from trainer.schema.status import RUNNING_STATES, WAITING_STATES, State
 
 
 def schedule_notes(view: Any) -> list[str]:

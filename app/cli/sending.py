@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from app.cli.common import EXIT_NOTHING, EXIT_REFUSED, confirm, error
+from app.cli.common import confirm, error
 from app.services.jobs.registry import Job, Registry
 from app.services.signals.send import send_stop
 from app.services.signals.targets import StopPlan
+from trainer.schema.exits import EXIT_NOTHING, EXIT_REFUSED
 
 
 def print_targets(plan: StopPlan) -> None:

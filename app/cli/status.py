@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-from app.cli.common import EXIT_OK, looked_in, machine_snapshot, roots_of
+from app.cli.common import looked_in, machine_snapshot, roots_of
 from app.cli.schedule import schedule_notes
 from app.services.cross_validation import cross_validation_eta_s
 from app.services.jobs import listing as job_list
@@ -21,7 +21,8 @@ from app.services.jobs.views import JobTracker, JobView
 from app.services.jobs.words import human_duration, state_label
 from app.services.nnunet.runs import WatchOnlyRun
 from app.services.signals.targets import topology_ranks
-from trainer.schema import ACTIVE_STATES, State
+from trainer.schema.exits import EXIT_OK
+from trainer.schema.status import ACTIVE_STATES, State
 
 RECENT_S = 7 * 24 * 3600  # `nnui status` hides jobs that ended longer ago (--all shows them)
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.screens import cluster_actions
+from app.screens.choices import KillChoice, StopChoice
 from app.screens.confirm import (
     KillConfirmScreen,
     LaunchConfirmScreen,
@@ -29,38 +29,15 @@ from app.services.launch import request as launch_request
 from app.services.nnunet import runs as nnunet_runs
 from app.services.signals import send as signals
 from app.services.signals import targets
-from app.services.signals.targets import StopPlan, is_adopted
-from trainer.schema import ACTIVE_STATES, ENDED_STATES, DatasetNotFound, Roots, State, find_dataset
+from app.services.signals.targets import is_adopted
+from trainer.schema.status import ACTIVE_STATES, ENDED_STATES, State
+from trainer.schema.tree import DatasetNotFound, Roots, find_dataset
 
 if TYPE_CHECKING:
     from app.screens.seam import AppSeam
     from app.services.jobs.views import JobView
     from app.services.launch.launcher import LaunchPlan
     from app.services.launch.request import LaunchRequest
-    from app.services.machine.procs import ProcInfo
-
-
-@dataclass(frozen=True)
-class StopChoice:
-    """One job in the stop dialog: its plan, or why nothing will be sent."""
-
-    view: JobView
-    plan: StopPlan | None
-    note: str | None
-
-    @property
-    def sends(self) -> bool:
-        return self.plan is not None and self.plan.ok
-
-    @property
-    def queues(self) -> bool:
-        return self.plan is not None and not self.plan.ok and self.plan.queued
-
-
-@dataclass(frozen=True)
-class KillChoice:
-    view: JobView
-    processes: tuple[ProcInfo, ...]
 
 
 def plan_stop_choice(view: JobView) -> StopChoice:

@@ -27,7 +27,7 @@ from app.services.slurm.control import (
     submit,
     write_record,
 )
-from trainer.schema import ACTIVE_STATES
+from trainer.schema.status import ACTIVE_STATES
 
 
 def split(views: list[JobView], action: str) -> tuple[list[JobView], list[JobView]]:

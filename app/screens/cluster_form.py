@@ -36,7 +36,7 @@ from app.services.slurm.folds import (
 from app.services.slurm.script import JobSpec, render_script
 from app.widgets.fitting_footer import FittingFooter
 from app.widgets.toggles import TextCheckbox
-from trainer.schema import Roots
+from trainer.schema.tree import Roots
 
 
 @dataclass(frozen=True)

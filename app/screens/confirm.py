@@ -17,10 +17,10 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Static
 
 from app.widgets.formatting import readable_style
-from trainer.schema import State
+from trainer.schema.status import State
 
-if TYPE_CHECKING:  # actions.py imports this module
-    from app.screens.actions import KillChoice, StopChoice
+if TYPE_CHECKING:
+    from app.screens.choices import KillChoice, StopChoice
     from app.services.jobs.views import JobView
     from app.services.nnunet.runs import StopRefusal
 
@@ -29,7 +29,7 @@ KILL_WORD = "kill"
 
 def _before_first_epoch(view: JobView) -> bool:
     """No epoch has ended and no training step of epoch 1 reported: a stop now ends the
-    start-up (trainer.worker: stop before the first epoch, nothing to save)."""
+    start-up (trainer.training.worker: stop before the first epoch, nothing to save)."""
     if view.epoch not in (0, None) or view.history:
         return False
     return not any(p.epoch == 0 for p in getattr(view, "running_loss", ()))

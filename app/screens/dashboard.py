@@ -27,7 +27,7 @@ from app.services.jobs.words import alert_condition, human_duration
 from app.widgets.fitting_footer import FittingFooter
 from app.widgets.gpu_panel import GpuPanel
 from app.widgets.job_table import JobTable
-from trainer.schema import RUNNING_STATES, State
+from trainer.schema.status import RUNNING_STATES, State
 
 if TYPE_CHECKING:
     from app.services.jobs.views import JobView

@@ -9,7 +9,7 @@ from rich.text import Text
 
 from app.services.jobs.words import human_duration, state_label
 from app.widgets.formatting import readable_style
-from trainer.schema import FAILED_STATES, State
+from trainer.schema.status import FAILED_STATES, State
 
 FAILED_TAIL_LINES = 4
 EXIT_NAMED_BY = frozenset({State.KILLED, State.FAILED})  # their name says why it exited

@@ -26,7 +26,7 @@ from app.screens.seam import app_of
 from app.services.launch import launcher, prediction
 from app.widgets.fitting_footer import FittingFooter
 from app.widgets.toggles import TextCheckbox
-from trainer.schema import DEFAULT_PLANS, Roots
+from trainer.schema.tree import DEFAULT_PLANS, Roots
 
 PREDICTIONS_FOLDER = "nnui_predictions"  # under results/DatasetNNN_Name/, nnui's own
 

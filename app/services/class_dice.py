@@ -14,7 +14,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainer.schema import EVENTS_FILE, SUMMARY_FILE, VALIDATION_DIR, Kind
+from trainer.schema.events import Kind
+from trainer.schema.tree import EVENTS_FILE, SUMMARY_FILE, VALIDATION_DIR
 
 ClassDice = list[tuple[str, float | None]]
 

@@ -22,14 +22,13 @@ from app.services.jobs.registry import TRAIN, Job
 from app.services.jobs.views import JobView
 from app.services.launch.request import LaunchRequest, job_roots
 from app.services.launch.schedule import Schedule
-from trainer.schema import (
-    ACTIVE_STATES,
+from trainer.schema.status import ACTIVE_STATES, State
+from trainer.schema.tree import (
     CHECKPOINT_KINDS,
     STATUS_FILE,
     SUMMARY_FILE,
     VALIDATION_DIR,
     Roots,
-    State,
     checkpoint_file,
 )
 

@@ -17,7 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from trainer.schema import parse_event
+from trainer.schema.events import parse_event
 
 READ_LIMIT_BYTES = 16 << 20  # per poll; `.more` says the file has more to read
 TEXT_BACKLOG_BYTES = 256 << 10  # a text tail opened on a big file starts this far from the end

@@ -16,7 +16,7 @@ from textual.widgets import DataTable
 
 from app.services.launch.catalog import DatasetInfo
 from app.widgets.formatting import readable_style
-from trainer.schema import DEFAULT_PLANS, FOLDS
+from trainer.schema.tree import DEFAULT_PLANS, FOLDS
 
 RESULT_STYLES = {"finished": "bold blue", "running": "green", "stopped": "yellow", "failed": "red"}
 

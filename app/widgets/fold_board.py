@@ -20,7 +20,7 @@ from textual.widget import Widget
 
 from app.widgets.formatting import readable_style
 from app.widgets.key_order import KeysOnArrival
-from trainer.schema import FOLDS
+from trainer.schema.tree import FOLDS
 
 CPU_COLUMN = "cpu"
 LABEL_WIDTH = 10

@@ -13,7 +13,7 @@ from rich.text import Text
 
 from app.services.jobs.words import human_duration, state_label
 from app.widgets.formatting import bar, fmt_or_na
-from trainer.schema import RUNNING_STATES, WAITING_STATES, State
+from trainer.schema.status import RUNNING_STATES, WAITING_STATES, State
 
 if TYPE_CHECKING:
     from app.services.jobs.registry import Job

@@ -20,15 +20,10 @@ from app.screens.dashboard import DashboardScreen
 from app.services.cross_validation import cv_rows, queue_launches
 from app.services.jobs.registry import Job, ProcessRecord, Registry
 from app.services.jobs.views import JobTracker
-from trainer.schema import (
-    EVENTS_FILE,
-    Kind,
-    Status,
-    atomic_write_text,
-    checkpoint_file,
-    encode_event,
-    run_dir,
-)
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.events import Kind, encode_event
+from trainer.schema.status import Status
+from trainer.schema.tree import EVENTS_FILE, checkpoint_file, run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 DATASET = "Dataset004_Demo"
@@ -139,7 +134,7 @@ def test_every_state_has_a_fold_state_and_live_folds_are_never_queued(tmp_path: 
     from types import SimpleNamespace
 
     from app.services.cross_validation import FOLD_STATE, TO_QUEUE, UNKNOWN, fold_cell
-    from trainer.schema import ACTIVE_STATES, State
+    from trainer.schema.status import ACTIVE_STATES, State
 
     assert set(FOLD_STATE) == set(State)  # a new state cannot fall through to "failed"
     for state in ACTIVE_STATES:

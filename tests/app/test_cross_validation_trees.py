@@ -21,7 +21,7 @@ from app.services.cross_validation import cv_rows, queue_launches
 from app.services.jobs.registry import Registry
 from app.services.jobs.views import JobTracker
 from app.widgets.job_table import JobTable
-from trainer.schema import ROOT_ENVS
+from trainer.schema.tree import ROOT_ENVS
 
 ROOT = Path(__file__).resolve().parents[2]
 WEIGHTS = ("-pretrained_weights", "/weights/other_project.pth")

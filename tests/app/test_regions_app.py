@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.services.class_dice import class_dice_text, fold_class_dice, fold_dirs, mean_class_dice
-from trainer.schema import EVENTS_FILE, SUMMARY_FILE, VALIDATION_DIR
+from trainer.schema.tree import EVENTS_FILE, SUMMARY_FILE, VALIDATION_DIR
 
 NAMES = ["whole tumor", "tumor core", "enhancing"]
 

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from app.services.jobs.discovery import TrainArgs
 from app.services.jobs.slurm_jobs import SlurmJob, restarts_of, trains_in, with_job
+from app.services.nnunet.runs import TrainArgs
 from app.services.slurm import folds
 from app.services.slurm.requeue import requeue_parts, stop_mark
 from app.services.slurm.script import JobSpec, render_script
-from trainer.schema import State
+from trainer.schema.status import State
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nnui_cli import run_nnui

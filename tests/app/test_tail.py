@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from app.services.tail import JsonlTail, TextTail
-from trainer.schema import encode_event
+from trainer.schema.events import encode_event
 
 
 def append(path: Path, text: str | bytes) -> None:

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer import schema
+from trainer.schema.events import decode_event
+from trainer.schema.status import State, read_status
+from trainer.schema.tree import EVENTS_FILE, SUMMARY_FILE, VALIDATION_DIR, checkpoint_file
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_ENVS = (
@@ -126,10 +128,10 @@ def run_folder(results: Path, configuration: str = "2d") -> Path:
 
 
 def events(folder: Path) -> list[dict]:
-    path = folder / schema.EVENTS_FILE
+    path = folder / EVENTS_FILE
     if not path.exists():
         return []
-    out = [schema.decode_event(line) for line in path.read_text().splitlines()]
+    out = [decode_event(line) for line in path.read_text().splitlines()]
     return [e for e in out if e is not None]
 
 
@@ -164,8 +166,8 @@ def assert_clean_finish(folder: Path, world_size: int, launcher: str) -> list[di
     assert len({r["pid"] for r in ranks}) == world_size
     assert all(r["sigusr1_handler"] for r in ranks)
     assert of_kind(evs, "finished")
-    assert (folder / schema.checkpoint_file("final")).exists()
-    assert (folder / schema.VALIDATION_DIR / schema.SUMMARY_FILE).exists()
+    assert (folder / checkpoint_file("final")).exists()
+    assert (folder / VALIDATION_DIR / SUMMARY_FILE).exists()
     return ranks
 
 
@@ -234,7 +236,7 @@ def test_two_torchrun_nodes_only_rank0_writes_npz_and_resume(demo_preprocessed, 
     ranks = assert_clean_finish(whole, 2, "torchrun")
     assert [r["local_rank"] for r in ranks] == [0, 0]  # one process per node
     assert not any((tmp_path / "whole1").rglob("*")), "a non-zero rank wrote under results"
-    summary = (whole / schema.VALIDATION_DIR / schema.SUMMARY_FILE).read_text()
+    summary = (whole / VALIDATION_DIR / SUMMARY_FILE).read_text()
     import json
 
     import numpy as np
@@ -243,11 +245,11 @@ def test_two_torchrun_nodes_only_rank0_writes_npz_and_resume(demo_preprocessed, 
     case_ids = [name.split(".", 1)[0] for name in files]
     assert len(case_ids) == 2  # one predicted by each rank
     for case_id in case_ids:
-        with np.load(whole / schema.VALIDATION_DIR / f"{case_id}.npz") as saved:
+        with np.load(whole / VALIDATION_DIR / f"{case_id}.npz") as saved:
             probabilities = saved["probabilities"]
         assert probabilities.dtype == np.float32
         assert np.allclose(probabilities.sum(0), 1, atol=1e-4)
-    assert not list((whole / schema.VALIDATION_DIR).glob(".*.tmp"))
+    assert not list((whole / VALIDATION_DIR).glob(".*.tmp"))
 
     first = _start_two_nodes(procs, demo_preprocessed, tmp_path, "split", *epochs)
     folder = run_folder(tmp_path / "split0")
@@ -335,8 +337,8 @@ def _assert_stopped_together(folder: Path, proc_codes: list[int]) -> dict:
     (stopped,) = of_kind(evs, "stopped")
     assert of_kind(evs, "stop_requested")
     assert not of_kind(evs, "finished")
-    assert (folder / schema.checkpoint_file("latest")).exists()
-    assert schema.read_status(folder).state == schema.State.STOPPED
+    assert (folder / checkpoint_file("latest")).exists()
+    assert read_status(folder).state == State.STOPPED
     return stopped
 
 
@@ -448,4 +450,4 @@ def test_num_gpus_2_with_nccl(demo_preprocessed, tmp_path, procs) -> None:
     folder = run_folder(tmp_path / "r")
     ranks = assert_clean_finish(folder, 2, "spawn")
     assert [r["device"] for r in ranks] == ["cuda:0", "cuda:1"]
-    assert len(list((folder / schema.VALIDATION_DIR).glob("*.npz"))) == 2
+    assert len(list((folder / VALIDATION_DIR).glob("*.npz"))) == 2

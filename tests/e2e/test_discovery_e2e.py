@@ -26,8 +26,9 @@ from tui_fixtures import kill_started_jobs, screen_of, wait_for
 
 from app.screens.confirm import StopConfirmScreen
 from app.screens.dashboard import DashboardScreen
-from app.tui import TuiConfig, make_app
-from trainer.schema import Roots, checkpoint_file
+from app.screens.seam import TuiConfig
+from app.tui import make_app
+from trainer.schema.tree import Roots, checkpoint_file
 
 pytestmark = pytest.mark.slow
 

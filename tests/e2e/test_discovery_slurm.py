@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer import schema
+from trainer.schema.status import State, read_status
+from trainer.schema.tree import checkpoint_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import slurm_cluster
@@ -89,8 +90,8 @@ def test_own_sbatch_script_listed_stopped_by_scancel_and_pending_cancelled(
     log = "".join(p.read_text() for p in tmp_path.glob("*.out"))
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log
     folder = Path(run["run_dir"])
-    assert (folder / schema.checkpoint_file("latest")).exists(), log
-    assert schema.read_status(folder).state == schema.State.STOPPED
+    assert (folder / checkpoint_file("latest")).exists(), log
+    assert read_status(folder).state == State.STOPPED
 
     done = _nnui(cluster, tmp_path, "stop", f"slurm:{held}", "--yes", "--results", str(results))
     assert done.returncode == 0 and "cancelled" in done.stdout, done.stderr

@@ -16,10 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer import schema
 from trainer.data.image_io import read_image, write_nifti
 from trainer.demo import DEMO_DATASET, make_case
 from trainer.inference.predict import PREDICTION_INFO_FILE
+from trainer.schema.events import decode_event
+from trainer.schema.tree import EVENTS_FILE, SUMMARY_FILE, VALIDATION_DIR
+from trainer.schema.tree import run_dir as schema_run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_CASES = 6
@@ -68,7 +70,7 @@ def preprocess(raw: Path, preprocessed: Path) -> None:
     """The one place this file preprocesses (the lead may switch the planner here)."""
     from trainer.planning.preprocess import preprocess_dataset
     from trainer.planning.rules import CPU_PLANNER, Overrides, PlannerOptions
-    from trainer.schema import DEFAULT_PLANS
+    from trainer.schema.tree import DEFAULT_PLANS
 
     preprocess_dataset(
         raw, preprocessed, "900", configurations=("2d",), num_processes=1,
@@ -133,17 +135,17 @@ def brats(tmp_path_factory):
 
 
 def test_region_dataset_trains_validates_per_region_like_nnunet(brats):
-    run_dir = schema.run_dir(brats / "res", DEMO_DATASET, "2d", "0")
+    run_dir = schema_run_dir(brats / "res", DEMO_DATASET, "2d", "0")
     plans = json.loads((brats / "pre" / DEMO_DATASET / "nnuiPlans.json").read_text())
     assert plans["labels"]["whole tumor"] == [1, 2, 3] and plans["regions_class_order"] == [1, 2, 3]
-    lines = (run_dir / schema.EVENTS_FILE).read_text().splitlines()
-    events = [schema.decode_event(line) for line in lines]
+    lines = (run_dir / EVENTS_FILE).read_text().splitlines()
+    events = [decode_event(line) for line in lines]
     epoch = next(e for e in events if e["kind"] == "epoch_ended")
     assert len(epoch["dice_per_class"]) == 3  # one pseudo-Dice per region
     started = next(e for e in events if e["kind"] == "run_started")
     assert started["class_names"] == ["whole tumor", "tumor core", "enhancing"]
-    validation = run_dir / schema.VALIDATION_DIR
-    summary = json.loads((validation / schema.SUMMARY_FILE).read_text())
+    validation = run_dir / VALIDATION_DIR
+    summary = json.loads((validation / SUMMARY_FILE).read_text())
     assert sorted(summary["mean"]) == sorted(REGION_KEYS)
     for path in validation.glob("*.nii.gz"):
         assert set(np.unique(read_image(path)[0]).tolist()) <= {0, 1, 2, 3}
@@ -215,13 +217,13 @@ def test_ignore_label_dataset_trains_and_never_predicts_the_ignore_label(tmp_pat
     assert "annotated" in props["class_locations"]
     code = train(tmp_path / "raw", tmp_path / "pre", tmp_path / "res", tmp_path / "train.log")
     assert code == 0, (tmp_path / "train.log").read_text()[-3000:]
-    run_dir = schema.run_dir(tmp_path / "res", DEMO_DATASET, "2d", "0")
-    validation = run_dir / schema.VALIDATION_DIR
+    run_dir = schema_run_dir(tmp_path / "res", DEMO_DATASET, "2d", "0")
+    validation = run_dir / VALIDATION_DIR
     predicted = sorted(validation.glob("*.nii.gz"))
     assert predicted
     for path in predicted:
         assert 3 not in np.unique(read_image(path)[0])
-    summary = json.loads((validation / schema.SUMMARY_FILE).read_text())
+    summary = json.loads((validation / SUMMARY_FILE).read_text())
     assert sorted(summary["mean"]) == ["1", "2"]
     theirs = _nnunet_summary(tmp_path / "raw" / DEMO_DATASET / "labelsTr", validation, [1, 2], 3)
     _assert_same_dice(summary, theirs, [1, 2])
@@ -269,7 +271,7 @@ def test_brats_five_labels_sharing_regions_train_predict_and_evaluate_as_nnunet(
     note); predictions hold regions_class_order's values; Dice equals nnU-Net's."""
     from trainer.planning.preprocess import preprocess_dataset
     from trainer.planning.rules import CPU_PLANNER, Overrides, PlannerOptions
-    from trainer.schema import DEFAULT_PLANS
+    from trainer.schema.tree import DEFAULT_PLANS
 
     make_dataset(tmp_path / "raw", BRATS5_LABELS, _brats5, BRATS5_ORDER)
     lines: list[str] = []
@@ -282,11 +284,11 @@ def test_brats_five_labels_sharing_regions_train_predict_and_evaluate_as_nnunet(
     assert len(notes) == 1 and notes[0].startswith("note: labels 1 and 3"), lines
     code = train(tmp_path / "raw", tmp_path / "pre", tmp_path / "res", tmp_path / "train.log")
     assert code == 0, (tmp_path / "train.log").read_text()[-3000:]
-    validation = schema.run_dir(tmp_path / "res", DEMO_DATASET, "2d", "0") / schema.VALIDATION_DIR
+    validation = schema_run_dir(tmp_path / "res", DEMO_DATASET, "2d", "0") / VALIDATION_DIR
     for path in validation.glob("*.nii.gz"):
         assert set(np.unique(read_image(path)[0]).tolist()) <= {0, 1, 2, 4}
     keys = [(1, 2, 3, 4), (1, 3, 4), (4,)]
-    summary = json.loads((validation / schema.SUMMARY_FILE).read_text())
+    summary = json.loads((validation / SUMMARY_FILE).read_text())
     assert sorted(summary["mean"]) == sorted(str(k) for k in keys)
     labels = tmp_path / "raw" / DEMO_DATASET / "labelsTr"
     _assert_same_dice(summary, _nnunet_summary(labels, validation, keys), keys)
@@ -310,8 +312,8 @@ def test_region_ensemble_and_find_best_configuration(brats, tmp_path):
     info = json.loads(
         (brats / "res" / DEMO_DATASET / "nnui_inference_information.json").read_text()
     )
-    run_dir = schema.run_dir(brats / "res", DEMO_DATASET, "2d", "0")
-    summary = json.loads((run_dir / schema.VALIDATION_DIR / schema.SUMMARY_FILE).read_text())
+    run_dir = schema_run_dir(brats / "res", DEMO_DATASET, "2d", "0")
+    summary = json.loads((run_dir / VALIDATION_DIR / SUMMARY_FILE).read_text())
     assert info["mean_foreground_dice"]["2d"] == pytest.approx(summary["foreground_mean"]["Dice"])
 
     images = tmp_path / "images"

@@ -1,5 +1,5 @@
 """One tree, two tools: nnui shares nnUNet_raw/preprocessed/results with a real nnU-Net 2.8.1
-and never changes a byte of what nnU-Net made (DESIGN §2).
+and never changes a byte of what nnU-Net made (docs/nnunet.md).
 
 The preprocessed folder is made by nnU-Net itself (nnUNetv2_plan_and_preprocess, installed in
 the test venv by `make setup`); nnU-Net's results folder holds the files its trainer writes.
@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 from conftest import make_nnunet_tree
 
-from trainer.schema import (
+from trainer.schema.nnunet import nnunet_files
+from trainer.schema.tree import (
     DEFAULT_PLANS,
     DEFAULT_TRAINER,
     EVENTS_FILE,
     FINGERPRINT_FILE,
     LEGACY_PLANS,
     LEGACY_TRAINER,
-    nnunet_files,
     plans_file_name,
 )
 

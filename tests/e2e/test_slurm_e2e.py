@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 
 from app.services.slurm import script as slurm
-from trainer import schema
+from trainer.schema.events import decode_event
+from trainer.schema.status import State, read_status
+from trainer.schema.tree import EVENTS_FILE, checkpoint_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import slurm_cluster
@@ -67,10 +69,10 @@ def _folder(tmp_path: Path) -> Path:
 
 
 def _events(folder: Path) -> list[dict]:
-    path = folder / schema.EVENTS_FILE
+    path = folder / EVENTS_FILE
     if not path.exists():
         return []
-    return [e for e in map(schema.decode_event, path.read_text().splitlines()) if e]
+    return [e for e in map(decode_event, path.read_text().splitlines()) if e]
 
 
 def _kinds(folder: Path, kind: str) -> list[dict]:
@@ -102,9 +104,9 @@ def test_usr1_stops_gracefully_and_resubmission_resumes(cluster, demo_preprocess
     info = cluster.wait_job(job)
     log = _job_log(spec)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log
-    assert (folder / schema.checkpoint_file("latest")).exists(), log
+    assert (folder / checkpoint_file("latest")).exists(), log
     (stopped,) = _kinds(folder, "stopped")
-    assert schema.read_status(folder).state == schema.State.STOPPED
+    assert read_status(folder).state == State.STOPPED
     assert stopped["epoch"] < 11, "the run ended before the signal could stop it"
     (topology,) = _kinds(folder, "topology")
     assert [r["local_rank"] for r in topology["ranks"]] == [0, 1]
@@ -116,7 +118,7 @@ def test_usr1_stops_gracefully_and_resubmission_resumes(cluster, demo_preprocess
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log
     assert _kinds(folder, "finished"), log
     assert [e["epoch"] for e in _kinds(folder, "epoch_ended")] == list(range(12))
-    assert (folder / schema.checkpoint_file("final")).exists()
+    assert (folder / checkpoint_file("final")).exists()
 
 
 def test_signal_before_time_limit_stops_gracefully(cluster, demo_preprocessed, tmp_path):
@@ -132,4 +134,4 @@ def test_signal_before_time_limit_stops_gracefully(cluster, demo_preprocessed, t
     folder = _folder(tmp_path)
     assert _kinds(folder, "stopped"), log
     assert not _kinds(folder, "finished")
-    assert schema.read_status(folder).state == schema.State.STOPPED
+    assert read_status(folder).state == State.STOPPED

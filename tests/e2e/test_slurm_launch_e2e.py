@@ -25,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer import schema
+from trainer.schema.events import decode_event
+from trainer.schema.status import State, read_status
+from trainer.schema.tree import EVENTS_FILE, checkpoint_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import slurm_cluster
@@ -67,9 +69,9 @@ def _folder(tmp_path: Path, fold: str) -> Path:
 
 
 def _kinds(folder: Path, kind: str) -> list[dict]:
-    path = folder / schema.EVENTS_FILE
+    path = folder / EVENTS_FILE
     lines = path.read_text().splitlines() if path.exists() else []
-    return [e for e in map(schema.decode_event, lines) if e and e["kind"] == kind]
+    return [e for e in map(decode_event, lines) if e and e["kind"] == kind]
 
 
 def _rows(env, tmp_path: Path) -> list[dict]:
@@ -122,14 +124,14 @@ def test_folds_on_slurm_followed_stopped_resumed_and_requeued(cluster, demo_prep
     _wait("fold 1 finished", lambda: _kinds(folder, "finished"), tmp_path)
     assert [e["epoch"] for e in _kinds(folder, "epoch_ended")] == list(range(6))
     assert len(_kinds(folder, "run_started")) >= 2
-    assert (folder / schema.checkpoint_file("final")).exists()
+    assert (folder / checkpoint_file("final")).exists()
 
 
 def _fold_0_stopped_and_resumed(env, cluster, tmp_path: Path, first: str) -> None:
     info = cluster.wait_job(int(first), timeout_s=SAFETY_NET_S)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), _logs(tmp_path)
     folder = _folder(tmp_path, "0")
-    assert (folder / schema.checkpoint_file("latest")).exists()
+    assert (folder / checkpoint_file("latest")).exists()
     (stopped,) = _kinds(folder, "stopped")
     assert stopped["epoch"] < 7, "the fold ended before the stop could reach it"
     row = next(r for r in _rows(env, tmp_path) if r["run_dir"] == str(folder))
@@ -145,7 +147,7 @@ def _fold_0_stopped_and_resumed(env, cluster, tmp_path: Path, first: str) -> Non
     info = cluster.wait_job(int(again), timeout_s=SAFETY_NET_S)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), _logs(tmp_path)
     assert [e["epoch"] for e in _kinds(folder, "epoch_ended")] == list(range(8))
-    assert schema.read_status(folder).state == schema.State.FINISHED
+    assert read_status(folder).state == State.FINISHED
     done = run_nnui(env, "resume", f"slurm:{again}")
     assert done.returncode == 3 and "finished" in done.stdout, done.stdout + done.stderr
 

@@ -24,7 +24,7 @@ from app.screens.job_detail import JobDetailScreen
 from app.screens.launch import LaunchScreen
 from app.screens.predict_form import PredictScreen
 from app.services.jobs.registry import PREDICT, Registry
-from trainer.schema import checkpoint_file, run_dir
+from trainer.schema.tree import checkpoint_file, run_dir
 
 FAKE_PREDICT = ROOT / "tests" / "fake_predict.py"
 

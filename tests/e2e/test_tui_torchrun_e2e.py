@@ -27,11 +27,12 @@ from tui_fixtures import kill_started_jobs, screen_of, wait_for
 from app.screens.confirm import LaunchConfirmScreen, StopConfirmScreen
 from app.screens.dashboard import DashboardScreen
 from app.screens.job_detail import JobDetailScreen
+from app.screens.seam import TuiConfig
 from app.services.jobs.registry import Registry
 from app.services.machine.procs import proc_info
-from app.tui import TuiConfig, make_app
+from app.tui import make_app
 from app.widgets.process_tree import ProcessTree
-from trainer.schema import EVENTS_FILE, Roots
+from trainer.schema.tree import EVENTS_FILE, Roots
 
 pytestmark = pytest.mark.slow
 

@@ -84,10 +84,10 @@ def test_bf16_training_logs_it_and_predicts_what_float32_predicts(demo_preproces
     log = tmp_path / "train.log"
     assert run(argv, log) == 0, log.read_text()
     assert "precision: bf16 autocast (--precision bf16)" in log.read_text()
-    from trainer import schema
     from trainer.checkpoint import store
+    from trainer.schema.tree import checkpoint_file
 
-    tensors, _ = store.load(run_dir(results) / schema.checkpoint_file("final"))
+    tensors, _ = store.load(run_dir(results) / checkpoint_file("final"))
     assert {t.dtype for k, t in tensors.items() if k.startswith("model.")} == {torch.float32}
 
     planted = tmp_path / "planted"

@@ -8,15 +8,34 @@ from pathlib import Path
 
 import pytest
 
-from trainer import schema
-from trainer.events import RunRecorder
+from trainer.schema.atomic import atomic_write_bytes, atomic_write_text
+from trainer.schema.events import (
+    ALL_KINDS,
+    OPTIONAL_KEYS,
+    REQUIRED_KEYS,
+    SCHEMA_VERSION,
+    Kind,
+    decode_event,
+    encode_event,
+    validate_event,
+)
+from trainer.schema.status import (
+    ACTIVE_STATES,
+    ENDED_STATES,
+    TERMINAL_STATES,
+    State,
+    Status,
+    read_status,
+)
+from trainer.schema.tree import EVENTS_FILE, STATUS_FILE
+from trainer.training.events import RunRecorder
 
 RANK = {"global_rank": 0, "local_rank": 0, "host": "h", "pid": 4242, "device": "cuda:0",
         "batch_size": 2, "oversample_foreground_percent": 0.33,
         "sigusr1_handler": True}  # fmt: skip
-# One complete record per kind, with every key the trainer writes (DESIGN §3).
-EXAMPLES: dict[schema.Kind, dict] = {
-    schema.Kind.RUN_STARTED: dict(
+# One complete record per kind, with every key the trainer writes (docs/contract.md).
+EXAMPLES: dict[Kind, dict] = {
+    Kind.RUN_STARTED: dict(
         dataset="Dataset004_Demo",
         configuration="3d_fullres",
         fold="0",
@@ -27,8 +46,8 @@ EXAMPLES: dict[schema.Kind, dict] = {
         host="h",
         argv=["nnui-train"],
     ),
-    schema.Kind.TOPOLOGY: dict(ranks=[RANK]),
-    schema.Kind.EPOCH_ENDED: dict(
+    Kind.TOPOLOGY: dict(ranks=[RANK]),
+    Kind.EPOCH_ENDED: dict(
         epoch=3,
         train_loss=0.5,
         val_loss=None,
@@ -41,16 +60,16 @@ EXAMPLES: dict[schema.Kind, dict] = {
         data_wait_s=0.1,
         nan_loss=True,
     ),
-    schema.Kind.CHECKPOINT_SAVED: dict(checkpoint="latest", path="/r/c", epoch=3, write_time_s=1),
-    schema.Kind.STOP_REQUESTED: dict(epoch=-1, ranks=[0, 1]),
-    schema.Kind.STOP_HEARD: dict(epoch=3),
-    schema.Kind.STOPPED: dict(epoch=3, reason="SIGUSR1"),
-    schema.Kind.VALIDATION_STARTED: dict(epoch=9, num_cases=2),
-    schema.Kind.VALIDATION_FINISHED: dict(mean_fg_dice=0.7, dice_per_class=[0.7], num_cases=2),
-    schema.Kind.VALIDATION_CASE: dict(index=1, num_cases=2),
-    schema.Kind.FINISHED: dict(epoch=9),
-    schema.Kind.FAILED: dict(message="boom", traceback="Traceback ...", epoch=None),
-    schema.Kind.PREDICTION_STARTED: dict(
+    Kind.CHECKPOINT_SAVED: dict(checkpoint="latest", path="/r/c", epoch=3, write_time_s=1),
+    Kind.STOP_REQUESTED: dict(epoch=-1, ranks=[0, 1]),
+    Kind.STOP_HEARD: dict(epoch=3),
+    Kind.STOPPED: dict(epoch=3, reason="SIGUSR1"),
+    Kind.VALIDATION_STARTED: dict(epoch=9, num_cases=2),
+    Kind.VALIDATION_FINISHED: dict(mean_fg_dice=0.7, dice_per_class=[0.7], num_cases=2),
+    Kind.VALIDATION_CASE: dict(index=1, num_cases=2),
+    Kind.FINISHED: dict(epoch=9),
+    Kind.FAILED: dict(message="boom", traceback="Traceback ...", epoch=None),
+    Kind.PREDICTION_STARTED: dict(
         num_cases=5,
         num_skipped=1,
         part_id=1,
@@ -64,69 +83,67 @@ EXAMPLES: dict[schema.Kind, dict] = {
         host="h",
         argv=["nnui-predict"],
     ),
-    schema.Kind.CASE_PREDICTED: dict(
-        case="c1", index=1, num_cases=5, seconds=0.5, shape=[20, 40, 41]
-    ),
-    schema.Kind.TRAIN_LOSS_RUNNING: dict(epoch=2, iteration=125, num_iterations=250, loss=0.61),
+    Kind.CASE_PREDICTED: dict(case="c1", index=1, num_cases=5, seconds=0.5, shape=[20, 40, 41]),
+    Kind.TRAIN_LOSS_RUNNING: dict(epoch=2, iteration=125, num_iterations=250, loss=0.61),
 }
 
 
 def test_every_kind_has_its_rules_and_an_example() -> None:
-    assert set(schema.REQUIRED_KEYS) == set(schema.OPTIONAL_KEYS) == set(schema.Kind)
-    assert set(EXAMPLES) == schema.ALL_KINDS
+    assert set(REQUIRED_KEYS) == set(OPTIONAL_KEYS) == set(Kind)
+    assert set(EXAMPLES) == ALL_KINDS
 
 
-@pytest.mark.parametrize("kind", sorted(schema.ALL_KINDS))
-def test_every_kind_round_trips(kind: schema.Kind) -> None:
-    line = schema.encode_event(kind, t=1.5, **EXAMPLES[kind])
+@pytest.mark.parametrize("kind", sorted(ALL_KINDS))
+def test_every_kind_round_trips(kind: Kind) -> None:
+    line = encode_event(kind, t=1.5, **EXAMPLES[kind])
     assert line.endswith("\n") and line.count("\n") == 1
-    record = schema.decode_event(line)
-    assert record == {"v": schema.SCHEMA_VERSION, "t": 1.5, "kind": kind, **EXAMPLES[kind]}
-    assert schema.validate_event(record) is None
+    record = decode_event(line)
+    assert record == {"v": SCHEMA_VERSION, "t": 1.5, "kind": kind, **EXAMPLES[kind]}
+    assert validate_event(record) is None
 
 
 @pytest.mark.parametrize(
     ("kind", "key"),
-    [(k, key) for k in sorted(schema.Kind) for key in sorted(schema.REQUIRED_KEYS[k])],
+    [(k, key) for k in sorted(Kind) for key in sorted(REQUIRED_KEYS[k])],
 )
-def test_a_missing_required_key_is_named(kind: schema.Kind, key: str) -> None:
+def test_a_missing_required_key_is_named(kind: Kind, key: str) -> None:
     record = {"v": 1, "t": 1.0, "kind": kind, **EXAMPLES[kind]}
     del record[key]
-    assert schema.validate_event(record) == f"{kind}: {key!r} is missing"
+    assert validate_event(record) == f"{kind}: {key!r} is missing"
 
 
 WRONG_VALUES = [
-    (schema.Kind.EPOCH_ENDED, "epoch", None), (schema.Kind.EPOCH_ENDED, "epoch", "abc"),
-    (schema.Kind.EPOCH_ENDED, "epoch", math.inf), (schema.Kind.EPOCH_ENDED, "epoch", True),
-    (schema.Kind.EPOCH_ENDED, "epoch", -1), (schema.Kind.EPOCH_ENDED, "epoch", 2**40),
-    (schema.Kind.EPOCH_ENDED, "epoch", 1.0), (schema.Kind.EPOCH_ENDED, "lr", math.nan),
-    (schema.Kind.EPOCH_ENDED, "dice_per_class", [0.5, "x"]),
-    (schema.Kind.EPOCH_ENDED, "nan_loss", 0),
-    (schema.Kind.TOPOLOGY, "ranks", "all"), (schema.Kind.TOPOLOGY, "ranks", []),
-    (schema.Kind.TOPOLOGY, "ranks", [{**RANK, "pid": -1}]),
-    (schema.Kind.TOPOLOGY, "ranks", [{**RANK, "pid": 0}]),
-    (schema.Kind.TOPOLOGY, "ranks", [{**RANK, "pid": True}]),
-    (schema.Kind.TOPOLOGY, "ranks", [{**RANK, "pid": "12"}]),
-    (schema.Kind.TOPOLOGY, "ranks", [RANK, {"global_rank": 1}]),
-    (schema.Kind.TOPOLOGY, "ranks", [{**RANK, "host": 3}]),
-    (schema.Kind.RUN_STARTED, "num_epochs", "10"), (schema.Kind.RUN_STARTED, "world_size", 0),
-    (schema.Kind.CHECKPOINT_SAVED, "checkpoint", "newest"),
-    (schema.Kind.STOP_REQUESTED, "ranks", "all"), (schema.Kind.FAILED, "message", None),
-    (schema.Kind.PREDICTION_STARTED, "num_cases", -1),
-    (schema.Kind.PREDICTION_STARTED, "num_parts", 0),
-    (schema.Kind.PREDICTION_STARTED, "folds", [0]),
-    (schema.Kind.CASE_PREDICTED, "seconds", math.nan),
-    (schema.Kind.CASE_PREDICTED, "shape", [3, -1]), (schema.Kind.CASE_PREDICTED, "case", 7),
-    (schema.Kind.STOPPED, "num_done", -2),
-    (schema.Kind.TRAIN_LOSS_RUNNING, "iteration", 0),
-    (schema.Kind.TRAIN_LOSS_RUNNING, "loss", "0.5"),
+    (Kind.EPOCH_ENDED, "epoch", None), (Kind.EPOCH_ENDED, "epoch", "abc"),
+    (Kind.EPOCH_ENDED, "epoch", math.inf), (Kind.EPOCH_ENDED, "epoch", True),
+    (Kind.EPOCH_ENDED, "epoch", -1), (Kind.EPOCH_ENDED, "epoch", 2**40),
+    (Kind.EPOCH_ENDED, "epoch", 1.0), (Kind.EPOCH_ENDED, "lr", math.nan),
+    (Kind.EPOCH_ENDED, "dice_per_class", [0.5, "x"]),
+    (Kind.EPOCH_ENDED, "nan_loss", 0),
+    (Kind.TOPOLOGY, "ranks", "all"), (Kind.TOPOLOGY, "ranks", []),
+    (Kind.TOPOLOGY, "ranks", [{**RANK, "pid": -1}]),
+    (Kind.TOPOLOGY, "ranks", [{**RANK, "pid": 0}]),
+    (Kind.TOPOLOGY, "ranks", [{**RANK, "pid": True}]),
+    (Kind.TOPOLOGY, "ranks", [{**RANK, "pid": "12"}]),
+    (Kind.TOPOLOGY, "ranks", [RANK, {"global_rank": 1}]),
+    (Kind.TOPOLOGY, "ranks", [{**RANK, "host": 3}]),
+    (Kind.RUN_STARTED, "num_epochs", "10"), (Kind.RUN_STARTED, "world_size", 0),
+    (Kind.CHECKPOINT_SAVED, "checkpoint", "newest"),
+    (Kind.STOP_REQUESTED, "ranks", "all"), (Kind.FAILED, "message", None),
+    (Kind.PREDICTION_STARTED, "num_cases", -1),
+    (Kind.PREDICTION_STARTED, "num_parts", 0),
+    (Kind.PREDICTION_STARTED, "folds", [0]),
+    (Kind.CASE_PREDICTED, "seconds", math.nan),
+    (Kind.CASE_PREDICTED, "shape", [3, -1]), (Kind.CASE_PREDICTED, "case", 7),
+    (Kind.STOPPED, "num_done", -2),
+    (Kind.TRAIN_LOSS_RUNNING, "iteration", 0),
+    (Kind.TRAIN_LOSS_RUNNING, "loss", "0.5"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("kind", "key", "value"), WRONG_VALUES)
-def test_a_wrong_type_is_refused_with_its_reason(kind: schema.Kind, key: str, value) -> None:
+def test_a_wrong_type_is_refused_with_its_reason(kind: Kind, key: str, value) -> None:
     record = {"v": 1, "t": 1.0, "kind": kind, **EXAMPLES[kind], key: value}
-    reason = schema.validate_event(record)
+    reason = validate_event(record)
     assert reason is not None and reason.startswith(f"{kind}: {key!r} must be")
 
 
@@ -138,48 +155,48 @@ def test_a_wrong_type_is_refused_with_its_reason(kind: schema.Kind, key: str, va
      {"t": 1, "kind": "finished", "v": 0}],
 )  # fmt: skip
 def test_every_record_needs_a_version_a_time_and_a_kind(record) -> None:
-    assert schema.validate_event(record) is not None
+    assert validate_event(record) is not None
 
 
 def test_unknown_kinds_and_keys_are_valid() -> None:
-    assert schema.validate_event({"v": 1, "t": 1, "kind": "running_loss", "loss": "x"}) is None
-    assert schema.validate_event({"v": 1, "t": 1, "kind": "finished", "future": [None]}) is None
+    assert validate_event({"v": 1, "t": 1, "kind": "running_loss", "loss": "x"}) is None
+    assert validate_event({"v": 1, "t": 1, "kind": "finished", "future": [None]}) is None
 
 
 def test_kinds_and_states_are_enums_that_read_as_their_strings() -> None:
-    assert schema.Kind.TOPOLOGY == "topology" and f"{schema.Kind.TOPOLOGY}" == "topology"
-    assert schema.Kind("epoch_ended") is schema.Kind.EPOCH_ENDED
-    assert json.dumps([schema.State.LOST]) == '["lost"]' and str(schema.State.QUEUED) == "queued"
-    assert "running" in schema.ACTIVE_STATES and "lost" in schema.ENDED_STATES
-    assert schema.TERMINAL_STATES < schema.ENDED_STATES
+    assert Kind.TOPOLOGY == "topology" and f"{Kind.TOPOLOGY}" == "topology"
+    assert Kind("epoch_ended") is Kind.EPOCH_ENDED
+    assert json.dumps([State.LOST]) == '["lost"]' and str(State.QUEUED) == "queued"
+    assert "running" in ACTIVE_STATES and "lost" in ENDED_STATES
+    assert TERMINAL_STATES < ENDED_STATES
 
 
 def test_status_round_trip_and_unknown_keys(tmp_path: Path) -> None:
-    status = schema.Status(state=schema.State.RUNNING, epoch=4, num_epochs=10, pids=[1, 2])
-    schema.atomic_write_text(tmp_path / schema.STATUS_FILE, status.to_json())
-    assert schema.read_status(tmp_path) == status
+    status = Status(state=State.RUNNING, epoch=4, num_epochs=10, pids=[1, 2])
+    atomic_write_text(tmp_path / STATUS_FILE, status.to_json())
+    assert read_status(tmp_path) == status
     data = json.loads(status.to_json()) | {"future_field": 1}
-    assert schema.Status.from_dict(data) == status
+    assert Status.from_dict(data) == status
 
 
 def test_recorder_writes_events_and_status_only_when_enabled(tmp_path: Path) -> None:
     main, other = tmp_path / "main", tmp_path / "other"
     for folder, enabled in ((main, True), (other, False)):
         with RunRecorder(folder, enabled=enabled, num_epochs=5) as recorder:
-            recorder.event(schema.Kind.EPOCH_ENDED, epoch=0, mean_fg_dice=math.nan)
-            recorder.status(schema.State.RUNNING, epoch=1)
+            recorder.event(Kind.EPOCH_ENDED, epoch=0, mean_fg_dice=math.nan)
+            recorder.status(State.RUNNING, epoch=1)
             recorder.failed("boom", "Traceback ...")
-    lines = (main / schema.EVENTS_FILE).read_text().splitlines()
-    kinds = [schema.decode_event(line)["kind"] for line in lines]
-    assert kinds == [schema.Kind.EPOCH_ENDED, schema.Kind.FAILED]
-    assert schema.read_status(main).state == schema.State.FAILED
+    lines = (main / EVENTS_FILE).read_text().splitlines()
+    kinds = [decode_event(line)["kind"] for line in lines]
+    assert kinds == [Kind.EPOCH_ENDED, Kind.FAILED]
+    assert read_status(main).state == State.FAILED
     assert not other.exists()
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_events_are_strict_json_with_non_finite_values_as_null(value: float) -> None:
-    line = schema.encode_event(
-        schema.Kind.EPOCH_ENDED, t=1.0, train_loss=value, dice_per_class=[value, 0.5],
+    line = encode_event(
+        Kind.EPOCH_ENDED, t=1.0, train_loss=value, dice_per_class=[value, 0.5],
         nested={"x": value},
     )  # fmt: skip
 
@@ -193,8 +210,8 @@ def test_events_are_strict_json_with_non_finite_values_as_null(value: float) -> 
 
 def test_atomic_write_bytes_replaces_whole_file(tmp_path: Path) -> None:
     path = tmp_path / "blob.bin"
-    schema.atomic_write_bytes(path, b"old")
-    schema.atomic_write_bytes(path, b"\x00new")
-    schema.atomic_write_text(tmp_path / "t.txt", "é")
+    atomic_write_bytes(path, b"old")
+    atomic_write_bytes(path, b"\x00new")
+    atomic_write_text(tmp_path / "t.txt", "é")
     assert path.read_bytes() == b"\x00new" and (tmp_path / "t.txt").read_text() == "é"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blob.bin", "t.txt"]

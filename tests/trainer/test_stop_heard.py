@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import torch
 
 from trainer import stop
-from trainer.loop import StopNotice, Trainee, train_iterations
-from trainer.schema import Kind, State
+from trainer.schema.events import Kind
+from trainer.schema.status import State
+from trainer.training.loop import StopNotice, Trainee, train_iterations
 
 
 class Recorder:

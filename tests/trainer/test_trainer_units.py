@@ -7,9 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer.config import TrainConfig
 from trainer.inference.windows import gaussian_importance, sliding_window_logits, window_starts
-from trainer.loop import nanmean, poly_lr, pseudo_dice
 from trainer.network.loss import (
     DeepSupervisionLoss,
     SoftDiceLoss,
@@ -17,6 +15,8 @@ from trainer.network.loss import (
     downsample_target,
 )
 from trainer.network.unet import PlainConvUNet
+from trainer.training.config import TrainConfig
+from trainer.training.loop import nanmean, poly_lr, pseudo_dice
 
 
 @pytest.mark.parametrize(
@@ -208,7 +208,7 @@ def test_sliding_window_reproduces_a_pointwise_model_exactly() -> None:
 
 
 def test_cli_modules_do_not_import_torch_at_module_level() -> None:
-    """The SIGUSR1 handler must be installed before torch is imported (DESIGN §4)."""
+    """The SIGUSR1 handler must be installed before torch is imported (docs/contract.md)."""
     import subprocess
     import sys
 
@@ -230,8 +230,8 @@ def test_stop_message_matches_checkpointing(tmp_path, caplog, disable, expected,
     import logging
     from types import SimpleNamespace
 
-    from trainer.events import RunRecorder
-    from trainer.loop import Checkpointer, LoopState, record_stop
+    from trainer.training.events import RunRecorder
+    from trainer.training.loop import Checkpointer, LoopState, record_stop
 
     config = SimpleNamespace(disable_checkpointing=disable, run_dir=str(tmp_path))
     checkpointer = Checkpointer(config, trainee=None, recorder=None, is_main=False)  # type: ignore[arg-type]
@@ -250,7 +250,7 @@ def test_a_rank_ignores_a_late_stop_once_its_work_is_done(tmp_path, monkeypatch,
     import signal
     from types import SimpleNamespace
 
-    from trainer import worker as worker_module
+    from trainer.training import worker as worker_module
 
     def work(*_args):
         if outcome == "raises":

@@ -13,13 +13,13 @@ import os
 import re
 from pathlib import Path
 
-from trainer.schema import (
+from trainer.schema.atomic import atomic_write_bytes
+from trainer.schema.tree import (
     CHECKPOINT_KINDS,
     CONFIG_FILE,
     STATUS_FILE,
     SUMMARY_FILE,
     VALIDATION_DIR,
-    atomic_write_bytes,
     checkpoint_file,
 )
 

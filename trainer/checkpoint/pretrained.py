@@ -12,7 +12,7 @@ one can run any code it holds.
 
 The CLI (rank 0's process) checks the file against a network built on the meta device
 (shapes, no memory); the worker's rank 0 loads it and every rank gets the same tensors
-(trainer.worker), before the DDP wrap.
+(trainer.training.worker), before the DDP wrap.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def network_shapes(plans: Any, cplan: Any) -> dict[str, tuple[int, ...]]:
     import torch
 
     from trainer.data.cascade import input_channels
-    from trainer.network.unet import build_network
+    from trainer.network.build import build_network
 
     with torch.device("meta"):  # a cascade's input: the image and the previous stage's one-hot
         net = build_network(cplan.network, input_channels(plans, cplan), plans.num_classes,

@@ -41,7 +41,7 @@ from trainer.checkpoint.format import (
     verify_file,
     warn_unchecked,
 )
-from trainer.schema import checkpoint_file
+from trainer.schema.tree import checkpoint_file
 
 log = logging.getLogger(__name__)
 
@@ -377,7 +377,7 @@ def load(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def load_plain(path: Path) -> dict[str, Any]:
     """Every tensor of a plain safetensors file (no nnui metadata); CheckpointError if it
-    cannot be read. This module is the one safetensors user (DESIGN §1)."""
+    cannot be read. This module is the one safetensors user (docs/layout-trainer.md)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import blosc2
 import numpy as np
 
-from trainer.schema import atomic_tmp_path
+from trainer.schema.atomic import atomic_tmp_path
 
 BLOCK_TARGET_BYTES = 32 * 1024
 

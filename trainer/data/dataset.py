@@ -17,7 +17,7 @@ import numpy as np
 from trainer import legacy
 from trainer.data.blosc_io import OpenArrays
 from trainer.data.raw import DataError
-from trainer.schema import FINGERPRINT_FILE
+from trainer.schema.tree import FINGERPRINT_FILE
 
 CASE_FILES = ("{}.b2nd", "{}_seg.b2nd", "{}.json")
 

@@ -10,16 +10,20 @@ accepts this, and so does nnui, with one note at preprocessing). `ignore`
 names a value whose voxels carry no annotation: no loss, no metric, never predicted; it
 must be the highest value, one above every other label (nnU-Net's rule).
 
-Numpy only: the preprocessing and the CLIs read it without torch.
+Numpy only: the preprocessing and the CLIs read it without torch (region_masks, the
+training's region targets, imports torch when it is called).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 IGNORE = "ignore"
 REGIONS_CLASS_ORDER = "regions_class_order"
@@ -288,3 +292,13 @@ def location_rule(spec: LabelSpec):
         return None
     annotated = ANNOTATED_KEY if spec.ignore_label is not None else None
     return LocationRule(tuple(location_groups(spec)), annotated)
+
+
+def region_masks(labels: torch.Tensor, regions: Sequence[tuple[int, ...]]) -> torch.Tensor:
+    """Region targets of a batch: (b, R, *spatial) float, 1 where the label map
+    (b, *spatial) lies in region r (the regions' loss and validation compare to these)."""
+    import torch
+
+    return torch.stack(
+        [torch.isin(labels, torch.tensor(r, device=labels.device)) for r in regions], 1
+    ).float()

@@ -22,7 +22,7 @@ def batch_seed(seed: int, rank: int, stream: str, iteration: int) -> np.random.S
 
 
 def forced_slots(batch_size: int, share: float) -> list[bool]:
-    """Slot j is forced to foreground iff j >= round(b * (1 - p)) (DESIGN §5)."""
+    """Slot j is forced to foreground iff j >= round(b * (1 - p)) (docs/fidelity.md)."""
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"oversample share must be within [0, 1], got {share}")
     first_forced = round(batch_size * (1.0 - share))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import json
 import shlex
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,16 +21,17 @@ from typing import Any
 
 import numpy as np
 
-from trainer.cli import OneLineParser, one_line
+from trainer.cli import OneLineParser, one_line, usage_error
 from trainer.data.image_io import ImageReadError, read_image
 from trainer.data.labels import LabelSpec, from_dataset_json
 from trainer.evaluation.evaluate import case_metrics, summarize
 from trainer.inference.postprocess import POSTPROCESSING_KEY, Step, keep_largest_component
-from trainer.schema import (
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.exits import EXIT_OK
+from trainer.schema.tree import (
     DEFAULT_PLANS,
     DEFAULT_TRAINER,
     VALIDATION_DIR,
-    atomic_write_text,
     find_dataset,
     resolve_roots,
     run_dir,
@@ -264,19 +264,15 @@ def main(argv: list[str] | None = None) -> int:
         pp = {POSTPROCESSING_KEY: choice["largest_component_labels"]}
         atomic_write_text(pp_file, json.dumps(pp, indent=1) + "\n")
         atomic_write_text(out_dir / INFO_FILE, json.dumps(info, indent=1) + "\n")
-    except (SelectionError, ValueError) as exc:
-        print(f"error: {one_line(exc)}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"error: {exc.strerror or exc}: {exc.filename or ''}", file=sys.stderr)
-        return 2
+    except (SelectionError, ValueError, OSError) as exc:
+        return usage_error(exc)
     print(
         f"best: {' + '.join(choice['configurations'])}; postprocessing labels "
         f"{choice['largest_component_labels']} -> {out_dir / INFO_FILE}"
     )
     for line in info["commands"]:
         print(line)
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

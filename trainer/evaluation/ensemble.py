@@ -9,7 +9,6 @@ anything is written. One case is in memory at a time; files are written atomical
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.cli import OneLineParser, one_line
+from trainer.cli import OneLineParser, one_line, usage_error
 from trainer.data.image_io import SUPPORTED_ENDINGS, ImageReadError
 from trainer.data.labels import REGIONS_CLASS_ORDER, LabelSpec, parse_labels, prediction_labels
 from trainer.inference.cases import InputError
@@ -29,7 +28,9 @@ from trainer.inference.export import (
 from trainer.inference.postprocess import Step, keep_largest_component, read_postprocessing
 from trainer.inference.predict import PREDICTION_INFO_FILE
 from trainer.planning.plans import plans_labels
-from trainer.schema import atomic_write_text, refuse_nnunet_output
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.exits import EXIT_OK
+from trainer.schema.nnunet import refuse_nnunet_output
 
 
 class EnsembleError(ValueError):
@@ -171,14 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         largest = tuple(read_postprocessing(Path(args.postprocess))) if args.postprocess else ()
         folders = [Path(f) for f in args.i]
         num = ensemble(folders, Path(args.o), args.save_probabilities, print, largest)
-    except (EnsembleError, InputError) as exc:
-        print(f"error: {one_line(exc)}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"error: {exc.strerror or exc}: {exc.filename or ''}", file=sys.stderr)
-        return 2
+    except (EnsembleError, InputError, OSError) as exc:
+        return usage_error(exc)
     print(f"ensembled {num} case(s) of {len(args.i)} folders -> {args.o}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

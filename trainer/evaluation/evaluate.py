@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 
-from trainer.cli import OneLineParser, one_line
+from trainer.cli import OneLineParser, usage_error
 from trainer.data.image_io import SUPPORTED_ENDINGS, ImageReadError, file_ending, read_labels
 from trainer.data.labels import Key, LabelError, LabelSpec, from_dataset_json, key_mask, metric_key
-from trainer.schema import SUMMARY_FILE, atomic_write_text
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.exits import EXIT_OK
+from trainer.schema.tree import SUMMARY_FILE
 
 METRICS = ("Dice", "FN", "FP", "IoU", "TN", "TP", "n_pred", "n_ref")
 
@@ -238,16 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         labels, ignore = _labels_to_score(args)
         summary = evaluate_folders(Path(args.ref), Path(args.pred), labels, args.chill, ignore)
         write_summary(summary, output)
-    except EvaluationError as exc:
-        print(f"error: {one_line(exc)}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"error: {exc.strerror or exc}: {exc.filename or ''}", file=sys.stderr)
-        return 2
+    except (EvaluationError, OSError) as exc:
+        return usage_error(exc)
     fg = summary["foreground_mean"]
     cases = len(summary["metric_per_case"])
     print(f"{cases} case(s): foreground mean Dice {_rounded(fg['Dice'])} -> {output}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

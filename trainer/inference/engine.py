@@ -50,7 +50,7 @@ def build_models(
 ) -> list[torch.nn.Module]:
     """One evaluation-mode network per fold from `model.*` tensors (checkpoint.load)."""
     from trainer.data.cascade import input_channels
-    from trainer.network.unet import build_network
+    from trainer.network.build import build_network
 
     models = []
     for tensors in weights:

@@ -1,5 +1,5 @@
 """The machine-readable record of a prediction that nnui supervises (`nnui-predict --events
-FILE`): the same JSON lines as a training's events.jsonl (DESIGN §3), so the app follows,
+FILE`): the same JSON lines as a training's events.jsonl (docs/contract.md), so the app follows,
 stops and shows a prediction with the code it uses for trainings.
 
 FILE lives in the job's own folder of nnui's state directory, never among the predictions
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import stop
-from trainer.schema import Kind, encode_event
+from trainer.schema.events import Kind, encode_event
 
 log = logging.getLogger("trainer.inference.predict")
 

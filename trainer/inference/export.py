@@ -11,7 +11,7 @@ Why log-probabilities: nnU-Net resamples the logits, and log p differs from the 
 one term per voxel shared by all classes, so the argmax is nnU-Net's. Resampling the
 probabilities themselves blurs a small structure's mass into its background neighbours:
 on the accuracy bench's 2d demo (lesions of ~50 voxels, in-plane resampling 0.87 -> 0.78 mm)
-it cost up to 0.07 lesion Dice per fold (bench/RESULTS.md, "the export to the raw geometry").
+it cost up to 0.07 lesion Dice per fold (bench/history.md, "the export to the raw geometry").
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from trainer.data.case_ops import nearest_indices, separate_z_axis
 from trainer.data.image_io import encode_like
-from trainer.schema import atomic_write_bytes
+from trainer.schema.atomic import atomic_write_bytes
 
 PROBABILITIES_KEY = "probabilities"
 TINY = float(np.finfo(np.float32).tiny)  # log(0) guard: a class the network rules out stays ~0

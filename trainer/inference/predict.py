@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer import stop
-from trainer.cli import OneLineParser, one_line, use_caching_allocator
+from trainer.cli import OneLineParser, error_text, one_line, usage_error, use_caching_allocator
 from trainer.inference import mirroring
 from trainer.inference.events import PredictionEvents
 from trainer.network import precision
-from trainer.schema import CHECKPOINT_KINDS, DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS, Kind
+from trainer.schema.events import Kind
+from trainer.schema.exits import EXIT_INTERRUPTED, EXIT_OK
+from trainer.schema.tree import CHECKPOINT_KINDS, DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
 
 if TYPE_CHECKING:
     from trainer.inference.postprocess import Step
@@ -135,18 +137,19 @@ def checkpoint_kind(name: str) -> str:
 
 def resolve(args: argparse.Namespace) -> Resolved:
     """Every check that needs no voxel data; ValueError with a one-line message."""
-    from trainer import schema
     from trainer.inference.cases import check_headers, list_input_cases, select_part
     from trainer.planning.plans import load_plans
+    from trainer.schema.nnunet import refuse_nnunet_output
+    from trainer.schema.tree import find_dataset, resolve_roots
 
     in_dir, out_dir = Path(args.input).absolute(), Path(args.output).absolute()
     if in_dir.resolve() == out_dir.resolve():
         raise ValueError(f"-o {args.output} is the input folder: choose another output folder")
-    schema.refuse_nnunet_output(out_dir)
+    refuse_nnunet_output(out_dir)
     if not 0 < args.step_size <= 1:
         raise ValueError(f"-step_size must be within (0, 1], got {args.step_size}")
-    roots = schema.resolve_roots(preprocessed=args.preprocessed, results=args.results)
-    name = schema.find_dataset(roots.preprocessed, args.dataset)
+    roots = resolve_roots(preprocessed=args.preprocessed, results=args.results)
+    name = find_dataset(roots.preprocessed, args.dataset)
     try:
         plans = load_plans(roots.preprocessed / name, args.plans)
     except FileNotFoundError as exc:
@@ -225,9 +228,9 @@ def _fallback_spacing(dataset_dir: Path) -> tuple[float, ...] | None:
 
 def _checkpoints(args: argparse.Namespace, results: Path, name: str, plans: Any) -> dict:
     """fold -> checkpoint path, each complete and trained with these very plans."""
-    from trainer import schema
     from trainer.checkpoint import store as checkpoint
     from trainer.checkpoint.format import CheckpointError
+    from trainer.schema.tree import checkpoint_file, run_dir
 
     kind = checkpoint_kind(args.checkpoint)
     folds = list(dict.fromkeys(args.folds))
@@ -242,8 +245,8 @@ def _checkpoints(args: argparse.Namespace, results: Path, name: str, plans: Any)
     }
     found = {}
     for fold in folds:
-        run = schema.run_dir(results, name, args.configuration, fold, args.trainer, args.plans)
-        path = run / schema.checkpoint_file(kind)
+        run = run_dir(results, name, args.configuration, fold, args.trainer, args.plans)
+        path = run / checkpoint_file(kind)
         if not path.is_file():
             raise ValueError(
                 f"fold {fold} has no {path.name} in {run}: train it first "
@@ -292,7 +295,7 @@ def _load_weights(checkpoints: dict[str, Path]) -> list[dict]:
 
 def _write_info(resolved: Resolved, args: argparse.Namespace) -> None:
     from trainer.data.labels import prediction_labels
-    from trainer.schema import atomic_write_text
+    from trainer.schema.atomic import atomic_write_text
 
     info = {
         "dataset": resolved.dataset_name,
@@ -325,7 +328,7 @@ def run(args: argparse.Namespace, progress: Callable[..., None] = print,  # prin
     if not resolved.cases:
         progress("nothing to predict")
         events.event(Kind.FINISHED, num_done=0, num_cases=0)
-        return 0
+        return EXIT_OK
     if resolved.cplan.previous_stage and not args.prev_stage_predictions:
         _predict_previous_stage(args, resolved, progress)
     weights = _load_weights(resolved.checkpoints)
@@ -364,7 +367,7 @@ def run(args: argparse.Namespace, progress: Callable[..., None] = print,  # prin
         events.event(Kind.STOPPED, reason="SIGUSR1", num_done=num, num_cases=total)
     else:
         events.event(Kind.FINISHED, num_done=num, num_cases=total)
-    return 0
+    return EXIT_OK
 
 
 def _predict_previous_stage(
@@ -411,8 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         events = PredictionEvents(args.events)
     except OSError as exc:
-        sys.stderr.write(f"error: --events {args.events}: {exc.strerror or exc}\n")
-        return 2
+        return usage_error(f"--events {args.events}: {exc.strerror or exc}")
     try:
         return _run_recorded(args, events)
     finally:
@@ -423,18 +425,12 @@ def _run_recorded(args: argparse.Namespace, events: PredictionEvents) -> int:
     """run(), with every failure also recorded as a `failed` event."""
     try:
         return run(args, events=events)
-    except ValueError as exc:  # InputError, DatasetNotFound, plans and checkpoint checks
-        sys.stderr.write(f"error: {one_line(exc)}\n")
-        events.failed(one_line(exc))
-        return 2
-    except OSError as exc:  # a full or read-only output disk
-        message = f"{exc.strerror or exc}: {exc.filename or ''}"
-        sys.stderr.write(f"error: {message}\n")
-        events.failed(message)
-        return 2
+    except (ValueError, OSError) as exc:  # input and plans checks; a full or read-only disk
+        events.failed(error_text(exc))
+        return usage_error(exc)
     except KeyboardInterrupt:
         events.failed("interrupted (SIGINT)")
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as exc:
         events.failed(f"{type(exc).__name__}: {one_line(exc)}", traceback.format_exc())
         raise

@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from trainer.inference.windows import gaussian_importance, window_starts
+from trainer.network import precision
 
 # Voxels of input per forward pass on a GPU: several windows per batch keep it busy; the
 # cap bounds activations. On CPU one 3D window per pass: activations grow with the batch
 # (patch 64x80x80: nnui-predict peaked at 2.1 GiB PSS with 5 windows per pass, 0.86 GiB
-# with one, nnU-Net at 1.6 GiB) for at most ~20 % less CPU per window (bench/RESULTS.md).
+# with one, nnU-Net at 1.6 GiB) for at most ~20 % less CPU per window (bench/history.md).
 # 2D windows on CPU are the opposite case: a 64x64 window alone costs ~10x the CPU it costs
 # in a batch of 64 (the deep stages are a few pixels wide, so per-op overhead dominates),
 # and 64 of them hold ~50 MB per full-resolution feature map.
@@ -160,9 +161,7 @@ def sliding_window_probabilities(
 def _autocast_for(
     device: torch.device, dtype: torch.dtype | None
 ) -> Callable[[], AbstractContextManager]:
-    if dtype is None:
-        return lambda: torch.autocast(device.type, enabled=False)
-    return lambda: torch.autocast(device.type, dtype=dtype)
+    return lambda: precision.autocast(device.type, dtype)
 
 
 @torch.inference_mode()

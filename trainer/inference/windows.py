@@ -2,7 +2,7 @@
 
 Windows overlap by half a patch; each window's logits are weighted by a Gaussian (sigma =
 1/8 of the patch per axis) so window borders count less. The inference engine
-(trainer.inference.sliding) and hence final validation (trainer.final_validation) use
+(trainer.inference.sliding) and hence final validation (trainer.training.final_validation) use
 them; `sliding_window_logits` is the plain single-model form kept for unit tests.
 """
 

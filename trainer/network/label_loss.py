@@ -4,20 +4,19 @@ Regions: one sigmoid per region, binary cross-entropy plus soft Dice over every 
 (there is no background channel to leave out). Ignore label: its voxels are masked out of
 both terms, so they give no loss and no gradient; a batch without annotated voxels gives
 a zero cross-entropy (not NaN). Targets arrive as label maps, as for plain labels: each
-deep-supervision output gets the label map resized by trainer.network.loss.downsample_target and
-turned into region masks there, which equals resizing the masks (nearest neighbour).
+deep-supervision output gets the label map resized by trainer.network.loss.downsample_target
+and turned into region masks there (trainer.data.labels.region_masks), which equals resizing
+the masks (nearest neighbour).
 Plain labels without an ignore label keep trainer.network.loss.DeepSupervisionLoss.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.data.labels import LabelSpec
+from trainer.data.labels import LabelSpec, region_masks
 from trainer.network.loss import (
     DeepSupervisionLoss,
     Reducer,
@@ -28,13 +27,6 @@ SMOOTH = 1e-5
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def region_masks(labels: torch.Tensor, regions: Sequence[tuple[int, ...]]) -> torch.Tensor:
-    """(b, R, *spatial) float: 1 where the label map (b, *spatial) lies in region r."""
-    return torch.stack(
-        [torch.isin(labels, torch.tensor(r, device=labels.device)) for r in regions], 1
-    ).float()
 
 
 def soft_dice(

@@ -69,10 +69,10 @@ class SoftDiceLoss(nn.Module):
 
 
 class DiceCELoss(nn.Module):
-    """weight_ce: under DDP with uneven batch shares, trainer.batch.loss_weight (b_r W / G),
-    so DDP's gradient mean equals the single-process mean over the global batch. Batch Dice
-    needs no factor (its sums are global already); per-sample Dice is a mean over the rank's
-    samples like the cross-entropy and takes the same factor."""
+    """weight_ce: under DDP with uneven batch shares, trainer.training.batch.loss_weight
+    (b_r W / G), so DDP's gradient mean equals the single-process mean over the global
+    batch. Batch Dice needs no factor (its sums are global already); per-sample Dice is a mean
+    over the rank's samples like the cross-entropy and takes the same factor."""
 
     def __init__(
         self,

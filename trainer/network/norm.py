@@ -2,7 +2,7 @@
 
 CPU inference runs the 3D networks in channels_last_3d: oneDNN's convolutions then skip
 the per-conv reorders between NCDHW and its blocked layout, and the full-resolution convs
-of the bench's 64x80x80 network took ~40 % less CPU (bench/RESULTS.md). F.instance_norm
+of the bench's 64x80x80 network took ~40 % less CPU (bench/history.md). F.instance_norm
 would undo that: it makes its input contiguous (a full copy back to NCDHW) and then runs
 4x slower than on NCDHW. For one sample without autograd this class computes the same
 statistics with var_mean over the spatial axes (a (voxels, C) view of channels_last

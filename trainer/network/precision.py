@@ -4,7 +4,7 @@ nnU-Net trains and predicts under autocast on CUDA and in float32 elsewhere. nnu
 same on CUDA (bf16 where the GPU has it, else fp16 with loss scaling) and adds bf16 on CPUs
 with AMX tile units (Intel Xeon 4th generation and later): there bf16 convolutions run
 2.5-4x faster than float32 ones (a 2d training step 2.0-2.9x, a 3D one 2.9x, a 3D
-convolution 3.8x; bench/RESULTS.md), and the results stay those of mixed-precision
+convolution 3.8x; bench/history.md), and the results stay those of mixed-precision
 training (weights, optimiser state, loss and softmax stay float32, as under nnU-Net's CUDA
 autocast). CPUs without AMX keep float32 (their bf16 convolutions were not measured here;
 `--precision bf16` asks for them).
@@ -62,6 +62,16 @@ def autocast_dtype(choice: str, device_type: str) -> Any:
     if choice == "bf16" or cpu_has_amx():
         return torch.bfloat16
     return None
+
+
+def autocast(device_type: str, dtype: Any) -> Any:
+    """The one autocast context of training and inference: to `dtype` (autocast_dtype's
+    answer) on `device_type`, or switched off (float32) when dtype is None."""
+    import torch
+
+    if dtype is None:
+        return torch.autocast(device_type, enabled=False)
+    return torch.autocast(device_type, dtype=dtype)
 
 
 def describe(dtype: Any) -> str:

@@ -1,7 +1,9 @@
 """Residual-encoder U-Net for 2d and 3d (nnU-Net's ResidualEncoderUNet, the ResEnc presets).
 
-Encoder: a stem conv (stride 1), then per stage n residual blocks (ResNet-D "basic"
-blocks): conv -> norm -> LeakyReLU -> conv -> norm, plus the skip, then LeakyReLU. The first
+Built from network.unet's parts (convs, norms, decoder, forward, initialisation); its own
+are the stem and the residual blocks. Encoder: a stem conv (stride 1), then per stage n
+residual blocks (ResNet-D "basic" blocks): conv -> norm -> LeakyReLU -> conv -> norm, plus
+the skip, then LeakyReLU. The first
 block of a stage carries the stride; its skip average-pools by that stride and, when the
 width changes, projects with a 1x1 conv (no bias) and a norm. Decoder: as the plain U-Net's
 (transposed-conv upsampling, concatenation with the skip, convs, a 1x1 head per stage for
@@ -23,39 +25,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.network.norm import InstanceNorm3d
-
-# Own small building blocks (not network.unet's): network.unet.build_network dispatches here,
-# and an import back would be a cycle.
-# Typed as builders: both take an int or a per-axis tuple for sizes and strides.
-_CONV: dict[int, Callable[..., nn.Module]] = {2: nn.Conv2d, 3: nn.Conv3d}
-_TRANSP: dict[int, Callable[..., nn.Module]] = {2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
-_NORM = {2: nn.InstanceNorm2d, 3: InstanceNorm3d}  # 3d: a channels_last inference path
-NEGATIVE_SLOPE = 0.01
+from trainer.network.unet import (
+    CONV,
+    NEGATIVE_SLOPE,
+    NORM,
+    as_tuple,
+    build_decoder,
+    init_weights,
+    plain_forward,
+)
 
 
 def _conv_norm(ndim: int, in_ch: int, out_ch: int, kernel: Sequence[int], stride: Sequence[int],
                act: bool = True, bias: bool = True) -> nn.Sequential:  # fmt: skip
+    """conv -> norm (-> LeakyReLU): the residual blocks' pieces (the plain U-Net's ConvBlock
+    always has the activation and a bias)."""
     layers = [
-        _CONV[ndim](in_ch, out_ch, tuple(kernel), tuple(stride), tuple(k // 2 for k in kernel),
-                    bias=bias),
-        _NORM[ndim](out_ch, eps=1e-5, affine=True),
+        CONV[ndim](in_ch, out_ch, tuple(kernel), tuple(stride), tuple(k // 2 for k in kernel),
+                   bias=bias),
+        NORM[ndim](out_ch, eps=1e-5, affine=True),
     ]  # fmt: skip
     if act:
         layers.append(nn.LeakyReLU(NEGATIVE_SLOPE, inplace=True))
     return nn.Sequential(*layers)
-
-
-def _as_tuple(value: int | Sequence[int], ndim: int) -> tuple[int, ...]:
-    return (value,) * ndim if isinstance(value, int) else tuple(int(v) for v in value)
-
-
-def _init_weights(module: nn.Module) -> None:
-    # He initialisation for LeakyReLU(0.01), zero biases (as the plain U-Net).
-    if isinstance(module, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
-        nn.init.kaiming_normal_(module.weight, a=1e-2)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
 
 
 _POOL: dict[int, Callable[..., nn.Module]] = {2: nn.AvgPool2d, 3: nn.AvgPool3d}
@@ -109,8 +101,8 @@ class ResidualEncoderUNet(nn.Module):
         ):
             raise ValueError("ndim 2 or 3; kernel_sizes, strides, n_blocks_per_stage per stage; "
                              "n_conv_per_stage_decoder per stage but the lowest")  # fmt: skip
-        kernels = [_as_tuple(k, ndim) for k in kernel_sizes]
-        stride_list = [_as_tuple(s, ndim) for s in strides]
+        kernels = [as_tuple(k, ndim) for k in kernel_sizes]
+        stride_list = [as_tuple(s, ndim) for s in strides]
         self.deep_supervision = deep_supervision
         self.stem = _conv_norm(ndim, in_channels, features_per_stage[0], kernels[0], (1,) * ndim)
         self.encoder = nn.ModuleList()
@@ -122,18 +114,10 @@ class ResidualEncoderUNet(nn.Module):
                 )
             )
             channels = features
-        self.upsample, self.decoder, self.heads = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
-        for d in range(num_stages - 1):
-            skip = num_stages - 2 - d  # the encoder stage this decoder stage refines to
-            below, features = features_per_stage[skip + 1], features_per_stage[skip]
-            up = stride_list[skip + 1]
-            self.upsample.append(_TRANSP[ndim](below, features, up, up, bias=True))
-            convs = [_conv_norm(ndim, 2 * features, features, kernels[skip], (1,) * ndim)]
-            convs += [_conv_norm(ndim, features, features, kernels[skip], (1,) * ndim)
-                      for _ in range(n_conv_per_stage_decoder[d] - 1)]  # fmt: skip
-            self.decoder.append(nn.Sequential(*convs))
-            self.heads.append(_CONV[ndim](features, num_classes, 1, 1, 0, bias=True))
-        self.apply(_init_weights)
+        self.upsample, self.decoder, self.heads = build_decoder(
+            ndim, num_classes, features_per_stage, kernels, stride_list, n_conv_per_stage_decoder
+        )
+        self.apply(init_weights)
         for module in self.modules():
             if isinstance(module, ResidualBlock):
                 norm = module.conv2[1]
@@ -141,16 +125,7 @@ class ResidualEncoderUNet(nn.Module):
                 nn.init.zeros_(cast(torch.Tensor, norm.bias))
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor] | torch.Tensor:
-        skips = []
-        x = self.stem(x)
-        for stage in self.encoder:
-            x = stage(x)
-            skips.append(x)
-        x = skips.pop()
-        outputs = []
-        for d, (up, stage) in enumerate(zip(self.upsample, self.decoder, strict=True)):
-            x = stage(torch.cat((up(x), skips[-1 - d]), dim=1))
-            if self.deep_supervision or d == len(self.decoder) - 1:
-                outputs.append(self.heads[d](x))
+        outputs = plain_forward(self.stem(x), self.encoder, self.upsample, self.decoder,
+                                self.heads, self.deep_supervision)  # fmt: skip
         outputs.reverse()  # highest resolution first
         return outputs if self.deep_supervision else outputs[0]

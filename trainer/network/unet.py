@@ -12,13 +12,13 @@ conv outputs instead: each piece is norm -> activation -> conv, run under select
 checkpointing that keeps the conv's output and recomputes the cheap norm and activation
 during backward. One tensor per block is kept and no concat: less than half the
 activation memory, the same math (gradients equal up to float rounding), 6-11 % more
-time on CPU (bench/RESULTS.md). Evaluation and recompute_norm=False run the plain forward.
+time on CPU (bench/history.md). Evaluation and recompute_norm=False run the plain forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -31,16 +31,16 @@ from torch.utils.checkpoint import (
 
 from trainer.network.norm import InstanceNorm3d, instance_norm_on_base
 
-if TYPE_CHECKING:
-    from trainer.planning.plans import NetworkPlan
-
 # Typed as builders: both take an int or a per-axis tuple for sizes and strides.
-_CONV: dict[int, Callable[..., nn.Module]] = {2: nn.Conv2d, 3: nn.Conv3d}
-_TRANSP: dict[int, Callable[..., nn.Module]] = {2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
-_NORM = {2: nn.InstanceNorm2d, 3: InstanceNorm3d}  # 3d: a channels_last inference path
+CONV: dict[int, Callable[..., nn.Module]] = {2: nn.Conv2d, 3: nn.Conv3d}
+TRANSPOSED_CONV: dict[int, Callable[..., nn.Module]] = {
+    2: nn.ConvTranspose2d,
+    3: nn.ConvTranspose3d,
+}
+NORM = {2: nn.InstanceNorm2d, 3: InstanceNorm3d}  # 3d: a channels_last inference path
 
 
-def _as_tuple(value: int | Sequence[int], ndim: int) -> tuple[int, ...]:
+def as_tuple(value: int | Sequence[int], ndim: int) -> tuple[int, ...]:
     return (value,) * ndim if isinstance(value, int) else tuple(int(v) for v in value)
 
 
@@ -53,8 +53,8 @@ class ConvBlock(nn.Sequential):
     ):
         padding = tuple(k // 2 for k in kernel)
         super().__init__(
-            _CONV[ndim](in_ch, out_ch, tuple(kernel), tuple(stride), padding, bias=True),
-            _NORM[ndim](out_ch, eps=1e-5, affine=True),
+            CONV[ndim](in_ch, out_ch, tuple(kernel), tuple(stride), padding, bias=True),
+            NORM[ndim](out_ch, eps=1e-5, affine=True),
             nn.LeakyReLU(NEGATIVE_SLOPE, inplace=True),
         )
 
@@ -149,29 +149,53 @@ def _encoder(
     return encoder
 
 
-def _decoder(
+def build_decoder(
     ndim: int,
     num_classes: int,
     features_per_stage: Sequence[int],
     kernels: list[tuple[int, ...]],
     strides: list[tuple[int, ...]],
-    n_conv_per_stage: Sequence[int],
+    convs_per_level: Sequence[int],
 ) -> tuple[nn.ModuleList, nn.ModuleList, nn.ModuleList]:
-    """(upsample, decoder, heads). Built interleaved per level, in this order, because
-    module construction draws from the global RNG: same seed, same initial weights."""
+    """(upsample, decoder, heads) of both U-Nets; level d (0: the deepest) refines to the
+    resolution of encoder stage num_stages - 2 - d with convs_per_level[d] conv blocks.
+    Built interleaved per level, in this order, because module construction draws from the
+    global RNG: same seed, same initial weights."""
     upsample, decoder, heads = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
     num_stages = len(features_per_stage)
-    # Decoder index d refines to the resolution of encoder stage num_stages - 2 - d.
     for d in range(num_stages - 1):
         skip = num_stages - 2 - d
         below, features = features_per_stage[skip + 1], features_per_stage[skip]
         up_stride = strides[skip + 1]
-        upsample.append(_TRANSP[ndim](below, features, up_stride, up_stride, bias=True))
+        upsample.append(TRANSPOSED_CONV[ndim](below, features, up_stride, up_stride, bias=True))
         decoder.append(
-            _stage(ndim, 2 * features, features, kernels[skip], (1,) * ndim, n_conv_per_stage[skip])
+            _stage(ndim, 2 * features, features, kernels[skip], (1,) * ndim, convs_per_level[d])
         )
-        heads.append(_CONV[ndim](features, num_classes, 1, 1, 0, bias=True))
+        heads.append(CONV[ndim](features, num_classes, 1, 1, 0, bias=True))
     return upsample, decoder, heads
+
+
+def plain_forward(
+    x: torch.Tensor,
+    encoder: nn.ModuleList,
+    upsample: nn.ModuleList,
+    decoder: nn.ModuleList,
+    heads: nn.ModuleList,
+    deep_supervision: bool,
+) -> list[torch.Tensor]:
+    """Encoder stages, then per decoder level: upsample, concatenate the skip, convs, and its
+    head (every level's under deep supervision, else the last one's). Deepest first."""
+    skips = []
+    for stage in encoder:
+        x = stage(x)
+        skips.append(x)
+    x = skips.pop()
+    outputs = []
+    for d, (up, stage) in enumerate(zip(upsample, decoder, strict=True)):
+        x = stage(torch.cat((up(x), skips[-1 - d]), dim=1))
+        if deep_supervision or d == len(decoder) - 1:
+            outputs.append(heads[d](x))
+    return outputs
 
 
 class PlainConvUNet(nn.Module):
@@ -197,17 +221,20 @@ class PlainConvUNet(nn.Module):
             n_conv_per_stage_encoder,
             n_conv_per_stage_decoder,
         )
-        kernels = [_as_tuple(k, ndim) for k in kernel_sizes]
-        stride_list = [_as_tuple(s, ndim) for s in strides]
+        kernels = [as_tuple(k, ndim) for k in kernel_sizes]
+        stride_list = [as_tuple(s, ndim) for s in strides]
         self.deep_supervision = deep_supervision
         self.recompute_norm = recompute_norm
         self.encoder = _encoder(
             ndim, in_channels, features_per_stage, kernels, stride_list, n_conv_per_stage_encoder
         )
-        self.upsample, self.decoder, self.heads = _decoder(
-            ndim, num_classes, features_per_stage, kernels, stride_list, n_conv_per_stage_decoder
+        # n_conv_per_stage_decoder is indexed by the encoder stage a level refines to.
+        num_levels = len(features_per_stage) - 1
+        per_level = [n_conv_per_stage_decoder[num_levels - 1 - d] for d in range(num_levels)]
+        self.upsample, self.decoder, self.heads = build_decoder(
+            ndim, num_classes, features_per_stage, kernels, stride_list, per_level
         )
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor] | torch.Tensor:
         if self.recompute_norm and torch.is_grad_enabled():
@@ -218,17 +245,8 @@ class PlainConvUNet(nn.Module):
         return outputs if self.deep_supervision else outputs[0]
 
     def _plain_forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        skips = []
-        for stage in self.encoder:
-            x = stage(x)
-            skips.append(x)
-        x = skips.pop()
-        outputs = []
-        for d, (up, stage) in enumerate(zip(self.upsample, self.decoder, strict=True)):
-            x = stage(torch.cat((up(x), skips[-1 - d]), dim=1))
-            if self.deep_supervision or d == len(self.decoder) - 1:
-                outputs.append(self.heads[d](x))
-        return outputs
+        return plain_forward(x, self.encoder, self.upsample, self.decoder, self.heads,
+                             self.deep_supervision)  # fmt: skip
 
     @staticmethod
     def _piece(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, keep=_KEEP_FIRST):
@@ -290,49 +308,9 @@ class PlainConvUNet(nn.Module):
         return outputs
 
 
-def _init_weights(module: nn.Module) -> None:
+def init_weights(module: nn.Module) -> None:
     # He initialisation for LeakyReLU(0.01), zero biases.
     if isinstance(module, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
         nn.init.kaiming_normal_(module.weight, a=1e-2)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
-
-
-def build_network(
-    network_plan: NetworkPlan,
-    in_channels: int,
-    num_classes: int,
-    ndim: int,
-    deep_supervision: bool = True,
-    recompute_norm: bool = True,
-) -> nn.Module:
-    """From a NetworkPlan (features_per_stage, kernel_sizes, strides, n_conv_*): the plain
-    U-Net, or the residual-encoder one of the ResEnc presets (trainer.network.resenc)."""
-    from trainer.planning.plans import RESIDUAL_ENCODER
-
-    if getattr(network_plan, "architecture", None) == RESIDUAL_ENCODER:
-        from trainer.network.resenc import ResidualEncoderUNet
-
-        return ResidualEncoderUNet(
-            in_channels=in_channels,
-            num_classes=num_classes,
-            features_per_stage=list(network_plan.features_per_stage),
-            kernel_sizes=list(network_plan.kernel_sizes),
-            strides=list(network_plan.strides),
-            n_blocks_per_stage=list(network_plan.n_conv_per_stage_encoder),
-            n_conv_per_stage_decoder=list(network_plan.n_conv_per_stage_decoder),
-            ndim=ndim,
-            deep_supervision=deep_supervision,
-        )
-    return PlainConvUNet(
-        in_channels=in_channels,
-        num_classes=num_classes,
-        features_per_stage=list(network_plan.features_per_stage),
-        kernel_sizes=list(network_plan.kernel_sizes),
-        strides=list(network_plan.strides),
-        n_conv_per_stage_encoder=list(network_plan.n_conv_per_stage_encoder),
-        n_conv_per_stage_decoder=list(network_plan.n_conv_per_stage_decoder),
-        ndim=ndim,
-        deep_supervision=deep_supervision,
-        recompute_norm=recompute_norm,
-    )

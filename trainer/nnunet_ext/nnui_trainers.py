@@ -1,4 +1,4 @@
-"""nnU-Net trainer classes with nnui's stop protocol and event contract (DESIGN §3-§4).
+"""nnU-Net trainer classes with nnui's stop protocol and event contract (docs/contract.md).
 
 nnU-Net 2.8 finds trainer classes in the folders named by `nnUNet_extTrainer`; this module
 is the only one in such a folder (trainer/nnunet_ext/). Everything is added through
@@ -36,8 +36,11 @@ import torch.distributed as dist
 from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
 
 from trainer import stop
-from trainer.events import RunRecorder
-from trainer.schema import NNUNET_WRAP_SUFFIX, Kind, State, nnunet_classes
+from trainer.schema.events import Kind
+from trainer.schema.exits import EXIT_OK
+from trainer.schema.nnunet import NNUNET_WRAP_SUFFIX, nnunet_classes
+from trainer.schema.status import State
+from trainer.training.events import RunRecorder
 
 stop.install()
 
@@ -260,7 +263,7 @@ class NnuiHooks(_Mixin):
             dist.destroy_process_group()
         self.print_to_log_file("Stopped gracefully (SIGUSR1): checkpoint_latest.pth written.")
         sys.stdout.flush()
-        sys.exit(0)  # skips nnU-Net's final validation; a spawned rank exits 0 too
+        sys.exit(EXIT_OK)  # skips nnU-Net's final validation; a spawned rank exits 0 too
 
 
 def trainer_classes(trainer) -> list[tuple[str, str]]:

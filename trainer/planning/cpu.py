@@ -219,7 +219,7 @@ def plan_cpu(
     return with_identity(plans)
 
 
-# The CPU cost of a training step, measured (bench/RESULTS.md, "Network step alone"): 25.4
+# The CPU cost of a training step, measured (bench/history.md, "Network step alone"): 25.4
 # CPU-s for batch 2 of 64x80x80 through a 5-stage U-Net (features 32-320), whose patch has
 # 109,900,800 feature-map voxels. Other plans scale by their feature-map voxels x batch.
 CPU_SECONDS_PER_FEATURE_VOXEL = 25.4 / (2 * 109_900_800)

@@ -15,7 +15,7 @@ from typing import Any
 
 from trainer import legacy
 from trainer.data.labels import LabelSpec, parse_labels
-from trainer.schema import DEFAULT_PLANS, plans_file_name
+from trainer.schema.tree import DEFAULT_PLANS, plans_file_name
 
 PLANS_FORMAT_VERSION = 1
 PLAIN = "PlainConvUNet"
@@ -452,7 +452,7 @@ def _is_cascade(block: dict) -> bool:
 
 
 def plans_file(preprocessed_dataset_dir: Path, plans_name: str = DEFAULT_PLANS) -> Path:
-    """`<plans_name>.json` (DESIGN §2); nnui 0.1's `nnUNetPlans` lived in `plans.json`."""
+    """`<plans_name>.json` (docs/formats-and-plans.md); nnui 0.1's `nnUNetPlans`: `plans.json`."""
     return Path(preprocessed_dataset_dir) / plans_file_name(plans_name)
 
 

@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 import zlib
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from typing import cast
 
 import numpy as np
 
-from trainer.cli import OneLineParser
+from trainer.cli import OneLineParser, usage_error
 from trainer.data.case_ops import (
     crop,
     nonzero_bbox,
@@ -58,14 +57,10 @@ from trainer.planning.rules import (
     parse_overrides,
 )
 from trainer.planning.splits import NUM_FOLDS, load_or_create_splits
-from trainer.schema import (
-    FINGERPRINT_FILE,
-    DatasetNotFound,
-    atomic_write_text,
-    find_dataset,
-    nnunet_files,
-    resolve_roots,
-)
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.exits import EXIT_OK
+from trainer.schema.nnunet import nnunet_files
+from trainer.schema.tree import FINGERPRINT_FILE, DatasetNotFound, find_dataset, resolve_roots
 
 # nnU-Net's rule for the stored foreground locations of a class: all of them up to
 # MIN_CLASS_LOCATIONS, beyond that MIN_CLASS_LOCATIONS or 1 % of them, whichever is more.
@@ -393,22 +388,20 @@ def main(argv: list[str] | None = None) -> int:
             args.verify, progress=lambda line: print(line, flush=True), options=options,
         )  # fmt: skip
     except (DatasetNotFound, DataError, PlanningError, SharedTreeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return usage_error(exc)
     except OSError as exc:  # e.g. a read-only or full output disk
-        print(f"error: {exc.strerror or exc}: {exc.filename or ''}", file=sys.stderr)
-        return 2
+        return usage_error(exc)
     elapsed = time.perf_counter() - started
     if plans is None:
         print(f"verified {args.dataset}: all cases ok ({elapsed:.1f} s)")
-        return 0
+        return EXIT_OK
     for config in plans.configurations.values():
         print(
             f"{config.name}: patch {list(config.patch_size)} batch {config.batch_size} "
             f"spacing {[round(s, 3) for s in config.spacing]} stages {config.network.num_stages}"
         )
     print(f"done in {elapsed:.1f} s -> {roots.preprocessed / plans.dataset_name}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

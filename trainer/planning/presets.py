@@ -37,7 +37,8 @@ from trainer.planning.rules import (
     check_options,
     plan_experiment,
 )
-from trainer.schema import DEFAULT_PLANS, FINGERPRINT_FILE, atomic_write_text, find_dataset
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.tree import DEFAULT_PLANS, FINGERPRINT_FILE, find_dataset
 
 PLANNERS = (DEFAULT_PLANNER, CPU_PLANNER, *PRESETS)
 

@@ -25,7 +25,7 @@ from trainer.planning.rules import (
     size_configuration,
 )
 from trainer.planning.topology import Topology
-from trainer.schema import DEFAULT_PLANS
+from trainer.schema.tree import DEFAULT_PLANS
 
 BLOCKS_PER_STAGE_ENCODER = (1, 3, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6)
 BLOCKS_PER_STAGE_DECODER = (1,) * 12

@@ -38,7 +38,7 @@ from trainer.planning.plans import (
     with_identity,
 )
 from trainer.planning.topology import Topology, feature_map_voxels, topology
-from trainer.schema import DEFAULT_PLANS
+from trainer.schema.tree import DEFAULT_PLANS
 
 DEFAULT_PLANNER = "ExperimentPlanner"  # nnU-Net's name for its default planner
 # The small plans a CPU trains in minutes (the demo, tests, CPU benchmarks): a named

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.schema import atomic_write_text
+from trainer.schema.atomic import atomic_write_text
 
 SPLITS_FILE = "splits_final.json"
 NUM_FOLDS = 5

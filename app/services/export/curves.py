@@ -25,7 +25,8 @@ from app.services.jobs.curves import (
 )
 from app.services.jobs.events import JobEvents, Scope
 from app.services.jobs.registry import Job
-from trainer.schema import Kind, atomic_write_bytes, atomic_write_text
+from trainer.schema.atomic import atomic_write_bytes, atomic_write_text
+from trainer.schema.events import Kind
 
 # The epoch_ended keys in the order the trainer writes them; others follow, sorted.
 KNOWN_COLUMNS = ("epoch", "t", "train_loss", "val_loss", "mean_fg_dice", "ema_fg_dice", "lr",

@@ -22,14 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.services.jobs.discovery import RUN_ID_PREFIX, AdoptedRun, TrainArgs, parse_args
+from app.services.jobs.discovery import RUN_ID_PREFIX, AdoptedRun, parse_args
 from app.services.jobs.events import CLOCK_SLACK_S
 from app.services.jobs.registry import Job, ProcessRecord
 from app.services.jobs.summaries import SummaryCache, folder_key
 from app.services.machine.gpus import MachineSnapshot, parse_visible_devices
 from app.services.machine.procs import ticks_to_wall_s
+from app.services.nnunet.runs import TrainArgs
 from app.services.tail import JsonlTail
-from trainer.schema import CONFIG_FILE, CONSOLE_FILE, EVENTS_FILE, ROOT_ENVS, Kind
+from trainer.schema.events import Kind
+from trainer.schema.tree import CONFIG_FILE, CONSOLE_FILE, EVENTS_FILE, ROOT_ENVS
 
 
 def _trainer_args(args: TrainArgs | None) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.schema import State
+from trainer.schema.status import State
 
 BELL_STATES = (State.FINISHED, State.FAILED)
 NO_BELL_ENV = "NNUI_NO_BELL"

@@ -8,7 +8,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.schema import Kind
+from trainer.schema.events import Kind
 
 RECENT_CASES = 8  # seconds per case: the median of the latest intervals
 

@@ -35,7 +35,8 @@ from app.services.machine.procs import (
     read_comm,
     user_name,
 )
-from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, EVENTS_FILE, JOB_ID_ENV, ROOT_ENVS
+from app.services.nnunet.runs import TrainArgs
+from trainer.schema.tree import DEFAULT_PLANS, DEFAULT_TRAINER, EVENTS_FILE, JOB_ID_ENV, ROOT_ENVS
 
 SCOPE_ENV = "NNUI_ADOPT_SCOPE"  # test hook: "roots" = only runs under the watched roots
 RUN_ID_PREFIX = "run:"  # an adopted run's id: "run:<pid of its topmost process>"
@@ -128,22 +129,6 @@ def is_step(cmdline: Sequence[str]) -> bool:
 
 def is_related(cmdline: Sequence[str]) -> bool:
     return trainer_index(cmdline) is not None or is_agent(cmdline) or is_step(cmdline)
-
-
-@dataclass(frozen=True)
-class TrainArgs:
-    """The nnui-train arguments that name the run folder (trainer/train_args.py)."""
-
-    dataset: str
-    configuration: str
-    fold: str
-    trainer: str = DEFAULT_TRAINER
-    plans: str = DEFAULT_PLANS
-    num_gpus: int = 1
-    device: str = "cuda"
-    results: str | None = None
-    continue_training: bool = False
-    rest: tuple[str, ...] = ()  # everything after the three positionals, as given
 
 
 def parse_args(args: Sequence[str]) -> TrainArgs | None:

@@ -21,7 +21,8 @@ from typing import Any
 
 from app.services.jobs.registry import Job
 from app.services.tail import JsonlTail
-from trainer.schema import EVENTS_FILE, START_KINDS, Kind
+from trainer.schema.events import START_KINDS, Kind
+from trainer.schema.tree import EVENTS_FILE
 
 # Job times come from nnui's clock, event times from the trainer's: the same wall clock,
 # read a moment apart, which adjustments move by up to about this much.

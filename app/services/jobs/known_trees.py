@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from app.services.jobs.identity import results_tree
-from trainer.schema import atomic_write_text
+from trainer.schema.atomic import atomic_write_text
 
 TREES_FILE = "trees.json"
 MAX_TREES = 64  # the newest are kept; a lab has a handful

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.services.jobs.identity import results_tree
-from trainer.schema import ACTIVE_STATES, State
+from trainer.schema.status import ACTIVE_STATES, State
 
-if TYPE_CHECKING:  # jobs.py imports this module
+if TYPE_CHECKING:  # types only: the listing reads the views it is handed
     from app.services.jobs.registry import Job
     from app.services.jobs.views import JobView
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from app.services.machine.procs import PID_MAX, valid_pid
-from trainer.schema import atomic_write_text
+from trainer.schema.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from app.services.jobs.case_progress import CaseProgress
 from app.services.jobs.curves import EpochPoint, RunningPoint, epoch_point, running_point
 from app.services.jobs.events import EventBatch, JobEvents, Scope
 from app.services.tail import TextTail
-from trainer.schema import START_KINDS, Kind
+from trainer.schema.events import START_KINDS, Kind
 
 CONSOLE_LINES = 40
 MAX_HISTORY_EPOCHS = 20000

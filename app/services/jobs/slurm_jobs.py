@@ -22,9 +22,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from app.services.jobs.discovery import TrainArgs, launched_args, parse_args, trainer_index
+from app.services.jobs.discovery import launched_args, parse_args, trainer_index
 from app.services.machine.procs import user_name
-from trainer.schema import State
+from app.services.nnunet.runs import TrainArgs
+from trainer.schema.status import State
 
 SLURM_ID_PREFIX = "slurm:"
 _TIMEOUT_S = 5

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.schema import atomic_write_text
+from trainer.schema.atomic import atomic_write_text
 
 CACHE_DIR = "cache"
 CACHE_FILE = "run-summaries.json"

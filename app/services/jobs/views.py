@@ -3,7 +3,7 @@
 `JobTracker.refresh()` keeps one reader per job file, so a refresh reads only appended
 bytes. `JobTracker.refresh_watch_only()` adds the nnU-Net runs nnui did not start
 (nnunet/runs.py) as views with `watch_only=True`: never stopped, resumed or killed.
-It only reads: it never writes the registry and never signals (DESIGN §4) — the
+It only reads: it never writes the registry and never signals (docs/contract.md) — the
 job's supervisor records the workers and delivers a stop queued before they were up.
 """
 
@@ -18,9 +18,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from app.services.jobs.adopted import EndedScan, adopted_job
+from app.services.jobs.alerts import job_alerts
 from app.services.jobs.curves import EpochPoint, RunningPoint
 from app.services.jobs.discovery import AdoptedRun, discover, is_related
 from app.services.jobs.events import JobEvents
+from app.services.jobs.job_state import derive_state, run_dir_gone
 from app.services.jobs.known_trees import TreeMemory
 from app.services.jobs.liveness import job_alive
 from app.services.jobs.registry import PREDICT, Job, ProcessRecord, Registry
@@ -38,7 +40,7 @@ from app.services.machine.procs import ProcRow, proc_info, process_table
 from app.services.nnunet.log import STARTING_PHASE, EpochStats
 from app.services.nnunet.runs import NnunetRunWatcher, WatchOnlyRun, is_train_cmdline
 from app.services.tail import TextTail
-from trainer.schema import ACTIVE_STATES, ENDED_STATES, WORKING_STATES, Kind, State
+from trainer.schema.status import ACTIVE_STATES, ENDED_STATES, State
 
 RECENT_EPOCHS = 5
 ENDED_RECHECK_S = 30.0  # an ended run's unchanged job: its view is made again this often
@@ -96,33 +98,8 @@ class JobView:
     stop_requested_at: float | None = None  # the run's first stop_requested (its own clock)
 
 
-DATA_WAIT_ALERT_SHARE = 0.3  # of the step time, over each of the last DATA_WAIT_EPOCHS epochs
-DATA_WAIT_EPOCHS = 3
-
-
-def data_wait_alert(history: tuple[EpochPoint, ...]) -> str | None:
-    """The step waited for batches for a large share of its time, epoch after epoch: the
-    GPU (or CPU) is starved by data loading, and the fix is on the user's side."""
-    recent = [p.data_wait_share for p in history[-DATA_WAIT_EPOCHS:]]
-    if len(recent) < DATA_WAIT_EPOCHS or not all(
-        math.isfinite(s) and s >= DATA_WAIT_ALERT_SHARE for s in recent
-    ):
-        return None
-    return (
-        f"waiting for data {recent[-1]:.0%} of the step: more --num-workers, fewer parallel "
-        "jobs on this machine's cores, or augmentation on the GPU (--augment-on device)"
-    )
-
-
 def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
-
-
-def _run_dir_gone(job: Job, run: RunState) -> bool:
-    """The results folder this job wrote its events into no longer exists (moved, deleted)."""
-    started = run.last_event_t is not None or job.exit_code is not None
-    started = started or job.process("trainer") is not None
-    return started and not os.path.isdir(job.run_dir)
 
 
 def training_eta_s(
@@ -138,42 +115,6 @@ def training_eta_s(
         return total
     elapsed = max(0.0, now - last_epoch_t)
     return max(total - elapsed, (num_remaining - 1) * epoch_s, 1.0)
-
-
-_ENDING: dict[str, State] = {
-    Kind.STOPPED: State.STOPPED,
-    Kind.FINISHED: State.FINISHED,
-    Kind.FAILED: State.FAILED,
-}
-
-
-def derive_state(job: Job, run: RunState, alive: bool) -> State:
-    ending = _ENDING.get(run.last_kind) if run.last_kind else None
-    if job.killed_at is not None and (job.exit_code is not None or not alive):
-        return State.KILLED  # killed by the user, whatever exit code the kill caused
-    if job.exit_code is not None:
-        if ending in (State.FINISHED, State.STOPPED):
-            return ending
-        if job.note == "stopped before it started":
-            return State.STOPPED
-        return State.FAILED if job.exit_code != 0 or ending else State.FINISHED
-    if not alive:
-        return ending or State.LOST
-    if job.restarts and not job.process("trainer"):
-        return State.QUEUED  # between attempts: restarted with --c after the back-off
-    if ending is not None:
-        return ending
-    if run.validation is not None:
-        return State.VALIDATING
-    waits_for_inputs = getattr(job, "after_previous_stage", False)
-    if (job.after or job.when_free or waits_for_inputs) and not job.process("trainer"):
-        return State.STOPPING if job.queued_stop else State.QUEUED
-    stop_sent = any(s.signal == "SIGUSR1" and s.result == "sent" for s in job.signals)
-    if run.stop_requested or stop_sent or job.queued_stop:
-        return State.STOPPING
-    if run.topology is not None or (run.history and run.last_event_t):
-        return State.RUNNING
-    return State.STARTING
 
 
 def _watch_point(stats: EpochStats) -> EpochPoint:
@@ -388,7 +329,7 @@ class JobTracker:
         return run or RunState(JobEvents(job.run_dir), console, compact=True)
 
     def refresh(self, snapshot: MachineSnapshot | None = None) -> list[JobView]:
-        """Views of every job. Reads only: no registry write, no signal (DESIGN §4)."""
+        """Views of every job. Reads only: no registry write, no signal (docs/contract.md)."""
         if snapshot is None and self.gpu_monitor is not None:
             snapshot = self.gpu_monitor.snapshot()
         views = []
@@ -464,7 +405,7 @@ class JobTracker:
             final_dice=run.final_dice,
             validation_done=run.validation[0] if run.validation else None,
             validation_cases=run.validation[1] if run.validation else None,
-            run_dir_gone=_run_dir_gone(job, run),
+            run_dir_gone=run_dir_gone(job, run),
             checkpoints=tuple(run.checkpoints.items()),
             data_wait_share=_finite(last.data_wait_share) if last else None,
             class_names=run.class_names,
@@ -499,25 +440,4 @@ class JobTracker:
         mean_epoch_s: float | None,
         snapshot: MachineSnapshot | None,
     ) -> tuple[str, ...]:
-        alerts = []
-        if run.nan_epoch is not None:
-            alerts.append(f"NaN loss at epoch {run.nan_epoch}")
-        if state == State.RUNNING and job.stalled_at is not None:
-            # One rule (stall.py), applied by the job's supervisor, which also sees CPU time
-            # and final validation; a view only reads its verdict.
-            alerts.append(f"stalled: {job.stall_reason or 'no progress'}")
-        if _run_dir_gone(job, run):
-            alerts.append(f"run folder gone: {job.run_dir}")
-        if run.events.num_invalid:
-            alerts.append(f"{run.events.num_invalid} invalid event lines skipped")
-        waiting = data_wait_alert(run.history_points()) if state == State.RUNNING else None
-        if waiting is not None:
-            alerts.append(waiting)
-        if snapshot is not None and not snapshot.simulated and state in WORKING_STATES:
-            for gpu in job.gpus:
-                reading = snapshot.slot(gpu)
-                if reading is not None and reading.lost:
-                    alerts.append(f"GPU {gpu} lost (NVML: GPU is lost): the job cannot go on")
-                if reading is not None and reading.other_users:
-                    alerts.append(f"GPU {gpu} also used by {', '.join(reading.other_users)}")
-        return tuple(alerts)
+        return job_alerts(job, run, state, snapshot)

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer.schema import ENDED_STATES, State, checkpoint_file
+from trainer.schema.status import ENDED_STATES, State
+from trainer.schema.tree import checkpoint_file
 
 if TYPE_CHECKING:
     from app.services.jobs.views import JobView

@@ -10,7 +10,7 @@ from app.services.jobs.adopted import flag_in, newest_run, roots_env
 from app.services.jobs.consoles import console_name
 from app.services.jobs.registry import Job, new_job_id
 from app.services.launch.launcher import LaunchPlan, torchrun_entry
-from trainer.schema import JOB_ID_ENV
+from trainer.schema.tree import JOB_ID_ENV
 
 
 def resume_plan(job: Job) -> LaunchPlan | str:

@@ -14,13 +14,9 @@ from typing import Any
 
 from app.legacy import old_plans_identifiers
 from app.services.launch.engines import NNUI, Engine
-from trainer.schema import (
-    DEFAULT_PLANS,
-    Roots,
-    plans_file_name,
-    read_status,
-)
-from trainer.schema import list_datasets as dataset_names
+from trainer.schema.status import read_status
+from trainer.schema.tree import DEFAULT_PLANS, Roots, plans_file_name
+from trainer.schema.tree import list_datasets as dataset_names
 
 log = logging.getLogger(__name__)
 

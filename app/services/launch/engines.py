@@ -1,5 +1,5 @@
 """Which trainer a job runs: nnui's own, or the real nnU-Net through nnui's extension
-trainer (DESIGN §4). The one place that knows how the two differ for a launch: default
+trainer (docs/nnunet.md). The one place that knows how the two differ for a launch: default
 identifiers, plans file names, the run folder's trainer name, the entry and the modes.
 """
 
@@ -9,13 +9,8 @@ import functools
 import importlib.util
 from dataclasses import dataclass
 
-from trainer.schema import (
-    DEFAULT_PLANS,
-    DEFAULT_TRAINER,
-    NNUI_NNUNET_TRAINER,
-    NNUNET_WRAP_SUFFIX,
-    plans_file_name,
-)
+from trainer.schema.nnunet import NNUI_NNUNET_TRAINER, NNUNET_WRAP_SUFFIX
+from trainer.schema.tree import DEFAULT_PLANS, DEFAULT_TRAINER, plans_file_name
 
 NNUI, NNUNET = "nnui", "nnunet"
 ENGINES = (NNUI, NNUNET)

@@ -1,5 +1,5 @@
 """Who trains in a run folder: one claim per fold folder, taken atomically across processes
-and users (DESIGN §2).
+and users (docs/contract.md).
 
 Checking that a fold is free and then registering its job are two steps; two `nnui launch`
 of the same fold released at the same moment both passed the check. Here check-and-register
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from app.services.machine.procs import is_same_process, process_identity, valid_pid
-from trainer.schema import atomic_write_text
+from trainer.schema.atomic import atomic_write_text
 
 CLAIM_FILE = ".nnui_claim"
 LOCK_FILE = ".nnui_claims.lock"

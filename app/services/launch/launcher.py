@@ -1,4 +1,4 @@
-"""Starting trainings: the Popen of each job's supervisor (DESIGN §4), which then starts the
+"""Starting trainings: the Popen of each job's supervisor (docs/contract.md), which then starts the
 trainer; this module and supervisor/main.py are the only Popen users.
 
 A launch request (request.py: the request, its checks, its roots) becomes one plan
@@ -45,14 +45,8 @@ from app.services.launch.schedule import Schedule
 from app.services.launch.trainer_flags import without_flags
 from app.services.machine.gpus import MachineSnapshot
 from app.services.machine.procs import process_identity
-from trainer.schema import (
-    JOB_ID_ENV,
-    NNUNET_EXT_ENV,
-    ROOT_ENVS,
-    Roots,
-    find_dataset,
-    with_nnunet_ext_dir,
-)
+from trainer.schema.nnunet import NNUNET_EXT_ENV, with_nnunet_ext_dir
+from trainer.schema.tree import JOB_ID_ENV, ROOT_ENVS, Roots, find_dataset
 
 # Supervisors started by this process; polled so they never linger as zombies under nnui.
 _started: list[subprocess.Popen[bytes]] = []

@@ -28,7 +28,8 @@ from app.services.launch.request import LaunchChecks, gpu_checks
 from app.services.launch.trainer_flags import flag_value, without_flags
 from app.services.machine.gpus import MachineSnapshot
 from app.services.machine.procs import proc_info
-from trainer.schema import (
+from trainer.schema.nnunet import refuse_nnunet_output
+from trainer.schema.tree import (
     CHECKPOINT_KINDS,
     CONSOLE_FILE,
     DEFAULT_PLANS,
@@ -42,7 +43,6 @@ from trainer.schema import (
     Roots,
     checkpoint_file,
     find_dataset,
-    refuse_nnunet_output,
     run_dir,
 )
 

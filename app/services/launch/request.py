@@ -33,17 +33,15 @@ from app.services.launch.schedule import Schedule, resumed_schedule
 from app.services.launch.trainer_flags import flag_value
 from app.services.machine.gpus import MachineSnapshot
 from app.services.machine.procs import proc_info, valid_pid
-from trainer.schema import (
+from trainer.schema.status import TERMINAL_STATES, State, read_status
+from trainer.schema.tree import (
     DEFAULT_PLANS,
     DEFAULT_TRAINER,
     FOLDS,
     ROOT_ENVS,
-    TERMINAL_STATES,
     DatasetNotFound,
     Roots,
-    State,
     find_dataset,
-    read_status,
     run_dir,
 )
 

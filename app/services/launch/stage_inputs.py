@@ -22,7 +22,7 @@ from typing import Any
 
 from app.services.launch.engines import ENGINES, NNUI
 from app.services.launch.engines import engine as engine_named
-from trainer.schema import ROOT_ENVS
+from trainer.schema.tree import ROOT_ENVS
 
 NEXT_STAGE_DIR = "predicted_next_stage"  # trainer.data.cascade.NEXT_STAGE_DIR (numpy-free here)
 NUM_FOLDS = 5  # nnU-Net's default cross-validation (trainer.planning.splits.NUM_FOLDS)

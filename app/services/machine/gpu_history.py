@@ -4,7 +4,7 @@ The TUI samples NVML every second anyway; this keeps one point per `step_s` (the
 the step) per GPU UUID and, so that a restarted nnui still shows the last minutes, writes
 them to a small per-user cache file (`$XDG_CACHE_HOME/nnui/gpu_history.json`). That file
 is nnui's own: writing it changes no job, run folder or registry entry, so "looking never
-changes anything" (DESIGN §4) still holds. Sampling in the jobs' supervisors instead would
+changes anything" (docs/contract.md) still holds. Sampling in the jobs' supervisors instead would
 cover the minutes no TUI was open, but costs an NVML reader per job and says nothing about
 a GPU no nnui job runs on. A cache that cannot be read or written is ignored (logged).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from app.services.machine.gpus import MachineSnapshot
 from app.services.machine.host import HostSnapshot, ProcLoad
-from trainer.schema import atomic_write_text
+from trainer.schema.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""GPU readings through NVML — the only pynvml user (DESIGN §6).
+"""GPU readings through NVML — the only pynvml user (docs/multi-gpu.md).
 
 `GpuMonitor.snapshot()` never raises: a missing driver becomes `driver_problem` (the UI
 then offers CPU slots) and a reading that fails becomes None ("n/a"). Indices are CUDA's

@@ -46,7 +46,7 @@ def describe_init_error(error: BaseException, nvml: Any) -> str:
 @dataclass(frozen=True)
 class StaticFields:
     """What NVML reports that never changes while the driver is loaded: read once per GPU
-    (DESIGN §6), not every second."""
+    (docs/tui.md), not every second."""
 
     name: str
     uuid: str

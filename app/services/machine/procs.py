@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import psutil
 
 from app.legacy import same_start_time
-from trainer.schema import JOB_ID_ENV
+from trainer.schema.tree import JOB_ID_ENV
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from app.services.machine.gpus import GIB, SIMULATED_BUSY_ENV, SIMULATED_MEMORY_BYTES
-from trainer.schema import atomic_write_text
+from trainer.schema.atomic import atomic_write_text
 
 # Above any Linux pid_max (2**22): a simulated process is never mistaken for a real one.
 FIRST_FAKE_PID = 9_000_000

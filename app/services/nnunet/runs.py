@@ -35,7 +35,7 @@ import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 from app.services.machine.gpus import MachineSnapshot, parse_visible_devices
 from app.services.machine.procs import (
@@ -56,14 +56,14 @@ from app.services.nnunet.log import (
     read_schedule,
     sorted_logs,
 )
-from trainer.schema import (
-    JOB_ID_ENV,
+from trainer.schema.nnunet import (
     NNUI_NNUNET_TRAINER,
     NNUNET_EXT_DIR,
     NNUNET_EXT_ENV,
     NNUNET_WRAP_SUFFIX,
     nnunet_classes,
 )
+from trainer.schema.tree import JOB_ID_ENV
 
 RUN_ID_PREFIX = "nnunet:"  # a watch-only run's id: "nnunet:<pid of its nnUNetv2_train>"
 START_TOLERANCE_S = 2.0  # process start (boot clock) vs file mtime (wall clock)
@@ -74,13 +74,18 @@ _ENTRY_SCRIPTS = ("nnUNetv2_train", "run_training.py")
 _ENTRY_MODULE = "nnunetv2.run.run_training"
 _VALUE_OPTIONS = {"-tr", "-p", "-pretrained_weights", "-num_gpus", "-device"}
 
-if TYPE_CHECKING:
-    from app.services.jobs.discovery import AdoptedRun
+
+class RefusedRun(Protocol):
+    """An adopted run (jobs.discovery.AdoptedRun, a layer above) as stop_refusal reads it."""
+
+    def refusal_line(self, action: str = "stop") -> str: ...
 
 
 @dataclass(frozen=True)
 class TrainArgs:
-    """nnUNetv2_train's arguments (nnunetv2/run/run_training.py), as given."""
+    """The arguments of a training command line found running, as given: nnUNetv2_train's
+    (nnunetv2/run/run_training.py; parse_train_argv here) or nnui-train's (an adopted run;
+    trainer/training/train_args.py, parsed by jobs.discovery.parse_args)."""
 
     dataset: str  # id or DatasetXXX_Name, as typed
     configuration: str
@@ -91,6 +96,8 @@ class TrainArgs:
     device: str = "cuda"
     npz: bool = False
     continue_training: bool = False
+    results: str | None = None  # nnui-train's --results
+    rest: tuple[str, ...] = ()  # nnui-train: everything after the three positionals, as given
 
 
 def _entry_index(cmdline: Sequence[str]) -> int | None:
@@ -481,11 +488,11 @@ class StopRefusal:
 _USR1_BIT = 1 << (signal.SIGUSR1 - 1)
 
 
-def stop_refusal(run: WatchOnlyRun | AdoptedRun, sigcgt_mask: int | None = None) -> StopRefusal:
+def stop_refusal(run: WatchOnlyRun | RefusedRun, sigcgt_mask: int | None = None) -> StopRefusal:
     """Why nnui does not stop this run (it is never signalled); SigCgt is read fresh.
     Another user's adopted nnui-train run (discovery.py) says whose it is, in one line."""
     if getattr(run, "adopted", False):
-        line = cast("AdoptedRun", run).refusal_line()
+        line = cast("RefusedRun", run).refusal_line()
         return StopRefusal(line.removeprefix("refused to stop ").partition(": ")[2], ())
     run = cast(WatchOnlyRun, run)  # the other kind of watched run
     mask = read_sigcgt_mask(run.pid) if sigcgt_mask is None else sigcgt_mask

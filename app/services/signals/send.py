@@ -1,4 +1,4 @@
-"""Graceful stop and kill — the only os.kill / pidfd user (DESIGN §4).
+"""Graceful stop and kill — the only os.kill / pidfd user (docs/contract.md).
 
 What may be signalled is decided in targets.py (the identity checks, all or none for a
 stop); this module sends, re-checks the identity right before each signal (pidfd where

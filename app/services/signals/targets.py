@@ -1,4 +1,4 @@
-"""Who may receive a stop or a kill — the planning half of DESIGN §4 (read-only, never signals).
+"""Who may receive a stop or a kill — the planning half of a signal (docs/contract.md; read-only).
 
 A graceful stop reaches exactly the job's worker processes, or nothing. Targets come from
 the trainer's `topology` event (never torchrun, never the -num_gpus parent, never a process
@@ -31,7 +31,7 @@ from app.services.machine.procs import (
     same_identity,
     valid_pid,
 )
-from trainer.schema import JOB_ID_ENV
+from trainer.schema.tree import JOB_ID_ENV
 
 # The job's create time comes from nnui's clock before Popen; processes start after it.
 # Both are wall-clock readings, which clock adjustments move by up to about a second.

@@ -1,5 +1,5 @@
 """Talking to SLURM about one of the user's jobs: its state and script, a graceful stop, a
-kill, a resubmission, and nnui's record of the jobs it submitted (DESIGN §6).
+kill, a resubmission, and nnui's record of the jobs it submitted (docs/multi-gpu.md#cluster-slurm).
 
 - stop = `scancel --signal=USR1 --batch JOB` for nnui's own scripts (their batch shell
   relays USR1 to the workers: checkpoint, exit 0). A user's own script has no relay: a USR1
@@ -27,7 +27,7 @@ from pathlib import Path
 from app.services.jobs.registry import default_state_dir
 from app.services.machine.procs import user_name
 from app.services.slurm.requeue import stop_mark
-from trainer.schema import atomic_write_text
+from trainer.schema.atomic import atomic_write_text
 
 SCRIPT_MARK = "# Written by nnui sbatch."  # the line every nnui job script carries
 _TIMEOUT_S = 15

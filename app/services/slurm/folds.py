@@ -23,15 +23,9 @@ from app.services.slurm.script import (
     fold_folder,
     write_script,
 )
-from trainer.schema import (
-    FOLDS,
-    NNUNET_EXT_DIR,
-    NNUNET_EXT_ENV,
-    ROOT_ENVS,
-    Roots,
-    State,
-    read_status,
-)
+from trainer.schema.nnunet import NNUNET_EXT_DIR, NNUNET_EXT_ENV
+from trainer.schema.status import State, read_status
+from trainer.schema.tree import FOLDS, ROOT_ENVS, Roots
 
 
 @dataclass(frozen=True)

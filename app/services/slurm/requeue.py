@@ -27,7 +27,7 @@ import shlex
 from pathlib import Path
 
 from app.services.jobs.slurm_jobs import RESTARTS_PREFIX
-from trainer.schema import EVENTS_FILE
+from trainer.schema.tree import EVENTS_FILE
 
 WINDOW_SLACK_S = 60
 MAX_IDLE_RESTARTS = 2  # jobs in a row that finished no epoch before the lead: then stop

@@ -1,4 +1,4 @@
-"""`nnui sbatch`: write (and optionally submit) a SLURM job script for one fold (DESIGN §6).
+"""`nnui sbatch`: write (optionally submit) a SLURM script for one fold (docs/shared-box.md).
 
 Standard library only. The script asks SLURM for a USR1 some minutes before the time limit
 (`--signal=B:USR1@LEAD`) and turns it into a graceful stop of the trainer workers, so the
@@ -36,10 +36,10 @@ from pathlib import Path
 from app.services.launch.engines import ENGINES, NNUI, NNUNET, engine
 from app.services.launch.trainer_flags import flag_value, without_flags
 from app.services.slurm.requeue import requeue_parts
-from trainer.schema import (
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.tree import (
     FOLDS,
     ROOT_ENVS,
-    atomic_write_text,
     checkpoint_file,
     find_dataset,
     resolve_roots,

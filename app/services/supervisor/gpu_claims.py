@@ -22,7 +22,7 @@ from pathlib import Path
 
 from app.services.machine.procs import proc_info
 from app.services.supervisor.free_rule import Holder
-from trainer.schema import atomic_write_text
+from trainer.schema.atomic import atomic_write_text
 
 CLAIMS_DIR_ENV = "NNUI_GPU_CLAIMS_DIR"  # tests: a private directory instead of /tmp's
 

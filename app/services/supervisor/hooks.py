@@ -16,7 +16,8 @@ import shlex
 
 from app.services.jobs.events import JobEvents, Scope
 from app.services.jobs.registry import Job
-from trainer.schema import JOB_ID_ENV, Kind
+from trainer.schema.events import Kind
+from trainer.schema.tree import JOB_ID_ENV
 
 
 class JobEvent(str, enum.Enum):

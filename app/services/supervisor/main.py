@@ -51,7 +51,8 @@ from app.services.supervisor.retries import (
 )
 from app.services.supervisor.stall_watch import StallWatch
 from app.services.supervisor.waiting import machine_monitor, wait_for_gpus
-from trainer.schema import Kind
+from trainer.schema.events import Kind
+from trainer.schema.exits import EXIT_NOT_STARTED, EXIT_OK, exit_for_signal
 
 log = logging.getLogger("nnui.supervisor")
 
@@ -123,7 +124,7 @@ def wait_for_inputs(registry: Registry, job_id: str) -> bool:
 
 
 class RunWatch:
-    """The supervisor's eye on its job's run, for the job's whole life (DESIGN §4).
+    """The supervisor's eye on its job's run, for the job's whole life (docs/contract.md).
 
     Each step reads what the trainer appended to events.jsonl (the validated reader, this
     job's events only). When a topology appears it records each local worker's pid with
@@ -280,7 +281,7 @@ def _run_attempts(
         trainer = _start_trainer(registry, job_id, command, env, current)
         if isinstance(trainer, OSError):
             registry.update(job_id, note=f"start failed: {trainer}")
-            return 127
+            return EXIT_NOT_STARTED
         code = wait_watching_run(registry, job_id, trainer, started_at)
         current["trainer"] = None
         _say(f"trainer exited with code {code}")
@@ -349,10 +350,10 @@ def _cancelled(registry: Registry, job: Job, held: GpuClaims) -> int:
     held.release()
     _release_claim(job)
     registry.update(
-        job.job_id, exit_code=0, ended_at=time.time(), note="stopped before it started",
+        job.job_id, exit_code=EXIT_OK, ended_at=time.time(), note="stopped before it started",
         waiting_reason=None,
     )  # fmt: skip
-    return 0
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         registry.update(
             job_id, exit_code=-stop.signum, ended_at=time.time(), note="killed before start"
         )
-        return 128 + stop.signum  # a GPU claim dies with this process
+        return exit_for_signal(stop.signum)  # a GPU claim dies with this process
 
 
 class _Terminated(BaseException):
@@ -420,4 +421,4 @@ def _supervise(registry: Registry, job_id: str, command: list[str], current: dic
     _release_claim(job)
     job = registry.update(job_id, exit_code=code, ended_at=time.time())
     _announce(registry, job, _end_event(job, code), "", code)
-    return 0
+    return EXIT_OK

@@ -16,7 +16,7 @@ from typing import Any
 
 from app.services.jobs.events import JobEvents, Scope
 from app.services.jobs.registry import Job
-from trainer.schema import Kind
+from trainer.schema.events import Kind
 
 USAGE_EXIT = 2
 BACKOFF_FIRST_S = 2.0

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.schema import START_KINDS, Kind
+from trainer.schema.events import START_KINDS, Kind
 
 STALL_FACTOR = 5.0  # allowed quiet time = this x the median epoch time ...
 STALL_MIN_S = 300.0  # ... but at least this (the floor; `--stall-min-s`)

@@ -18,8 +18,8 @@ from app.services.export import png as png_plot
 from app.services.jobs.curves import EpochPoint, RunningPoint, distinct_colours, smooth
 from app.services.jobs.registry import Job, Registry
 from app.services.jobs.views import JobTracker
-from trainer.running_loss import RunningLoss, log_points
-from trainer.schema import encode_event
+from trainer.schema.events import encode_event
+from trainer.training.running_loss import RunningLoss, log_points
 
 NOW = time.time()
 

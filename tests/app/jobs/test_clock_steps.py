@@ -18,7 +18,8 @@ from app.main import main
 from app.services.cross_validation import cv_rows
 from app.services.jobs.registry import Registry
 from app.services.jobs.views import JobTracker
-from trainer.schema import EVENTS_FILE, encode_event
+from trainer.schema.events import encode_event
+from trainer.schema.tree import EVENTS_FILE
 
 NUM_EPOCHS = 4
 

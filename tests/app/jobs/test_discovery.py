@@ -32,7 +32,7 @@ from app.services.jobs.discovery import (
     trainer_index,
 )
 from app.services.machine.procs import ProcRow, read_sigcgt_usr1
-from trainer.schema import EVENTS_FILE
+from trainer.schema.tree import EVENTS_FILE
 
 ROOT = Path(__file__).resolve().parents[3]
 PY = sys.executable
@@ -360,8 +360,9 @@ async def _board(results: Path, tmp_path: Path, own: list[str], others: list[str
     from app.screens.confirm import RefusalScreen
     from app.screens.dashboard import DashboardScreen
     from app.screens.job_detail import JobDetailScreen
-    from app.tui import TuiConfig, make_app
-    from trainer.schema import Roots
+    from app.screens.seam import TuiConfig
+    from app.tui import make_app
+    from trainer.schema.tree import Roots
 
     config = TuiConfig(roots=Roots(results, results, results), state_dir=tmp_path / "tui",
                        simulate_gpus=1, jobs_interval_s=0.25, procs_interval_s=0.25)  # fmt: skip
@@ -466,8 +467,9 @@ async def test_r_on_a_run_that_ended_unseen_offers_its_own_command_with_c(tmp_pa
 
     from app.screens.confirm import LaunchConfirmScreen
     from app.screens.dashboard import DashboardScreen
-    from app.tui import TuiConfig, make_app
-    from trainer.schema import Roots
+    from app.screens.seam import TuiConfig
+    from app.tui import make_app
+    from trainer.schema.tree import Roots
 
     results = tmp_path / "results"
     folder = _fold(results, "0")

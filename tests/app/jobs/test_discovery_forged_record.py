@@ -23,7 +23,7 @@ from test_discovery import (
 
 from app.services.jobs.registry import Job, ProcessRecord, Registry
 from app.services.machine.procs import proc_info, read_sigcgt_usr1
-from trainer.schema import EVENTS_FILE
+from trainer.schema.tree import EVENTS_FILE
 
 
 def _forged(registry: Registry, folder: Path, pid: int, created_at: float) -> str:

@@ -23,14 +23,8 @@ from app.services.signals.proctree import process_tree
 from app.services.signals.targets import plan_stop
 from app.services.supervisor.main import RunWatch
 from app.services.tail import JsonlTail
-from trainer.schema import (
-    EVENTS_FILE,
-    OPTIONAL_KEYS,
-    REQUIRED_KEYS,
-    Kind,
-    encode_event,
-    validate_event,
-)
+from trainer.schema.events import OPTIONAL_KEYS, REQUIRED_KEYS, Kind, encode_event, validate_event
+from trainer.schema.tree import EVENTS_FILE
 
 SEED = 16
 NUM_CASES = 300

@@ -17,7 +17,7 @@ from app.services.jobs.registry import Job, ProcessRecord, Registry
 from app.services.jobs.views import JobTracker
 from app.services.machine.procs import proc_info
 from app.widgets.job_table import JobTable
-from trainer.schema import encode_event
+from trainer.schema.events import encode_event
 
 NOW = time.time()
 _ME = proc_info(os.getpid())

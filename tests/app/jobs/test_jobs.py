@@ -20,7 +20,8 @@ from app.services.jobs.simulated_load import simulated_gpu_load
 from app.services.jobs.views import JobTracker, JobView
 from app.services.machine.gpus import GIB, GpuMonitor, GpuProcess, GpuSnapshot, MachineSnapshot
 from app.services.machine.procs import proc_info
-from trainer.schema import State, encode_event
+from trainer.schema.events import encode_event
+from trainer.schema.status import State
 
 NOW = time.time()
 _ME = proc_info(os.getpid())

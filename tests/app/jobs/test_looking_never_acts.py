@@ -1,4 +1,4 @@
-"""Looking never acts (DESIGN §4): a refresh or `nnui status` of a job with a queued stop
+"""Looking never acts (docs/contract.md): a refresh or `nnui status` of a job with a queued stop
 and a topology reads only — no signal, the registry byte-identical — and the job's
 supervisor (RunWatch) is the one that records the workers and delivers the stop. Also: one
 bad record in a job's events costs nothing but itself, in every command."""
@@ -23,7 +23,8 @@ from app.services.jobs.registry import Job, ProcessRecord, Registry
 from app.services.jobs.views import JobTracker
 from app.services.machine.procs import proc_info, process_identity
 from app.services.supervisor.main import RunWatch
-from trainer.schema import EVENTS_FILE, encode_event
+from trainer.schema.events import encode_event
+from trainer.schema.tree import EVENTS_FILE
 
 ROOT = Path(__file__).resolve().parents[3]
 JOB_ID = "0101-000000-f0-abc"

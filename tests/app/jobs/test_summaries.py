@@ -20,7 +20,8 @@ from app.services.jobs.adopted import EndedScan
 from app.services.jobs.registry import Registry
 from app.services.jobs.summaries import CACHE_DIR, CACHE_FILE
 from app.services.jobs.views import JobTracker
-from trainer.schema import EVENTS_FILE, encode_event
+from trainer.schema.events import encode_event
+from trainer.schema.tree import EVENTS_FILE
 
 T = 1_700_000_000.0
 NUM_EPOCHS = 30

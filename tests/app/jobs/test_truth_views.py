@@ -14,14 +14,15 @@ import pytest
 from test_jobs import ME_ALIVE, add_job, epoch, run_started, topology, write_events
 
 from app.cli.status import status_table, view_dict
-from app.screens.actions import StopChoice
+from app.screens.choices import StopChoice
 from app.screens.confirm import stop_text
 from app.services.cross_validation import cross_validation_eta_s
 from app.services.jobs.registry import Registry
 from app.services.jobs.views import JobTracker, training_eta_s
 from app.services.jobs.words import alert_condition, resume_from, state_label
 from app.widgets.job_cells import row_cells
-from trainer.schema import State, encode_event, validate_event
+from trainer.schema.events import encode_event, validate_event
+from trainer.schema.status import State
 
 
 def _one(registry: Registry):

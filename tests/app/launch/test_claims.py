@@ -1,4 +1,4 @@
-"""Atomic claims of a run folder (DESIGN §2): check-and-register is one step across processes
+"""Atomic claims of a run folder (docs/contract.md): check-and-register is one step across processes
 and users; a claim is stale only when its holder is verifiably gone."""
 
 from __future__ import annotations

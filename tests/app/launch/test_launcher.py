@@ -17,7 +17,9 @@ from app.services.launch.launcher import plan_launch, preview
 from app.services.launch.request import LaunchRequest, resume_request
 from app.services.machine.gpus import GIB, GpuProcess, GpuSnapshot, MachineSnapshot
 from app.services.machine.procs import proc_info
-from trainer.schema import DEFAULT_PLANS, Roots, State, Status, atomic_write_text, run_dir
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.status import State, Status
+from trainer.schema.tree import DEFAULT_PLANS, Roots, run_dir
 
 ENTRY = ("-m", "trainer")
 
@@ -216,7 +218,7 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 def live_roots() -> Roots:
-    from trainer.schema import resolve_roots
+    from trainer.schema.tree import resolve_roots
 
     return resolve_roots()
 

@@ -151,7 +151,9 @@ def test_a_gpu_running_your_own_job_needs_yes_too(tmp_path) -> None:
 
 
 def test_a_dry_run_lists_every_fold_and_the_refused_ones(tmp_path) -> None:
-    from trainer.schema import Status, atomic_write_text, run_dir
+    from trainer.schema.atomic import atomic_write_text
+    from trainer.schema.status import Status
+    from trainer.schema.tree import run_dir
 
     env = nnui_env(tmp_path)
     (dataset,) = [p.name for p in (tmp_path / "preprocessed").iterdir() if p.is_dir()]
@@ -177,7 +179,8 @@ async def test_the_board_asks_before_starting_beside_another_users_process(
 
     from app.screens.confirm import LaunchConfirmScreen
     from app.screens.launch import LaunchScreen
-    from app.tui import Services, TuiConfig, make_app
+    from app.screens.seam import Services, TuiConfig
+    from app.tui import make_app
 
     roots, state = make_roots(tmp_path), tmp_path / "state"
     use_fake_trainer(monkeypatch, roots, state)
@@ -215,7 +218,7 @@ def test_nice_and_threads_reach_the_job_environment_and_survive_a_resume(tmp_pat
     from app.services.jobs.registry import Job
     from app.services.launch import launcher
     from app.services.launch import request as launch_request
-    from trainer.schema import Roots
+    from trainer.schema.tree import Roots
 
     make_preprocessed(tmp_path / "pre", batch_size=4)
     roots = Roots(tmp_path / "raw", tmp_path / "pre", tmp_path / "res")

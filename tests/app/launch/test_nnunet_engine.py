@@ -20,7 +20,8 @@ from nnui_cli import job_row, run_nnui
 from app.services.launch import engines
 from app.services.launch.launcher import plan_launch
 from app.services.launch.request import LaunchRequest, check_request
-from trainer.schema import NNUNET_EXT_DIR, NNUNET_EXT_ENV, Roots
+from trainer.schema.nnunet import NNUNET_EXT_DIR, NNUNET_EXT_ENV
+from trainer.schema.tree import Roots
 
 ROOT = Path(__file__).resolve().parents[3]
 DATASET = "Dataset900_NnuiDemo"

@@ -24,7 +24,8 @@ from nnunetv2.evaluation.evaluate_predictions import (  # noqa: E402
 from nnunetv2.utilities.label_handling.label_handling import LabelManager  # noqa: E402
 
 from app.services.class_dice import fold_class_dice  # noqa: E402
-from trainer.schema import encode_event, nnunet_classes  # noqa: E402
+from trainer.schema.events import encode_event  # noqa: E402
+from trainer.schema.nnunet import nnunet_classes  # noqa: E402
 
 BRATS = {"background": 0, "whole tumor": [1, 2, 3], "tumor core": [2, 3], "enhancing tumor": 3}
 CASES = [

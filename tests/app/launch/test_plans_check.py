@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.services.launch.request import LaunchRequest, check_arguments
-from trainer.schema import Roots
+from trainer.schema.tree import Roots
 
 DATASET = "Dataset900_NnuiDemo"
 

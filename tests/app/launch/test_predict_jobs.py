@@ -20,7 +20,8 @@ from test_cli import status as rows
 from app.services.jobs.case_progress import CaseProgress
 from app.services.jobs.registry import PREDICT, Job, Registry
 from app.services.jobs.views import JobTracker
-from trainer import schema
+from trainer.schema.events import encode_event, validate_event
+from trainer.schema.tree import CONSOLE_FILE, EVENTS_FILE, IMAGE_ENDINGS, Roots
 
 ROOT = Path(__file__).resolve().parents[3]
 CASES = ("demo_000", "demo_001", "demo_002", "demo_003")
@@ -69,7 +70,7 @@ def job_ids(result: subprocess.CompletedProcess[str]) -> list[str]:
 
 
 def events(state: Path, job_id: str) -> list[dict]:
-    path = state / "predictions" / job_id / schema.EVENTS_FILE
+    path = state / "predictions" / job_id / EVENTS_FILE
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -102,7 +103,7 @@ def test_two_gpus_two_parts_every_case_once(env, trained, tmp_path) -> None:
     done = predicted_cases(state, first) + predicted_cases(state, second)
     assert sorted(done) == sorted(CASES)  # every case exactly once, over both parts
     assert outputs(out) == sorted(f"{c}.nii.gz" for c in CASES)
-    assert not list(out.glob("*events*")) and not (out / schema.CONSOLE_FILE).exists()
+    assert not list(out.glob("*events*")) and not (out / CONSOLE_FILE).exists()
     text = nnui(env, "status").stdout
     assert "predict 1/2" in text and "2/2 cases" in text
 
@@ -204,7 +205,7 @@ def test_a_second_prediction_into_a_busy_folder_is_refused(trained, tmp_path) ->
     record = ProcessRecord(os.getpid(), created or time.time(), "supervisor", None, ticks)
     registry.add(_job(tmp_path, output_dir=str(out), processes=[record], created_at=0.0))
     demo = trained["demo"]
-    roots = schema.Roots(demo.raw, demo.preprocessed, trained["results"])
+    roots = Roots(demo.raw, demo.preprocessed, trained["results"])
     request = prediction.PredictRequest(trained["images"], out, "900", "2d", ("0",), ("0",),
                                         device="cpu", simulated=True)  # fmt: skip
     checks = prediction.check_prediction(request, roots, registry)
@@ -270,8 +271,8 @@ def test_view_of_a_stopped_prediction_has_cases_speed_and_state(tmp_path) -> Non
     ]
     folder = Path(job.run_dir)
     folder.mkdir(parents=True)
-    lines = [schema.encode_event(kind, t=t + 2 * i, **f) for i, (kind, f) in enumerate(records)]
-    (folder / schema.EVENTS_FILE).write_text("".join(lines))
+    lines = [encode_event(kind, t=t + 2 * i, **f) for i, (kind, f) in enumerate(records)]
+    (folder / EVENTS_FILE).write_text("".join(lines))
     (view,) = JobTracker(registry).refresh()
     assert view.state == "stopped"
     assert (view.cases_done, view.num_cases) == (4, 5)  # the one skipped counts as done
@@ -293,7 +294,7 @@ def test_case_progress_eta_is_cases_left_times_the_pace() -> None:
 def test_the_apps_image_endings_are_the_trainers() -> None:
     from trainer.data.image_io import SUPPORTED_ENDINGS
 
-    assert schema.IMAGE_ENDINGS == SUPPORTED_ENDINGS
+    assert IMAGE_ENDINGS == SUPPORTED_ENDINGS
 
 
 def test_sigusr1_in_process_writes_the_current_case_then_stops_with_events(
@@ -312,7 +313,7 @@ def test_sigusr1_in_process_writes_the_current_case_then_stops_with_events(
         os.kill(os.getpid(), signal.SIGUSR1)  # as `nnui stop` would, during the run
 
     monkeypatch.setattr(engine, "write_prediction", write_then_signal)
-    out, events_file = tmp_path / "out", tmp_path / "job" / schema.EVENTS_FILE
+    out, events_file = tmp_path / "out", tmp_path / "job" / EVENTS_FILE
     argv = ["-i", str(trained["images"]), "-o", str(out), "-d", "900", "-c", "2d", "-f", "0",
             "--disable_tta", "-device", "cpu", "--preprocessed", str(trained["demo"].preprocessed),
             "--results", str(trained["results"]), "--events", str(events_file)]  # fmt: skip
@@ -323,7 +324,7 @@ def test_sigusr1_in_process_writes_the_current_case_then_stops_with_events(
         stop.clear()
         signal.signal(signal.SIGUSR1, previous)
     records = [json.loads(line) for line in events_file.read_text().splitlines()]
-    assert all(schema.validate_event(r) is None for r in records)
+    assert all(validate_event(r) is None for r in records)
     kinds = [r["kind"] for r in records]
     assert kinds[:2] == ["prediction_started", "topology"] and kinds[-1] == "stopped"
     rank = records[1]["ranks"][0]

@@ -40,7 +40,7 @@ from app.services.nnunet.runs import (
     train_processes,
     watch_only_runs,
 )
-from trainer.schema import NNUNET_EXT_DIR
+from trainer.schema.nnunet import NNUNET_EXT_DIR
 
 ROOT = Path(__file__).resolve().parents[3]
 DATA = Path(__file__).resolve().parents[2] / "data" / "nnunet_fold_0"

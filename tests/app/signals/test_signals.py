@@ -1,4 +1,4 @@
-"""Stop safety (DESIGN §4): which pids get SIGUSR1, all or none — a table with a fake process
+"""Stop safety (docs/contract.md): which pids get SIGUSR1, all or none — a table with a fake process
 table, then the same promise against real processes (the fake trainer)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from app.services.machine.procs import (
 from app.services.signals.proctree import process_tree
 from app.services.signals.send import kill, remember_workers, send_stop
 from app.services.signals.targets import is_launcher_cmdline, plan_kill, plan_stop
-from trainer.schema import resolve_roots
+from trainer.schema.tree import resolve_roots
 
 ME = os.getuid()
 HOST = socket.gethostname()
@@ -555,7 +555,7 @@ def test_real_kill_refuses_a_forged_record(tmp_path: Path, carries: str | None) 
 
 
 def test_real_kill_in_the_supervisors_first_second_ends_killed(env: dict) -> None:
-    from app.services.jobs.views import derive_state
+    from app.services.jobs.job_state import derive_state
     from app.services.machine.procs import pids_with_job_id
 
     registry = Registry()

@@ -13,7 +13,7 @@ from tui_fixtures import screen_of, tui_app, wait_for
 
 from app.screens.dashboard import DashboardScreen
 from app.services.launch import catalog
-from trainer.schema import Roots
+from trainer.schema.tree import Roots
 
 REPO = Path(__file__).resolve().parents[3]
 

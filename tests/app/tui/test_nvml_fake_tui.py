@@ -18,6 +18,7 @@ from tui_fixtures import make_roots, screen_of, use_fake_trainer, wait_for
 
 from app.screens.dashboard import DashboardScreen
 from app.screens.launch import LaunchScreen
+from app.screens.seam import Services, TuiConfig
 from app.services.jobs.registry import Registry
 from app.services.jobs.views import JobTracker
 from app.services.launch import launcher
@@ -25,10 +26,10 @@ from app.services.launch import request as launch_request
 from app.services.machine.gpus import GpuMonitor
 from app.services.signals.send import send_stop
 from app.services.signals.targets import plan_stop
-from app.tui import Services, TuiConfig, make_app
+from app.tui import make_app
 from app.widgets.fold_board import FoldBoard
 from app.widgets.gpu_panel import GpuCard, GpuPanel
-from trainer.schema import resolve_roots
+from trainer.schema.tree import resolve_roots
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -20,12 +20,15 @@ from tui_fixtures import (
 
 from app.screens.dashboard import DashboardScreen
 from app.screens.launch import LaunchScreen
+from app.screens.seam import Services, TuiConfig
 from app.services.jobs.registry import Job, ProcessRecord, Registry
 from app.services.jobs.views import JobTracker
 from app.services.machine.procs import proc_info
-from app.tui import Services, TuiConfig, make_app
+from app.tui import make_app
 from app.widgets.fold_board import BoardModel, FoldBoard, RequestSpec
-from trainer.schema import Status, atomic_write_text, run_dir
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.status import Status
+from trainer.schema.tree import run_dir
 
 SPEC_CASES = [
     (

@@ -324,8 +324,9 @@ class _LateMonitor:
 
 async def test_a_reading_that_arrives_during_shutdown_is_dropped(tmp_path: Path) -> None:
     """Was `NoMatches: JobTable` / `GpuPanel`: data drawn into a half-removed screen."""
+    from app.screens.seam import Services, TuiConfig
     from app.services.jobs.views import JobTracker
-    from app.tui import Services, TuiConfig, make_app
+    from app.tui import make_app
     from app.widgets.gpu_panel import GpuPanel
 
     roots, state = make_roots(tmp_path), tmp_path / "state"

@@ -51,7 +51,7 @@ from app.widgets.job_cells import (
     row_cells,
 )
 from app.widgets.job_table import JobTable
-from trainer.schema import State
+from trainer.schema.status import State
 
 WATCHED = {"job", "state", "epoch", "dice", "eta", "alerts"}
 IDENTITY = {"dataset", "fold"}  # dataset and configuration share the dataset cell

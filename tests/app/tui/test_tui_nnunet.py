@@ -34,6 +34,7 @@ from app.screens.dashboard import DashboardScreen
 from app.screens.job_detail import JobDetailScreen
 from app.screens.launch import LaunchScreen
 from app.screens.palette import NnuiCommands
+from app.screens.seam import Services, TuiConfig
 from app.services.jobs.registry import Job, ProcessRecord, Registry
 from app.services.jobs.views import JobTracker, watch_only_view
 from app.services.jobs.words import human_duration
@@ -46,7 +47,7 @@ from app.services.nnunet.log import EpochStats
 from app.services.nnunet.runs import TrainArgs, WatchOnlyRun
 from app.services.signals import send as signals
 from app.services.signals import targets
-from app.tui import Services, TuiConfig, make_app
+from app.tui import make_app
 from app.widgets.curves import CurvesPanel
 from app.widgets.dataset_picker import DatasetPicker
 from app.widgets.fold_board import FoldBoard
@@ -54,7 +55,10 @@ from app.widgets.job_cells import row_cells
 from app.widgets.job_table import JobTable
 from app.widgets.log_tail import LogTail
 from app.widgets.process_tree import ProcessTree
-from trainer.schema import EVENTS_FILE, Kind, Status, atomic_write_text, encode_event, run_dir
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.events import Kind, encode_event
+from trainer.schema.status import Status
+from trainer.schema.tree import EVENTS_FILE, run_dir
 
 
 def write_plans(folder: Path, name: str, batch_2d: int, batch_3d: int) -> None:

@@ -430,12 +430,12 @@ def _full_disk_after(num_bytes: int):
 def test_full_disk_removes_the_partial_file_and_keeps_the_older_checkpoint(
     tmp_path: Path, monkeypatch
 ) -> None:
-    from trainer import schema
     from trainer.checkpoint import atomic
+    from trainer.schema import atomic as schema_atomic
 
     latest = write(tmp_path, "latest", 2)
     before = latest.read_bytes()
-    monkeypatch.setattr(schema, "_write_all", _full_disk_after(1000))
+    monkeypatch.setattr(schema_atomic, "_write_all", _full_disk_after(1000))
     with pytest.raises(atomic.CheckpointWriteError) as raised:
         write(tmp_path, "latest", 3)
     message = str(raised.value)

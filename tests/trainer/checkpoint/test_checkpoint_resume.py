@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import schema
 from trainer.checkpoint import store
 from trainer.network.unet import PlainConvUNet
 from trainer.run import main
+from trainer.schema.status import read_status
+from trainer.schema.tree import DEFAULT_PLANS, checkpoint_file, run_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 DATASET = "Dataset900_NnuiDemo"
@@ -34,8 +35,8 @@ def train_argv(preprocessed: Path, results: Path, *extra: str) -> list[str]:
 def demo_identity(preprocessed: Path, **changes: str) -> dict[str, str]:
     from trainer.planning.plans import load_plans
 
-    plans = load_plans(preprocessed / DATASET, schema.DEFAULT_PLANS)
-    identity = {"dataset_name": DATASET, "configuration": "2d", "plans_name": schema.DEFAULT_PLANS,
+    plans = load_plans(preprocessed / DATASET, DEFAULT_PLANS)
+    identity = {"dataset_name": DATASET, "configuration": "2d", "plans_name": DEFAULT_PLANS,
                 "plans_identity": plans.identity_of("2d"), "fold": "0"}  # fmt: skip
     return {**identity, **changes}
 
@@ -45,7 +46,7 @@ def plant(folder: Path, kind: str, identity: dict, config: dict | None = None) -
     refuses before any weights are loaded)."""
     folder.mkdir(parents=True, exist_ok=True)
     net = PlainConvUNet(1, 3, [4, 8], [[3, 3]] * 2, [[1, 1], [2, 2]], [1, 1], [1], 2)
-    path = folder / schema.checkpoint_file(kind)
+    path = folder / checkpoint_file(kind)
     meta = {"epoch_next": 1, "identity": identity, "config": config or {"num_epochs": 2}}
     store.save(path, net, torch.optim.SGD(net.parameters(), lr=0.1), None, meta)
     return path
@@ -77,7 +78,7 @@ def refused(argv: list[str], capsys) -> str:
 def test_checkpoint_of_another_run_is_refused_in_one_line_before_anything_is_written(
     demo_preprocessed, tmp_path, capsys, flag, kind, changes, message
 ):
-    folder = schema.run_dir(tmp_path, DATASET, "2d", "0")
+    folder = run_dir(tmp_path, DATASET, "2d", "0")
     plant(folder, kind, demo_identity(demo_preprocessed.preprocessed, **changes))
     before = contents(tmp_path)
     extra = ["--val", "--val_best"] if flag == "--val_best" else [flag]
@@ -89,7 +90,7 @@ def test_checkpoint_of_another_run_is_refused_in_one_line_before_anything_is_wri
 def test_older_checkpoint_without_fold_in_its_identity_is_judged_by_its_config(
     demo_preprocessed, tmp_path, capsys
 ):
-    folder = schema.run_dir(tmp_path, DATASET, "2d", "0")
+    folder = run_dir(tmp_path, DATASET, "2d", "0")
     identity = demo_identity(demo_preprocessed.preprocessed)
     identity.pop("fold")
     plant(folder, "final", identity, config={"num_epochs": 2, "fold": "3"})
@@ -98,7 +99,7 @@ def test_older_checkpoint_without_fold_in_its_identity_is_judged_by_its_config(
 
 
 def test_val_refuses_a_damaged_final_checkpoint(demo_preprocessed, tmp_path, capsys):
-    folder = schema.run_dir(tmp_path, DATASET, "2d", "0")
+    folder = run_dir(tmp_path, DATASET, "2d", "0")
     path = plant(folder, "final", demo_identity(demo_preprocessed.preprocessed))
     data = bytearray(path.read_bytes())
     data[-20] ^= 0x10  # inside the tensor bytes
@@ -163,15 +164,15 @@ def test_splits_units() -> None:
 
 FULL_DISK_ON_FINAL = """
 import errno, sys
-from trainer import schema
-real = schema._write_all
+from trainer.schema import atomic as schema_atomic
+real = schema_atomic._write_all
 def write(handle, data):
     if "checkpoint_final" in handle.name:  # half of it lands, then the disk is full
         handle.write(data[: len(data) // 2])
         handle.flush()
         raise OSError(errno.ENOSPC, "No space left on device")
     real(handle, data)
-schema._write_all = write
+schema_atomic._write_all = write
 from trainer.run import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -217,12 +218,12 @@ def test_full_disk_fails_in_one_line_and_continue_uses_the_older_checkpoints(
     results = tmp_path / "results"
     argv = train_argv(demo_preprocessed.preprocessed, results, "--epochs", "3", "--save-every", "1")
     assert run_trainer(argv, tmp_path / "a.log", FULL_DISK_ON_FINAL) == 1
-    folder = schema.run_dir(results, DATASET, "2d", "0")
+    folder = run_dir(results, DATASET, "2d", "0")
     log = (tmp_path / "a.log").read_text()
     failed = [line for line in log.splitlines() if "failed:" in line]
     assert len(failed) == 1 and "no space left on device" in failed[0], log
     assert "Traceback" not in log
-    status = schema.read_status(folder)
+    status = read_status(folder)
     assert status.state == "failed" and "no space left on device" in status.message
     assert not list(folder.glob(".*.tmp")), "partial file left behind"
     assert not (folder / "checkpoint_final.safetensors").exists()
@@ -240,7 +241,7 @@ def test_full_disk_fails_in_one_line_and_continue_uses_the_older_checkpoints(
     assert f"skipping invalid checkpoint {newest.path.name}: checksum mismatch" in log
     assert f"continuing from {fallback.path.name} at epoch {fallback.epoch_next}" in log
     assert "removed 1 temporary file(s) of an interrupted write" in log and not stale.exists()
-    assert schema.read_status(folder).state == "finished"
+    assert read_status(folder).state == "finished"
     assert store.load(folder / "checkpoint_final.safetensors")[1]["epoch_next"] == 3
 
 
@@ -255,12 +256,12 @@ def test_a_stop_before_the_first_epoch_of_a_resume_keeps_the_last_checkpoint(
     results = tmp_path / "results"
     argv = train_argv(demo_preprocessed.preprocessed, results, "--save-every", "1")
     assert main(argv) == 0
-    folder = schema.run_dir(results, DATASET, "2d", "0")
-    (folder / schema.checkpoint_file("final")).unlink()  # the run stopped after its latest
-    latest = folder / schema.checkpoint_file("latest")
+    folder = run_dir(results, DATASET, "2d", "0")
+    (folder / checkpoint_file("final")).unlink()  # the run stopped after its latest
+    latest = folder / checkpoint_file("latest")
     assert latest.is_file()
     monkeypatch.setattr(stop, "_requested", True)  # SIGUSR1 arrived during start-up
     assert main([*argv, "--epochs", "4", "--c"]) == 0
-    status = schema.read_status(folder)
+    status = read_status(folder)
     assert status.state == "stopped"
     assert status.last_checkpoint == str(latest)

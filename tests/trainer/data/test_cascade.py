@@ -20,10 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer import schema
 from trainer.data.cascade import NEXT_STAGE_DIR, CascadeError, check_inputs
 from trainer.data.image_io import read_image
 from trainer.demo import DEMO_DATASET, make_demo_dataset
+from trainer.schema.tree import SUMMARY_FILE, VALIDATION_DIR, checkpoint_file
+from trainer.schema.tree import run_dir as schema_run_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 LOWRES, CASCADE = "3d_lowres", "3d_cascade_fullres"
@@ -33,7 +34,7 @@ def preprocess(raw: Path, preprocessed: Path) -> None:
     """The one place this file preprocesses (the lead may switch the planner here)."""
     from trainer.planning.preprocess import preprocess_dataset
     from trainer.planning.rules import CPU_PLANNER, Overrides, PlannerOptions
-    from trainer.schema import DEFAULT_PLANS
+    from trainer.schema.tree import DEFAULT_PLANS
 
     preprocess_dataset(
         raw, preprocessed, "900", configurations=("3d_fullres",), num_processes=1,
@@ -112,7 +113,7 @@ def _splits(base: Path) -> list[dict]:
 def test_cascade_before_its_lowres_folds_names_them_and_writes_nothing(cascade):
     err = _one_line_error(train(cascade, CASCADE, "0"))
     assert "train 3d_lowres fold(s) 1, 2, 3, 4 first" in err, err
-    run_dir = schema.run_dir(cascade / "res", DEMO_DATASET, CASCADE, "0")
+    run_dir = schema_run_dir(cascade / "res", DEMO_DATASET, CASCADE, "0")
     assert not run_dir.exists()
 
 
@@ -130,7 +131,7 @@ def test_fold_all_counts_each_missing_case_once(tmp_path: Path) -> None:
 
 
 def test_lowres_fold_writes_its_validation_cases_for_the_next_stage(cascade):
-    folder = (schema.run_dir(cascade / "res", DEMO_DATASET, LOWRES, "0").parent
+    folder = (schema_run_dir(cascade / "res", DEMO_DATASET, LOWRES, "0").parent
               / NEXT_STAGE_DIR / CASCADE)  # fmt: skip
     assert sorted(p.name for p in folder.glob("*.b2nd")) == sorted(
         f"{c}.b2nd" for c in _splits(cascade)[0]["val"]
@@ -150,12 +151,12 @@ def test_cascade_trains_predicts_and_is_compared(cascade, tmp_path):
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     done = train(cascade, CASCADE, "0")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run_dir = schema.run_dir(cascade / "res", DEMO_DATASET, CASCADE, "0")
-    summary = json.loads((run_dir / schema.VALIDATION_DIR / schema.SUMMARY_FILE).read_text())
+    run_dir = schema_run_dir(cascade / "res", DEMO_DATASET, CASCADE, "0")
+    summary = json.loads((run_dir / VALIDATION_DIR / SUMMARY_FILE).read_text())
     assert sorted(summary["mean"]) == ["1", "2"]
     from trainer.checkpoint import store
 
-    tensors, _ = store.load(run_dir / schema.checkpoint_file("final"))
+    tensors, _ = store.load(run_dir / checkpoint_file("final"))
     first_conv = tensors["model.encoder.0.0.0.weight"]
     assert first_conv.shape[1] == 1 + 2  # MRI + one-hot organ and lesion of the lowres stage
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer import schema
 from trainer.data.image_io import read_case, read_image, read_labels, write_nifti
 from trainer.demo import DEMO_DATASET, make_case
 from trainer.evaluation.evaluate import evaluate_folders
 from trainer.inference.predict import main as predict_main
 from trainer.planning.preprocess import main as preprocess_main
+from trainer.schema.tree import DEFAULT_PLANS, VALIDATION_DIR, checkpoint_file, run_dir
 
 NUM_CASES = 3
 SPACING_3D = (2.5, 0.75, 0.75)  # one spacing for all cases: .npy/.npz take it from dataset.json
@@ -145,21 +145,21 @@ def write_checkpoint(pre_root: Path, results: Path, configuration: str, fold: st
     import torch
 
     from trainer.checkpoint import store
-    from trainer.network.unet import build_network
+    from trainer.network.build import build_network
     from trainer.planning.plans import load_plans
 
     plans = load_plans(pre_root / DEMO_DATASET)
     cplan = plans.configuration(configuration)
     torch.manual_seed(int(fold) + 3)
     model = build_network(cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim)
-    run = schema.run_dir(results, DEMO_DATASET, configuration, fold)
+    run = run_dir(results, DEMO_DATASET, configuration, fold)
     run.mkdir(parents=True, exist_ok=True)
     identity = {"dataset_name": DEMO_DATASET, "configuration": configuration,
-                "plans_name": schema.DEFAULT_PLANS,
+                "plans_name": DEFAULT_PLANS,
                 "plans_identity": plans.identity_of(configuration), "fold": fold}  # fmt: skip
     metadata = {"kind": "final", "epoch_next": 1, "identity": identity}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    store.save(run / schema.checkpoint_file("final"), model, optimizer, None, metadata)
+    store.save(run / checkpoint_file("final"), model, optimizer, None, metadata)
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +201,7 @@ def predict(world, kind: str, images: Path, out: Path, *extra: str) -> int:
 def preprocessed_arrays(pre: Path, config: str) -> dict[str, np.ndarray]:
     from trainer.data.blosc_io import open_array
 
-    folder = pre / DEMO_DATASET / f"{schema.DEFAULT_PLANS}_{config}"
+    folder = pre / DEMO_DATASET / f"{DEFAULT_PLANS}_{config}"
     arrays = {p.name: np.asarray(open_array(p)[...]) for p in sorted(folder.glob("*.b2nd"))}
     for path in sorted(folder.glob("*.json")):
         props = json.loads(path.read_text())
@@ -388,7 +388,7 @@ def test_final_validation_ensemble_and_evaluate_in_the_mha_format(world, tmp_pat
     argv = ["900", side["config"], "0", "-device", "cpu", "--val", "--num-workers", "1",
             "--raw", str(raw), "--preprocessed", str(pre), "--results", str(results)]  # fmt: skip
     assert train_main(argv) == 0
-    validation = schema.run_dir(results, DEMO_DATASET, side["config"], "0") / schema.VALIDATION_DIR
+    validation = run_dir(results, DEMO_DATASET, side["config"], "0") / VALIDATION_DIR
     written = sorted(validation.glob("case*"))
     assert written and all(p.suffix == ".mha" for p in written)
     for path in written:

@@ -13,7 +13,7 @@ from trainer.data.image_io import write_nifti
 from trainer.evaluation.best_configuration import INFO_FILE, POSTPROCESSING_FILE, main
 from trainer.inference.cases import InputError
 from trainer.inference.postprocess import keep_largest_component, read_postprocessing
-from trainer.schema import run_dir
+from trainer.schema.tree import run_dir
 
 DATASET = "Dataset902_Pick"
 FOLDS = {"0": ["c0", "c1"], "1": ["c2", "c3"]}

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data.labels import LabelError, parse_labels
+from trainer.data.labels import LabelError, parse_labels, region_masks
 from trainer.evaluation.evaluate import evaluate_folders
-from trainer.network.label_loss import LabelAwareDiceLoss, region_masks, validation_counts
+from trainer.network.label_loss import LabelAwareDiceLoss, validation_counts
 
 BRATS = {"background": 0, "whole tumor": [1, 2, 3], "tumor core": [2, 3], "enhancing": [3]}
 ORDER = [1, 2, 3]

@@ -414,7 +414,7 @@ def test_gpu_sized_plans_on_a_cpu_print_the_expected_time_per_epoch(
     from trainer.planning.cpu import cpu_epoch_note
     from trainer.planning.plans import load_plans
     from trainer.run import resolve_config
-    from trainer.train_args import build_parser
+    from trainer.training.train_args import build_parser
 
     flags = ("-c", "3d_fullres", "--patch-size", "8", "64", "64", "--batch-size", "16")
     assert _preprocess(transposed_raw, tmp_path / "pre", *flags).returncode == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 
 from trainer.planning import preprocess
-from trainer.schema import plans_file_name
+from trainer.schema.tree import plans_file_name
 
 
 def test_a_full_disk_is_one_error_line(demo_raw, tmp_path, capsys, monkeypatch):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from trainer.network.unet import build_network
+from trainer.network.build import build_network
 from trainer.planning.plans import RESIDUAL_ENCODER, plans_content, plans_from_dict
 from trainer.planning.resenc import PRESETS, plan_patch_and_batch, plan_preset, resenc_network
 from trainer.planning.topology import feature_map_voxels, topology

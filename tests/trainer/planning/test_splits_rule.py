@@ -1,4 +1,4 @@
-"""Fresh folds are nnU-Net 2.8.1's folds for the same case ids (DESIGN §5)."""
+"""Fresh folds are nnU-Net 2.8.1's folds for the same case ids (docs/fidelity.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What every rank runs: build model, data and optimiser from the plans, then train/validate.
 
-`worker(topology, payload)` is the worker_fn given to trainer.launch.run_distributed;
+`worker(topology, payload)` is the worker_fn given to trainer.training.launch.run_distributed;
 the payload is TrainConfig.to_dict(). Returns the process exit code (0 on success and on a
 graceful stop). Heavy imports happen inside, after the SIGUSR1 handler is installed.
 """
@@ -20,25 +20,23 @@ from typing import TYPE_CHECKING, Any, cast
 
 from trainer import stop
 from trainer.checkpoint.format import CheckpointError
-from trainer.config import TrainConfig
-from trainer.events import RunRecorder
 from trainer.inference import mirroring
-from trainer.schema import (
-    CONFIG_FILE,
-    Kind,
-    State,
-    atomic_write_text,
-    checkpoint_file,
-)
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.events import Kind
+from trainer.schema.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, exit_for_signal
+from trainer.schema.status import State
+from trainer.schema.tree import CONFIG_FILE, checkpoint_file
+from trainer.training.config import TrainConfig
+from trainer.training.events import RunRecorder
 
 if TYPE_CHECKING:  # imported where used: each of them pulls in torch
     import torch
 
-    from trainer.batch import RankBatch
     from trainer.data.dataset import PreprocessedCases
-    from trainer.launch import Topology
-    from trainer.loop import Checkpointer, LoopState, Trainee
     from trainer.planning.plans import ConfigurationPlan, Plans
+    from trainer.training.batch import RankBatch
+    from trainer.training.launch import Topology
+    from trainer.training.loop import Checkpointer, LoopState, Trainee
 
 log = logging.getLogger("trainer")
 
@@ -67,10 +65,10 @@ def worker(topology: Topology, payload: dict[str, Any]) -> int:
         log.error("failed: %s", message)
         recorder.failed(message, traceback.format_exc())
         if isinstance(error, KeyboardInterrupt):
-            return 130
+            return EXIT_INTERRUPTED
         if isinstance(error, stop.Terminated):
-            return 128 + error.signum
-        return 1
+            return exit_for_signal(error.signum)
+        return EXIT_FAILED
     finally:
         recorder.close()
         # Past this point a stop has nothing left to do. Python's shutdown puts the default
@@ -81,11 +79,11 @@ def worker(topology: Topology, payload: dict[str, Any]) -> int:
 
 
 def _train_and_validate(topology: Topology, config: TrainConfig, recorder: RunRecorder) -> int:
-    from trainer import batch, distributed, launch
     from trainer.data.dataset import PreprocessedCases
-    from trainer.loop import Checkpointer, record_stop
     from trainer.planning.plans import load_plans
     from trainer.planning.splits import fold_cases, load_or_create_splits
+    from trainer.training import batch, distributed, launch
+    from trainer.training.loop import Checkpointer, record_stop
 
     device = launch.device_for(topology, config.device_type)
     _remove_stale_tmp(config, topology)
@@ -124,13 +122,13 @@ def _train_and_validate(topology: Topology, config: TrainConfig, recorder: RunRe
             already_latest = state.resumed_kind == "latest"
             write_latest = state.epoch_next > 0 and not already_latest
             record_stop(state, state.epoch_next - 1, recorder, checkpointer, write_latest)
-            return 0
+            return EXIT_OK
         trains = state.epoch_next < config.num_epochs
         if trains:
             streams = {"train": train_ids, "val": val_ids}
             if not _train(config, topology, trainee, state, cases, streams, cplan, rank_batch,
                           recorder, checkpointer):  # fmt: skip
-                return 0  # graceful stop
+                return EXIT_OK  # graceful stop
         if trains or state.resumed_kind != "final":
             checkpointer.save("final", state)
         recorder.status(epoch=state.epoch_next)
@@ -139,7 +137,7 @@ def _train_and_validate(topology: Topology, config: TrainConfig, recorder: RunRe
     recorder.event(Kind.FINISHED, epoch=state.epoch_next - 1)
     recorder.status(State.FINISHED, epoch=state.epoch_next)
     log.info("finished")
-    return 0
+    return EXIT_OK
 
 
 def _stage_cases(
@@ -181,7 +179,7 @@ def _record_start(
     rank_batch: RankBatch,
     class_names: list[str],
 ) -> None:
-    from trainer import distributed
+    from trainer.training import distributed
 
     me = {
         "global_rank": topology.global_rank, "local_rank": topology.local_rank,
@@ -220,12 +218,12 @@ def _build_trainee(
     """Network, optimizer and loss, unwrapped (trainee.model is the raw model until _wrap)."""
     import torch
 
-    from trainer import distributed
     from trainer.data.cascade import input_channels
-    from trainer.loop import Trainee
     from trainer.network import precision
+    from trainer.network.build import build_network
     from trainer.network.label_loss import make_loss
-    from trainer.network.unet import build_network
+    from trainer.training import distributed
+    from trainer.training.loop import Trainee
 
     torch.manual_seed(config.seed)
     raw_model = build_network(
@@ -279,7 +277,7 @@ def _load_on_main(pick: Callable[[], Loaded | None], topology: Topology) -> Load
     """Rank 0 picks and reads the checkpoint and hands it to every rank (other nodes may lack
     the file). None: rank 0 has nothing to resume from. A refusal (CheckpointError,
     IdentityMismatch, BeyondSchedule) fails every rank together."""
-    from trainer import distributed
+    from trainer.training import distributed
 
     if topology.world_size == 1:
         return pick()
@@ -346,7 +344,7 @@ def _restore(
     history, EMA and RNG states agree across ranks and nodes.
     """
     from trainer.checkpoint import store
-    from trainer.loop import History, LoopState
+    from trainer.training.loop import History, LoopState
 
     if config.validation_only:
         path = Path(config.run_dir) / checkpoint_file("best" if config.val_best else "final")
@@ -417,7 +415,7 @@ def _train(
     from trainer.data.cascade import CascadeBatches, CascadeCases
     from trainer.data.labels import location_rule
     from trainer.data.loader import PatchLoader
-    from trainer.loop import run_epochs
+    from trainer.training.loop import run_epochs
 
     spec = trainee.label_spec
     with contextlib.ExitStack() as exits:
@@ -453,8 +451,9 @@ def _final_validation(
     recorder: RunRecorder,
 ) -> None:
     """Whole validation cases, split val_ids[rank::W], written and scored in the raw
-    geometry by rank 0 (trainer.final_validation); `validation_finished` from its summary."""
-    from trainer.final_validation import evaluation_model, progress_line, validate
+    geometry by rank 0 (trainer.training.final_validation); `validation_finished` from its
+    summary."""
+    from trainer.training.final_validation import evaluation_model, progress_line, validate
 
     recorder.status(State.RUNNING, message="final validation")
     model = evaluation_model(plans, cplan, trainee.raw_model, trainee.device)

@@ -1,4 +1,4 @@
-"""trainer/distributed.py: launcher detection, topology, batch split, collectives, spawn.
+"""trainer/training/distributed.py: launcher detection, topology, batch split, collectives, spawn.
 
 The spawn tests start real gloo ranks on the CPU (a few seconds each); worker functions
 live at module level so the spawned children can import them.
@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import distributed as dist_mod
-from trainer import launch
-from trainer.batch import RankBatch, loss_weight, split_global_batch
-from trainer.launch import Topology
+from trainer.training import distributed as dist_mod
+from trainer.training import launch
+from trainer.training.batch import RankBatch, loss_weight, split_global_batch
+from trainer.training.launch import Topology
 
 TESTS_DIR = Path(__file__).resolve().parent
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 LAUNCH_ENVS = (
     "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
     "SLURM_STEP_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
@@ -339,7 +339,7 @@ def _start_parent(out_dir: Path) -> subprocess.Popen:
         f"import sys; sys.path.insert(0, {str(REPO)!r}); from trainer import stop; stop.install(); "
         "import logging; logging.basicConfig(level=logging.INFO); "
         f"sys.path.insert(0, {str(TESTS_DIR)!r}); "
-        "import test_distributed as t; from trainer import launch as d; "
+        "import test_distributed as t; from trainer.training import launch as d; "
         f"sys.exit(d.run_distributed(t._stop_worker, {str(out_dir)!r}, 2, 'cpu'))"
     )
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENVS}
@@ -427,7 +427,7 @@ def test_mpirun_like_launch_gathers_local_ranks_from_hostnames(
     """Rank/size but no local world size: the hostname all_gather decides it."""
     code = (
         f"import sys; sys.path.insert(0, {str(TESTS_DIR)!r}); sys.path.insert(0, {str(REPO)!r}); "
-        "import test_distributed as t; from trainer import launch as d; "
+        "import test_distributed as t; from trainer.training import launch as d; "
         f"sys.exit(d.run_distributed(t._collectives_worker, {str(tmp_path)!r}, None, 'cpu'))"
     )
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENVS}

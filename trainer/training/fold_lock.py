@@ -1,4 +1,4 @@
-"""One owner per fold folder (DESIGN §3): the trainer that writes a fold holds a lock on it.
+"""One owner per fold folder (docs/training.md): the trainer that writes a fold holds a lock on it.
 
 The lock is `flock(LOCK_EX)` on `<fold>/owner.lock`, taken by the process that writes the
 folder (the single process, the `-num_gpus` parent, global rank 0 under a launcher) before it
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.schema import JOB_ID_ENV, OWNER_LOCK_FILE
+from trainer.schema.tree import JOB_ID_ENV, OWNER_LOCK_FILE
 
 _held: list[int] = []  # the fd(s) this process holds; closed again in forked children
 _created: list[Path] = []  # lock files this process made (removed again by discard_created)

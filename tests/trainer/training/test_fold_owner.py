@@ -1,4 +1,4 @@
-"""One trainer per fold folder (DESIGN §3): a second trainer is refused at once, a finished
+"""One trainer per fold folder (docs/training.md): a second trainer is refused at once, a finished
 fold is not retrained unless asked, and the lock dies with its holder (kill -9 included)."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import sys
 import pytest
 from test_trainer_run import events, finish, run_dir, start, train_argv, wait_for
 
-from trainer import fold_lock, schema
+from trainer.schema.status import read_status
+from trainer.schema.tree import SUMMARY_FILE, checkpoint_file
+from trainer.training import fold_lock
 
 
 def _md5(path) -> str:
@@ -62,8 +64,8 @@ def test_finished_fold_is_refused_unless_retrain(demo_preprocessed, tmp_path):
     argv = [*train_argv(demo_preprocessed, tmp_path), "--epochs", "1"]
     assert finish(start(argv, tmp_path / "a.log")) == 0, (tmp_path / "a.log").read_text()
     folder = run_dir(tmp_path)
-    final = folder / schema.checkpoint_file("final")
-    before = {p.name: _md5(p) for p in (final, folder / "validation" / schema.SUMMARY_FILE)}
+    final = folder / checkpoint_file("final")
+    before = {p.name: _md5(p) for p in (final, folder / "validation" / SUMMARY_FILE)}
 
     again = _second(argv)
     assert again.returncode == 1
@@ -71,7 +73,7 @@ def test_finished_fold_is_refused_unless_retrain(demo_preprocessed, tmp_path):
         f"error: fold 0 already finished training in {folder}; move that folder to train it "
         "again, or pass --retrain"
     )
-    after = {p.name: _md5(p) for p in (final, folder / "validation" / schema.SUMMARY_FILE)}
+    after = {p.name: _md5(p) for p in (final, folder / "validation" / SUMMARY_FILE)}
     assert after == before
     assert not fold_lock.is_locked(folder)
 
@@ -97,14 +99,14 @@ def test_lock_is_released_when_the_owner_is_killed(demo_preprocessed, tmp_path):
     assert not fold_lock.is_locked(folder)
     fresh = start([*argv[:-2], "--epochs", "2", "--c"], tmp_path / "fresh.log")
     assert finish(fresh) == 0, (tmp_path / "fresh.log").read_text()
-    assert schema.read_status(folder).state == "finished"
+    assert read_status(folder).state == "finished"
 
 
 def test_lock_refuses_in_process_and_names_the_holder(tmp_path):
     fold_lock.acquire(tmp_path, ["nnui-train", "900", "2d", "0"])
     try:
         code = (
-            "import sys; from trainer import fold_lock\n"
+            "import sys; from trainer.training import fold_lock\n"
             "try:\n    fold_lock.acquire(__import__('pathlib').Path(sys.argv[1]), [])\n"
             "except fold_lock.FoldBusy as e:\n    print(e); sys.exit(1)\n"
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer import openmp
+from trainer.training import openmp
 
 
 def test_cpu_training_limits_spinning() -> None:

@@ -1,5 +1,5 @@
-"""The process group and its collectives (DESIGN §5): the one module that calls
-torch.distributed. Launch modes and topology live in trainer.launch.
+"""The process group and its collectives (docs/multi-gpu.md): the one module that calls
+torch.distributed. Launch modes and topology live in trainer.training.launch.
 
 Object collectives exchange JSON over byte tensors (never pickle) on a gloo group, so they
 work the same with nccl. Two gloo groups: one with the default (fail-fast) timeout for the

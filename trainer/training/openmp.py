@@ -7,7 +7,7 @@ serial ops in between) and whenever the partner thread is descheduled, which on 
 machine is often: perf put 30 % of a 2d step's CPU in libgomp on the 2-core bench machine.
 10000 spins (well under 1 ms) still bridge the short gaps between kernels, so the threads
 stay hot within a step and sleep in the long waits: -30..-40 % CPU for the same step,
-identical results (bench/RESULTS.md, 2026-12-01 22:40).
+identical results (bench/history.md, 2026-12-01 22:40).
 
 libgomp reads the setting once, when it is loaded (with torch), so this runs before
 `import torch`. Stdlib only. A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT is kept.

@@ -19,10 +19,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer import schema
 from trainer.run import main
+from trainer.schema.events import decode_event
+from trainer.schema.tree import (
+    DEFAULT_PLANS,
+    EVENTS_FILE,
+    SUMMARY_FILE,
+    VALIDATION_DIR,
+    checkpoint_file,
+)
+from trainer.schema.tree import run_dir as schema_run_dir
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DATASET = "Dataset900_NnuiDemo"
 LAUNCH_ENVS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")  # fmt: skip
@@ -37,7 +45,7 @@ def train_argv(demo, results: Path, *extra: str, raw: Path | None = None) -> lis
 
 
 def run_dir(results: Path) -> Path:
-    return schema.run_dir(results, DATASET, "2d", "0")
+    return schema_run_dir(results, DATASET, "2d", "0")
 
 
 def _env() -> dict[str, str]:
@@ -59,8 +67,8 @@ def run(argv: list[str], log: Path, timeout_s: float = 300) -> int:
 
 
 def events(folder: Path) -> list[dict]:
-    lines = (folder / schema.EVENTS_FILE).read_text().splitlines()
-    return [schema.decode_event(line) for line in lines]
+    lines = (folder / EVENTS_FILE).read_text().splitlines()
+    return [decode_event(line) for line in lines]
 
 
 def refused(argv: list[str], capsys, results: Path) -> str:
@@ -79,7 +87,7 @@ def validation_cases(demo) -> list[str]:
 def network(demo, num_classes: int | None = None, seed: int = 0):
     import torch
 
-    from trainer.network.unet import build_network
+    from trainer.network.build import build_network
     from trainer.planning.plans import load_plans
 
     plans = load_plans(demo.preprocessed / DATASET)
@@ -97,12 +105,12 @@ def plant_final(demo, results: Path) -> Path:
 
     model, plans = network(demo)
     identity = {
-        "dataset_name": DATASET, "configuration": "2d", "plans_name": schema.DEFAULT_PLANS,
+        "dataset_name": DATASET, "configuration": "2d", "plans_name": DEFAULT_PLANS,
         "plans_identity": plans.identity_of("2d"), "fold": "0",
     }  # fmt: skip
     folder = run_dir(results)
     folder.mkdir(parents=True)
-    path = folder / schema.checkpoint_file("final")
+    path = folder / checkpoint_file("final")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     store.save(path, model, optimizer, None,
                     {"kind": "final", "epoch_next": 1, "identity": identity})  # fmt: skip
@@ -135,7 +143,7 @@ def test_val_without_the_raw_dataset_is_refused_in_one_line(demo_preprocessed, t
 
 def test_training_without_the_raw_dataset_says_so_at_start(demo_preprocessed, tmp_path, caplog):
     from trainer.run import resolve_config
-    from trainer.train_args import build_parser
+    from trainer.training.train_args import build_parser
 
     argv = train_argv(demo_preprocessed, tmp_path / "r", raw=tmp_path / "no_raw")
     with caplog.at_level(logging.WARNING, logger="trainer.run"):
@@ -182,7 +190,7 @@ def test_raw_data_that_does_not_fit_is_refused_before_training(
 
 
 def test_val_mirrors_by_default_and_the_flags_say_otherwise(demo_preprocessed, tmp_path):
-    from trainer.train_args import build_parser
+    from trainer.training.train_args import build_parser
 
     base = train_argv(demo_preprocessed, tmp_path)
     assert build_parser().parse_args(base).val_mirror is True
@@ -213,7 +221,7 @@ def test_mirror_axes_outside_the_patch_are_refused_in_one_line(
      (4, 4, 8.0, "case 4/4, 2.0 s/case, ETA 0 s")],
 )  # fmt: skip
 def test_progress_line_says_case_rate_and_eta_in_whole_words(done, total, elapsed, line):
-    from trainer.final_validation import progress_line
+    from trainer.training.final_validation import progress_line
 
     assert progress_line(done, total, elapsed) == f"final validation: {line}"
 
@@ -222,7 +230,7 @@ def test_sigusr1_during_final_validation_is_logged_once(caplog) -> None:
     import signal
 
     from trainer import stop
-    from trainer.worker import stop_notice
+    from trainer.training.worker import stop_notice
 
     on_case = stop_notice()
     previous = signal.getsignal(signal.SIGUSR1)
@@ -317,7 +325,7 @@ def test_matching_tensors_are_loaded_and_the_heads_of_another_label_count_skippe
 
     import torch
 
-    from trainer.worker import _load_pretrained
+    from trainer.training.worker import _load_pretrained
 
     path = tmp_path / "pre.safetensors"
     stored = plain_weights(demo_preprocessed, path, num_classes=5, prefix="module.")
@@ -394,10 +402,10 @@ def test_final_validation_writes_what_nnui_predict_writes_and_nnui_evaluate_agre
     results = tmp_path / "results"
     argv = [sys.executable, "-m", "trainer", *train_argv(demo_preprocessed, results, "--npz")]
     assert run(argv, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()
-    validation = run_dir(results) / schema.VALIDATION_DIR
+    validation = run_dir(results) / VALIDATION_DIR
     cases = validation_cases(demo_preprocessed)
     assert sorted(p.name for p in validation.iterdir()) == sorted(
-        [*(f"{c}.nii.gz" for c in cases), *(f"{c}.npz" for c in cases), schema.SUMMARY_FILE]
+        [*(f"{c}.nii.gz" for c in cases), *(f"{c}.npz" for c in cases), SUMMARY_FILE]
     )
     images = tmp_path / "images"
     images.mkdir()
@@ -413,7 +421,7 @@ def test_final_validation_writes_what_nnui_predict_writes_and_nnui_evaluate_agre
         )
         assert ours.dtype == np.float32 and np.array_equal(ours, theirs)
 
-    summary = json.loads((validation / schema.SUMMARY_FILE).read_text())
+    summary = json.loads((validation / SUMMARY_FILE).read_text())
     assert _evaluate(demo_preprocessed, validation, tmp_path / "eval.json") == summary
     (finished,) = [e for e in events(run_dir(results)) if e["kind"] == "validation_finished"]
     assert finished["mean_fg_dice"] == summary["foreground_mean"]["Dice"]
@@ -427,9 +435,9 @@ def test_final_validation_writes_what_nnui_predict_writes_and_nnui_evaluate_agre
         assert f"final validation: case {n}/{len(cases)}, " in console
 
     # --val --val_best: checkpoint_best of a one-epoch run holds the final weights.
-    (validation / schema.SUMMARY_FILE).unlink()
+    (validation / SUMMARY_FILE).unlink()
     assert run([*argv, "--val", "--val_best"], tmp_path / "val.log") == 0
-    assert json.loads((validation / schema.SUMMARY_FILE).read_text()) == summary
+    assert json.loads((validation / SUMMARY_FILE).read_text()) == summary
     assert [e["kind"] for e in events(run_dir(results))][-2:] == ["validation_finished", "finished"]
 
 
@@ -451,11 +459,11 @@ def test_pretrained_weights_under_torchrun_and_validation_gathered_on_rank_0(
     )
     lines = [line for line in log.read_text().splitlines() if "pretrained weights" in line]
     assert len(lines) == 1 and "skipped (shape differs): heads.0.weight" in lines[0], lines
-    validation = run_dir(results) / schema.VALIDATION_DIR
+    validation = run_dir(results) / VALIDATION_DIR
     cases = validation_cases(demo_preprocessed)
     assert sorted(p.name for p in validation.glob("*.nii.gz")) == [f"{c}.nii.gz" for c in cases]
     assert sorted(p.name for p in validation.glob("*.npz")) == [f"{c}.npz" for c in cases]
-    summary = json.loads((validation / schema.SUMMARY_FILE).read_text())
+    summary = json.loads((validation / SUMMARY_FILE).read_text())
     assert _evaluate(demo_preprocessed, validation, tmp_path / "eval.json") == summary
     (started,) = [e for e in events(run_dir(results)) if e["kind"] == "run_started"]
     assert started["world_size"] == 2

@@ -1,4 +1,4 @@
-"""The structured record of a run (DESIGN §3): events.jsonl and status.json.
+"""The structured record of a run (docs/contract.md): events.jsonl and status.json.
 
 Only global rank 0 writes (`enabled=False` elsewhere makes every call a no-op). Each event
 is one `write()` of one complete line followed by a flush, so a tailing reader sees whole
@@ -13,15 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.schema import (
-    EVENTS_FILE,
-    STATUS_FILE,
-    Kind,
-    State,
-    Status,
-    atomic_write_text,
-    encode_event,
-)
+from trainer.schema.atomic import atomic_write_text
+from trainer.schema.events import Kind, encode_event
+from trainer.schema.status import State, Status
+from trainer.schema.tree import EVENTS_FILE, STATUS_FILE
 
 log = logging.getLogger("trainer")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.events import RunRecorder
-from trainer.schema import Kind
+from trainer.schema.events import Kind
+from trainer.training.events import RunRecorder
 
 POINTS_PER_EPOCH = 4
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from trainer import legacy
 from trainer.network import precision
-from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
+from trainer.schema.tree import DEFAULT_PLANS, DEFAULT_TRAINER, FOLDS
 
 DEVICE_TYPES = ("cuda", "cpu", "mps")
 RECOMPUTE_CHOICES = ("auto", "on", "off")
@@ -150,5 +150,5 @@ class TrainConfig:
 def recomputes_norm(choice: str, device_type: str, ndim: int) -> bool:
     """auto: 3D on CPU only. A 2D batch's activations are small (peak RSS 1.3 GiB at
     nnU-Net's 80x80, batch 42) while recomputing them cost ~25 % of its CPU step; a 3D
-    patch's are the CPU peak, recomputed for 6-11 % (bench/RESULTS.md)."""
+    patch's are the CPU peak, recomputed for 6-11 % (bench/history.md)."""
     return choice == "on" or (choice == "auto" and device_type == "cpu" and ndim == 3)

@@ -1,7 +1,7 @@
 """The epoch loop: train iterations, validation iterations, metrics, checkpoints, stop.
 
 One code path for single-process, `-num_gpus` spawn and torchrun: every collective goes
-through trainer.distributed (no-ops at world size 1). Only global rank 0 writes.
+through trainer.training.distributed (no-ops at world size 1). Only global rank 0 writes.
 """
 
 from __future__ import annotations
@@ -16,13 +16,17 @@ from typing import Any
 
 import torch
 
-from trainer import distributed, running_loss, stop
+from trainer import stop
 from trainer.checkpoint import store as checkpoint
-from trainer.config import TrainConfig
 from trainer.data.labels import is_plain
-from trainer.events import RunRecorder, finite_or_none
+from trainer.network import precision
 from trainer.network.label_loss import validation_counts
-from trainer.schema import Kind, State, checkpoint_file
+from trainer.schema.events import Kind
+from trainer.schema.status import State
+from trainer.schema.tree import checkpoint_file
+from trainer.training import distributed, running_loss
+from trainer.training.config import TrainConfig
+from trainer.training.events import RunRecorder, finite_or_none
 
 log = logging.getLogger("trainer")
 
@@ -62,7 +66,7 @@ class LoopState:
 
 @dataclass
 class Trainee:
-    """The live objects the loop drives (built by trainer.worker)."""
+    """The live objects the loop drives (built by trainer.training.worker)."""
 
     model: torch.nn.Module  # what the loop calls (maybe DDP- and/or compile-wrapped)
     raw_model: torch.nn.Module  # what checkpoints hold
@@ -136,9 +140,7 @@ class Checkpointer:
 
 
 def _autocast(trainee: Trainee):
-    if trainee.autocast_dtype is None:
-        return torch.autocast(trainee.device.type, enabled=False)
-    return torch.autocast(trainee.device.type, dtype=trainee.autocast_dtype)
+    return precision.autocast(trainee.device.type, trainee.autocast_dtype)
 
 
 def train_iterations(
@@ -265,7 +267,7 @@ def _set_lr(trainee: Trainee, lr: float) -> None:
         group["lr"] = lr
 
 
-def _train_and_validate(
+def _run_epoch(
     config: TrainConfig,
     trainee: Trainee,
     epoch: int,
@@ -392,7 +394,7 @@ def run_epochs(
         trainee.stop_notice.epoch = epoch
         started = time.perf_counter()
         trainee.step_hook = running_loss.epoch_hook(recorder, epoch, config.iterations_per_epoch)
-        metrics = _train_and_validate(
+        metrics = _run_epoch(
             config, trainee, epoch, train_batches, val_batches, started, world_size
         )
         _update_ema(state, metrics.mean_dice)

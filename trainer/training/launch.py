@@ -1,6 +1,6 @@
-"""How this process was started and where it sits (DESIGN §4-§5): launcher detection,
+"""How this process was started and where it sits (docs/multi-gpu.md): launcher detection,
 topology from the environment, and the `-num_gpus` spawn parent (the global batch split
-is trainer.batch's).
+is trainer.training.batch's).
 
 Three ways to run, one code path for the worker function:
 
@@ -11,7 +11,7 @@ Three ways to run, one code path for the worker function:
   srun or mpirun without torchrun work too, but then MASTER_ADDR and MASTER_PORT must be
   exported by the user or the job script (SLURM/MPI define ranks, not a rendezvous).
 
-The process group itself and the collectives live in trainer.distributed.
+The process group itself and the collectives live in trainer.training.distributed.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer import stop
+from trainer.schema.exits import EXIT_FAILED, EXIT_OK, exit_for_signal
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +224,7 @@ def _run_rank(
     launcher: str,
     store: Any,
 ) -> int:
-    from trainer import distributed
+    from trainer.training import distributed
 
     rank, world = env_rank_and_size()
     local = env_local()
@@ -282,7 +283,7 @@ def _spawn_parent(
 ) -> int:
     import torch.multiprocessing as mp
 
-    from trainer import distributed
+    from trainer.training import distributed
 
     requested_port = _env_int(os.environ, "MASTER_PORT") or 0
     try:
@@ -366,8 +367,8 @@ def _wait_ranks(
         if proc.exitcode != 0:
             log.error("rank %d (pid %d) exited with %s", rank, proc.pid, proc.exitcode)
     if received:
-        return 128 + received[0]
-    return 0 if all(p.exitcode == 0 for p in procs) else 1
+        return exit_for_signal(received[0])
+    return EXIT_OK if all(p.exitcode == 0 for p in procs) else EXIT_FAILED
 
 
 def _spawn_entry(
@@ -391,7 +392,7 @@ def _spawn_entry(
         MASTER_PORT=str(port),
     )
     try:
-        from trainer import distributed
+        from trainer.training import distributed
 
         store = distributed.client_store(port)
         code = _run_rank(worker_fn, payload, device_type, "spawn", store)

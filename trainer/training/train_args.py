@@ -9,10 +9,10 @@ import argparse
 
 from trainer import allocator, legacy
 from trainer.cli import OneLineParser
-from trainer.config import AUGMENT_CHOICES, RECOMPUTE_CHOICES
 from trainer.inference import mirroring
 from trainer.network import precision
-from trainer.schema import DEFAULT_PLANS, DEFAULT_TRAINER
+from trainer.schema.tree import DEFAULT_PLANS, DEFAULT_TRAINER
+from trainer.training.config import AUGMENT_CHOICES, RECOMPUTE_CHOICES
 
 
 def build_parser() -> argparse.ArgumentParser:

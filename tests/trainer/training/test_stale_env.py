@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer import distributed, launch
+from trainer.training import distributed, launch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONSOLE_SCRIPT = str(Path(sys.executable).parent / "nnui-train")
 STALE = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LAUNCHER_ENVS = (

@@ -1,4 +1,4 @@
-"""Final validation in the raw geometry (DESIGN §5, §7): what nnui-predict would write for
+"""Final validation in the raw geometry (docs/training.md): what nnui-predict would write for
 each validation case, scored against the raw dataset's labelsTr.
 
 Each rank predicts its share of the validation cases (val_ids[rank::W]) from the
@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # imported where used: they pull in torch
     import torch
 
-    from trainer.config import TrainConfig
     from trainer.data.labels import LabelSpec
-    from trainer.launch import Topology
     from trainer.planning.plans import ConfigurationPlan, Plans
+    from trainer.training.config import TrainConfig
+    from trainer.training.launch import Topology
 
 log = logging.getLogger("trainer")
 
@@ -119,10 +119,10 @@ class Target:
 
 def make_target(config: TrainConfig, plans: Plans, preprocessed_dir: Path, is_main: bool) -> Target:
     """Only rank 0 reads the raw dataset (other nodes may not have it)."""
-    from trainer import distributed
     from trainer.data.labels import is_plain
     from trainer.evaluation.evaluate import default_labels
-    from trainer.schema import VALIDATION_DIR
+    from trainer.schema.tree import VALIDATION_DIR
+    from trainer.training import distributed
 
     spec = plans.label_spec
     values = list(spec.output_values)
@@ -236,7 +236,7 @@ class Collector:
         from trainer.data.image_io import read_image
         from trainer.evaluation.evaluate import case_metrics
         from trainer.inference.export import probabilities_bytes, write_prediction
-        from trainer.schema import atomic_write_bytes
+        from trainer.schema.atomic import atomic_write_bytes
 
         target = self.target
         if target.raw_dataset is None:  # scored where it was predicted; probabilities only
@@ -277,8 +277,8 @@ def make_sink(topology: Topology, shares: list[list[str]], collector: Collector 
     (rank 0 holds the most cases, so its rounds cover everyone's)."""
     import torch
 
-    from trainer import distributed
     from trainer.inference.export import RawPrediction, label_dtype
+    from trainer.training import distributed
 
     raw_mode = target.raw_dataset is not None
     wire, wire_numpy = _transfer_dtypes(target.label_values)
@@ -331,9 +331,9 @@ def validate(config: TrainConfig, topology: Topology, model: Any, cases: Any, va
     """Every rank: predict its share; rank 0: write the files and validation/summary.json.
     Returns the summary on rank 0, None elsewhere. `autocast_dtype`: the training's (None:
     float32), which is also nnui-predict's default for the same --precision."""
-    from trainer import distributed
     from trainer.evaluation.evaluate import summarize, write_summary
-    from trainer.schema import SUMMARY_FILE
+    from trainer.schema.tree import SUMMARY_FILE
+    from trainer.training import distributed
 
     target = make_target(config, plans, cases.folder, topology.is_main)
     if topology.is_main:

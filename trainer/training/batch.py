@@ -1,8 +1,8 @@
-"""The global batch over the ranks (DESIGN §5): each rank's share, its foreground
+"""The global batch over the ranks (docs/multi-gpu.md): each rank's share, its foreground
 oversampling, and the loss weight that makes uneven shares average like one process.
 
 Pure arithmetic, no torch: the CLI checks the split before any rank starts (trainer.run),
-and every rank computes the same split from the plans' batch size (trainer.worker).
+and every rank computes the same split from the plans' batch size (trainer.training.worker).
 """
 
 from __future__ import annotations
