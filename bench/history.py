@@ -210,9 +210,10 @@ TUI_PROBE = """
 import asyncio, resource, sys, time
 t0 = time.perf_counter()
 from pathlib import Path
-from app.tui import TuiConfig, make_app
+from app.screens.seam import TuiConfig
+from app.tui import make_app
 from app.widgets.job_table import JobTable
-from trainer.schema import Roots
+from trainer.schema.tree import Roots
 work, idle_s = Path(sys.argv[1]), float(sys.argv[2])
 tree = work / "results_0"
 app = make_app(TuiConfig(simulate_gpus=4, roots=Roots(tree, tree, tree), state_dir=work / "state",
@@ -243,6 +244,8 @@ asyncio.run(main())
 def tui_probe(work: Path, env: dict[str, str], idle_s: float) -> tuple[float, ...]:
     """(first rows s, CPU s until then, RSS MB then, idle CPU share, peak RSS MB)."""
     _, _, peak, out = measured([sys.executable, "-c", TUI_PROBE, str(work), str(idle_s)], env)
+    if len(out.split()) != 4:
+        raise SystemExit(f"error: the TUI probe printed {out!r}; run it alone to see why")
     first, first_cpu, rss, idle = (float(v) for v in out.split())
     return first, first_cpu, rss, idle, peak
 
