@@ -61,6 +61,8 @@ class JobTable(DataTable):
         self.num_relayouts = 0
         # The results tree rows are not labelled in (the app's default one; None: no label).
         self.default_results: str | None = None
+        # job id -> (its view, the other inputs, cells, their texts): see _memo_cells.
+        self._memo: dict[str, tuple[JobView, tuple, tuple[Cells, Cells, Cells], PlainCells]] = {}
 
     def on_mount(self) -> None:
         roots = getattr(getattr(self.app, "config", None), "roots", None)
@@ -99,11 +101,24 @@ class JobTable(DataTable):
         return [key for key, _ in visible_columns(self.level or 0)]
 
     def _all_cells(self, view: JobView) -> tuple[Cells, Cells, Cells]:
+        return self._memo_cells(view)[0]
+
+    def _memo_cells(self, view: JobView) -> tuple[tuple[Cells, Cells, Cells], PlainCells]:
+        """A row's cells and their texts, built again only when its view object, selection,
+        predecessor or palette changed: the tracker hands an unchanged (ended) job the same
+        view every second, and a lab's board holds hundreds of them."""
         before = self._views.get(view.job.after or "")
         after = before.job.fold if before is not None else None
+        inputs = (view.job.job_id in self.selected, after, self.palette, self.default_results)
+        held = self._memo.get(view.job.job_id)
+        if held is not None and held[0] is view and held[1] == inputs:
+            return held[2], held[3]
         styles = PALETTES[self.palette]
         tree = tree_label(results_tree(str(view.job.run_dir or "")), self.default_results)
-        return all_row_cells(view, view.job.job_id in self.selected, after, styles, tree)
+        cells = all_row_cells(view, inputs[0], after, styles, tree)
+        texts = plain_cells(cells)
+        self._memo[view.job.job_id] = (view, inputs, cells, texts)
+        return cells, texts
 
     def _cells_of(self, view: JobView, kind: int) -> Cells:
         return self._all_cells(view)[kind]
@@ -140,8 +155,10 @@ class JobTable(DataTable):
         self._views = wanted
         if self.level is None:
             return  # not mounted yet: on_mount draws these
-        both = {j: self._all_cells(v) for j, v in wanted.items()}
-        plain = {j: plain_cells(cells) for j, cells in both.items()}
+        memo = {j: self._memo_cells(v) for j, v in wanted.items()}
+        self._memo = {j: held for j, held in self._memo.items() if j in wanted}
+        both = {j: cells for j, (cells, _) in memo.items()}
+        plain = {j: texts for j, (_, texts) in memo.items()}
         level = self._level_of(list(plain.values()))
         if level != self.level:
             self._relayout(level)

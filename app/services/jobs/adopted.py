@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -247,12 +248,18 @@ def flag_in(argv: Sequence[str], name: str) -> str | None:
 
 class EndedScan:
     """Runs that ended unseen; each folder's file read only from where it was left (kept
-    across nnui's starts in the summary cache, when one is given)."""
+    across nnui's starts in the summary cache, when one is given). The trees are walked
+    again at most every RESCAN_S while the jobs and live folders stay the same: a run that
+    ends while nnui looks is followed live; these are the ones that ended before it looked
+    (walking 500 run folders each second was most of the idle board's CPU)."""
+
+    RESCAN_S = 15.0
 
     def __init__(self, cache: SummaryCache | None = None) -> None:
         self._cache = cache
         self._scans: dict[str, FolderScan] = {}
         self._jobs: dict[str, tuple[FolderRun, Job]] = {}  # the same Job while its run is
+        self._last: tuple[float, tuple, list[Job]] | None = None  # (when, inputs, runs)
 
     def _scan(self, folder: str) -> FolderScan:
         scan = self._scans.get(folder)
@@ -267,6 +274,17 @@ class EndedScan:
         return scan
 
     def runs(self, roots: Iterable[Path], jobs: Sequence[Job], live: set[str]) -> list[Job]:
+        roots = list(roots)
+        inputs = (tuple(roots), tuple((j.job_id, j.ended_at) for j in jobs), frozenset(live))
+        now = time.monotonic()
+        last = self._last
+        if last is not None and last[1] == inputs and now - last[0] < self.RESCAN_S:
+            return list(last[2])
+        out = self._walk(roots, jobs, live)
+        self._last = (now, inputs, out)
+        return list(out)
+
+    def _walk(self, roots: list[Path], jobs: Sequence[Job], live: set[str]) -> list[Job]:
         by_folder: dict[str, list[Job]] = {}
         for known in jobs:  # one realpath per job, not one per job and folder
             by_folder.setdefault(os.path.realpath(known.run_dir), []).append(known)

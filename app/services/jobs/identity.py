@@ -24,9 +24,14 @@ MAX_LABEL = 24
 @lru_cache(maxsize=4096)  # folders never change their tree; rows are grouped every second
 def results_tree(run_dir: str) -> str:
     """The results tree of a run folder (absolute, symlinks resolved), '' without a folder."""
-    if not run_dir:
+    path = Path(run_dir) if run_dir else None
+    # Only a folder laid out as TREE/DatasetNNN_Name/Trainer__Plans__configuration/fold_F
+    # names its tree: three levels above anything else is no results tree (a test's tmp).
+    if path is None or len(path.parts) <= 3 or not path.name.startswith("fold_"):
         return ""
-    return os.path.realpath(Path(run_dir).parents[2]) if len(Path(run_dir).parts) > 3 else ""
+    if "__" not in path.parent.name or not path.parent.parent.name.startswith("Dataset"):
+        return ""
+    return os.path.realpath(path.parents[2])
 
 
 def same_tree(tree: str, default: str | Path | None) -> bool:
