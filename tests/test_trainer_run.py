@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -281,9 +282,21 @@ def test_val_best_hint_only_when_given(demo_preprocessed, tmp_path, capsys):
     assert "drop --val_best" in capsys.readouterr().err
 
 
-def test_missing_plans_says_preprocess_once(demo_preprocessed, tmp_path, capsys):
+def test_missing_plans_names_the_plans_that_exist(demo_preprocessed, tmp_path, capsys):
     assert main([*train_argv(demo_preprocessed, tmp_path), "-p", "otherPlans"]) == 2
-    assert capsys.readouterr().err.count("nnui-preprocess") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "it has nnuiPlans: pick one with -p nnuiPlans" in err
+
+
+def test_a_dataset_without_plans_says_preprocess_once(demo_preprocessed, tmp_path, capsys):
+    empty = tmp_path / "preprocessed"
+    shutil.copytree(demo_preprocessed.preprocessed, empty)
+    for plans in (empty / "Dataset900_NnuiDemo").glob("*Plans*.json"):
+        plans.unlink()
+    argv = [*train_argv(demo_preprocessed, tmp_path), "--preprocessed", str(empty)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("nnui-preprocess") == 1 and err.count("\n") == 1, err
 
 
 # ---- real runs (subprocesses) -------------------------------------------------------------

@@ -24,6 +24,7 @@ from app.services.slurm import folds
 from app.services.slurm.requeue import requeue_parts, stop_mark
 from app.services.slurm.script import JobSpec, render_script
 from trainer.schema.status import State
+from trainer.schema.tree import DEFAULT_PLANS, DEFAULT_TRAINER
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nnui_cli import run_nnui
@@ -324,12 +325,14 @@ def test_resume_refuses_a_script_that_is_not_nnuis(fakes, tmp_path) -> None:
 
 def test_trains_in_matches_the_run_folder(tmp_path) -> None:
     folder = str(tmp_path / "Dataset900_Demo" / "nnuiTrainer__nnuiPlans__2d" / "fold_1")
-    assert trains_in(TrainArgs("900", "2d", "1"), folder)
-    assert trains_in(TrainArgs("Dataset900_Demo", "2d", "1", results=str(tmp_path)), folder)
-    assert not trains_in(TrainArgs("900", "2d", "0"), folder)
-    assert not trains_in(TrainArgs("901", "2d", "1"), folder)
-    assert not trains_in(TrainArgs("900", "3d_fullres", "1"), folder)
-    assert not trains_in(TrainArgs("900", "2d", "1", results="/elsewhere"), folder)
+    nnui = {"trainer": DEFAULT_TRAINER, "plans": DEFAULT_PLANS}  # what nnui-train's parse gives
+    assert trains_in(TrainArgs("900", "2d", "1", **nnui), folder)
+    assert trains_in(TrainArgs("Dataset900_Demo", "2d", "1", results=str(tmp_path), **nnui), folder)
+    assert not trains_in(TrainArgs("900", "2d", "1"), folder)  # nnU-Net's trainer and plans
+    assert not trains_in(TrainArgs("900", "2d", "0", **nnui), folder)
+    assert not trains_in(TrainArgs("901", "2d", "1", **nnui), folder)
+    assert not trains_in(TrainArgs("900", "3d_fullres", "1", **nnui), folder)
+    assert not trains_in(TrainArgs("900", "2d", "1", results="/elsewhere", **nnui), folder)
     assert restarts_of("nnui-restarts=3") == 3 and restarts_of("(null)") == 0
 
 
