@@ -72,6 +72,7 @@ async def test_board_shows_the_machine_and_a_gpu_lost_while_it_runs(
         machine.write(box)
         await wait_for(lambda: "LOST" in card_text(app, 5) and " 88%" in card_text(app, 0), pilot)
         assert "GPU is lost" in card_text(app, 5) and "LOST" not in card_text(app, 6)
+        await wait_for(lambda: app.num_jobs_messages >= 1, pilot)  # l waits for the jobs too
         await pilot.press("l")
         screen = await screen_of(app, pilot, LaunchScreen)
         board = screen.query_one(FoldBoard)

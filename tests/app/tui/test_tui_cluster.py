@@ -27,7 +27,8 @@ async def test_x_submits_the_marked_folds_to_slurm(tmp_path: Path, monkeypatch) 
     monkeypatch.chdir(tmp_path)  # the scripts go to ./nnui_slurm
     app = tui_app(roots, state, simulate_gpus=2)
     async with app.run_test(size=(150, 48)) as pilot:
-        await wait_for(lambda: app.snapshot is not None, pilot)
+        # l waits for the first GPU and the first jobs reading (a notice otherwise)
+        await wait_for(lambda: app.snapshot is not None and app.num_jobs_messages >= 1, pilot)
         await screen_of(app, pilot, DashboardScreen)
         await pilot.press("l")
         board = await screen_of(app, pilot, LaunchScreen)
