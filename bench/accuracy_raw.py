@@ -219,17 +219,44 @@ def check_override(fields: dict, patch: list[int] | None) -> None:
         raise ValueError(
             f"--patch {patch}: the configuration's patch has {len(fields['patch_size'])} sizes"
         )
-    divisor = [math.prod(s[i] for s in fields["strides"]) for i in range(len(patch))]
+    kept = fields["strides"][: max(1, stages_for(fields["strides"], patch))]
+    divisor = [math.prod(s[i] for s in kept) for i in range(len(patch))]
     if any(v < 1 or v % d for v, d in zip(patch, divisor, strict=True)):
         raise ValueError(
             f"--patch {patch}: each size must be a multiple of {divisor} (the network's pooling)"
         )
 
 
+MIN_FEATURE_MAP = 4  # nnU-Net's planner pools an axis only while its map stays >= 4 voxels
+
+
+def stages_for(strides: list[list[int]], patch: list[int]) -> int:
+    """How many of the planned stages a smaller patch keeps: the deepest ones go while their
+    feature map would fall under MIN_FEATURE_MAP voxels on an axis (at 128x128, the 8 stages
+    planned for DRIVE's 640x640 would end at 1x1, where instance norm cannot train)."""
+    kept, scale = 0, [1] * len(patch)
+    for stride in strides:
+        scale = [a * b for a, b in zip(scale, stride, strict=True)]
+        pooled = zip(patch, scale, stride, strict=True)
+        if any(size / s < MIN_FEATURE_MAP for size, s, step in pooled if step > 1):
+            break
+        kept += 1
+    return kept
+
+
+def _cut(net: dict, stages: int, encoder_key: str) -> None:
+    for key in ("features_per_stage", "kernel_sizes", "strides", encoder_key):
+        net[key] = net[key][:stages]
+    net["n_conv_per_stage_decoder"] = net["n_conv_per_stage_decoder"][: stages - 1]
+    if "n_stages" in net:
+        net["n_stages"] = stages
+
+
 def apply_override(
     work: Path, ds: RawDataset, configuration: str, patch: list[int] | None, batch: int | None
 ) -> None:
-    """Both sides' plans in the work folder = as planned, then patch/batch replaced alike."""
+    """Both sides' plans in the work folder = as planned, then patch/batch replaced alike
+    (and the deepest stages cut alike where the smaller patch leaves them no room)."""
     for side, pre, name in (
         ("nnU-Net", work / "nnunet_preprocessed", NNUNET_PLANS),
         ("nnui", work / "nnui_preprocessed", NNUI_PLANS),
@@ -238,6 +265,13 @@ def apply_override(
         conf = plans["configurations"][configuration]
         if patch is not None:
             conf["patch_size"] = list(patch)
+            if side == "nnU-Net":
+                net, encoder_key = conf["architecture"]["arch_kwargs"], "n_conv_per_stage"
+            else:
+                net, encoder_key = conf["network"], "n_conv_per_stage_encoder"
+            stages = stages_for(net["strides"], list(patch))
+            if stages < len(net["strides"]):
+                _cut(net, stages, encoder_key)
         if batch is not None:
             conf["batch_size"] = int(batch)
         (pre / ds.name / name).write_text(json.dumps(plans, indent=1) + "\n")
@@ -251,10 +285,14 @@ def override_line(theirs: dict, patch: list[int] | None, batch: int | None) -> s
         parts.append(f"patch {theirs['patch_size']} -> {list(patch)}")
     if batch is not None:
         parts.append(f"batch {theirs['batch_size']} -> {batch}")
-    return (
-        f"override (CPU budget), the SAME on both sides' plans: {', '.join(parts)}; "
-        "network topology as planned"
-    )
+    planned_stages = len(theirs["strides"])
+    stages = stages_for(theirs["strides"], list(patch)) if patch is not None else planned_stages
+    topology = (
+        "network topology as planned" if stages == planned_stages
+        else f"network cut from {planned_stages} to {stages} stages (bottleneck >= "
+        f"{MIN_FEATURE_MAP} voxels, nnU-Net's rule), otherwise as planned"
+    )  # fmt: skip
+    return f"override (CPU budget), the SAME on both sides' plans: {', '.join(parts)}; {topology}"
 
 
 # ---- report -------------------------------------------------------------------------------

@@ -207,12 +207,21 @@ def test_raw_mode_plans_each_side_and_overrides_both_in_the_work_folder(generate
     accuracy_raw.apply_override(work, ds, "3d_fullres", patch, 3)
     nnunet_file = work / "nnunet_preprocessed" / ds.name / "nnUNetPlans.json"
     nnui_file = work / "nnui_preprocessed" / ds.name / "nnuiPlans.json"
+    stages = []
     for path in (nnunet_file, nnui_file):
         conf = json.loads(path.read_text())["configurations"]["3d_fullres"]
         assert (conf["patch_size"], conf["batch_size"]) == (patch, 3)
+        net = conf.get("network") or conf["architecture"]["arch_kwargs"]
+        stages.append(len(net["strides"]))
+        assert len(net["features_per_stage"]) == len(net["kernel_sizes"]) == stages[-1]
+        assert len(net["n_conv_per_stage_decoder"]) == stages[-1] - 1
+    # a bottleneck of 2 voxels is under nnU-Net's 4: both sides lose the same deepest stages
+    assert stages == [accuracy_raw.stages_for(theirs["strides"], patch)] * 2
+    assert stages[0] < len(theirs["strides"])
     assert accuracy_raw.planned(work, "nnui") == nnui  # the planned copy stays as planned
     line = accuracy_raw.override_line(theirs, patch, 3)
     assert "SAME on both sides" in line and f"-> {patch}" in line and "-> 3" in line
+    assert f"cut from {len(theirs['strides'])} to {stages[0]} stages" in line
     # cached: a second call plans nothing again; the user's raw folder was only read
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     accuracy_raw.preprocess_both(work, ds, "3d_fullres", venv)
@@ -240,6 +249,15 @@ def test_plan_differences_name_the_field():
     assert accuracy_raw.plan_differences(base, {**base, "patch_size": [32, 64]}) == [
         "patch_size: nnU-Net [64, 64], nnui [32, 64]"
     ]
+
+
+def test_a_smaller_patch_keeps_the_stages_whose_map_stays_four_voxels():
+    drive = [[1, 1]] + [[2, 2]] * 7  # DRIVE 2d as planned for 640x640
+    assert accuracy_raw.stages_for(drive, [640, 640]) == 8
+    assert accuracy_raw.stages_for(drive, [128, 128]) == 6  # 4x4 at the bottom, not 1x1
+    anisotropic = [[1, 1, 1], [1, 2, 2], [1, 2, 2], [2, 2, 2]]  # z pooled last, once
+    assert accuracy_raw.stages_for(anisotropic, [8, 32, 32]) == 4  # z 8 -> 4 at the bottom
+    assert accuracy_raw.stages_for(anisotropic, [4, 32, 32]) == 3  # z would fall to 2
 
 
 def test_an_override_that_does_not_fit_the_network_is_refused():
