@@ -113,6 +113,12 @@ class MachineRead(Message):
         self.readings = readings  # PanelReadings: history, host line, per-process load
 
 
+def same_objects(old: list[JobView], new: list[JobView]) -> bool:
+    """The very same view objects in the same order: the tracker hands an unchanged job the
+    same view, so nothing computed from them can differ."""
+    return len(old) == len(new) and all(a is b for a, b in zip(old, new, strict=True))
+
+
 class JobsRead(Message):
     def __init__(
         self,
@@ -149,6 +155,7 @@ class NnuiApp(App):
         self._procs_read_at: float | None = None
         self._host_read_at: float | None = None
         self.views: list[JobView] = []
+        self._cv_eta_memo: tuple[list[JobView], float | None] | None = None
         self.cv_eta_s: float | None = None
         self.first_step: str | None = None
         self.problems: tuple[str, ...] = ()  # unreadable registry files (shown as warnings)
@@ -250,12 +257,20 @@ class NnuiApp(App):
             launcher.reap_children()  # supervisors that ended: no <defunct> under the board
             tracker = self.services.tracker
             views = tracker.refresh(self.snapshot)
-            eta_s = cross_validation_eta_s(views)  # nnui's own cross-validation
+            eta_s = self._cv_eta_s(views)  # nnui's own cross-validation
             views = [*views, *self._watch_only(tracker, views)]
             problems = tuple(getattr(tracker, "problems", ()))
             return JobsRead(views, eta_s, None if views else self._first_step(), problems)
 
         self._in_thread("jobs", read)
+
+    def _cv_eta_s(self, views: list[JobView]) -> float | None:
+        held = self._cv_eta_memo
+        if held is not None and same_objects(held[0], views):
+            return held[1]
+        eta_s = cross_validation_eta_s(views)
+        self._cv_eta_memo = (views, eta_s)
+        return eta_s
 
     def _first_step(self) -> str | None:
         """With no jobs and no preprocessed nnui dataset: the command to run first."""
@@ -301,6 +316,8 @@ class NnuiApp(App):
         if not self.drawing:
             return
         self.num_jobs_messages += 1
+        if self._same_reading(message):
+            return  # a lab's board re-reads hundreds of ended runs every second: nothing to draw
         self.views = message.views
         self.cv_eta_s = message.cv_eta_s
         self.first_step = message.first_step
@@ -309,6 +326,17 @@ class NnuiApp(App):
             show = getattr(screen, "show_jobs", None)
             if show is not None:
                 show(message.views, message.cv_eta_s)
+
+    def _same_reading(self, message: JobsRead) -> bool:
+        """The tracker hands an unchanged job the same view object, so a reading whose views
+        are the very objects shown (same order) and whose other fields are equal changes
+        nothing on any screen."""
+        return (
+            self.num_jobs_messages > 1
+            and same_objects(self.views, message.views)
+            and (self.cv_eta_s, self.first_step, self.problems)
+            == (message.cv_eta_s, message.first_step, message.problems)
+        )
 
     def view_of(self, job_id: str) -> JobView | None:
         return next((v for v in self.views if v.job.job_id == job_id), None)

@@ -16,6 +16,8 @@ from app.widgets.formatting import bar, fmt_or_na
 from trainer.schema.status import RUNNING_STATES, WAITING_STATES, State
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from app.services.jobs.registry import Job
     from app.services.jobs.views import JobView
 
@@ -271,17 +273,42 @@ NUM_FIXED_COLUMNS = 2  # "sel" and "job" stay in place when scrolling sideways
 ALERTS_FIT_WIDTH = 12  # the last column may run past the edge; this much must show
 
 
-def layout_width(rows: list[dict[str, str]], hidden: frozenset[str], cell_padding: int = 1) -> int:
-    """Cells needed by the visible columns of these rows (plain texts), padding included."""
+Widths = tuple[int, ...]  # a row's text lengths in COLUMNS order
+_LABEL_WIDTHS: Widths = tuple(len(label) for _, label in COLUMNS)
+
+
+def row_widths(row: dict[str, str]) -> Widths:
+    return tuple(len(row[key]) for key, _ in COLUMNS)
+
+
+def column_maxima(rows: Iterable[Widths]) -> Widths:
+    """Each column's widest text (its label included) over these rows."""
+    return tuple(map(max, zip(_LABEL_WIDTHS, *rows, strict=True)))
+
+
+def fitted_width(maxima: Widths, hidden: frozenset[str], cell_padding: int = 1) -> int:
+    """Cells needed by the visible columns, padding included."""
     total = 0
-    for key, label in COLUMNS:
+    for (key, _), width in zip(COLUMNS, maxima, strict=True):
         if key in hidden:
             continue
-        width = max([len(label), *(len(row[key]) for row in rows)])
-        if key == "alerts":
-            width = min(width, ALERTS_FIT_WIDTH)
-        total += width + 2 * cell_padding
+        total += (min(width, ALERTS_FIT_WIDTH) if key == "alerts" else width) + 2 * cell_padding
     return total
+
+
+def layout_width(rows: list[dict[str, str]], hidden: frozenset[str], cell_padding: int = 1) -> int:
+    """Cells needed by the visible columns of these rows (plain texts), padding included."""
+    return fitted_width(column_maxima(row_widths(row) for row in rows), hidden, cell_padding)
+
+
+def choose_level(maxima: tuple[Widths, Widths, Widths], available: int) -> int:
+    """The widest layout (index into LAYOUTS) whose columns fit in `available` cells, from
+    each kind's (FULL, SHORT, COMPACT) column maxima: the table keeps every row's widths, so
+    a board of hundreds of rows measures them once, not once per layout and second."""
+    for level, (hidden, kind) in enumerate(LAYOUTS):
+        if fitted_width(maxima[kind], hidden) <= available:
+            return level
+    return len(LAYOUTS) - 1
 
 
 def choose_layout(
@@ -290,12 +317,10 @@ def choose_layout(
     available: int,
     compact: list[dict[str, str]] | None = None,
 ) -> int:
-    """The widest layout (index into LAYOUTS) whose columns fit in `available` cells."""
+    """choose_level for rows of plain texts."""
     rows = (full, short, short if compact is None else compact)
-    for level, (hidden, cells) in enumerate(LAYOUTS):
-        if layout_width(rows[cells], hidden) <= available:
-            return level
-    return len(LAYOUTS) - 1
+    f, s, c = (column_maxima(row_widths(row) for row in kind) for kind in rows)
+    return choose_level((f, s, c), available)
 
 
 def visible_columns(level: int) -> list[tuple[str, str]]:

@@ -27,10 +27,13 @@ from app.widgets.job_cells import (
     SHORT,
     Cells,
     PlainCells,
+    Widths,
     all_row_cells,
-    choose_layout,
+    choose_level,
+    column_maxima,
     plain_cells,
     plain_text,
+    row_widths,
     visible_columns,
 )
 
@@ -61,8 +64,9 @@ class JobTable(DataTable):
         self.num_relayouts = 0
         # The results tree rows are not labelled in (the app's default one; None: no label).
         self.default_results: str | None = None
-        # job id -> (its view, the other inputs, cells, their texts): see _memo_cells.
+        # job id -> (its view, the other inputs, cells, their texts and widths): _memo_cells.
         self._memo: dict[str, tuple[JobView, tuple, tuple[Cells, Cells, Cells], PlainCells]] = {}
+        self._widths: dict[str, tuple[Widths, Widths, Widths]] = {}
 
     def on_mount(self) -> None:
         roots = getattr(getattr(self.app, "config", None), "roots", None)
@@ -107,28 +111,34 @@ class JobTable(DataTable):
         """A row's cells and their texts, built again only when its view object, selection,
         predecessor or palette changed: the tracker hands an unchanged (ended) job the same
         view every second, and a lab's board holds hundreds of them."""
+        job_id = view.job.job_id
         before = self._views.get(view.job.after or "")
         after = before.job.fold if before is not None else None
-        inputs = (view.job.job_id in self.selected, after, self.palette, self.default_results)
-        held = self._memo.get(view.job.job_id)
+        inputs = (job_id in self.selected, after, self.palette, self.default_results)
+        held = self._memo.get(job_id)
         if held is not None and held[0] is view and held[1] == inputs:
             return held[2], held[3]
         styles = PALETTES[self.palette]
         tree = tree_label(results_tree(str(view.job.run_dir or "")), self.default_results)
         cells = all_row_cells(view, inputs[0], after, styles, tree)
         texts = plain_cells(cells)
-        self._memo[view.job.job_id] = (view, inputs, cells, texts)
+        self._memo[job_id] = (view, inputs, cells, texts)
+        full, short, compact = (row_widths(kind) for kind in texts)
+        self._widths[job_id] = (full, short, compact)
         return cells, texts
 
     def _cells_of(self, view: JobView, kind: int) -> Cells:
         return self._all_cells(view)[kind]
 
     def _choose_level(self, views: list[JobView]) -> int:
-        return self._level_of([plain_cells(self._all_cells(v)) for v in views])
+        for view in views:
+            self._memo_cells(view)
+        return self._level_of([view.job.job_id for view in views])
 
-    def _level_of(self, plain: list[PlainCells]) -> int:
-        full, short, compact = ([cells[kind] for cells in plain] for kind in (FULL, SHORT, COMPACT))
-        return choose_layout(full, short, self.scrollable_content_region.width, compact)
+    def _level_of(self, job_ids: list[str]) -> int:
+        rows = [self._widths[job_id] for job_id in job_ids]
+        full, short, compact = (column_maxima(r[k] for r in rows) for k in (FULL, SHORT, COMPACT))
+        return choose_level((full, short, compact), self.scrollable_content_region.width)
 
     def _relayout(self, level: int) -> None:
         """Rebuild columns and rows for another layout, keeping the cursor's job."""
@@ -157,9 +167,10 @@ class JobTable(DataTable):
             return  # not mounted yet: on_mount draws these
         memo = {j: self._memo_cells(v) for j, v in wanted.items()}
         self._memo = {j: held for j, held in self._memo.items() if j in wanted}
+        self._widths = {j: held for j, held in self._widths.items() if j in wanted}
         both = {j: cells for j, (cells, _) in memo.items()}
         plain = {j: texts for j, (_, texts) in memo.items()}
-        level = self._level_of(list(plain.values()))
+        level = self._level_of(list(wanted))
         if level != self.level:
             self._relayout(level)
             return

@@ -22,6 +22,7 @@ MAX_LABEL = 24
 
 
 @lru_cache(maxsize=4096)  # folders never change their tree; rows are grouped every second
+@lru_cache(maxsize=8192)  # the board asks for every row's tree each second; folders stay put
 def results_tree(run_dir: str) -> str:
     """The results tree of a run folder (absolute, symlinks resolved), '' without a folder."""
     path = Path(run_dir) if run_dir else None

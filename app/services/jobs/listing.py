@@ -124,7 +124,8 @@ def arrange(
     else:
         rows, earlier = list(views), {}
     # A filter on a job id follows its fold: a resume's new job continues the row.
-    rows = [v for v in rows if matches(v, text, earlier.get(v.job.job_id, ()))]
+    if text.strip():
+        rows = [v for v in rows if matches(v, text, earlier.get(v.job.job_id, ()))]
     by_sort = _SORT_KEYS[sort]
     return sorted(rows, key=lambda v: (group_key(v.job), by_sort(v)))
 
