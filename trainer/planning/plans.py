@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,10 @@ class Plans:
     # nnU-Net's axis order of the stored data (None: identity, plans written before it).
     transpose_forward: tuple[int, ...] | None = None
     transpose_backward: tuple[int, ...] | None = None
+    # nnU-Net's plan-level medians of the raw cases (before resampling), transposed: written
+    # as nnU-Net writes them, for tools that read them; nothing in training depends on them.
+    original_median_spacing_after_transp: tuple[float, ...] | None = None
+    original_median_shape_after_transp: tuple[int, ...] | None = None
     # nnU-Net's entries that inherit another (3d_cascade_fullres), as the file holds them:
     # written back unchanged; `configurations` holds them resolved, ready to train.
     cascades: dict[str, dict] = field(default_factory=dict)
@@ -315,6 +319,10 @@ def plans_content(plans: Plans) -> dict:
     if plans.transpose_forward is not None:
         content["transpose_forward"] = list(plans.transpose_forward)
         content["transpose_backward"] = list(plans.transpose_backward or ())
+    for key in ORIGINAL_MEDIAN_KEYS:
+        value = getattr(plans, key)
+        if value is not None:
+            content[key] = list(value)
     return content
 
 
@@ -328,6 +336,10 @@ DATASET_LEVEL_KEYS = (
 )
 # Also dataset-level, but only in plans that have them (older identities stay).
 OPTIONAL_DATASET_LEVEL_KEYS = ("transpose_forward", "transpose_backward")
+ORIGINAL_MEDIAN_KEYS = (
+    "original_median_spacing_after_transp",
+    "original_median_shape_after_transp",
+)
 _NOT_IDENTITY = ("case_ids",)  # bookkeeping, not a training input
 
 
@@ -364,8 +376,6 @@ def configuration_identity(content: dict, configuration: str) -> str:
 
 
 def with_identity(plans: Plans) -> Plans:
-    from dataclasses import replace
-
     return replace(plans, identity=compute_identity(plans_content(plans)))
 
 
@@ -434,6 +444,13 @@ def plans_from_dict(data: dict) -> Plans:
         transpose_backward=tuple(int(a) for a in backward) if backward is not None else None,
         cascades=cascades,
     )
+    spacing, shape = (data.get(key) for key in ORIGINAL_MEDIAN_KEYS)
+    if isinstance(spacing, list) and isinstance(shape, list):
+        plans = replace(
+            plans,
+            original_median_spacing_after_transp=tuple(float(v) for v in spacing),
+            original_median_shape_after_transp=tuple(int(v) for v in shape),
+        )
     return with_identity(plans)
 
 

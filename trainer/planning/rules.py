@@ -398,11 +398,21 @@ def plan_experiment(fingerprint: dict, dataset_json: dict, dataset_name: str,
         foreground_intensity_properties=fingerprint["foreground_intensity_properties_per_channel"],
         transpose_forward=geometry.transpose_forward,
         transpose_backward=geometry.transpose_backward,
+        original_median_spacing_after_transp=_original_median(fingerprint, "spacings", geometry),
+        original_median_shape_after_transp=tuple(
+            round(v) for v in _original_median(fingerprint, "shapes_after_crop", geometry)
+        ),
         # with either 3d configuration: merged plans files then hold it as nnU-Net's do
         cascades={CASCADE: {"inherits_from": "3d_fullres", "previous_stage": "3d_lowres"}}
         if lowres and ("3d_fullres" in configs or "3d_lowres" in configs) else {},
     )  # fmt: skip
     return with_identity(plans)
+
+
+def _original_median(fingerprint: dict, key: str, geometry: Geometry) -> tuple[float, ...]:
+    """nnU-Net's plan-level median of the cases' spacings or shapes, in the transposed order."""
+    median = np.median(np.asarray(fingerprint[key], dtype=np.float64), axis=0)
+    return tuple(float(median[axis]) for axis in geometry.transpose_forward)
 
 
 def check_options(options: PlannerOptions) -> None:

@@ -265,6 +265,9 @@ def plans_differences(theirs: dict, estimates: dict, ours: Plans, gb: float = 8.
     for key in ("transpose_forward", "transpose_backward"):
         if list(getattr(ours, key) or (0, 1, 2)) != theirs[key]:
             out.append(key)
+    for key in ("original_median_spacing_after_transp", "original_median_shape_after_transp"):
+        if not _close(list(getattr(ours, key) or ()), theirs[key]):
+            out.append(f"{key}: nnU-Net {theirs[key]}, nnui {getattr(ours, key)}")
     for name, block in theirs["configurations"].items():
         if name == CASCADE:
             if ours.cascades.get(name) != block:
