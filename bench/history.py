@@ -6,8 +6,8 @@ It generates (once, into --work) `--trees` results trees with `--runs` finished 
 `--epochs` epochs with the record shapes the trainer writes (run_started, topology, four
 train_loss_running and one epoch_ended per epoch, checkpoint_saved, final validation,
 finished; status.json, config.json), and `--live` runs whose writer appends an epoch per
-second. Then, in fresh processes, with the summary cache deleted first (cold) and then kept
-(warm), A B A B:
+`--live-epoch-s` seconds (1: a stress rate) with four running losses in it. Then, in fresh
+processes, with the summary cache deleted first (cold) and then kept (warm), A B A B:
 
   - `nnui status --json --all`: wall s, CPU s, peak RSS (wait4 of the child);
   - `nnui cv`: the same;
@@ -157,27 +157,32 @@ def generate(work: Path, runs: int, epochs: int, trees: int) -> None:
 
 LIVE_WRITER = """
 import json, sys, time
-path, epochs = sys.argv[1], int(sys.argv[2])
+path, epochs, epoch_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 def line(kind, **f):
     return json.dumps({"v": 1, "t": time.time(), "kind": kind, **f}) + "\\n"
 with open(path, "a") as out:
     out.write(line("run_started", num_epochs=epochs)); out.flush()
     for epoch in range(epochs):
-        time.sleep(1)
+        for point in range(1, 5):  # the trainer's four running losses per epoch
+            time.sleep(epoch_s / 4)
+            out.write(line("train_loss_running", epoch=epoch, iteration=point * 62,
+                           num_iterations=250, loss=-0.3)); out.flush()
         out.write(line("epoch_ended", epoch=epoch, train_loss=-0.4, val_loss=-0.3,
-                       mean_fg_dice=0.6, ema_fg_dice=0.6, epoch_time_s=1.0)); out.flush()
+                       mean_fg_dice=0.6, ema_fg_dice=0.6, epoch_time_s=epoch_s)); out.flush()
 """
 
 
-def start_live(work: Path, count: int) -> list[subprocess.Popen]:
-    """Writers appending an epoch per second to fresh run folders of the first tree."""
+def start_live(work: Path, count: int, epoch_s: float) -> list[subprocess.Popen]:
+    """Writers appending an epoch per `epoch_s` seconds (and four running losses in it) to
+    fresh run folders of the first tree."""
     procs = []
     for index in range(count):
         run_dir = work / "results_0" / "Dataset999_Live" / TRAINER / f"fold_{index}"
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         procs.append(subprocess.Popen([sys.executable, "-c", LIVE_WRITER,
-                                       str(run_dir / "events.jsonl"), "100000"]))  # fmt: skip
+                                       str(run_dir / "events.jsonl"), "100000",
+                                       str(epoch_s)]))  # fmt: skip
     return procs
 
 
@@ -290,6 +295,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1000)
     parser.add_argument("--trees", type=int, default=3)
     parser.add_argument("--live", type=int, default=3)
+    parser.add_argument("--live-epoch-s", type=float, default=1.0,
+                        help="seconds per live epoch: 1 = a stress rate; a GPU epoch of "
+                        "nnU-Net's default 250 iterations takes 30-200 s")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--idle-s", type=float, default=10.0)
     parser.add_argument("--generate-only", action="store_true")
@@ -312,7 +320,7 @@ def main() -> None:
     code = args.code.resolve()
     env = {**os.environ, "NNUI_STATE_DIR": str(args.work / "state"), "PYTHONPATH": str(code)}
     print(f"code: {code} ({_commit(code)}); CPU: {_cpu_model()}; load: {os.getloadavg()}")
-    live = start_live(args.work, args.live)
+    live = start_live(args.work, args.live, args.live_epoch_s)
     try:
         for repeat in range(args.repeats):
             if not args.warm_only:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from rich.cells import cell_len
 from rich.text import Text
 
 from app.services.jobs.words import human_duration, state_label
@@ -278,7 +279,7 @@ _LABEL_WIDTHS: Widths = tuple(len(label) for _, label in COLUMNS)
 
 
 def row_widths(row: dict[str, str]) -> Widths:
-    return tuple(len(row[key]) for key, _ in COLUMNS)
+    return tuple(cell_len(row[key]) for key, _ in COLUMNS)
 
 
 def column_maxima(rows: Iterable[Widths]) -> Widths:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from rich.cells import cell_len
 from rich.text import Text
 from textual.binding import Binding, BindingType
 from textual.geometry import Region
@@ -19,6 +18,7 @@ from textual.widgets.data_table import CellDoesNotExist
 
 from app.services.jobs.identity import results_tree, tree_label
 from app.widgets.job_cells import (
+    COLUMNS,
     COMPACT,
     FULL,
     LAYOUTS,
@@ -67,6 +67,7 @@ class JobTable(DataTable):
         # job id -> (its view, the other inputs, cells, their texts and widths): _memo_cells.
         self._memo: dict[str, tuple[JobView, tuple, tuple[Cells, Cells, Cells], PlainCells]] = {}
         self._widths: dict[str, tuple[Widths, Widths, Widths]] = {}
+        self._maxima: tuple[Widths, Widths, Widths] | None = None  # each kind's column widths
 
     def on_mount(self) -> None:
         roots = getattr(getattr(self.app, "config", None), "roots", None)
@@ -138,6 +139,7 @@ class JobTable(DataTable):
     def _level_of(self, job_ids: list[str]) -> int:
         rows = [self._widths[job_id] for job_id in job_ids]
         full, short, compact = (column_maxima(r[k] for r in rows) for k in (FULL, SHORT, COMPACT))
+        self._maxima = (full, short, compact)
         return choose_level((full, short, compact), self.scrollable_content_region.width)
 
     def _relayout(self, level: int) -> None:
@@ -170,6 +172,7 @@ class JobTable(DataTable):
         self._widths = {j: held for j, held in self._widths.items() if j in wanted}
         both = {j: cells for j, (cells, _) in memo.items()}
         plain = {j: texts for j, (_, texts) in memo.items()}
+        before = self._maxima
         level = self._level_of(list(wanted))
         if level != self.level:
             self._relayout(level)
@@ -180,6 +183,10 @@ class JobTable(DataTable):
             self.selected.discard(job_id)
         cursor_job = self._keep_order(list(wanted))
         shown, kind = self.columns_shown, LAYOUTS[level][1]
+        # Columns whose widest cell changed: only an update there can move a column.
+        now = self._maxima[kind] if self._maxima is not None else ()
+        was = before[kind] if before is not None else ()
+        resized = {key for (key, _), a, b in zip(COLUMNS, was, now, strict=False) if a != b}
         for job_id, view in wanted.items():
             old = self._cells.get(job_id)
             if old is None:
@@ -191,32 +198,28 @@ class JobTable(DataTable):
                 continue  # most rows most seconds
             changed = [key for key in shown if old[key] != texts[key]]
             if changed:  # else only hidden columns changed
-                self._update_row(job_id, changed, cells, old, texts)
+                self._update_row(job_id, changed, cells, resize=bool(resized & set(changed)))
             self._cells[job_id] = texts
         if cursor_job in self._cells:
             self.move_cursor(row=self.get_row_index(cursor_job))
 
     def _update_row(
-        self,
-        job_id: str,
-        keys: list[str],
-        cells: dict[str, Text | str],
-        old: dict[str, str],
-        new: dict[str, str],
+        self, job_id: str, keys: list[str], cells: dict[str, Text | str], resize: bool
     ) -> None:
         """Put the changed cells of one row on screen. DataTable.update_cell repaints the
-        whole table, every row rendered again (a frame's largest part, and a loss, a Dice or
-        an ETA changes every few seconds); a change that leaves every changed cell as wide
-        as it was cannot move a column, so only that row is repainted."""
-        same_widths = all(cell_len(old[k]) == cell_len(new[k]) for k in keys)
-        self._row_repaint_only = same_widths
+        whole table, every row rendered again, and with update_width it measures every cell
+        of the column again and lays the screen out anew (a quarter second over a lab's
+        history); a loss, a Dice or an ETA changes every few seconds. Unless the change
+        moves a column's widest cell (`resize`, from the widths the table keeps), no column
+        can move, so only that row is repainted."""
+        self._row_repaint_only = not resize
         try:
             for key in keys:
-                self.update_cell(job_id, key, cells[key], update_width=not same_widths)
+                self.update_cell(job_id, key, cells[key], update_width=resize)
                 self.num_cell_updates += 1
         finally:
             self._row_repaint_only = False
-        if same_widths:
+        if not resize:
             self.num_row_repaints += 1
             self.refresh_row(self.get_row_index(job_id))
 

@@ -21,14 +21,17 @@ GENERIC_NAMES = frozenset({"results", "nnunet_results", "nnui_results", "nnui_da
 MAX_LABEL = 24
 
 
-@lru_cache(maxsize=4096)  # folders never change their tree; rows are grouped every second
-@lru_cache(maxsize=8192)  # the board asks for every row's tree each second; folders stay put
 def results_tree(run_dir: str) -> str:
     """The results tree of a run folder (absolute, symlinks resolved), '' without a folder."""
-    path = Path(run_dir) if run_dir else None
+    return _tree_of(os.path.abspath(run_dir)) if run_dir else ""
+
+
+@lru_cache(maxsize=8192)  # folders never change their tree; rows are grouped every second
+def _tree_of(run_dir: str) -> str:
+    path = Path(run_dir)
     # Only a folder laid out as TREE/DatasetNNN_Name/Trainer__Plans__configuration/fold_F
     # names its tree: three levels above anything else is no results tree (a test's tmp).
-    if path is None or len(path.parts) <= 3 or not path.name.startswith("fold_"):
+    if len(path.parts) <= 3 or not path.name.startswith("fold_"):
         return ""
     if "__" not in path.parent.name or not path.parent.parent.name.startswith("Dataset"):
         return ""

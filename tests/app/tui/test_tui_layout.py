@@ -349,7 +349,8 @@ def _row_text(app, table: JobTable, job_id: str) -> str:
 
 async def test_a_changed_cell_shows_with_only_its_row_repainted(tmp_path) -> None:
     """A loss changing at the same width repaints its row only (not the whole table); a
-    cell that gets wider repaints the table (its column may move); both show on screen."""
+    cell that gets wider than its column's widest repaints the table (the column moves); one
+    that grows within the column's width repaints its row; all show on screen."""
     app = frozen(tmp_path, 1)
     async with app.run_test(size=(200, 40)) as pilot:
         screen = await drawn(app, pilot, 1)
@@ -369,6 +370,14 @@ async def test_a_changed_cell_shows_with_only_its_row_repainted(tmp_path) -> Non
         epoch = f"{wider.epoch}/{wider.num_epochs}"
         await wait_for(lambda: epoch in _row_text(app, table, job_id), pilot)
         assert "0.1234" in _row_text(app, table, job_id)
+        # Another row's epoch grows but stays narrower than the column's widest cell (the
+        # one above): no column can move, so its row alone is repainted.
+        other = next(v for v in views if v is not target and v.epoch is not None)
+        longer = replace(other, epoch=other.epoch + 10)
+        table.show([wider if v is target else longer if v is other else v for v in views])
+        assert table.num_row_repaints == 2
+        shown = f"{longer.epoch}/{longer.num_epochs}"
+        await wait_for(lambda: shown in _row_text(app, table, other.job.job_id), pilot)
 
 
 # ---- GPU panel -------------------------------------------------------------------------
