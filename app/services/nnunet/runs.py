@@ -34,6 +34,7 @@ import shlex
 import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Protocol, cast
 
@@ -206,11 +207,9 @@ def fold_dirs(args: TrainArgs, root: Path) -> list[Path]:
     return found
 
 
-def _same_path(a: Path, b: Path) -> bool:
-    try:
-        return a.resolve() == b.resolve()
-    except OSError:
-        return False
+@lru_cache(maxsize=256)  # the watched roots, asked for every process every 2 s
+def _real_root(root: str) -> str:
+    return os.path.realpath(root)
 
 
 def candidate_roots(row: ProcRow, roots: Sequence[Path]) -> list[Path]:
@@ -223,7 +222,8 @@ def candidate_roots(row: ProcRow, roots: Sequence[Path]) -> list[Path]:
     path = Path(value).expanduser()
     if not path.is_absolute() and row.cwd:
         path = Path(row.cwd) / path
-    return [r for r in roots if _same_path(r, path)]
+    target = os.path.realpath(path)
+    return [r for r in roots if _real_root(str(r)) == target]
 
 
 def live_log(fold_dir: Path, start_time: float | None) -> Path | None:
