@@ -3,7 +3,7 @@ of the ResEnc presets (trainer.network.resenc), both from the same building bloc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -26,27 +26,17 @@ def build_network(
     U-Net, or the residual-encoder one of the ResEnc presets (trainer.network.resenc)."""
     from trainer.planning.plans import RESIDUAL_ENCODER
 
+    common: dict[str, Any] = {
+        "in_channels": in_channels,
+        "num_classes": num_classes,
+        "features_per_stage": list(network_plan.features_per_stage),
+        "kernel_sizes": list(network_plan.kernel_sizes),
+        "strides": list(network_plan.strides),
+        "n_conv_per_stage_decoder": list(network_plan.n_conv_per_stage_decoder),
+        "ndim": ndim,
+        "deep_supervision": deep_supervision,
+    }
+    encoder = list(network_plan.n_conv_per_stage_encoder)
     if getattr(network_plan, "architecture", None) == RESIDUAL_ENCODER:
-        return ResidualEncoderUNet(
-            in_channels=in_channels,
-            num_classes=num_classes,
-            features_per_stage=list(network_plan.features_per_stage),
-            kernel_sizes=list(network_plan.kernel_sizes),
-            strides=list(network_plan.strides),
-            n_blocks_per_stage=list(network_plan.n_conv_per_stage_encoder),
-            n_conv_per_stage_decoder=list(network_plan.n_conv_per_stage_decoder),
-            ndim=ndim,
-            deep_supervision=deep_supervision,
-        )
-    return PlainConvUNet(
-        in_channels=in_channels,
-        num_classes=num_classes,
-        features_per_stage=list(network_plan.features_per_stage),
-        kernel_sizes=list(network_plan.kernel_sizes),
-        strides=list(network_plan.strides),
-        n_conv_per_stage_encoder=list(network_plan.n_conv_per_stage_encoder),
-        n_conv_per_stage_decoder=list(network_plan.n_conv_per_stage_decoder),
-        ndim=ndim,
-        deep_supervision=deep_supervision,
-        recompute_norm=recompute_norm,
-    )
+        return ResidualEncoderUNet(**common, n_blocks_per_stage=encoder)
+    return PlainConvUNet(**common, n_conv_per_stage_encoder=encoder, recompute_norm=recompute_norm)
