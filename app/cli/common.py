@@ -6,6 +6,7 @@ reading of the machine. The exit codes are every command's one table, trainer.sc
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -22,6 +23,12 @@ from trainer.schema.tree import Roots, resolve_roots
 def error(message: str, code: int) -> int:
     print(f"error: {message}", file=sys.stderr)
     return code
+
+
+def json_rows(rows: Iterable[dict[str, Any]]) -> str:
+    """A JSON list, one row a line: json's C encoder (indent= takes the pure-Python one, a
+    quarter second over a lab's 500 runs) and still one row per line to read or grep."""
+    return "[\n" + ",\n".join(json.dumps(row) for row in rows) + "\n]"
 
 
 def roots_of(options: argparse.Namespace) -> Roots:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict
 from typing import Any
 
+from app.cli.common import json_rows
 from app.services.class_dice import class_dice_text, fold_dirs, mean_class_dice
 from app.services.cross_validation import CvRow, cv_rows, queue_launches
 from app.services.jobs.identity import roots_hint, watched_roots
@@ -113,7 +113,7 @@ def cmd_cv(options: argparse.Namespace, registry: Registry) -> int:
               if v.watch is None and v.job.run_dir]  # fmt: skip
     rows = cv_rows(views, default_results=results)
     if options.json:
-        print(json.dumps([row_dict(r) for r in rows], indent=1))
+        print(json_rows(row_dict(r) for r in rows))
         return EXIT_OK
     if not rows:
         print("no cross-validation folds yet (nnui launch DATASET CONFIG --folds all ...)")

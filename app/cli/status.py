@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
 from typing import Any, cast
 
-from app.cli.common import looked_in, machine_snapshot, roots_of
+from app.cli.common import json_rows, looked_in, machine_snapshot, roots_of
 from app.cli.schedule import schedule_notes
 from app.services.cross_validation import cross_validation_eta_s
 from app.services.jobs import listing as job_list
@@ -306,7 +305,7 @@ def cmd_status(options: argparse.Namespace, registry: Registry) -> int:
     watched = [v for v in watched if v.watch_only and (v.adopted is None or v in adopted)]
     if options.json:
         rows = [_with_tree(_row_dict(v), v, default) for v in [*views, *watched]]
-        print(json.dumps([_json_safe(row) for row in rows], indent=1))
+        print(json_rows(_json_safe(row) for row in rows))
         return EXIT_OK
     if not views and not watched:
         # An unreadable job file is not "no jobs": the warning below names it.

@@ -70,7 +70,8 @@ def one_row_per_run_folder(
         # No folder known (a pending SLURM job, a run not yet writing): a row of its own.
         key = (bool(getattr(view, "watch_only", False)), str(view.job.run_dir or view.job.job_id))
         folders.setdefault(key, []).append(view)
-    rows, earlier = [], {}
+    rows: list[JobView] = []
+    earlier: dict[str, list[str]] = {}
     for members in folders.values():
         if len(members) == 1:  # most folders: one run, never resumed
             rows.append(members[0])
