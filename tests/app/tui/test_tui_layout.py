@@ -380,6 +380,31 @@ async def test_a_changed_cell_shows_with_only_its_row_repainted(tmp_path) -> Non
         await wait_for(lambda: shown in _row_text(app, table, other.job.job_id), pilot)
 
 
+async def test_a_reading_of_the_very_same_views_draws_nothing(tmp_path) -> None:
+    """The tracker hands an unchanged job the very same view: a reading made only of those
+    never reaches the screens (a lab's board re-reads hundreds of ended runs each second);
+    a reading with one changed view does."""
+    from app.tui import JobsRead
+
+    app = frozen(tmp_path, 1)
+    async with app.run_test(size=(160, 40)) as pilot:
+        screen = await drawn(app, pilot, 1)
+        shown: list[list] = []
+        draw = screen.show_jobs
+        screen.show_jobs = lambda views, eta: (shown.append(views), draw(views, eta))
+        same, count = list(app.views), app.num_jobs_messages
+        app.post_message(JobsRead(same, app.cv_eta_s, app.first_step, app.problems))
+        await wait_for(lambda: app.num_jobs_messages == count + 1, pilot)
+        assert shown == []
+        target = next(v for v in same if v.train_loss is not None)
+        changed = [replace(v, train_loss=0.4321) if v is target else v for v in same]
+        app.post_message(JobsRead(changed, app.cv_eta_s, app.first_step, app.problems))
+        await wait_for(lambda: app.num_jobs_messages == count + 2, pilot)
+        assert shown == [changed]
+        await wait_for(lambda: "0.4321" in _row_text(app, screen.query_one(JobTable),
+                                                      target.job.job_id), pilot)  # fmt: skip
+
+
 # ---- GPU panel -------------------------------------------------------------------------
 
 MINE = GpuProcess(11, "alice", 2 * 2**30, "python", True)
