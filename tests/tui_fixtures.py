@@ -100,6 +100,20 @@ async def screen_of(app: Any, pilot: Any, kind: type[S]) -> S:
     return app.screen
 
 
+def record_toasts(app: Any) -> list[str]:
+    """Every toast the app is asked to show from now on, in order. The app's own list drops
+    a toast once its timeout passes, which a test on a loaded machine can outlast."""
+    said: list[str] = []
+    notify = app.notify
+
+    def record(message: Any, *args: Any, **kwargs: Any) -> Any:
+        said.append(str(message))
+        return notify(message, *args, **kwargs)
+
+    app.notify = record
+    return said
+
+
 def burst(app: Any, *keys: str) -> None:
     """Queue key presses all at once, before the app handles the first: what a fast typist
     or a busy machine delivers (Pilot.press lets the app idle between keys)."""

@@ -12,6 +12,7 @@ from tui_fixtures import (
     ROOT,
     kill_started_jobs,
     make_roots,
+    record_toasts,
     screen_of,
     tui_app,
     use_fake_trainer,
@@ -48,8 +49,9 @@ async def open_form(app, pilot) -> PredictScreen:
     await pilot.press("l")
     board = await screen_of(app, pilot, LaunchScreen)
     await wait_for(lambda: board.query_one("#picker").choices, pilot)
+    toasts = record_toasts(app)
     await pilot.press("p")  # nothing marked yet: it says what to do, no form
-    await wait_for(lambda: any("mark the folds" in n.message for n in app._notifications), pilot)
+    await wait_for(lambda: any("mark the folds" in t for t in toasts), pilot)
     assert app.screen is board
     await pilot.press("space", "down", "right", "space")  # fold 0 on GPU 0, fold 1 on GPU 1
     await wait_for(lambda: len(board.query_one("#board").model.assignments) == 2, pilot)

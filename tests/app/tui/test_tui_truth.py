@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from tui_fixtures import SAFETY_NET_S, make_roots, screen_of, wait_for
+from tui_fixtures import SAFETY_NET_S, make_roots, record_toasts, screen_of, wait_for
 
 from app.screens.dashboard import DashboardScreen
 from app.services.jobs.registry import Registry
@@ -53,13 +53,10 @@ def _held_app(tmp_path: Path):
     return make_app(config, services), monitor
 
 
-def _toasts(app) -> list[str]:
-    return [str(n.message) for n in app._notifications]
-
-
 async def test_action_keys_before_the_first_readings_say_loading(tmp_path: Path) -> None:
     """Was: `l` in the first second -> a blank screen, then `NoMatches: '.gpu-text'`."""
     app, monitor = _held_app(tmp_path)
+    toasts = record_toasts(app)
     async with app.run_test(size=(150, 48)) as pilot:
         await screen_of(app, pilot, DashboardScreen)
         assert app.snapshot is None and app.num_jobs_messages == 0
@@ -68,7 +65,6 @@ async def test_action_keys_before_the_first_readings_say_loading(tmp_path: Path)
             if not isinstance(app.screen, DashboardScreen):
                 await pilot.press("escape")
             await screen_of(app, pilot, DashboardScreen)
-        toasts = _toasts(app)
         assert any("loading" in t for t in toasts), toasts
         assert not any("No job selected" in t for t in toasts), toasts
         monitor.release.set()
@@ -88,13 +84,14 @@ async def test_a_corrupt_job_file_is_named_and_the_other_jobs_show(tmp_path: Pat
     bad = state / "jobs" / "20260101-000009-f9.json"
     bad.write_text('{"job_id": "20260101-000009-f9", "trunc')
     app = tui_app(roots, state)
+    toasts = record_toasts(app)
     async with app.run_test(size=(150, 48)) as pilot:
         dashboard = await screen_of(app, pilot, DashboardScreen)
         await wait_for(lambda: app.num_jobs_messages >= 1, pilot)
         await wait_for(lambda: len(dashboard.query_one("#jobs").rows) == len(ids), pilot)
         line = dashboard.query_one("#cv-line").render().plain
         assert "warning" in line and bad.name in line, line
-        assert any(bad.name in t for t in _toasts(app))
+        assert any(bad.name in t for t in toasts)
         summary = dashboard.query_one("#job-summary").render().plain
         assert "No jobs yet" not in summary
     assert bad.exists() and bad.read_text().endswith("trunc")  # left as it is
@@ -144,8 +141,9 @@ async def test_one_toast_per_alert_condition_not_per_second(tmp_path: Path) -> N
     services = Services(GpuMonitor(simulate=2), registry, tracker)
     config = TuiConfig(roots=roots, state_dir=state, simulate_gpus=2, jobs_interval_s=0.05)
     app = make_app(config, services)
+    toasts = record_toasts(app)
     async with app.run_test(size=(150, 48)) as pilot:
         await screen_of(app, pilot, DashboardScreen)
         await wait_for(lambda: app.num_jobs_messages >= 6, pilot)
-        stalls = [t for t in _toasts(app) if "stalled" in t]
+        stalls = [t for t in toasts if "stalled" in t]
         assert len(stalls) == len(ids), stalls
