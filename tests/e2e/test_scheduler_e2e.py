@@ -79,14 +79,22 @@ BOB = {"pid": 4411, "user": "bob", "used_gib": 37, "util": 90}
 @pytest.mark.slow
 def test_three_folds_when_free_on_two_gpus_one_busy(env: dict) -> None:
     busy(env, {"1": [BOB]})  # a colleague's job on GPU 1
+    # Fold 0 holds GPU 0 until `go` exists (however slow the box), so fold 1 waits for both.
+    go = Path(env["NNUI_STATE_DIR"]).parent / "go"
     result = nnui(env, "launch", "4", "3d_fullres", "--simulate-gpus", "2", "--folds", "0,1,2",
                   "--gpus", "0,1", "--when-free", "--on-event", hook_flag(env), "--",
-                  "--epochs", "6", "--epoch-time", "1.0")  # fmt: skip
+                  "--epochs", "6", "--epoch-time", "1.0", "--hold-until", str(go))  # fmt: skip
     ids = launched(result)
     assert len(ids) == 3
     # nnui has exited: the supervisors wait. Fold 1 waits for bob's GPU, fold 2 behind it.
-    assert wait_until(lambda: "bob" in (status(env)[ids[1]]["waiting_reason"] or ""))
-    rows = status(env)
+    seen: dict = {}
+
+    def bob_named() -> bool:
+        seen.update(status(env))  # one reading for the check and the asserts below
+        return "bob" in (seen[ids[1]]["waiting_reason"] or "")
+
+    assert wait_until(bob_named)
+    rows = seen
     assert "GPU 1: 37 GiB used by user bob (pid 4411)" in rows[ids[1]]["waiting_reason"]
     assert rows[ids[1]]["state"] == "queued" and rows[ids[2]]["state"] == "queued"
     assert rows[ids[2]]["waiting_reason"]
@@ -98,6 +106,7 @@ def test_three_folds_when_free_on_two_gpus_one_busy(env: dict) -> None:
         return f"{ids[1]}: waiting: GPU 0: " in table and bob in table
 
     assert wait_until(table_says_why)
+    go.write_text("")  # fold 0 trains now
     busy(env, {})  # bob is done
     assert wait_until(lambda: all(r["state"] == "finished" for r in status(env).values()), 240)
     rows = status(env)
