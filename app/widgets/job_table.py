@@ -64,9 +64,9 @@ class JobTable(DataTable):
         self.num_relayouts = 0
         # The results tree rows are not labelled in (the app's default one; None: no label).
         self.default_results: str | None = None
-        # job id -> (its view, the other inputs, cells, their texts and widths): _memo_cells.
-        self._memo: dict[str, tuple[JobView, tuple, tuple[Cells, Cells, Cells], PlainCells]] = {}
-        self._widths: dict[str, tuple[Widths, Widths, Widths]] = {}
+        # job id -> (its view, the other inputs, cells, their texts, their widths): _memo_cells.
+        self._memo: dict[str, tuple[JobView, tuple, tuple[Cells, Cells, Cells], PlainCells,
+                                    tuple[Widths, Widths, Widths]]] = {}  # fmt: skip
         self._maxima: tuple[Widths, Widths, Widths] | None = None  # each kind's column widths
 
     def on_mount(self) -> None:
@@ -123,9 +123,8 @@ class JobTable(DataTable):
         tree = tree_label(results_tree(str(view.job.run_dir or "")), self.default_results)
         cells = all_row_cells(view, inputs[0], after, styles, tree)
         texts = plain_cells(cells)
-        self._memo[job_id] = (view, inputs, cells, texts)
         full, short, compact = (row_widths(kind) for kind in texts)
-        self._widths[job_id] = (full, short, compact)
+        self._memo[job_id] = (view, inputs, cells, texts, (full, short, compact))
         return cells, texts
 
     def _cells_of(self, view: JobView, kind: int) -> Cells:
@@ -137,7 +136,7 @@ class JobTable(DataTable):
         return self._level_of([view.job.job_id for view in views])
 
     def _level_of(self, job_ids: list[str]) -> int:
-        rows = [self._widths[job_id] for job_id in job_ids]
+        rows = [self._memo[job_id][4] for job_id in job_ids]
         full, short, compact = (column_maxima(r[k] for r in rows) for k in (FULL, SHORT, COMPACT))
         self._maxima = (full, short, compact)
         return choose_level((full, short, compact), self.scrollable_content_region.width)
@@ -169,7 +168,6 @@ class JobTable(DataTable):
             return  # not mounted yet: on_mount draws these
         memo = {j: self._memo_cells(v) for j, v in wanted.items()}
         self._memo = {j: held for j, held in self._memo.items() if j in wanted}
-        self._widths = {j: held for j, held in self._widths.items() if j in wanted}
         both = {j: cells for j, (cells, _) in memo.items()}
         plain = {j: texts for j, (_, texts) in memo.items()}
         before = self._maxima

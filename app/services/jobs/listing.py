@@ -73,10 +73,6 @@ def one_row_per_run_folder(
     rows: list[JobView] = []
     earlier: dict[str, list[str]] = {}
     for members in folders.values():
-        if len(members) == 1:  # most folders: one run, never resumed
-            rows.append(members[0])
-            earlier[members[0].job.job_id] = []
-            continue
         members.sort(key=lambda v: (v.job.created_at, v.job.job_id))
         row = max(members, key=_row_rank)
         rows.append(row)
