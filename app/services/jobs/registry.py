@@ -13,6 +13,7 @@ used (a file in its place, no permission) raises `StateDirError` with a one-line
 
 from __future__ import annotations
 
+import builtins
 import copy
 import fcntl
 import json
@@ -321,6 +322,8 @@ class Registry:
         self.list_problems: list[str] = []
         self._listed: dict[Path, tuple[tuple[int, int, int], Job]] = {}  # list()'s cache
         self._paths: dict[str, Path] = {}  # _job_files()
+        # list(copies=False)'s last answer: (jobs folder's inode and mtime, when, jobs).
+        self._board_list: tuple[tuple[int, int], float, list[Job]] | None = None
 
     # ---- locking and files ---------------------------------------------------------------
 
@@ -342,6 +345,7 @@ class Registry:
         # Never write what a reader would set aside (RecordError names the bad field).
         Job.from_dict(job.to_dict())
         atomic_write_text(self._path(job.job_id), json.dumps(job.to_dict(), indent=1))
+        self._board_list = None  # this very tick's write may not move the folder's mtime
 
     def _read(self, path: Path) -> Job | None:
         try:
@@ -428,10 +432,34 @@ class Registry:
             raise KeyError(job_id)
         return job
 
+    # How long list(copies=False) trusts an unchanged jobs folder. Every write of a job file
+    # is a new file renamed onto its name, which changes the folder's mtime; the mtime is
+    # coarse (a kernel tick), so two writes in one tick can look like one, and a file edited
+    # in place (by hand) leaves the folder as it was: both are seen at the next full look.
+    FOLDER_TRUST_S = 5.0
+
     def list(self, copies: bool = True) -> list[Job]:
         """Every readable job, oldest first. `copies=False` (the board's reader, which never
         changes a Job): a job whose file did not change is the very object the previous
-        list() returned, so `is` tells "unchanged" and no deep copy is made each second."""
+        list() returned, so `is` tells "unchanged" and no deep copy is made each second; and
+        while the jobs folder is unchanged (FOLDER_TRUST_S at most) the files are not
+        looked at one by one (a stat per job per second was half the idle board's work)."""
+        if not copies:
+            try:
+                info = os.stat(self.jobs_dir)
+                folder = (info.st_ino, info.st_mtime_ns)
+            except OSError:
+                folder = (0, 0)
+            now = time.monotonic()
+            held = self._board_list
+            if held is not None and held[0] == folder and now - held[1] < self.FOLDER_TRUST_S:
+                return list(held[2])
+            jobs = self._list(copies)
+            self._board_list = (folder, now, jobs)
+            return list(jobs)
+        return self._list(copies)
+
+    def _list(self, copies: bool) -> builtins.list[Job]:
         jobs = []
         self.list_problems = []
         seen: dict[Path, tuple[tuple[int, int, int], Job]] = {}

@@ -251,7 +251,7 @@ class JobTracker:
         views = [self._adopted_view(job, run, job.job_id in live_ids, snapshot)
                  for job, run in self._adopted.values()]  # fmt: skip
         folders = {job.run_dir for job, _ in self._adopted.values() if job.run_dir}
-        jobs = self.registry.list(copies=False)
+        jobs = self.registry.list(copies=False)  # refresh()'s list while the folder is as it was
         for job in self._ended.runs(results_roots, jobs, folders | set(active)):
             views.append(self._ended_view(job) or self._live_view(job, snapshot, False))
         self._summaries.save_if_due()
@@ -359,6 +359,11 @@ class JobTracker:
             alive = job.exit_code is None and job_alive(job, proc_info)
         view = self._view(job, run, alive, snapshot)
         if run.compact and not alive and view.state in ENDED_STATES:
+            held = self._ended_views.get(job.job_id)
+            if held is not None and held[2] == view:
+                # The recheck found nothing new: the very same view object, so the board,
+                # which redraws a row only for a new view, does not rebuild hundreds of rows.
+                view = held[2]
             self._ended_views[job.job_id] = (job, time.monotonic() + ENDED_RECHECK_S, view)
         else:
             self._ended_views.pop(job.job_id, None)

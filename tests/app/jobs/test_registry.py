@@ -256,3 +256,39 @@ def test_list_sees_every_change_and_hands_out_fresh_jobs(tmp_path: Path) -> None
     path = tmp_path / "jobs" / "1130-120000-f0-abc.json"
     path.write_text("{not json")  # in place, same size class: still re-read
     assert registry.list() == [] and "corrupt job file" in registry.list_problems[0]
+
+
+def test_the_boards_list_looks_at_no_job_file_while_the_folder_is_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """list(copies=False) (the board, every second): an unchanged jobs folder is not looked
+    at file by file; a write by another process (a rename into the folder) is seen at the
+    next list, a file edited in place within FOLDER_TRUST_S."""
+    registry = Registry(tmp_path)
+    for n in range(3):
+        registry.add(make_job(f"1130-120000-f{n}-abc"))
+    assert len(registry.list(copies=False)) == 3
+    looked: list[Path] = []
+    real = Registry._read_listed
+
+    def counting(self: Registry, path: Path, *rest: object) -> object:
+        looked.append(path)
+        return real(self, path, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Registry, "_read_listed", counting)
+    assert len(registry.list(copies=False)) == 3 and looked == []
+    Registry(tmp_path).update("1130-120000-f1-abc", exit_code=3)  # another process's write
+    folder = tmp_path / "jobs"
+    stamp = folder.stat().st_mtime_ns
+    os.utime(folder, ns=(stamp + 10**9, stamp + 10**9))  # one kernel tick can hold two writes
+    listed = {j.job_id: j.exit_code for j in registry.list(copies=False)}
+    assert listed["1130-120000-f1-abc"] == 3 and len(looked) == 3
+    path = folder / "1130-120000-f2-abc.json"
+    data = json.loads(path.read_text())
+    data["exit_code"] = 1
+    with open(path, "r+") as handle:  # by hand, in place: the folder does not change
+        handle.write(json.dumps(data, indent=1))
+        handle.truncate()
+    monkeypatch.setattr(Registry, "FOLDER_TRUST_S", 0.0)  # the next full look is due
+    listed = {j.job_id: j.exit_code for j in registry.list(copies=False)}
+    assert listed["1130-120000-f2-abc"] == 1

@@ -229,3 +229,24 @@ def test_nnui_cv_reads_no_byte_of_unchanged_finished_runs(tmp_path, monkeypatch,
     (row_,) = json.loads(second)
     assert row_["gpu_hours"] == pytest.approx(500 / 3600)  # from the kept start
     assert [f["dice"] for f in row_["folds"] if f["fold"] == "0"] == [0.8125]
+
+
+def test_a_recheck_that_finds_nothing_new_hands_out_the_same_view(tmp_path, monkeypatch) -> None:
+    """An ended job's view is made again every ENDED_RECHECK_S; when nothing changed it is
+    the very same object (the board redraws a row only for a new view: hundreds of rows
+    were rebuilt every 30 s), and a changed record is a new view."""
+    from app.services.jobs import views as views_module
+
+    registry = Registry(tmp_path / "state")
+    job = finished_run(registry, tmp_path)
+    tracker = JobTracker(Registry(registry.state_dir))
+    monkeypatch.setattr(views_module, "ENDED_RECHECK_S", -1.0)  # every refresh rechecks
+    made = []
+    real_view = JobTracker._view
+    monkeypatch.setattr(JobTracker, "_view", lambda *a: made.append(1) or real_view(*a))
+    (first,) = tracker.refresh()
+    (again,) = tracker.refresh()
+    assert len(made) == 2 and again is first  # made again, found the same
+    registry.update(job.job_id, exit_code=1)
+    (changed,) = tracker.refresh()
+    assert changed is not first and changed.exit_code == 1
