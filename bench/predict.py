@@ -3,6 +3,10 @@
     python bench/predict.py [--work DIR] [--test-cases 3] [--repeats 2] [--tta on off]
                             [--npp 1] [--nps 1] [--threads N] [--precision auto fp32]
     python bench/predict.py --real [--blocks 2] [--windows 2] [--stages prep net export]
+    python bench/predict.py --real --stages all --case brats|drive|ct [--tta off on]
+
+--real --stages all --case brats|drive|ct: whole cases, raw files to segmentations on disk,
+nnui vs nnUNetv2_predict with the same weights (bench/predict_whole.py).
 
 --real: a generated 512x512x300 CT case, nnui vs nnU-Net stage by stage (read +
 preprocess, network per window, resampling + export); see bench/predict_real.py.
@@ -443,6 +447,10 @@ def setup(a: PredictArgs) -> tuple:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)  # also echoed into history.md
+    if "--real" in argv and "all" in argv:  # whole cases (bench/predict_whole.py)
+        from predict_whole import whole_main
+
+        return whole_main([x for x in argv if x != "--real"])
     if "--real" in argv:  # one real-size case, stage by stage (bench/predict_real.py)
         from predict_real import real_main
 

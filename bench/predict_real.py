@@ -139,18 +139,29 @@ def setup(work: Path, case_shape: tuple[int, int, int] | None = None) -> dict:
             "logits": logits, "env": env}  # fmt: skip
 
 
-def write_nnui_plans(nnunet_plans: dict, path: Path) -> None:
-    """nnui's planner on the same fingerprint, then nnU-Net's spacing, patch, batch, network."""
+def write_nnui_plans(
+    nnunet_plans: dict,
+    path: Path,
+    fingerprint: dict | None = None,
+    meta: dict | None = None,
+    name: str = DATASET,
+    config: str = CONFIG,
+) -> None:
+    """nnui's planner on the same fingerprint (default: this CT case's), then nnU-Net's
+    spacing, patch, batch and network."""
     from trainer.planning.plans import plans_content, plans_from_dict, plans_to_json
     from trainer.planning.rules import Overrides, plan_experiment
 
-    conf = nnunet_plans["configurations"][CONFIG]
-    over = Overrides({CONFIG: tuple(conf["patch_size"])}, {CONFIG: int(conf["batch_size"])})
-    plans = plan_experiment(ct_fingerprint(), dataset_json(), DATASET, (CONFIG,), over)
+    conf = nnunet_plans["configurations"][config]
+    over = Overrides({config: tuple(conf["patch_size"])}, {config: int(conf["batch_size"])})
+    plans = plan_experiment(
+        fingerprint or ct_fingerprint(), meta or dataset_json(), name, (config,), over
+    )
     data = plans_content(plans)
-    mine = data["configurations"][CONFIG]
+    mine = data["configurations"][config]
     arch = conf["architecture"]["arch_kwargs"]
-    mine["spacing"] = list(conf["spacing"])
+    if len(mine["spacing"]) == len(conf["spacing"]):
+        mine["spacing"] = list(conf["spacing"])
     mine["network"].update(
         features_per_stage=list(arch["features_per_stage"]),
         kernel_sizes=[list(k) for k in arch["kernel_sizes"]],

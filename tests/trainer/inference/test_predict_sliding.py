@@ -167,6 +167,28 @@ def test_channels_last_instance_norm_equals_instance_norm():
     torch.testing.assert_close(norm(channels_last), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_channels_last_instance_norm_is_instance_norm_to_bf16_rounding():
+    """Under bf16 autocast the channels_last path takes batch_norm's own statistics: the
+    result is F.instance_norm's (in float64, of the same bf16 input) to bf16's rounding,
+    kept in channels_last and bf16."""
+    from trainer.network.norm import InstanceNorm3d
+
+    torch.manual_seed(4)
+    norm = InstanceNorm3d(6, eps=1e-5, affine=True)
+    torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    torch.nn.init.uniform_(norm.bias, -0.5, 0.5)
+    x = (torch.randn(1, 6, 8, 10, 12) * 3 + torch.arange(6.0).view(1, 6, 1, 1, 1) * 20)
+    x = x.to(torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
+    expected = torch.nn.functional.instance_norm(
+        x.double(), weight=norm.weight.double(), bias=norm.bias.double(), eps=1e-5
+    )
+    with torch.inference_mode():
+        got = norm(x)
+    assert got.dtype == torch.bfloat16
+    assert got.is_contiguous(memory_format=torch.channels_last_3d)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=2e-2)
+
+
 def test_cpu_3d_runs_channels_last_with_the_probabilities_of_the_default_layout(monkeypatch):
     assert sliding.memory_format(torch.device("cpu"), 3) == torch.channels_last_3d
     assert sliding.memory_format(torch.device("cpu"), 2) == torch.contiguous_format
