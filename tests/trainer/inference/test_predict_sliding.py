@@ -177,7 +177,7 @@ def test_bf16_channels_last_instance_norm_is_instance_norm_to_bf16_rounding():
     norm = InstanceNorm3d(6, eps=1e-5, affine=True)
     torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
     torch.nn.init.uniform_(norm.bias, -0.5, 0.5)
-    x = (torch.randn(1, 6, 8, 10, 12) * 3 + torch.arange(6.0).view(1, 6, 1, 1, 1) * 20)
+    x = torch.randn(1, 6, 8, 10, 12) * 3 + torch.arange(6.0).view(1, 6, 1, 1, 1) * 20
     x = x.to(torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
     expected = torch.nn.functional.instance_norm(
         x.double(), weight=norm.weight.double(), bias=norm.bias.double(), eps=1e-5
