@@ -18,7 +18,8 @@ as nnU-Net's checkpoint_final.pth (nnunet_random_checkpoint.py): both sides run 
 so their segmentations are compared voxel by voxel.
 
 Sides, each run a fresh process tree (CPU-seconds of every process, peak RSS/PSS sums):
-- nnU-Net: `nnUNetv2_predict -device cpu` with its background processes (-npp, -nps);
+- nnU-Net: `nnUNetv2_predict -device cpu` (`--device cuda`: on the GPU) with its background
+  processes (-npp, -nps);
 - nnui: the engine nnui-predict runs once it has checked its checkpoints
   (trainer.inference.engine.predict_cases: reading ahead, sliding windows, export thread),
   at each `--precision` (auto: bf16 autocast on CPUs with AMX; fp32: as nnU-Net on CPU).
@@ -185,7 +186,15 @@ def setup(case: Case, work: Path, count: int) -> dict:
     if not (model / f"fold_{FOLD}" / "checkpoint_final.pth").is_file():
         _run([sys.executable, str(BENCH_DIR / "nnunet_random_checkpoint.py"), case.dataset,
               case.configuration, FOLD, str(weights)], env, "nnU-Net's checkpoint")  # fmt: skip
-    return {"env": env, "inputs": str(raw / case.dataset / "imagesTs"),
+    inputs = work / f"inputs_n{count}"  # the first `count` cases of imagesTs
+    if not inputs.is_dir():
+        inputs.mkdir()
+        images = sorted((raw / case.dataset / "imagesTs").iterdir())
+        ids = sorted({p.name.rsplit("_", 1)[0] for p in images})[:count]
+        for path in images:
+            if path.name.rsplit("_", 1)[0] in ids:
+                (inputs / path.name).symlink_to(path.resolve())
+    return {"env": env, "inputs": str(inputs),
             "nnui_plans": str(nnui_plans.parent), "weights": str(weights)}  # fmt: skip
 
 
@@ -209,7 +218,7 @@ def _random_weights(plans_dir: Path, configuration: str, out: Path) -> None:
 
 def nnui_main(argv: list[str]) -> int:
     """Child: nnui's engine over the input folder, as nnui-predict runs it."""
-    inputs, out, plans_dir, configuration, weights, precision, tta, threads = argv
+    inputs, out, plans_dir, configuration, weights, precision, tta, threads, device_name = argv
     import torch
     from safetensors.torch import load_file
 
@@ -218,9 +227,9 @@ def nnui_main(argv: list[str]) -> int:
     from trainer.planning.plans import load_plans
 
     torch.set_num_threads(int(threads))
+    device = torch.device(device_name)
     plans = load_plans(Path(plans_dir))
     cplan = plans.configuration(configuration)
-    device = torch.device("cpu")
     models = build_models(plans, cplan, [load_file(weights)], device)
     cases = list_input_cases(Path(inputs), plans.num_input_channels)
     settings = PredictSettings(Path(out), STEP_SIZE, tta == "on", precision=precision)
@@ -234,7 +243,7 @@ def side_argv(side: str, case: Case, paths: dict, a, tta: bool, out: Path) -> li
         # fmt: off
         argv = [str(Path(sys.executable).parent / "nnUNetv2_predict"), "-i", paths["inputs"],
                 "-o", str(out), "-d", str(case.dataset_id), "-c", case.configuration,
-                "-f", FOLD, "-tr", "nnUNetTrainer", "-p", "nnUNetPlans", "-device", "cpu",
+                "-f", FOLD, "-tr", "nnUNetTrainer", "-p", "nnUNetPlans", "-device", a.device,
                 "-step_size", str(STEP_SIZE), "-npp", str(a.npp), "-nps", str(a.nps),
                 "--disable_progress_bar"]
         # fmt: on
@@ -242,7 +251,7 @@ def side_argv(side: str, case: Case, paths: dict, a, tta: bool, out: Path) -> li
     precision = side.removeprefix("nnui").strip() or "auto"
     return [sys.executable, str(Path(__file__)), "--nnui", paths["inputs"], str(out),
             paths["nnui_plans"], case.configuration, paths["weights"], precision,
-            "on" if tta else "off", str(a.threads)]  # fmt: skip
+            "on" if tta else "off", str(a.threads), a.device]  # fmt: skip
 
 
 def measure(side: str, case: Case, paths: dict, a, tta: bool, repeat: int) -> WholeRun:
@@ -334,6 +343,7 @@ def whole_main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--npp", type=int, default=3, help="nnU-Net's preprocessing processes")
     p.add_argument("--nps", type=int, default=3, help="nnU-Net's export processes")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--stages", nargs="+", default=["all"])  # what predict.py --real passed on
     a = p.parse_args(argv)
     case = CASES[a.case]
