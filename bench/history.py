@@ -307,6 +307,8 @@ def main() -> None:
         "--code", type=Path, default=ROOT, help="the nnui checkout measured (e.g. an older one)"
     )
     args = parser.parse_args()
+    if args.runs < 1 and args.live < 1:  # the TUI probe waits for a first job row
+        parser.error("nothing to measure: give --runs or --live of at least 1")
     t0 = time.perf_counter()
     generate(args.work, args.runs, args.epochs, args.trees)
     size = sum(p.stat().st_size for p in args.work.glob("results_*/*/*/*/events.jsonl"))

@@ -11,7 +11,9 @@ Stages:
 - prep: read the NIfTI and preprocess (nnU-Net: DefaultPreprocessor.run_case, as
   nnUNetPredictor does; nnui: inference.prepare.prepare_case).
 - net: a random-initialised network of the plan on `--windows` windows of the patch (batch
-  1, fp32, no mirroring), seconds per window; times nnU-Net's number of sliding windows at
+  1, no mirroring; nnU-Net fp32 as on CPU, nnui as its engine runs: channels_last_3d and
+  its default precision, bf16 autocast on AMX CPUs; NNUI_BENCH_PRECISION=fp32 for float32),
+  seconds per window; times nnU-Net's number of sliding windows at
   step 0.5 gives the case's network time (the same windows for both).
 - export: identical logits in (smooth, from the case's anatomy, cached as .npy); nnU-Net:
   export_prediction_from_logits (resampling of the logits, argmax, SimpleITK write); nnui:
@@ -244,13 +246,19 @@ def nnui_stage(stage: str, paths: dict, work: Path, windows: int) -> dict:
         (work / "nnui_props.json").write_text(json.dumps(prepared.properties, default=_plain))
         return out
     if stage == "net":
+        from trainer.inference.sliding import memory_format
+        from trainer.network import precision
         from trainer.network.build import build_network
 
         net = build_network(
             cplan.network, plans.num_input_channels, plans.num_classes, cplan.ndim,
             deep_supervision=False, recompute_norm=False,
         ).eval()  # fmt: skip
-        return time_windows(net, cplan.patch_size, windows)
+        # As nnui's engine runs it: its CPU layout and its default precision (bf16 on AMX).
+        layout = memory_format(torch.device("cpu"), cplan.ndim)
+        dtype = precision.autocast_dtype(os.environ.get("NNUI_BENCH_PRECISION", "auto"), "cpu")
+        return time_windows(net.to(memory_format=layout), cplan.patch_size, windows, layout,
+                            lambda: precision.autocast("cpu", dtype))  # fmt: skip
     from trainer.inference.export import to_raw_geometry, write_prediction
 
     props = json.loads((work / "nnui_props.json").read_text())
@@ -268,12 +276,16 @@ def nnui_stage(stage: str, paths: dict, work: Path, windows: int) -> dict:
             "softmax_s": softmax_s, "softmax_cpu_s": softmax_cpu}  # fmt: skip
 
 
-def time_windows(net, patch, windows: int) -> dict:
-    """Seconds per window of a forward pass (batch 1, fp32, no gradients) after a warm-up."""
+def time_windows(net, patch, windows: int, layout=None, autocast=None) -> dict:
+    """Seconds per window of a forward pass (batch 1, no gradients) after a warm-up; fp32
+    in the default layout unless given (nnui: its engine's layout and autocast)."""
+    from contextlib import nullcontext
+
     import torch
 
-    x = torch.randn(1, 1, *patch)
-    with torch.no_grad():
+    x = torch.randn(1, 1, *patch).contiguous(memory_format=layout or torch.contiguous_format)
+    context = autocast or nullcontext
+    with torch.inference_mode(), context():
         net(x)
         t0, c0 = time.perf_counter(), _cpu_s()
         for _ in range(windows):
