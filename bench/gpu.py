@@ -3,13 +3,18 @@
     python bench/gpu.py --check [--work DIR] [--epochs 3] [--iterations 40]
                         [--configuration 3d_fullres] [--device cuda] [--no-results]
 
-Runs, in this order, each with a time limit so that the whole stays under 8 minutes:
+Runs, in this order, each with a time limit so that the whole stays under 10 minutes:
 
 1. the `gpu`-marked tests (pytest -m gpu);
 2. a short real training of the demo dataset on GPU 0 (`python -m trainer`);
 3. the same on GPUs 0 and 1 under torchrun with NCCL (needs 2 GPUs, else "skip");
 4. the stop protocol under torchrun with NCCL: SIGUSR1 to every rank after the first
-   epoch; pass = all ranks exit 0 after a checkpoint, status "stopped" (needs 2 GPUs).
+   epoch; pass = all ranks exit 0 after a checkpoint, status "stopped" (needs 2 GPUs);
+5. prediction: nnui-predict with check 2's trained fold over 4 held-out demo cases on GPU 0
+   (cases/s over the whole run, GPU busy % while it ran); and, where nnunetv2 is installed,
+   one BraTS-sized four-channel case by nnui's engine and by nnUNetv2_predict with the same
+   weights on the same GPU, with and without mirroring (bench/predict_whole.py --device
+   cuda: nnU-Net's 3d_fullres plan), each with cases/s and GPU busy % (else "skip").
 
 and prints one table: it/s (median over the epochs after the first), GPU busy % (mean NVML
 utilisation of the run's GPUs while training iterations run), data wait % (share of the
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -49,8 +55,8 @@ DATASET = "Dataset900_NnuiDemo"
 # (CPU-sized plans are a named choice where they exist: -pl nnuiCPUPlanner, -p nnuiCPUPlans.)
 PLANNER, PLANS = "ExperimentPlanner", "nnuiPlans"
 TRAINER = "nnuiTrainer"
-# Each check's own limit: with the demo's preprocessing (< 1 min) the whole stays < 8 min.
-LIMITS_S = {"tests": 120, "train": 90, "stop": 90}
+# Each check's own limit: typically the whole stays under 10 min (limits add up to more).
+LIMITS_S = {"tests": 120, "train": 90, "stop": 90, "predict": 120}
 NO_GPU = "error: no CUDA GPU present (torch sees none): the GPU check needs one; " \
     "`--device cpu` checks the script itself"  # fmt: skip
 
@@ -229,6 +235,78 @@ def check_stop(args: argparse.Namespace, pre: Path) -> Row:
     return Row(name, "pass" if ok else "FAIL", time.time() - started, note=note)
 
 
+def check_predict(args: argparse.Namespace, pre: Path, trained: Row) -> list[Row]:
+    rows = [_predict_demo(args, pre)] if trained.result == "pass" else [
+        Row("predict nnui (demo)", "skip", note="no trained fold (check 2 failed)")]  # fmt: skip
+    try:
+        import nnunetv2  # noqa: F401 - only whether it is installed
+    except ImportError:
+        note = "nnunetv2 not installed: nnui vs nnU-Net on one case skipped"
+        return [*rows, Row("predict nnui vs nnU-Net", "skip", note=note)]
+    if args.device != "cuda":  # a BraTS-sized case takes minutes on a CPU
+        return [*rows, Row("predict nnui vs nnU-Net", "skip", note="on a GPU only")]
+    return [*rows, *_predict_beside_nnunet(args)]
+
+
+def _timed_on_gpu(
+    args: argparse.Namespace, argv: list, log: Path, env: dict | None = None
+) -> tuple[int, float, float]:
+    """(exit code, wall s, mean GPU 0 busy % over the run) of one prediction."""
+    started = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                env=env or _env(1), start_new_session=True)  # fmt: skip
+        with GpuSampler(proc.pid, [0], args.device == "cuda") as sampler:
+            code = _wait(proc, LIMITS_S["predict"])
+    ended = time.time()
+    return code, ended - started, sampler.busy_percent([(started, ended)])
+
+
+def _predict_demo(args: argparse.Namespace, pre: Path) -> Row:
+    from trainer.demo import make_demo_dataset
+
+    held_out = args.work / "held_out"
+    images = held_out / DATASET / "imagesTs"
+    if not images.is_dir():
+        make_demo_dataset(held_out, 20, 0, num_test_cases=4)
+    out = args.work / "predict_nnui"
+    argv = [sys.executable, "-m", "trainer.predict", "-i", str(images), "-o", str(out),
+            "-d", "900", "-c", args.configuration, "-f", "0", "-tr", TRAINER, "-p", PLANS,
+            "-device", args.device, "--preprocessed", str(pre),
+            "--results", str(args.work / "results_1gpu")]  # fmt: skip
+    code, wall_s, busy = _timed_on_gpu(args, argv, args.work / "predict_nnui.log")
+    cases = len(list(out.glob("*.nii.gz"))) if out.is_dir() else 0
+    ok = code == 0 and cases == 4
+    note = f"{cases / wall_s:.2f} cases/s, whole run"
+    return Row("predict nnui (demo, 4 cases)", "pass" if ok else "FAIL", wall_s,
+               busy_percent=busy, note=note)  # fmt: skip
+
+
+def _predict_beside_nnunet(args: argparse.Namespace) -> list[Row]:
+    """One BraTS-sized case, both predictors, same weights (bench/predict_whole.py)."""
+    sys.path.insert(0, str(BENCH_DIR))
+    import predict_whole
+
+    case = predict_whole.CASES["brats"]
+    work = args.work / "predict_brats"
+    paths = predict_whole.setup(case, work, 1)
+    opts = argparse.Namespace(work=work, device=args.device, npp=3, nps=3, threads=4)
+    rows = []
+    for tta in (False, True):
+        for side in ("nnU-Net", "nnui"):
+            out = work / "out" / f"{side}_{tta}"
+            shutil.rmtree(out, ignore_errors=True)
+            argv = predict_whole.side_argv(side, case, paths, opts, tta, out)
+            env = dict(paths["env"], PYTHONPATH=str(REPO), CUDA_DEVICE_ORDER="PCI_BUS_ID",
+                       CUDA_VISIBLE_DEVICES="0")  # fmt: skip
+            code, wall_s, busy = _timed_on_gpu(args, argv, work / f"{side}_{tta}.log", env)
+            done = len(list(out.glob("*.nii.gz"))) if out.is_dir() else 0
+            rows.append(Row(f"predict {side} (BraTS-like, TTA {'on' if tta else 'off'})",
+                            "pass" if code == 0 and done == 1 else "FAIL", wall_s,
+                            busy_percent=busy, note=f"{done / wall_s:.3f} cases/s"))  # fmt: skip
+    return rows
+
+
 def _backend(args: argparse.Namespace) -> str:
     return "NCCL" if args.device == "cuda" else "gloo"
 
@@ -313,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         check_training(args, pre, 2) if gpus >= 2 else Row("train 2 GPU", "skip", note=two),
         check_stop(args, pre) if gpus >= 2 else Row("stop (torchrun, NCCL)", "skip", note=two),
     ]
+    rows += check_predict(args, pre, rows[1])
     lines = [f"{_machine(args)}; {args.configuration} demo, {args.epochs} epochs x "
              f"{args.iterations} iterations, plans {PLANS}; total {time.time() - started:.0f} s",
              *table(rows)]  # fmt: skip
