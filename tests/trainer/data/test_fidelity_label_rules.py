@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.dummy
 import re
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from trainer.data.raw import DataError, open_raw_dataset
 
 integrity = pytest.importorskip("nnunetv2.experiment_planning.verify_dataset_integrity")
 label_handling = pytest.importorskip("nnunetv2.utilities.label_handling.label_handling")
+nnunet_utils = pytest.importorskip("nnunetv2.utilities.utils")
 
 BRATS5 = {"background": 0, "whole_tumour": [1, 2, 3, 4], "tumour_core": [1, 3, 4],
           "enhancing": [4]}  # fmt: skip
@@ -62,9 +64,22 @@ def _write_dataset(folder: Path, labels: dict, order: list[int] | None) -> None:
     (folder / "dataset.json").write_text(json.dumps(dataset_json))
 
 
+class _Threads:
+    """nnU-Net's worker pools as threads. A forked pool in this threaded test process (the
+    xdist worker) can deadlock: a CI run hung here, one pool worker waiting forever on its
+    queue's lock; spawned ones cost seconds each."""
+
+    Pool = staticmethod(multiprocessing.dummy.Pool)
+
+
 def _nnunet_accepts(folder: Path, monkeypatch) -> bool:
-    fork = multiprocessing.get_context("fork")
-    monkeypatch.setattr(integrity.multiprocessing, "get_context", lambda method=None: fork)
+    real = multiprocessing.get_context
+
+    def context(method: str | None = None) -> object:  # nnU-Net asks for "spawn"; the pools
+        return _Threads if method == "spawn" else real(method)  # themselves ask for None
+
+    monkeypatch.setattr(integrity.multiprocessing, "get_context", context)
+    monkeypatch.setattr(nnunet_utils, "Pool", multiprocessing.dummy.Pool)  # its own import
     try:
         integrity.verify_dataset_integrity(str(folder), num_processes=1)
     except (AssertionError, RuntimeError, TypeError, ValueError):
