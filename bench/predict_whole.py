@@ -3,6 +3,7 @@ on disk, nnui vs nnUNetv2_predict (2.8.1) with the same weights, plan, fold and 
 
     python bench/predict.py --real --stages all --case brats|drive|ct [--cases N]
         [--tta on off] [--repeats 2] [--precision auto fp32] [--threads N] [--npp 3 --nps 3]
+        [--weights CHECKPOINT [--plans nnUNetPlans.json]]
 
 Cases (each planned by nnU-Net's own plan_experiment on the dataset's fingerprint):
 - brats: BraTS-sized four-channel MR cases (bench/real_data.py, 155x240x240 at 1 mm, zero
@@ -15,7 +16,12 @@ nnui's plans carry nnU-Net's spacing, patch and network (predict_real.write_nnui
 Weights: one seeded random initialisation of the plan's network (a prediction's cost does
 not depend on the values), written as nnui's `model.*` tensors and, under nnU-Net's names,
 as nnU-Net's checkpoint_final.pth (nnunet_random_checkpoint.py): both sides run one model,
-so their segmentations are compared voxel by voxel.
+so their segmentations are compared voxel by voxel. Random weights give near-tied logits,
+where float rounding decides labels; `--weights` takes a trained nnui checkpoint
+(`checkpoint_final.safetensors` of a model with the case's plan, e.g. a DRIVE 2d fold) in
+their place, so the labels compare as a user's would (work folder /tmp/nnui-pwhole-CASE-trained),
+with `--plans` the nnUNetPlans.json it was trained on (a plan other than plan_experiment's, e.g.
+bench/accuracy.py's cut 64x64 DRIVE network).
 
 Sides, each run a fresh process tree (CPU-seconds of every process, peak RSS/PSS sums):
 - nnU-Net: `nnUNetv2_predict -device cpu` (`--device cuda`: on the GPU) with its background
@@ -146,9 +152,19 @@ def _run(argv: list[str], env: dict, what: str) -> None:
         raise RuntimeError(f"{what} failed: {(done.stderr or done.stdout).strip()[-400:]}")
 
 
-def setup(case: Case, work: Path, count: int) -> dict:
-    """Inputs, nnU-Net's plans and model folder, nnui's plans and weights (cached)."""
+def setup(
+    case: Case, work: Path, count: int, trained: Path | None = None, plans: Path | None = None
+) -> dict:
+    """Inputs, nnU-Net's plans and model folder, nnui's plans and weights (cached).
+    `trained`: an nnui checkpoint to use instead of random weights; `plans`: the nnUNetPlans.json
+    it was trained on, instead of nnU-Net's plan_experiment on the case's fingerprint."""
     from predict_real import write_nnui_plans
+
+    stamp = work / "weights.json"  # which model this folder's plans and checkpoint hold
+    model = {"source": str(trained.resolve()) if trained else "random",
+             "plans": str(plans.resolve()) if plans else "plan_experiment"}  # fmt: skip
+    if stamp.is_file() and json.loads(stamp.read_text()) != model:
+        raise RuntimeError(f"{work} holds a model of other weights or plans: give another --work")
 
     raw, pre, results = work / "raw", work / "nnunet_pre", work / "nnunet_results"
     env = dict(os.environ, nnUNet_raw=str(raw), nnUNet_preprocessed=str(pre),
@@ -170,8 +186,11 @@ def setup(case: Case, work: Path, count: int) -> dict:
             first = sorted((raw / case.dataset / "imagesTs").iterdir())[0]
             if not (example / first.name).exists():
                 (example / first.name).symlink_to(first)
-        _run([str(tools / "nnUNetv2_plan_experiment"), "-d", str(case.dataset_id)], env,
-             "nnUNetv2_plan_experiment")  # fmt: skip
+        if plans:
+            shutil.copyfile(plans, plans_path)
+        else:
+            _run([str(tools / "nnUNetv2_plan_experiment"), "-d", str(case.dataset_id)], env,
+                 "nnUNetv2_plan_experiment")  # fmt: skip
     shutil.copyfile(raw / case.dataset / "dataset.json", pre / case.dataset / "dataset.json")
     nnunet_plans = json.loads(plans_path.read_text())
     fingerprint = json.loads((pre / case.dataset / "dataset_fingerprint.json").read_text())
@@ -179,13 +198,14 @@ def setup(case: Case, work: Path, count: int) -> dict:
     if not nnui_plans.is_file():
         write_nnui_plans(nnunet_plans, nnui_plans, fingerprint, meta, case.dataset,
                          case.configuration)  # fmt: skip
-    weights = work / "weights.safetensors"
+    weights = trained.resolve() if trained else work / "weights.safetensors"
     if not weights.is_file():
         _random_weights(nnui_plans.parent, case.configuration, weights)
     model = results / case.dataset / f"nnUNetTrainer__nnUNetPlans__{case.configuration}"
     if not (model / f"fold_{FOLD}" / "checkpoint_final.pth").is_file():
         _run([sys.executable, str(BENCH_DIR / "nnunet_random_checkpoint.py"), case.dataset,
               case.configuration, FOLD, str(weights)], env, "nnU-Net's checkpoint")  # fmt: skip
+        stamp.write_text(json.dumps(model))
     inputs = work / f"inputs_n{count}"  # the first `count` cases of imagesTs
     if not inputs.is_dir():
         inputs.mkdir()
@@ -344,20 +364,33 @@ def whole_main(argv: list[str]) -> int:
     p.add_argument("--npp", type=int, default=3, help="nnU-Net's preprocessing processes")
     p.add_argument("--nps", type=int, default=3, help="nnU-Net's export processes")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument(
+        "--weights",
+        type=Path,
+        default=None,
+        help="a trained nnui checkpoint of the case's plan (default: random)",
+    )
+    p.add_argument("--plans", type=Path, default=None,
+                   help="the nnUNetPlans.json the --weights were trained on")  # fmt: skip
     p.add_argument("--stages", nargs="+", default=["all"])  # what predict.py --real passed on
     a = p.parse_args(argv)
     case = CASES[a.case]
     a.cases = a.cases or {"brats": 2, "drive": 4, "ct": 1}[case.kind]
-    a.work = (a.work or Path(f"/tmp/nnui-pwhole-{case.kind}")).absolute()
+    default_work = f"/tmp/nnui-pwhole-{case.kind}{'-trained' if a.weights else ''}"
+    a.work = (a.work or Path(default_work)).absolute()
     a.tta = [t == "on" for t in dict.fromkeys(a.tta)]
     if a.cases < 1 or a.repeats < 1 or a.threads < 1:
         print("error: need --cases, --repeats and --threads >= 1", file=sys.stderr)
         return 2
+    for flag, path in (("--weights", a.weights), ("--plans", a.plans)):
+        if path and not path.is_file():
+            print(f"error: {flag} {path}: no such file", file=sys.stderr)
+            return 2
     (a.work / "logs").mkdir(parents=True, exist_ok=True)
     machine = machine_line()
     print(machine, flush=True)
     try:
-        paths = setup(case, a.work, a.cases)
+        paths = setup(case, a.work, a.cases, a.weights, a.plans)
     except (RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

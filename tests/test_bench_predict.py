@@ -66,3 +66,21 @@ def test_nnui_weights_under_nnunets_names_give_nnunets_network_the_same_output(n
     with torch.no_grad():
         for a, b in zip(ours(x), theirs(x), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_whole_cases_refuse_a_work_folder_of_other_weights(tmp_path):
+    """A work folder's nnU-Net checkpoint is made once; asked for other weights, the set-up
+    stops before it writes anything rather than time nnU-Net on a different model."""
+    import predict_whole
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "weights.json").write_text(json.dumps({"source": "random", "plans": "plan_experiment"}))
+    trained = tmp_path / "checkpoint_final.safetensors"
+    trained.write_bytes(b"")
+    with pytest.raises(RuntimeError, match="other weights"):
+        predict_whole.setup(predict_whole.CASES["ct"], work, 1, trained)
+    assert sorted(p.name for p in work.iterdir()) == ["weights.json"]
+    missing = predict_whole.whole_main(["--case", "ct", "--work", str(work), "--weights",
+                                        str(tmp_path / "none.safetensors")])  # fmt: skip
+    assert missing == 2
