@@ -161,9 +161,9 @@ def setup(
     from predict_real import write_nnui_plans
 
     stamp = work / "weights.json"  # which model this folder's plans and checkpoint hold
-    model = {"source": str(trained.resolve()) if trained else "random",
+    identity = {"source": str(trained.resolve()) if trained else "random",
              "plans": str(plans.resolve()) if plans else "plan_experiment"}  # fmt: skip
-    if stamp.is_file() and json.loads(stamp.read_text()) != model:
+    if stamp.is_file() and json.loads(stamp.read_text()) != identity:
         raise RuntimeError(f"{work} holds a model of other weights or plans: give another --work")
 
     raw, pre, results = work / "raw", work / "nnunet_pre", work / "nnunet_results"
@@ -205,7 +205,7 @@ def setup(
     if not (model / f"fold_{FOLD}" / "checkpoint_final.pth").is_file():
         _run([sys.executable, str(BENCH_DIR / "nnunet_random_checkpoint.py"), case.dataset,
               case.configuration, FOLD, str(weights)], env, "nnU-Net's checkpoint")  # fmt: skip
-        stamp.write_text(json.dumps(model))
+        stamp.write_text(json.dumps(identity))
     inputs = work / f"inputs_n{count}"  # the first `count` cases of imagesTs
     if not inputs.is_dir():
         inputs.mkdir()
